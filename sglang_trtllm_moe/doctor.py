@@ -1,0 +1,95 @@
+"""`doctor`: what is installed, and whether the plugin is really wired into SGLang in this process.
+
+The JSON form is a stable contract (tests and CI read it): keys `enabled` (bool), `status`, `reason`,
+`plugin_version`, `sglang_version`, `release_status`, `versions`, `device`, `targets` (list of
+{target, state in landed|missing|not_applicable, reason, capability, hook_type, source}), `extensions`, `errors`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from . import __version__
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _device() -> dict:
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return {"type": "unknown", "error": str(e)}
+    if not torch.cuda.is_available():
+        return {"type": "cpu", "name": "cpu", "compute_capability": None, "sm100": False}
+    major, minor = torch.cuda.get_device_capability()
+    return {
+        "type": "cuda",
+        "name": torch.cuda.get_device_name(),
+        "compute_capability": f"{major}.{minor}",
+        "sm100": major == 10,
+    }
+
+
+def load_into_this_process() -> None:
+    """Run SGLang's own plugin loading (entry points + apply_hooks), as every SGLang process does."""
+    try:
+        from sglang.srt.plugins import load_plugins
+    except Exception:  # noqa: BLE001 - sglang missing or too old: register() reports it
+        from .plugin import register
+
+        register()
+        return
+    load_plugins()
+
+
+def report(load: bool = True) -> dict:
+    from . import plugin
+
+    if load:
+        load_into_this_process()
+    st = plugin.state()
+    rel = st.release
+    if rel is None:
+        from .compat import check_release
+
+        rel = check_release()
+    return {
+        "enabled": st.enabled,
+        "status": st.status,
+        "reason": st.reason,
+        "plugin_version": __version__,
+        "sglang_version": str(rel.version) if rel.version else None,
+        "release_status": rel.status,
+        "release_message": rel.message,
+        "versions": {d: _version(d) for d in ("sglang", "flashinfer-python", "torch", "pluggy", "sglang-trtllm-moe")},
+        "device": _device(),
+        "targets": st.target_report() if st.enabled else [],
+        "extensions": [e.__dict__ for e in st.extensions],
+        "errors": list(st.errors),
+    }
+
+
+def format_text(r: dict) -> str:
+    lines = [
+        f"sglang-trtllm-moe {r['plugin_version']}: {r['status']}" + (f" ({r['reason']})" if r["reason"] else ""),
+        f"sglang {r['sglang_version']} [{r['release_status']}]: {r['release_message']}",
+        "versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r["versions"].items()),
+    ]
+    d = r["device"]
+    lines.append(
+        f"device: {d.get('name')}" + (f" (SM {d['compute_capability']})" if d.get("compute_capability") else "")
+    )
+    if r["targets"]:
+        lines.append("hook targets:")
+        for t in r["targets"]:
+            extra = f" — {t['reason']}" if t["reason"] else ""
+            lines.append(f"  [{t['state']:>14}] {t['target']} ({t['capability']}, {t['hook_type']}){extra}")
+    lines.append("extensions: " + (", ".join(f"{e['name']} [{e['state']}]" for e in r["extensions"]) or "none"))
+    for e in r["errors"]:
+        lines.append(f"error: {e}")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""`register()`: what SGLang's `load_plugins()` calls through the `sglang.srt.plugins` entry point.
+
+It builds a pluggy PluginManager, registers the built-in capability modules exactly as extensions are registered,
+loads extensions from our own entry-point group (filtered by SGLANG_TRTLLM_MOE_LOAD_PLUGINS), collects the SGLang
+hook targets they declare for the running release and hands them to SGLang's HookRegistry. It never raises into
+SGLang: a failure of the plugin itself is logged once and the plugin stands down; a failing extension is recorded
+and skipped, the built-ins keep working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass, field
+
+import pluggy
+
+from . import PROJECT_NAME, hookspecs
+from .compat import ReleaseStatus, check_release
+from .targets import LANDED, MISSING, NOT_APPLICABLE, HookTarget, target_state
+
+logger = logging.getLogger(PROJECT_NAME)
+
+ENV_DISABLE = "SGLANG_TRTLLM_MOE_DISABLE"
+ENV_LOAD_PLUGINS = "SGLANG_TRTLLM_MOE_LOAD_PLUGINS"
+EXTENSION_GROUP = PROJECT_NAME
+
+#: Built-in capabilities, registered the same way as extensions (one module per capability).
+BUILTIN_MODULES = (
+    "sglang_trtllm_moe.builtins.probe",
+)
+
+
+@dataclass
+class Extension:
+    name: str
+    value: str
+    dist: str | None
+    #: "loaded" | "failed" | "skipped" (not in the allowlist)
+    state: str
+    error: str = ""
+
+
+@dataclass
+class PluginState:
+    #: "not_loaded" | "enabled" | "disabled" (env switch) | "stood_down" (unsupported release or own failure)
+    status: str = "not_loaded"
+    reason: str = ""
+    release: ReleaseStatus | None = None
+    targets: list[HookTarget] = field(default_factory=list)
+    not_applicable: list[HookTarget] = field(default_factory=list)
+    extensions: list[Extension] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return self.status == "enabled"
+
+    def target_report(self) -> list[dict]:
+        """Per target: landed / missing / not_applicable, checked now (call after SGLang's apply_hooks)."""
+        rows = []
+        for t in self.targets:
+            state, reason = target_state(t)
+            rows.append(_row(t, state, reason))
+        for t in self.not_applicable:
+            rows.append(_row(t, NOT_APPLICABLE, f"not present in sglang {self.release.version} (needs {t.releases})"))
+        return rows
+
+
+def _row(t: HookTarget, state: str, reason: str) -> dict:
+    return {
+        "target": t.target,
+        "state": state,
+        "reason": reason,
+        "capability": t.capability,
+        "hook_type": t.hook_type,
+        "source": t.source,
+    }
+
+
+_STATE = PluginState()
+_PM: pluggy.PluginManager | None = None
+
+
+def state() -> PluginState:
+    return _STATE
+
+
+def plugin_manager() -> pluggy.PluginManager | None:
+    """The PluginManager built by `register()` (None before, or when disabled / stood down)."""
+    return _PM
+
+
+def _allowlist() -> set[str] | None:
+    raw = os.environ.get(ENV_LOAD_PLUGINS)
+    if raw is None:
+        return None  # unset: every installed extension
+    return {x.strip() for x in raw.split(",") if x.strip()}  # empty string: none
+
+
+def _load_extensions(pm: pluggy.PluginManager) -> list[Extension]:
+    allowed = _allowlist()
+    out = []
+    for ep in importlib.metadata.entry_points(group=EXTENSION_GROUP):
+        dist = ep.dist.name if ep.dist else None
+        if allowed is not None and ep.name not in allowed:
+            out.append(Extension(ep.name, ep.value, dist, "skipped", f"not in {ENV_LOAD_PLUGINS}"))
+            continue
+        try:
+            pm.register(ep.load(), name=f"ext:{ep.name}")
+            out.append(Extension(ep.name, ep.value, dist, "loaded"))
+        except Exception as e:  # noqa: BLE001 - an extension must never break SGLang or the built-ins
+            logger.warning("sglang-trtllm-moe: extension %r (%s) failed to load, skipped: %s", ep.name, ep.value, e)
+            out.append(Extension(ep.name, ep.value, dist, "failed", f"{type(e).__name__}: {e}"))
+    return out
+
+
+def _collect_targets(pm: pluggy.PluginManager, release, st: PluginState) -> list[HookTarget]:
+    """Ask every plugin for its targets, one plugin at a time so a broken extension is isolated."""
+    collected: list[HookTarget] = []
+    for impl in pm.hook.register_sglang_hooks.get_hookimpls():
+        name = impl.plugin_name
+        mine: list[HookTarget] = []
+
+        def register_target(t: HookTarget, _mine=mine, _name=name) -> None:
+            if not isinstance(t, HookTarget):
+                raise TypeError(f"register() takes a HookTarget, got {type(t).__name__}")
+            object.__setattr__(t, "source", _name)
+            _mine.append(t)
+
+        try:
+            impl.function(register=register_target, release=release)
+        except Exception as e:  # noqa: BLE001
+            if name.startswith("ext:"):
+                msg = f"extension {name[4:]!r} failed in register_sglang_hooks, its targets are skipped: {type(e).__name__}: {e}"
+                logger.warning("sglang-trtllm-moe: %s", msg)
+                st.errors.append(msg)
+                for ext in st.extensions:
+                    if f"ext:{ext.name}" == name:
+                        ext.state, ext.error = "failed", f"{type(e).__name__}: {e}"
+                continue
+            raise  # a built-in failing is our bug: stand down as a whole
+        collected.extend(mine)
+    return collected
+
+
+def register() -> None:
+    """SGLang entry point. Idempotent, cheap, never raises."""
+    global _STATE, _PM
+    if _STATE.status != "not_loaded":
+        return
+    st = PluginState()
+    try:
+        if os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+            st.status, st.reason = "disabled", f"{ENV_DISABLE}=1: nothing registered"
+            logger.info("sglang-trtllm-moe: %s", st.reason)
+            return
+        st.release = check_release()
+        if not st.release.runs:
+            st.status, st.reason = "stood_down", st.release.message
+            logger.warning("sglang-trtllm-moe: %s", st.reason)
+            return
+        if st.release.status == "untested":
+            logger.warning("sglang-trtllm-moe: %s", st.release.message)
+
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        pm = pluggy.PluginManager(PROJECT_NAME)
+        pm.add_hookspecs(hookspecs)
+        for mod in BUILTIN_MODULES:
+            pm.register(importlib.import_module(mod), name=mod)
+        st.extensions = _load_extensions(pm)
+        targets = _collect_targets(pm, st.release.version, st)
+
+        for t in targets:
+            if not t.applies_to(st.release.version):
+                st.not_applicable.append(t)
+                continue
+            HookRegistry.register(t.target, t.hook, HookType(t.hook_type))
+            st.targets.append(t)
+        st.status = "enabled"
+        _PM = pm
+        logger.info(
+            "sglang-trtllm-moe: enabled on sglang %s: %d hook targets registered, %d not applicable, %d extensions",
+            st.release.version, len(st.targets), len(st.not_applicable),
+            sum(e.state == "loaded" for e in st.extensions),
+        )
+    except Exception as e:  # noqa: BLE001 - never raise into SGLang
+        st.status = "stood_down"
+        st.reason = f"plugin failed during registration and stood down: {type(e).__name__}: {e}"
+        st.targets, st.not_applicable = [], []
+        logger.exception("sglang-trtllm-moe: %s", st.reason)
+    finally:
+        _STATE = st
+
+
+def _reset_for_tests() -> None:
+    """Forget registration state (tests only; SGLang's HookRegistry has its own reset())."""
+    global _STATE, _PM
+    _STATE, _PM = PluginState(), None
+
+
+__all__ = ["register", "state", "plugin_manager", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE"]

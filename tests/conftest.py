@@ -1,0 +1,37 @@
+"""Test set-up shared by every test module.
+
+The torchvision shim must run before anything imports sglang: PyPI's torchvision is a CUDA build whose _C.so
+cannot load against CPU torch, and its meta registrations then fail on `torchvision::nms`. SGLang imports
+torchvision unconditionally (sglang/srt/configs -> internvl_utils), though it only needs pure-Python parts.
+Defining the two op schemas first is enough (see ../shared/reference/cpu-test-environment.md §1).
+"""
+
+import os
+
+import pytest
+import torch
+
+_tv_lib = torch.library.Library("torchvision", "FRAGMENT")
+for _op in ("nms", "qnms"):
+    try:
+        _tv_lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    except RuntimeError:
+        pass  # the real torchvision ops are already registered
+
+
+def _sm100_reason():
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA Blackwell GPU (SM100, compute capability 10.x): no CUDA device on this machine"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 10:
+        return f"needs an NVIDIA Blackwell GPU (SM100, compute capability 10.x): this GPU is SM{major}{minor}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _sm100_reason()
+    if reason is None:
+        return
+    for item in items:
+        if "requires_sm100" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))

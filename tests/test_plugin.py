@@ -1,0 +1,251 @@
+"""The plugin as SGLang loads it: entry point, pluggy core, release gate, proof that hooks landed, doctor."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_trtllm_moe import plugin
+from sglang_trtllm_moe.compat import check_release
+
+from .helpers import last_json, make_distribution, run_python
+
+LOAD_AND_REPORT = """
+    import json
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_trtllm_moe import doctor
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    r = doctor.report(load=False)
+    r["registry_targets"] = sorted(HookRegistry._hooks)
+    print(json.dumps(r))
+"""
+
+EXT_MODULE = """
+    from sglang_trtllm_moe import hookimpl
+    from sglang_trtllm_moe.targets import HookTarget
+    CALLS = []
+    def count(original, *a, **k):
+        CALLS.append(1)
+        return original(*a, **k)
+    @hookimpl
+    def register_sglang_hooks(register, release):
+        register(HookTarget("sglang.srt.layers.moe.utils.get_moe_a2a_backend", count, "around", capability="ext-demo"))
+"""
+
+
+def test_entry_point_is_declared_for_sglang():
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    ours = [ep for ep in eps if ep.name == "trtllm_moe"]
+    assert len(ours) == 1
+    assert ours[0].value == "sglang_trtllm_moe.plugin:register"
+    assert ours[0].load() is plugin.register
+
+
+def test_sglang_load_plugins_runs_register_and_every_target_lands():
+    proc = run_python(LOAD_AND_REPORT + """
+    from sglang.srt.layers.moe import utils
+    from sglang_trtllm_moe.builtins import probe
+    try:
+        utils.initialize_moe_config()
+    except Exception:
+        pass  # no published config in this bare process; the witness counts before calling through
+    print(json.dumps({"probe_calls": probe.CALLS["initialize_moe_config"]}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+    r, calls = lines[-2], lines[-1]
+    assert r["enabled"] is True and r["status"] == "enabled"
+    assert r["sglang_version"] and r["release_status"] == "tested"
+    assert r["targets"], "no targets registered"
+    assert [t for t in r["targets"] if t["state"] == "missing"] == []
+    assert {t["state"] for t in r["targets"]} <= {"landed", "not_applicable"}
+    assert "sglang.srt.layers.moe.utils.initialize_moe_config" in r["registry_targets"]
+    assert calls["probe_calls"] == 1
+
+
+def test_disable_switch_registers_nothing():
+    proc = run_python(LOAD_AND_REPORT, env={"SGLANG_TRTLLM_MOE_DISABLE": "1"})
+    r = last_json(proc)
+    assert r["enabled"] is False and r["status"] == "disabled"
+    assert "SGLANG_TRTLLM_MOE_DISABLE" in r["reason"]
+    assert r["registry_targets"] == []
+
+
+def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path):
+    make_distribution(
+        tmp_path, "trtllm-moe-demo-ext", "0.0.1",
+        entry_points="[sglang_trtllm_moe]\ndemo = demo_ext_mod\n",
+        modules={"demo_ext_mod": EXT_MODULE},
+    )
+    proc = run_python(LOAD_AND_REPORT + """
+    import demo_ext_mod
+    from sglang.srt.layers.moe import utils
+    try:
+        utils.get_moe_a2a_backend()
+    except Exception:
+        pass
+    print(json.dumps({"ext_calls": len(demo_ext_mod.CALLS)}))
+    """, pythonpath=[tmp_path])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+    r, calls = lines[-2], lines[-1]
+    assert [e["name"] for e in r["extensions"]] == ["demo"]
+    assert r["extensions"][0]["state"] == "loaded" and r["extensions"][0]["dist"] == "trtllm-moe-demo-ext"
+    ext_targets = [t for t in r["targets"] if t["source"] == "ext:demo"]
+    assert len(ext_targets) == 1 and ext_targets[0]["state"] == "landed"
+    assert calls["ext_calls"] == 1
+
+
+@pytest.mark.parametrize("allow,expected", [("", "skipped"), ("other", "skipped"), ("demo", "loaded")])
+def test_extension_allowlist(tmp_path, allow, expected):
+    make_distribution(
+        tmp_path, "trtllm-moe-demo-ext", "0.0.1",
+        entry_points="[sglang_trtllm_moe]\ndemo = demo_ext_mod\n",
+        modules={"demo_ext_mod": EXT_MODULE},
+    )
+    r = last_json(run_python(LOAD_AND_REPORT, env={"SGLANG_TRTLLM_MOE_LOAD_PLUGINS": allow}, pythonpath=[tmp_path]))
+    assert r["extensions"][0]["state"] == expected
+    assert any(t["source"] == "ext:demo" for t in r["targets"]) == (expected == "loaded")
+
+
+def test_broken_extensions_break_neither_sglang_nor_builtins(tmp_path):
+    make_distribution(
+        tmp_path, "trtllm-moe-broken-ext", "0.0.1",
+        entry_points=(
+            "[sglang_trtllm_moe]\n"
+            "import_fails = broken_import_mod\n"
+            "hook_raises = broken_hook_mod\n"
+            "bad_target = bad_target_mod\n"
+        ),
+        modules={
+            "broken_import_mod": "raise RuntimeError('cannot import me')\n",
+            "broken_hook_mod": """
+                from sglang_trtllm_moe import hookimpl
+                @hookimpl
+                def register_sglang_hooks(register, release):
+                    raise ValueError('boom in register_sglang_hooks')
+            """,
+            "bad_target_mod": """
+                from sglang_trtllm_moe import hookimpl
+                from sglang_trtllm_moe.targets import HookTarget
+                def h(original, *a, **k):
+                    return original(*a, **k)
+                @hookimpl
+                def register_sglang_hooks(register, release):
+                    register(HookTarget("sglang.srt.layers.moe.utils.this_function_does_not_exist", h, "around"))
+            """,
+        },
+    )
+    proc = run_python(LOAD_AND_REPORT, pythonpath=[tmp_path])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = last_json(proc)
+    assert r["enabled"] is True
+    ext = {e["name"]: e for e in r["extensions"]}
+    assert ext["import_fails"]["state"] == "failed" and "cannot import me" in ext["import_fails"]["error"]
+    assert ext["hook_raises"]["state"] == "failed" and "boom" in ext["hook_raises"]["error"]
+    assert ext["bad_target"]["state"] == "loaded"
+    by_source = {}
+    for t in r["targets"]:
+        by_source.setdefault(t["source"], []).append(t)
+    assert all(t["state"] == "landed" for t in by_source["sglang_trtllm_moe.builtins.probe"])
+    (bad,) = by_source["ext:bad_target"]
+    assert bad["state"] == "missing" and "this_function_does_not_exist" in bad["reason"]
+
+
+@pytest.mark.parametrize("version,status,runs", [
+    ("0.5.10", "unsupported", False),
+    ("0.5.4", "unsupported", False),
+    ("0.5.11", "tested", True),
+    ("0.5.23", "tested", True),
+    ("0.5.23.post1", "tested", True),
+    ("0.5.24", "untested", True),
+])
+def test_release_gate(version, status, runs):
+    r = check_release(version)
+    assert (r.status, r.runs) == (status, runs)
+
+
+def test_missing_sglang_is_reported():
+    assert check_release(None).status in ("tested", "untested")  # the env has sglang
+    import sglang_trtllm_moe.compat.releases as rel
+    orig = rel.installed_version
+    rel.installed_version = lambda: None
+    try:
+        r = rel.check_release()
+    finally:
+        rel.installed_version = orig
+    assert r.status == "missing" and not r.runs and "not installed" in r.message
+
+
+def test_unsupported_release_stands_down(tmp_path):
+    # A dist-info ahead of site-packages makes importlib.metadata report sglang 0.5.10 — the same lookup the gate uses.
+    make_distribution(tmp_path, "sglang", "0.5.10")
+    proc = run_python("""
+        import json
+        from sglang_trtllm_moe import plugin, doctor
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        plugin.register()
+        r = doctor.report(load=False)
+        r["registry_targets"] = sorted(HookRegistry._hooks)
+        print(json.dumps(r))
+    """, pythonpath=[tmp_path])
+    r = last_json(proc)
+    assert r["status"] == "stood_down" and r["enabled"] is False
+    assert "0.5.10" in r["reason"] and "0.5.11" in r["reason"]
+    assert r["registry_targets"] == []
+
+
+def test_newer_release_runs_and_doctor_says_untested(tmp_path):
+    make_distribution(tmp_path, "sglang", "0.5.99")
+    r = last_json(run_python(LOAD_AND_REPORT, pythonpath=[tmp_path]))
+    assert r["enabled"] is True and r["release_status"] == "untested"
+    assert "untested" in r["release_message"] or "newer" in r["release_message"]
+
+
+def test_register_is_idempotent_and_never_raises(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    saved_state = plugin.state()
+    try:
+        plugin._reset_for_tests()
+        monkeypatch.setattr(plugin, "BUILTIN_MODULES", plugin.BUILTIN_MODULES + ("sglang_trtllm_moe.no_such_module",))
+        plugin.register()  # a broken built-in: logged, stands down, no exception
+        assert plugin.state().status == "stood_down"
+        assert "no_such_module" in plugin.state().reason
+        assert plugin.state().targets == []
+
+        plugin._reset_for_tests()
+        monkeypatch.undo()
+        HookRegistry._hooks.clear()
+        plugin.register()
+        plugin.register()
+        assert plugin.state().enabled
+        for t in plugin.state().targets:
+            assert len(HookRegistry._hooks[t.target]) == 1, t.target
+    finally:
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(saved_hooks)
+        plugin._STATE = saved_state
+
+
+def test_doctor_cli_json_after_sglang_loaded_plugins():
+    # The issue's check: SGLang loads plugins in one process, doctor (a new process) reports them landed.
+    pre = run_python("from sglang.srt.plugins import load_plugins; load_plugins()")
+    assert pre.returncode == 0, pre.stderr[-2000:]
+    for argv in (["-m", "sglang_trtllm_moe", "doctor", "--json"],):
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        r = last_json(proc)
+        assert r["enabled"] is True
+        assert r["targets"] and not [t for t in r["targets"] if t["state"] == "missing"]
+        assert set(r) >= {"enabled", "sglang_version", "targets", "extensions"}
+        for t in r["targets"]:
+            assert set(t) >= {"target", "state"} and t["state"] in ("landed", "missing", "not_applicable")
+    text = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "doctor"], capture_output=True, text=True, timeout=240)
+    assert text.returncode == 0 and "enabled" in text.stdout and "[        landed]" in text.stdout
