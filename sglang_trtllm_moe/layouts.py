@@ -1,0 +1,460 @@
+"""Pure-torch TRT-LLM-Gen weight layouts, batched over experts, each with its exact inverse.
+
+Why this module exists: FlashInfer's TRT-LLM-Gen MoE kernels read weights in a layout that differs from the
+checkpoint (gated row interleave, `shuffle_matrix_a` row blocks, 128x4 scale swizzle, block-major K). SGLang
+builds it per expert in Python loops, allocates fresh tensors (moving storage under captured CUDA graphs) and
+keeps index caches alive across weight reloads (sglang#28676). Here every transform is:
+
+* one gather for many experts at once (the map depends only on the shape, so all experts share it);
+* applied to the raw byte view, so one row map serves packed FP4, FP8 and BF16 alike;
+* available in place (same storage, same `data_ptr()`), chunked over experts so the scratch memory is at most
+  `chunk` experts' worth, and restricted to a subset of experts when only some were updated;
+* exactly invertible, so a weight checker can undo it.
+
+Index maps are cached per (kind, m, gated, epilogue_tile_m, device); `clear_caches()` drops them all.
+Formulas: flashinfer 0.7.2 `get_reorder_rows_for_gated_act_gemm_row_indices`, `get_shuffle_matrix_a_row_indices`,
+`convert_to_block_layout`, and the TRT-LLM `get_sf_out_offset_128x4` swizzle (SGLang `swizzle_blockscale`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+SF_ROW_TILE = 128
+SF_COL_TILE = 4
+GATED_ALIGN = 16
+NON_GATED_ALIGN = 128
+
+__all__ = [
+    "SF_ROW_TILE", "SF_COL_TILE", "GATED_ALIGN", "NON_GATED_ALIGN",
+    "padded_intermediate", "gated_reorder_map", "shuffle_map", "shuffle_block_size", "w13_row_map", "w2_row_map",
+    "invert_map", "clear_caches", "cache_size", "permute_rows_", "unpermute_rows_",
+    "swizzle_sf_128x4", "unswizzle_sf_128x4", "swizzle_sf_128x4_", "unswizzle_sf_128x4_",
+    "permute_rows_and_swizzle_sf_", "to_block_major_k", "from_block_major_k", "to_block_major_k_",
+    "from_block_major_k_", "block_major_k_view", "permute_rows_to_block_major_k_",
+    "pad_gated_halves", "unpad_gated_halves", "scratch_peak_bytes", "reset_scratch_peak",
+]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def padded_intermediate(i: int, gated: bool) -> int:
+    """The kernel tiles the intermediate dim in 16-row (gated: per half) or 128-row (non-gated) units."""
+    if i <= 0:
+        raise ValueError(f"intermediate size must be positive, got {i}")
+    return _round_up(int(i), GATED_ALIGN if gated else NON_GATED_ALIGN)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Index maps and their cache
+# ----------------------------------------------------------------------------------------------------------------
+
+# key -> map; id(map) -> (map, inverse). Holding `map` in the second dict keeps its id() from being reused.
+_MAPS: dict[tuple, torch.Tensor] = {}
+_INVERSES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _norm_device(device) -> torch.device:
+    """'cuda' and 'cuda:N' must be one cache entry per physical device, never a map on the wrong GPU."""
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def clear_caches() -> None:
+    """Drop every cached index map on every device: call on weight reload / engine resume (sglang#28676)."""
+    _MAPS.clear()
+    _INVERSES.clear()
+
+
+def cache_size() -> int:
+    """Number of cached maps (tests and `doctor` use it to prove `clear_caches` works)."""
+    return len(_MAPS)
+
+
+def _cached(key: tuple, build) -> torch.Tensor:
+    idx = _MAPS.get(key)
+    if idx is None:
+        idx = build().to(key[-1])
+        _MAPS[key] = idx
+    return idx
+
+
+def shuffle_block_size(epilogue_tile_m: int = 128) -> int:
+    """flashinfer `get_shuffle_block_size`: 32-row blocks when the epilogue tile is a multiple of 128, else 16."""
+    return 32 if epilogue_tile_m % 128 == 0 else 16
+
+
+def _check_shuffle_rows(m: int, epilogue_tile_m: int, what: str = "rows") -> None:
+    b = shuffle_block_size(epilogue_tile_m)
+    if m <= 0 or m % b:
+        raise ValueError(
+            f"cannot shuffle {what} M={m} for the TRT-LLM-Gen kernel (epilogue_tile_m={epilogue_tile_m}): "
+            f"M must be a positive multiple of {b}; pad to {_round_up(max(m, 1), b)} rows "
+            f"(pad the intermediate with padded_intermediate(), per half for gated w13)")
+
+
+def gated_reorder_map(m: int, device=None) -> torch.Tensor:
+    """[top; bottom] halves -> rows t0,b0,t1,b1,... so one tile load holds matching up and gate rows."""
+    if m <= 0 or m % 2:
+        raise ValueError(f"gated w13 needs an even row count (2 halves), got M={m}; pad each half to the same size")
+    dev = _norm_device(device)
+
+    def build():
+        half = torch.arange(m // 2, dtype=torch.long)
+        return torch.stack([half, half + m // 2], dim=1).reshape(m)
+
+    return _cached(("reorder", m, True, None, dev), build)
+
+
+def shuffle_map(m: int, epilogue_tile_m: int = 128, device=None) -> torch.Tensor:
+    """flashinfer `shuffle_matrix_a` rows: within each block of b rows, out row d = in row (d % 8) * (b/8) + d // 8.
+
+    Closed form of inverting flashinfer's srcToDstBlk{16,32}RowMap (src s goes to (s % k) * 8 + s // k, k = b/8).
+    """
+    _check_shuffle_rows(m, epilogue_tile_m)
+    dev = _norm_device(device)
+    b = shuffle_block_size(epilogue_tile_m)
+
+    def build():
+        d = torch.arange(m, dtype=torch.long)
+        within = d % b
+        return d - within + (within % 8) * (b // 8) + within // 8
+
+    return _cached(("shuffle", m, None, epilogue_tile_m, dev), build)
+
+
+def w13_row_map(m: int, gated: bool, device=None, epilogue_tile_m: int = 128) -> torch.Tensor:
+    """GEMM1 rows (weights and scale rows alike): gated = reorder then shuffle (idx_R[idx_S]); else shuffle."""
+    if not gated:
+        return shuffle_map(m, epilogue_tile_m, device)
+    _check_shuffle_rows(m, epilogue_tile_m, "gated w13 rows")
+    dev = _norm_device(device)
+    return _cached(("w13", m, True, epilogue_tile_m, dev),
+                   lambda: gated_reorder_map(m, dev)[shuffle_map(m, epilogue_tile_m, dev)])
+
+
+def w2_row_map(m: int, device=None, epilogue_tile_m: int = 128) -> torch.Tensor:
+    """GEMM2 rows (m = hidden): shuffle only; kept as its own name so callers never pass `gated` by mistake."""
+    return shuffle_map(m, epilogue_tile_m, device)
+
+
+def invert_map(idx: torch.Tensor) -> torch.Tensor:
+    """inv with in[r] = out[inv[r]] for out = in[idx]. Cached for maps that come from this module's cache."""
+    hit = _INVERSES.get(id(idx))
+    if hit is not None and hit[0] is idx:
+        return hit[1]
+    # scatter == argsort for a permutation, in O(M)
+    inv = torch.empty_like(idx)
+    inv[idx] = torch.arange(idx.numel(), dtype=idx.dtype, device=idx.device)
+    if any(v is idx for v in _MAPS.values()):
+        _INVERSES[id(idx)] = (idx, inv)
+    return inv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scratch accounting (the benchmark reports it; it proves the in-place promise on CPU where no allocator stats exist)
+# ----------------------------------------------------------------------------------------------------------------
+
+_SCRATCH_PEAK = [0]
+
+
+def _note_scratch(*tensors: torch.Tensor) -> None:
+    n = sum(t.numel() * t.element_size() for t in tensors)
+    if n > _SCRATCH_PEAK[0]:
+        _SCRATCH_PEAK[0] = n
+
+
+def scratch_peak_bytes() -> int:
+    """Largest scratch (temporary copies + index tensors alive together) any in-place transform allocated."""
+    return _SCRATCH_PEAK[0]
+
+
+def reset_scratch_peak() -> None:
+    _SCRATCH_PEAK[0] = 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In-place machinery: experts -> chunks of consecutive expert slices
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _bytes3d(t: torch.Tensor, name: str = "t") -> torch.Tensor:
+    """[E, M, ...] -> its uint8 view [E, M, row_bytes]; same storage, so writes land in `t`."""
+    if t.dim() < 2:
+        raise ValueError(f"{name} must be [E, M, ...] with a leading expert dim, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} of shape {tuple(t.shape)} must be contiguous to be laid out in place; "
+                         "parameters are allocated contiguous, pass the parameter itself, not a view of it")
+    return t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
+
+
+def _expert_runs(num_experts: int, experts, chunk) -> Iterator[tuple[int, int]]:
+    """Yield [start, stop) expert slices: consecutive runs of the requested experts, cut to `chunk` experts."""
+    if chunk is None:
+        chunk = max(1, num_experts // 8)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 expert, got {chunk}")
+    if experts is None:
+        ids = range(num_experts)
+    else:
+        ids = experts.tolist() if isinstance(experts, torch.Tensor) else list(experts)
+        ids = sorted(int(i) for i in ids)
+        if any(i < 0 or i >= num_experts for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"experts must be distinct ids in [0, {num_experts}), got {ids}")
+    run_start = prev = None
+    for i in ids:
+        if run_start is not None and (i != prev + 1 or i - run_start >= chunk):
+            yield run_start, prev + 1
+            run_start = None
+        if run_start is None:
+            run_start = i
+        prev = i
+    if run_start is not None:
+        yield run_start, prev + 1
+
+
+def _check_row_map(row_map: torch.Tensor, m: int, t: torch.Tensor) -> torch.Tensor:
+    if row_map.dim() != 1 or row_map.numel() != m:
+        raise ValueError(f"row map of shape {tuple(row_map.shape)} does not fit tensor rows M={m} "
+                         f"(tensor shape {tuple(t.shape)}); build it for M={m}")
+    if row_map.device != t.device:
+        row_map = row_map.to(t.device)
+    return row_map.long()
+
+
+def _gather_rows(u8: torch.Tensor, row_map: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows of experts [start, stop) permuted by row_map, as one flat-row gather (fastest on CPU, §6 of the notes).
+
+    Tiny rows (< 64 bytes) would make the int64 index bigger than the data, so they gather along dim 1 instead.
+    """
+    e, m, c = u8.shape
+    k = stop - start
+    if c >= 64:
+        src = (row_map.unsqueeze(0) + torch.arange(start * m, stop * m, m, device=u8.device).unsqueeze(1))
+        tmp = u8.view(e * m, c).index_select(0, src.reshape(-1))
+        _note_scratch(src, tmp)
+        return tmp.view(k, m, c)
+    tmp = u8[start:stop].index_select(1, row_map)
+    _note_scratch(row_map, tmp)
+    return tmp
+
+
+def permute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+    """In place: t[e] = t[e][row_map] for each selected expert; storage and shape unchanged."""
+    u8 = _bytes3d(t)
+    row_map = _check_row_map(row_map, u8.shape[1], t)
+    for start, stop in _expert_runs(u8.shape[0], experts, chunk):
+        u8[start:stop].copy_(_gather_rows(u8, row_map, start, stop))
+    return t
+
+
+def unpermute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+    """Exact inverse of `permute_rows_` with the same map."""
+    u8 = _bytes3d(t)
+    return permute_rows_(t, invert_map(_check_row_map(row_map, u8.shape[1], t)), experts, chunk)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 128x4 scale-factor swizzle
+# ----------------------------------------------------------------------------------------------------------------
+
+def _sf_view_swizzled(x: torch.Tensor, k: int, rp: int, cp: int) -> torch.Tensor:
+    """Linear [k, Rp, Cp] seen in swizzled element order: [k, Rp/128, Cp/4, 32, 4(row group), 4(col)]."""
+    return x.view(k, rp // 128, 4, 32, cp // 4, 4).permute(0, 1, 4, 3, 2, 5)
+
+
+def _sf_view_linear(x: torch.Tensor, k: int, rp: int, cp: int) -> torch.Tensor:
+    """Swizzled [k, Rp, Cp] seen in linear element order: [k, Rp/128, 4, 32, Cp/4, 4] (the permute is an involution)."""
+    return x.view(k, rp // 128, cp // 4, 32, 4, 4).permute(0, 1, 4, 3, 2, 5)
+
+
+def _as3d(sf: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+    if sf.dim() == 2:
+        return sf.unsqueeze(0), True
+    if sf.dim() != 3:
+        raise ValueError(f"{name} must be [E, rows, cols] (or [rows, cols]), got shape {tuple(sf.shape)}")
+    return sf, False
+
+
+def swizzle_sf_128x4(sf: torch.Tensor) -> torch.Tensor:
+    """[E, R, C] -> [E, ceil128(R), ceil4(C)] zero padded; per expert the bytes of flashinfer block_scale_interleave.
+
+    Element-order permutation, so any dtype works; the kernels use 1-byte e4m3 / ue8m0.
+    """
+    x, squeeze = _as3d(sf, "sf")
+    e, r, c = x.shape
+    rp, cp = _round_up(r, SF_ROW_TILE), _round_up(c, SF_COL_TILE)
+    if (rp, cp) != (r, c):
+        padded = torch.zeros((e, rp, cp), dtype=x.dtype, device=x.device)
+        padded[:, :r, :c] = x
+        x = padded
+    out = _sf_view_swizzled(x.contiguous(), e, rp, cp).reshape(e, rp, cp)
+    return out[0] if squeeze else out
+
+
+def unswizzle_sf_128x4(swz: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[E, Rp, Cp] swizzled -> [E, rows, cols] linear, dropping the padding."""
+    x, squeeze = _as3d(swz, "swz")
+    e, rp, cp = x.shape
+    if rp % SF_ROW_TILE or cp % SF_COL_TILE or rows > rp or cols > cp:
+        raise ValueError(f"swizzled scales of shape {tuple(swz.shape)} cannot hold rows={rows} cols={cols}: "
+                         f"need rows <= Rp, cols <= Cp with Rp % 128 == 0 and Cp % 4 == 0")
+    out = _sf_view_linear(x.contiguous(), e, rp, cp).reshape(e, rp, cp)[:, :rows, :cols].contiguous()
+    return out[0] if squeeze else out
+
+
+def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
+    if sf.dim() != 3:
+        raise ValueError(f"in-place scale swizzle needs [E, R, C], got shape {tuple(sf.shape)}")
+    e, r, c = sf.shape
+    if r % SF_ROW_TILE or c % SF_COL_TILE:
+        raise ValueError(
+            f"cannot swizzle scales of shape {tuple(sf.shape)} in place: the 128x4 layout needs R % 128 == 0 and "
+            f"C % 4 == 0; allocate the scale parameter padded to [{e}, {_round_up(r, 128)}, {_round_up(c, 4)}] "
+            f"(pad I / H), or use the out-of-place swizzle_sf_128x4()")
+    if not sf.is_contiguous():
+        raise ValueError(f"scales of shape {tuple(sf.shape)} must be contiguous to be swizzled in place")
+    return e, r, c
+
+
+def swizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+    """In place 128x4 swizzle (same storage); scratch is one chunk of experts."""
+    e, r, c = _check_inplace_sf(sf)
+    for s, t in _expert_runs(e, experts, chunk):
+        tmp = sf[s:t].clone()
+        _note_scratch(tmp)
+        sf[s:t].copy_(_sf_view_swizzled(tmp, t - s, r, c).reshape(t - s, r, c))
+    return sf
+
+
+def unswizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+    """In place inverse of `swizzle_sf_128x4_`."""
+    e, r, c = _check_inplace_sf(sf)
+    for s, t in _expert_runs(e, experts, chunk):
+        tmp = sf[s:t].clone()
+        _note_scratch(tmp)
+        sf[s:t].copy_(_sf_view_linear(tmp, t - s, r, c).reshape(t - s, r, c))
+    return sf
+
+
+def permute_rows_and_swizzle_sf_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
+                                 chunk: int | None = None) -> torch.Tensor:
+    """Scale prep in one pass: rows by `row_map`, then 128x4 swizzle, written straight back (one scratch copy)."""
+    e, r, c = _check_inplace_sf(sf)
+    u8 = _bytes3d(sf, "sf")
+    row_map = _check_row_map(row_map, r, sf)
+    for s, t in _expert_runs(e, experts, chunk):
+        tmp = _gather_rows(u8, row_map, s, t)
+        u8[s:t].copy_(_sf_view_swizzled(tmp.reshape(t - s, r, c), t - s, r, c).reshape(t - s, r, c))
+    return sf
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block-major K (BF16 weights): [M, K] -> [K/bk, M, bk] per expert, on bytes
+# ----------------------------------------------------------------------------------------------------------------
+
+def _block_dims(t: torch.Tensor, block_k_bytes: int) -> tuple[int, int, int]:
+    if t.dim() != 3:
+        raise ValueError(f"block-major K needs [E, M, K], got shape {tuple(t.shape)}")
+    kb = t.shape[2] * t.element_size()
+    if block_k_bytes <= 0 or block_k_bytes % t.element_size() or kb % block_k_bytes:
+        raise ValueError(
+            f"cannot lay out [E, M, K] = {tuple(t.shape)} ({t.dtype}, {kb} bytes per row) block-major with "
+            f"block_k_bytes={block_k_bytes}: row bytes must be a multiple of it; pad K to "
+            f"{_round_up(kb, block_k_bytes) // t.element_size()} elements")
+    return t.shape[0], t.shape[1], kb
+
+
+def to_block_major_k(t: torch.Tensor, block_k_bytes: int = 128) -> torch.Tensor:
+    """[E, M, K] -> [E, Kbytes/bk, M, bk/itemsize] (flashinfer convert_to_block_layout per expert, on bytes)."""
+    e, m, kb = _block_dims(t, block_k_bytes)
+    u8 = t.contiguous().view(torch.uint8).reshape(e, m, kb // block_k_bytes, block_k_bytes)
+    return u8.permute(0, 2, 1, 3).contiguous().view(t.dtype)
+
+
+def from_block_major_k(t: torch.Tensor) -> torch.Tensor:
+    """[E, nb, M, bk elems] -> [E, M, nb*bk elems]."""
+    if t.dim() != 4:
+        raise ValueError(f"block-major tensor must be [E, K/bk, M, bk], got shape {tuple(t.shape)}")
+    e, nb, m, bke = t.shape
+    return t.permute(0, 2, 1, 3).contiguous().reshape(e, m, nb * bke)
+
+
+def block_major_k_view(t: torch.Tensor, block_k_bytes: int = 128) -> torch.Tensor:
+    """The [E, Kb/bk, M, bk-elems] view of a tensor made block-major in place: what the kernel is given."""
+    e, m, kb = _block_dims(t, block_k_bytes)
+    if not t.is_contiguous():
+        raise ValueError(f"tensor of shape {tuple(t.shape)} must be contiguous")
+    return t.view(torch.uint8).view(e, kb // block_k_bytes, m, block_k_bytes).view(t.dtype)
+
+
+def _block_inplace(t, block_k_bytes, experts, chunk, row_map=None, inverse=False):
+    e, m, kb = _block_dims(t, block_k_bytes)
+    u8 = _bytes3d(t)
+    nb = kb // block_k_bytes
+    if row_map is not None:
+        row_map = _check_row_map(row_map, m, t)
+    for s, stop in _expert_runs(e, experts, chunk):
+        k = stop - s
+        if row_map is not None:
+            tmp = _gather_rows(u8, row_map, s, stop)
+        else:
+            tmp = u8[s:stop].clone()
+            _note_scratch(tmp)
+        if inverse:  # block-major [k, nb, M, bk] -> [k, M, nb, bk]
+            src = tmp.view(k, nb, m, block_k_bytes).permute(0, 2, 1, 3)
+        else:
+            src = tmp.view(k, m, nb, block_k_bytes).permute(0, 2, 1, 3)
+        u8[s:stop].copy_(src.reshape(k, m, kb))
+    return t
+
+
+def to_block_major_k_(t: torch.Tensor, block_k_bytes: int = 128, experts=None, chunk: int | None = None):
+    """In place: t keeps shape [E, M, K] and storage, its bytes become block-major (see block_major_k_view)."""
+    return _block_inplace(t, block_k_bytes, experts, chunk)
+
+
+def from_block_major_k_(t: torch.Tensor, block_k_bytes: int = 128, experts=None, chunk: int | None = None):
+    """In place inverse of `to_block_major_k_`."""
+    return _block_inplace(t, block_k_bytes, experts, chunk, inverse=True)
+
+
+def permute_rows_to_block_major_k_(t: torch.Tensor, row_map: torch.Tensor, block_k_bytes: int = 128,
+                                   experts=None, chunk: int | None = None):
+    """BF16 prep in one pass: rows by `row_map`, then block-major K, in place (one scratch copy per chunk)."""
+    return _block_inplace(t, block_k_bytes, experts, chunk, row_map=row_map)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-half padding of the gated intermediate
+# ----------------------------------------------------------------------------------------------------------------
+
+def pad_gated_halves(w13: torch.Tensor, ip: int) -> torch.Tensor:
+    """[E, 2I, ...] in [up; gate] -> [E, 2*ip, ...]: up at rows [0, I), gate at [ip, ip+I), zeros elsewhere.
+
+    The kernel splits GEMM1 output at innerDim/2 = ip, so padding only at the end (SGLang `_align_fp4_moe_weights`)
+    would read gate rows as up rows whenever I != ip.
+    """
+    if w13.dim() < 2 or w13.shape[1] % 2:
+        raise ValueError(f"gated w13 must be [E, 2I, ...] with an even row count, got shape {tuple(w13.shape)}")
+    i = w13.shape[1] // 2
+    if ip < i:
+        raise ValueError(f"padded intermediate ip={ip} is smaller than I={i} (w13 shape {tuple(w13.shape)})")
+    out = w13.new_zeros((w13.shape[0], 2 * ip, *w13.shape[2:]))
+    out[:, :i] = w13[:, :i]
+    out[:, ip:ip + i] = w13[:, i:]
+    return out
+
+
+def unpad_gated_halves(w13p: torch.Tensor, i: int) -> torch.Tensor:
+    """Inverse of `pad_gated_halves`: [E, 2*ip, ...] -> [E, 2I, ...]."""
+    if w13p.dim() < 2 or w13p.shape[1] % 2 or w13p.shape[1] // 2 < i:
+        raise ValueError(f"padded gated w13 of shape {tuple(w13p.shape)} cannot hold two halves of I={i}")
+    ip = w13p.shape[1] // 2
+    return torch.cat([w13p[:, :i], w13p[:, ip:ip + i]], dim=1)
