@@ -1,0 +1,94 @@
+"""Hooks that put the plugin in charge of weight preparation for layers on the flashinfer_trtllm path.
+
+* `process_weights_after_loading` of each supported quant method: for layers SGLang set up for the TRT-LLM
+  kernels, the plugin prepares in place (formats/ + layouts) instead of SGLang's allocate-and-rebind code;
+  after the first time, it prepares only what changed (weights.flush).
+* `FusedMoE._weight_loader_impl`: validates a shard before anything is written and returns a prepared expert to
+  checkpoint layout before SGLang's loader writes into it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import hookimpl, weights
+from ..formats.nvfp4 import NVFP4
+from ..targets import HookTarget
+
+logger = logging.getLogger("sglang_trtllm_moe")
+
+MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
+FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
+
+
+class TrtllmLayerError(ValueError):
+    """A layer explicitly put on flashinfer_trtllm that the kernels cannot serve."""
+
+
+def _nvfp4_serves(method, layer) -> tuple[bool, str]:
+    if not getattr(method, "enable_flashinfer_trtllm_moe", False):
+        return False, "not on the flashinfer_trtllm backend"
+    if not getattr(method, "use_flashinfer_trtllm_weight_layout", True):
+        return False, "MegaMoE consumes the canonical layout"
+    if getattr(layer, "inference_moe_w13_interleaved", False):
+        return False, "w13 is stored interleaved by the checkpoint; SGLang de-interleaves it itself"
+    return True, ""
+
+
+def _sglang_side_attrs_nvfp4(method, layer) -> None:
+    """Attributes SGLang's own trtllm path leaves on the layer, which its apply() and dispatcher read."""
+    layer.w13_blockscale_swizzled = layer.w13_weight_scale
+    layer.w2_blockscale_swizzled = layer.w2_weight_scale
+    layer.trtllm_padded_hidden_size = None
+    dispatcher = getattr(layer, "dispatcher", None)
+    if dispatcher is not None and hasattr(dispatcher, "set_quant_config"):
+        dispatcher.set_quant_config({"input_global_scale": None})
+
+
+def prepare_layer(fmt, method, layer, side_attrs) -> None:
+    st = weights.state_of(layer)
+    if st is None:
+        problem = fmt.check_layout(layer)
+        if problem:
+            raise TrtllmLayerError(
+                f"{weights.layer_name(layer)}: --moe-runner-backend flashinfer_trtllm cannot serve this {fmt.name} layer: "
+                f"{problem}. Fix: choose another --moe-runner-backend for this model (e.g. flashinfer_cutlass), "
+                "or leave it on auto"
+            )
+        weights.attach(layer, fmt)
+        n = weights.flush(layer)
+        logger.info("sglang-trtllm-moe: %s: %s prepared in place for flashinfer_trtllm (%d expert groups)",
+                    weights.layer_name(layer), fmt.name, n)
+    else:
+        weights.flush(layer)
+    side_attrs(method, layer)
+
+
+def nvfp4_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    ok, why = _nvfp4_serves(method, layer)
+    if not ok:
+        return original(method, layer, *args, **kwargs)
+    prepare_layer(NVFP4, method, layer, _sglang_side_attrs_nvfp4)
+
+
+def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):
+    st = weights.state_of(layer)
+    if st is None:
+        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    name = weights.param_name(layer, param) or weight_name
+    weights.validate_shard(layer, name, param, loaded_weight, shard_id, expert_id)
+    weights.before_write(layer, name, None if expert_id is None else int(expert_id))
+    return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+
+
+@hookimpl
+def register_sglang_hooks(register, release):
+    register(HookTarget(
+        f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
+        nvfp4_process_weights_after_loading, "around", releases=">=0.5.11", capability="nvfp4-prep",
+        why="NVFP4 layers on flashinfer_trtllm are prepared in place by the plugin, per dirty expert",
+    ))
+    register(HookTarget(
+        f"{FUSED_MOE}._weight_loader_impl", weight_loader_impl, "around", releases=">=0.5.11",
+        capability="rl-update", why="validate shards and un-prepare an expert before SGLang's loader writes into it",
+    ))

@@ -1,0 +1,90 @@
+"""Real SGLang MoE layers on a CPU box: build them, make random checkpoints, load them through SGLang's loader.
+
+Used by the tests, `demo` and `bench`, so all three drive the same SGLang objects a server would: FusedMoE built
+with a real quant config, shards fed one by one through `FusedMoE.weight_loader` (the path
+`model.load_weights`, update_weights_from_disk and update_weights_from_tensor all end in), and SGLang's
+`process_weights_after_loading`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import quant
+
+GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
+
+
+@dataclass
+class MoeSpec:
+    num_experts: int = 8
+    hidden: int = 256
+    intermediate: int = 128
+    top_k: int = 2
+    activation: str = "silu"
+    gated: bool = True
+    fmt: str = "nvfp4"
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return (GATE, UP, DOWN) if self.gated else (UP, DOWN)
+
+
+def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts"):
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    if spec.fmt != "nvfp4":
+        raise NotImplementedError(f"format {spec.fmt!r}")
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
+
+    qc = ModelOptFp4Config.from_config({"quantization": {"quant_algo": "NVFP4", "group_size": 16}})
+    return FusedMoE(
+        num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
+        activation=spec.activation, is_gated=spec.gated,
+    )
+
+
+def random_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4 tensors per expert and projection, as a safetensors checkpoint names them."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    h, i = spec.hidden, spec.intermediate
+    for e in range(spec.num_experts) if experts is None else experts:
+        for proj in spec.shards:
+            shape = (h, i) if proj == DOWN else (i, h)
+            w = torch.randn(shape, generator=g) * (0.02 + 0.01 * (e % 3))
+            gs = float(448 * 6 / w.abs().max())
+            packed, sf = quant.nvfp4_quantize(w, gs)
+            base = f"experts.{e}.{proj}."
+            out[base + "weight"] = packed
+            out[base + "weight_scale"] = sf
+            out[base + "weight_scale_2"] = torch.tensor(1.0 / gs, dtype=torch.float32)
+            out[base + "input_scale"] = torch.tensor(0.5 + 0.1 * ((e + len(proj)) % 4), dtype=torch.float32)
+    return out
+
+
+def load_checkpoint(layer, tensors: dict[str, torch.Tensor], num_experts: int) -> int:
+    """Feed every checkpoint tensor through SGLang's own FusedMoE.weight_loader. Returns the number of calls."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    gated = getattr(layer.moe_runner_config, "is_gated", True)
+    # Non-gated (relu2) checkpoints name their single GEMM1 projection up_proj; SGLang loads it as shard w1.
+    mapping = FusedMoE.make_expert_params_mapping(GATE if gated else UP, DOWN, UP if gated else "<none>", num_experts)
+    params = dict(layer.named_parameters())
+    calls = 0
+    for name, t in tensors.items():
+        full = "experts." + name.split("experts.", 1)[1]
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if not full.startswith(weight_name):
+                continue
+            pname = param_name.split("experts.", 1)[1] + full[len(weight_name):].replace(".", "_")
+            param = params[pname]
+            param.weight_loader(param, t, pname, shard_id=shard_id, expert_id=expert_id)
+            calls += 1
+            break
+        else:
+            raise KeyError(f"no FusedMoE parameter for checkpoint tensor {name}")
+    return calls

@@ -1,0 +1,60 @@
+"""NVFP4 (ModelOpt / compressed-tensors W4A4): packed e2m1 weights, e4m3 block scales per 16, fp32 global scales.
+
+Kernel layout (flashinfer `trtllm_fp4_block_scale_moe`): w13 rows [up; gate] → gated interleave → shuffle_matrix_a
+blocks; the block scales take the same row map, then the 128x4 swizzle; w2 and its scales: shuffle only.
+Scalars follow SGLang's trtllm path exactly (a1/a2 = max of the per-expert input scales), so a layer prepared
+here and one prepared by SGLang feed the kernel the same numbers:
+  g1_alphas = a1 * s2_gate, g1_alphas_up = a1 * s2_up, g2_alphas = a2 * s2_w2,
+  w13_input_scale_quant = 1/a1, w2_input_scale_quant = 1/a2,
+  g1_scale_c = g1_alphas_up / a2 (gated), 1/a2 per expert (non-gated).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ParamLayout, WeightFormat
+
+
+class NvFp4(WeightFormat):
+    name = "nvfp4"
+    params = (
+        ParamLayout("w13_weight", "w13"),
+        ParamLayout("w13_weight_scale", "w13", sf_swizzle=True),
+        ParamLayout("w2_weight", "w2"),
+        ParamLayout("w2_weight_scale", "w2", sf_swizzle=True),
+    )
+    scalar_params = ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")
+
+    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+        gated = self.is_gated(layer)
+        a1 = layer.w13_input_scale.data.max().to(torch.float32)
+        a2 = layer.w2_input_scale.data.max().to(torch.float32)
+        if getattr(getattr(layer, "quant_config", None), "use_per_token_activation", False):
+            a1 = torch.ones_like(a1)
+            a2 = torch.ones_like(a2)
+        s2 = layer.w13_weight_scale_2.data
+        if gated and s2.dim() == 2 and s2.shape[1] >= 2:
+            gate, up = s2[:, 0], s2[:, 1]
+        else:
+            gate = up = s2.reshape(s2.shape[0])
+        g1 = (a1 * gate).to(torch.float32)
+        g1_up = (a1 * up).to(torch.float32)
+        w2_q = (1 / a2).to(torch.float32)
+        e = g1.shape[0]
+        act = layer.moe_runner_config.activation
+        if gated and act != "situ":
+            scale_c = (w2_q * g1_up).to(torch.float32)
+        else:
+            scale_c = w2_q.expand(e).contiguous()
+        return {
+            "g1_alphas": g1,
+            "g1_alphas_up": g1_up,
+            "g2_alphas": (a2 * layer.w2_weight_scale_2.data).to(torch.float32),
+            "w13_input_scale_quant": (1 / a1).to(torch.float32),
+            "w2_input_scale_quant": w2_q,
+            "g1_scale_c": scale_c,
+        }
+
+
+NVFP4 = NvFp4()

@@ -1,0 +1,145 @@
+"""The fused MoE function SGLang calls for `flashinfer_trtllm` / `flashinfer_trtllm_routed`.
+
+SGLang's FusedOpPool stores the dispatcher function object, but the dispatcher looks the per-dtype leaf up as a
+module global at call time, so replacing the leaf (`fused_experts_none_to_flashinfer_trtllm_fp4`, ...) takes effect
+for every layer. The leaf builds the kernel's arguments once and hands them to one of two backends with the same
+signature: flashinfer's TRT-LLM-Gen kernels on an SM100 GPU, or the PyTorch emulator when
+SGLANG_TRTLLM_MOE_EMULATE=1 (any device). Anywhere else it stops with an error that says what to do, instead of
+SGLang's CUDA assertion or a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import weights
+
+ENV_EMULATE = "SGLANG_TRTLLM_MOE_EMULATE"
+
+
+class KernelUnavailableError(RuntimeError):
+    pass
+
+
+def emulating() -> bool:
+    return os.environ.get(ENV_EMULATE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _kernel_backend(layer, device: torch.device):
+    """(module with flashinfer's trtllm_* signatures, name)."""
+    if emulating():
+        from . import emulator
+
+        return emulator, "emulator"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10:
+        import flashinfer.fused_moe as fi
+
+        return fi, "flashinfer"
+    where = "CPU" if device.type != "cuda" else "SM%d%d" % torch.cuda.get_device_capability(device)
+    raise KernelUnavailableError(
+        f"{weights.layer_name(layer)}: the flashinfer_trtllm MoE kernels need an SM100 (Blackwell, compute capability "
+        f"10.x) GPU and this layer runs on {where}. Set {ENV_EMULATE}=1 to run the sglang-trtllm-moe PyTorch emulator "
+        "on the same prepared weights, or choose another --moe-runner-backend."
+    )
+
+
+def ensure_prepared(layer) -> None:
+    """A layer with experts left in checkpoint layout (e.g. after update_weights_from_tensor) is flushed first."""
+    st = weights.state_of(layer)
+    if st is not None and not st.clean:
+        weights.flush(layer)
+
+
+def _routing_kwargs(topk_output, quant_info, runner_config, routed: bool) -> tuple[dict, bool]:
+    """Kernel routing arguments: logits + method (bypassed TopK), or precomputed top-k (routed variant)."""
+    from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+    if routed or not TopKOutputChecker.format_is_bypassed(topk_output):
+        if hasattr(topk_output, "packed_topk_ids"):
+            ids = topk_output.packed_topk_ids
+        else:
+            ids = (topk_output.topk_ids.contiguous().to(torch.int32), topk_output.topk_weights.contiguous().to(torch.bfloat16))
+        top_k = (ids[0] if isinstance(ids, tuple) else ids).shape[1]
+        return dict(topk_ids=ids, routing_bias=None, top_k=top_k, n_group=0, topk_group=0,
+                    routed_scaling_factor=None, routing_method_type=1), True
+    cfg = topk_output.topk_config
+    method = quant_info.routing_method_type
+    return dict(
+        routing_logits=topk_output.router_logits,
+        routing_bias=cfg.correction_bias,
+        top_k=cfg.top_k,
+        n_group=cfg.num_expert_group,
+        topk_group=cfg.topk_group,
+        routed_scaling_factor=runner_config.routed_scaling_factor,
+        routing_method_type=int(method) if method is not None else 0,
+    ), False
+
+
+# flashinfer.tllm_enums.ActivationType values (flashinfer 0.7.2), kept as ints so CPU boxes need no flashinfer.
+_GATED_ACT = {"silu": 3, "gelu": 4, "situ": 10}  # Swiglu, Geglu, Situ
+_NON_GATED_ACT = {"silu": 2, "gelu": 0, "relu2": 6}  # Silu, Gelu, Relu2
+
+
+def activation_type(activation: str, gated: bool) -> int:
+    table = _GATED_ACT if gated else _NON_GATED_ACT
+    if activation not in table:
+        raise ValueError(
+            f"activation {activation!r} ({'gated' if gated else 'non-gated'}) is not served by the TRT-LLM-Gen MoE "
+            f"kernels; supported: {sorted(table)}"
+        )
+    return table[activation]
+
+
+def _combine(result):
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+
+    return StandardCombineInput(hidden_states=result)
+
+
+def fused_experts_fp4(dispatch_output, quant_info, runner_config, use_routed_topk: bool = False):
+    layer = runner_config.layer
+    ensure_prepared(layer)
+    x = dispatch_output.hidden_states
+    backend, name = _kernel_backend(layer, x.device)
+    if getattr(dispatch_output, "hidden_states_scale", None) is not None:
+        raise NotImplementedError(f"{weights.layer_name(layer)}: NVFP4 a2a dispatch is not supported by the plugin runner yet")
+    if getattr(quant_info, "use_per_token_activation", False):
+        raise NotImplementedError(f"{weights.layer_name(layer)}: per-token NVFP4 activations are not supported by the plugin runner yet")
+    if name == "flashinfer":
+        from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import quantize_hidden_states_fp4
+
+        hs, hs_sf = quantize_hidden_states_fp4(x, quant_info.w13_input_scale_quant)
+    else:
+        from .quant import nvfp4_quantize
+
+        hs, hs_sf = nvfp4_quantize(x, quant_info.w13_input_scale_quant)
+    routing, routed = _routing_kwargs(dispatch_output.topk_output, quant_info, runner_config, use_routed_topk)
+    kwargs = dict(
+        hidden_states=hs,
+        hidden_states_scale=hs_sf.view(torch.float8_e4m3fn).reshape(hs.shape[0], -1),
+        gemm1_weights=quant_info.w13_weight,
+        gemm1_weights_scale=quant_info.w13_weight_scale.view(torch.float8_e4m3fn),
+        gemm1_bias=None,
+        gemm1_alpha=quant_info.gemm1_alpha,
+        gemm1_beta=quant_info.gemm1_beta,
+        gemm1_clamp_limit=quant_info.gemm1_clamp_limit,
+        gemm2_weights=quant_info.w2_weight,
+        gemm2_weights_scale=quant_info.w2_weight_scale.view(torch.float8_e4m3fn),
+        gemm2_bias=None,
+        output1_scale_scalar=quant_info.g1_scale_c,
+        output1_scale_gate_scalar=quant_info.g1_alphas,
+        output2_scale_scalar=quant_info.g2_alphas,
+        num_experts=quant_info.global_num_experts,
+        intermediate_size=quant_info.intermediate_size_per_partition,
+        local_expert_offset=quant_info.local_expert_offset,
+        local_num_experts=quant_info.local_num_experts,
+        do_finalize=True,
+        activation_type=activation_type(runner_config.activation, runner_config.is_gated),
+        **routing,
+    )
+    fn = backend.trtllm_fp4_block_scale_routed_moe if routed else backend.trtllm_fp4_block_scale_moe
+    out = fn(**kwargs)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return _combine(out.to(x.dtype))

@@ -1,0 +1,213 @@
+"""Per-expert layout state of every MoE layer the plugin prepares, and the flush that keeps it exact.
+
+Why: RL frameworks write new weights into a live SGLang model (from disk, from tensors, one expert at a time).
+Upstream either writes checkpoint-layout bytes into kernel-layout storage (silent garbage) or re-prepares the
+whole layer, re-shuffling experts that were never reloaded (measured-upstream.md: ~86 % of w13 bytes wrong after
+a one-expert update). Here each (group, expert) is either "prepared" or "checkpoint":
+
+* before SGLang's loader writes into a prepared expert, that expert's group is returned to checkpoint layout in
+  place (exact inverse layouts) and marked dirty;
+* a flush (end of every weight-update entry point, and `process_weights_after_loading`) prepares exactly the
+  dirty experts, chunk by chunk, marking each chunk prepared only once it is done, then recomputes the scalars.
+  Nothing is prepared twice and nothing is left unprepared; a failure leaves the unfinished experts dirty (retried
+  at the next flush) and raises an error naming the layer.
+Storage never moves: every step is in place on the parameters SGLang allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from . import layouts
+from .formats.base import WeightFormat, set_scalar_
+
+logger = logging.getLogger("sglang_trtllm_moe")
+
+STATE_ATTR = "_trtllm_moe_state"
+_LAYERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def layer_name(layer) -> str:
+    prefix = getattr(layer, "prefix", None) or getattr(layer, "_prefix", None)
+    if prefix:
+        return str(prefix)
+    lid = getattr(layer, "layer_id", None)
+    return f"{type(layer).__name__}(layer_id={lid})" if lid is not None else type(layer).__name__
+
+
+class WeightPrepError(RuntimeError):
+    """Preparing a layer's weights failed; the message names the layer and what is left to do."""
+
+
+@dataclass
+class LayerState:
+    fmt: WeightFormat
+    num_experts: int
+    #: group -> bool[E] (CPU): True = kernel layout
+    prepared: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars_dirty: bool = True
+    flushes: int = 0
+    experts_prepared_total: int = 0
+
+    def dirty_experts(self) -> dict[str, list[int]]:
+        return {g: (~m).nonzero().flatten().tolist() for g, m in self.prepared.items() if not bool(m.all())}
+
+    @property
+    def clean(self) -> bool:
+        return not self.scalars_dirty and all(bool(m.all()) for m in self.prepared.values())
+
+
+def state_of(layer) -> LayerState | None:
+    return getattr(layer, STATE_ATTR, None)
+
+
+def attach(layer, fmt: WeightFormat) -> LayerState:
+    """Start managing a freshly loaded layer: everything is in checkpoint layout, everything is dirty."""
+    st = state_of(layer)
+    if st is not None:
+        return st
+    e = getattr(layer, fmt.params[0].name).shape[0]
+    st = LayerState(fmt=fmt, num_experts=e, prepared={g: torch.zeros(e, dtype=torch.bool) for g in fmt.groups()})
+    object.__setattr__(layer, STATE_ATTR, st) if isinstance(layer, torch.nn.Module) else setattr(layer, STATE_ATTR, st)
+    _LAYERS.add(layer)
+    return st
+
+
+def managed_layers() -> list:
+    return list(_LAYERS)
+
+
+def before_write(layer, param_name: str, expert_id: int | None) -> None:
+    """Called before SGLang's loader writes `param_name` of local expert `expert_id` (None = all experts)."""
+    st = state_of(layer)
+    if st is None:
+        return
+    group = st.fmt.group_of(param_name)
+    if group is None:
+        if param_name in st.fmt.scalar_params:
+            st.scalars_dirty = True
+        return
+    mask = st.prepared[group]
+    if expert_id is None:
+        ids = mask.nonzero().flatten().tolist()
+    else:
+        if not 0 <= expert_id < st.num_experts:
+            raise ValueError(
+                f"{layer_name(layer)}: expert id {expert_id} is out of range for {param_name} "
+                f"({st.num_experts} local experts)"
+            )
+        ids = [expert_id] if bool(mask[expert_id]) else []
+    if ids:
+        st.fmt.unprepare_(layer, group, ids)
+        mask[ids] = False
+    st.scalars_dirty = True
+
+
+def flush(layer, chunk: int | None = None) -> int:
+    """Prepare exactly the dirty experts of `layer` and recompute its scalars. Returns experts prepared."""
+    st = state_of(layer)
+    if st is None:
+        return 0
+    done = 0
+    chunk = chunk or max(1, st.num_experts // 8)
+    for group, ids in st.dirty_experts().items():
+        for i in range(0, len(ids), chunk):
+            part = ids[i : i + chunk]
+            try:
+                st.fmt.prepare_(layer, group, part)
+            except Exception as e:
+                raise WeightPrepError(
+                    f"{layer_name(layer)}: preparing {group} of experts {part} for the TRT-LLM kernel failed "
+                    f"({type(e).__name__}: {e}); {len(ids) - i} expert(s) of {group} stay in checkpoint layout and "
+                    "will be retried at the next flush (the layer refuses to run until then)"
+                ) from e
+            st.prepared[group][part] = True
+            done += len(part)
+    if done or st.scalars_dirty:
+        for name, value in st.fmt.compute_scalars(layer).items():
+            set_scalar_(layer, name, value)
+        st.scalars_dirty = False
+    if done:
+        st.flushes += 1
+        st.experts_prepared_total += done
+        logger.debug("sglang-trtllm-moe: %s: prepared %d expert group(s)", layer_name(layer), done)
+    return done
+
+
+def flush_all() -> int:
+    """End of a weight-update entry point: every managed layer back to kernel layout."""
+    total = 0
+    errors = []
+    for layer in managed_layers():
+        try:
+            total += flush(layer)
+        except WeightPrepError as e:
+            errors.append(str(e))
+    if errors:
+        raise WeightPrepError("; ".join(errors))
+    return total
+
+
+def on_reload_start() -> None:
+    """Index maps are rebuilt on demand: drop them so no stale device copy survives a pause/resume (sglang#28676)."""
+    layouts.clear_caches()
+
+
+# ---- validation before a byte is written -------------------------------------------------------------------------
+
+_SHARDS = ("w1", "w2", "w3")
+
+
+def param_name(layer, param) -> str | None:
+    for name, p in layer.named_parameters(recurse=False):
+        if p is param:
+            return name
+    return None
+
+
+def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expert_id) -> None:
+    """Refuse a write that SGLang's loader would turn into wrong bytes, before anything changes.
+
+    SGLang's loader narrows by TP rank and `copy_`s, which silently converts dtypes and broadcasts shapes; an
+    RL framework sending a float32 tensor into packed-FP4 storage, or a w2 shard labelled w1, would corrupt the
+    expert without an error. Checked here: shard id, expert id, dtype of byte-packed storage, and every dimension
+    that the TP split does not touch.
+    """
+    st = state_of(layer)
+    if st is None:
+        return
+    where = f"{layer_name(layer)}: refused weight update of {name} (shard {shard_id!r}, expert {expert_id})"
+    if shard_id not in _SHARDS:
+        raise ValueError(f"{where}: shard id must be one of {_SHARDS}; nothing was written")
+    if expert_id is not None and not (0 <= int(expert_id) < st.num_experts):
+        raise ValueError(f"{where}: expert id out of range [0, {st.num_experts}); nothing was written")
+    if param.dtype.itemsize == 1 and loaded.dtype != param.dtype:
+        raise ValueError(
+            f"{where}: dtype {loaded.dtype} cannot be written into {param.dtype} storage (it would be value-converted, "
+            f"not copied); send the checkpoint's {param.dtype} tensor; nothing was written"
+        )
+    group = st.fmt.group_of(name)
+    if group is None:
+        if name in st.fmt.scalar_params and loaded.numel() != 1 and expert_id is not None:
+            raise ValueError(f"{where}: expected one scale per expert and shard, got shape {tuple(loaded.shape)}; nothing was written")
+        return
+    tp = int(getattr(layer, "moe_tp_size", 1) or 1)
+    gated = st.fmt.is_gated(layer)
+    rows, cols = param.shape[1], param.shape[2]
+    if group == "w13":
+        if shard_id == "w2" or (not gated and shard_id == "w3"):
+            raise ValueError(f"{where}: {name} takes shard {'w1/w3' if gated else 'w1'}, not {shard_id!r}; nothing was written")
+        half = rows // 2 if gated else rows
+        ok = loaded.dim() == 2 and loaded.shape[1] == cols and 0 < loaded.shape[0] <= half * tp
+        want = f"[<= {half * tp}, {cols}]"
+    else:
+        if shard_id != "w2":
+            raise ValueError(f"{where}: {name} takes shard 'w2', not {shard_id!r}; nothing was written")
+        ok = loaded.dim() == 2 and loaded.shape[0] == rows and 0 < loaded.shape[1] <= cols * tp
+        want = f"[{rows}, <= {cols * tp}]"
+    if not ok:
+        raise ValueError(f"{where}: shape {tuple(loaded.shape)} does not fit, expected {want}; nothing was written")
