@@ -32,7 +32,7 @@ _LAYERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def layer_name(layer) -> str:
-    prefix = getattr(layer, "prefix", None) or getattr(layer, "_prefix", None)
+    prefix = getattr(layer, "_trtllm_moe_prefix", None) or getattr(layer, "prefix", None)
     if prefix:
         return str(prefix)
     lid = getattr(layer, "layer_id", None)

@@ -81,8 +81,29 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
     return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
 
 
+def remember_prefix(result, layer, *args, **kwargs):
+    """FusedMoE does not keep its checkpoint prefix; errors and reports name layers by it."""
+    import inspect
+
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    init = FusedMoE.__init__
+    while hasattr(init, "__wrapped__"):
+        init = init.__wrapped__
+    try:
+        prefix = inspect.signature(init).bind(layer, *args, **kwargs).arguments.get("prefix")
+    except TypeError:
+        prefix = kwargs.get("prefix")
+    if prefix:
+        object.__setattr__(layer, "_trtllm_moe_prefix", prefix)
+
+
 @hookimpl
 def register_sglang_hooks(register, release):
+    register(HookTarget(
+        f"{FUSED_MOE}.__init__", remember_prefix, "after", releases=">=0.5.11", capability="core",
+        why="remember each MoE layer's checkpoint prefix so errors and reports can name it",
+    ))
     register(HookTarget(
         f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
         nvfp4_process_weights_after_loading, "around", releases=">=0.5.11", capability="nvfp4-prep",

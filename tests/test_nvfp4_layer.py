@@ -1,0 +1,85 @@
+"""NVFP4 FusedMoE layers of the installed SGLang on CPU, prepared by the plugin, against SGLang's own preparation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_trtllm_moe import cpu_layers, weights
+from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
+
+from . import sglang_runtime
+
+WEIGHTS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+SCALARS = ("g1_alphas", "g1_alphas_up", "g2_alphas", "w13_input_scale_quant", "w2_input_scale_quant", "g1_scale_c")
+
+CASES = [
+    pytest.param(cpu_layers.MoeSpec(intermediate=128), id="gated-I128"),
+    pytest.param(cpu_layers.MoeSpec(intermediate=96), id="gated-I96-padded"),
+    pytest.param(cpu_layers.MoeSpec(intermediate=128, activation="relu2", gated=False), id="relu2-I128"),
+    # NVFP4 needs I % 16 == 0 (one e4m3 scale per 16 inputs of w2), so the padded non-gated case is I = 208 -> 256.
+    pytest.param(cpu_layers.MoeSpec(intermediate=208, activation="relu2", gated=False), id="relu2-I208-padded"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    sglang_runtime.ensure("flashinfer_trtllm")
+
+
+def loaded_layer(spec, seed=0):
+    layer = cpu_layers.build_layer(spec)
+    cpu_layers.load_checkpoint(layer, cpu_layers.random_nvfp4_checkpoint(spec, seed=seed), spec.num_experts)
+    return layer
+
+
+def as_bytes(t):
+    return t.detach().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("spec", CASES)
+def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
+    ours = loaded_layer(spec)
+    ptrs = {n: (p.data_ptr(), tuple(p.shape), p) for n, p in ours.named_parameters()}
+    ours.quant_method.process_weights_after_loading(ours)
+    st = weights.state_of(ours)
+    assert st is not None and st.clean, "the plugin did not take over preparation"
+
+    # in place: same Parameter objects, same storage, same shapes
+    for n, (ptr, shape, obj) in ptrs.items():
+        p = getattr(ours, n)
+        assert p is obj and p.data_ptr() == ptr and tuple(p.shape) == shape, n
+
+    upstream = loaded_layer(spec)
+    sglang_runtime.upstream_process_weights_after_loading(upstream.quant_method, upstream, monkeypatch)
+    for n in WEIGHTS:
+        a, b = getattr(ours, n), getattr(upstream, n)
+        assert a.shape == b.shape, (n, a.shape, b.shape)
+        assert torch.equal(as_bytes(a), as_bytes(b)), f"{n} differs from SGLang's own trtllm preparation"
+    for n in SCALARS:
+        torch.testing.assert_close(getattr(ours, n).data, getattr(upstream, n).data, rtol=0, atol=0, msg=n)
+
+
+def test_padded_gate_half_starts_at_padded_row():
+    # I = 96 gated: SGLang allocates 2 * 128 rows; gate (w1) must sit at row 128, not 96, in checkpoint layout.
+    spec = cpu_layers.MoeSpec(intermediate=96)
+    layer = loaded_layer(spec)
+    ck = cpu_layers.random_nvfp4_checkpoint(spec)
+    w = layer.w13_weight.data
+    assert torch.equal(w[0, :96], ck["experts.0.up_proj.weight"])
+    assert torch.equal(w[0, 128:224], ck["experts.0.gate_proj.weight"])
+
+
+def test_unservable_layer_on_explicit_trtllm_is_a_clear_error():
+    spec = cpu_layers.MoeSpec(intermediate=128)
+    layer = loaded_layer(spec)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    # A scale tensor whose rows cannot take the 128x4 layout in place (as an older release might allocate it).
+    layer.w2_weight_scale.data = layer.w2_weight_scale.data[:, :, :6].contiguous()
+    with pytest.raises(TrtllmLayerError) as e:
+        layer.quant_method.process_weights_after_loading(layer)
+    msg = str(e.value)
+    assert "model.layers.0.mlp.experts" in msg and "w2_weight_scale" in msg and "Fix:" in msg
+    assert weights.state_of(layer) is None
+    for n in WEIGHTS[:3]:
+        assert torch.equal(as_bytes(getattr(layer, n)), as_bytes(before[n])), f"{n} was modified by a refused prep"
