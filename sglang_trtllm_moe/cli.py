@@ -16,12 +16,57 @@ def _cmd_doctor(args) -> int:
     return 1 if missing else 0
 
 
+def _cmd_explain(args) -> int:
+    from .builtins.selection_hooks import explain_model
+    from .selection import format_report, Resolution, Eligibility
+
+    r = explain_model(args.model, sm=args.sm, tp_size=args.tp, ep_size=args.ep, quantization=args.quantization,
+                      a2a_backend=args.a2a, enable_eplb=args.eplb, moe_runner_backend=args.moe_runner_backend,
+                      run_sglang=not args.no_sglang)
+    if args.json:
+        print(json.dumps(r, indent=2, default=str))
+        return 0
+    if r["problem"] is None:
+        print(f"winner: {r['winner']}  [{r['code']}]\n  {r['reason']}")
+    else:
+        cands = [Eligibility(**c) for c in r["candidates"]]
+        res = Resolution(r["winner"], cands, r["fingerprint"], r["code"], r["reason"], r["requested"], r["upstream"])
+        p = r["problem"]
+        print(f"model: {p['architecture']} {p['quantization'] or 'bf16'} H {p['hidden_size']} I {p['intermediate_size']} "
+              f"experts {p['num_experts']} top-k {p['top_k']} {'gated' if p['gated'] else 'non-gated'} {p['activation']}, "
+              f"tp {p['tp_size']} ep {p['ep_size']} a2a {p['a2a_backend']}")
+        print(format_report(res))
+    sg = r.get("sglang") or {}
+    if "error" in sg:
+        print(f"SGLang resolution not run: {sg['error']}")
+    elif sg:
+        print(f"SGLang resolution (device=cpu, platform faked): upstream alone -> {sg.get('upstream_alone')}, "
+              f"with the plugin ({sg.get('plugin_status')}) -> {sg.get('with_plugin')}")
+        for k in ("upstream_alone_error", "with_plugin_error"):
+            if k in sg:
+                print(f"  {k}: {sg[k]}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglang-trtllm-moe", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="versions, device, plugin state, and whether every hook landed in SGLang")
     d.add_argument("--json", action="store_true", help="machine-readable output (stable keys, see doctor.py)")
     d.set_defaults(func=_cmd_doctor)
+    e = sub.add_parser("explain", help="which MoE runner backend a model gets on SM100, and why every other one was not")
+    e.add_argument("--model", required=True, help="model directory (only config.json is read)")
+    e.add_argument("--sm", type=int, default=None, help="compute capability as SM number (100, 103, 120, 90); "
+                                                        "default: this machine's GPU")
+    e.add_argument("--tp", type=int, default=1)
+    e.add_argument("--ep", type=int, default=1)
+    e.add_argument("--quantization", default=None, help="as --quantization (default: from config.json)")
+    e.add_argument("--a2a", default="none", help="as --moe-a2a-backend")
+    e.add_argument("--eplb", action="store_true", help="as --enable-eplb")
+    e.add_argument("--moe-runner-backend", default="auto", help="as --moe-runner-backend (explicit is kept)")
+    e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
+    e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")
+    e.set_defaults(func=_cmd_explain)
     return p
 
 

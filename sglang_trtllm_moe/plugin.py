@@ -32,6 +32,8 @@ BUILTIN_MODULES = (
     "sglang_trtllm_moe.builtins.probe",
     "sglang_trtllm_moe.builtins.quant_methods",
     "sglang_trtllm_moe.builtins.runner_hooks",
+    "sglang_trtllm_moe.builtins.weight_updates",
+    "sglang_trtllm_moe.builtins.selection_hooks",
 )
 
 

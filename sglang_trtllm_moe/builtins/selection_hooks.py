@@ -1,0 +1,195 @@
+"""Auto-select flashinfer_trtllm(_routed) where SGLang resolves `--moe-runner-backend`.
+
+Target (0.5.23): a BEFORE hook on `sglang.srt.arg_groups.moe_hook.handle_moe_kernel_config`, the pipeline step
+that resolves the MoE runner from quantization. Why there and not elsewhere:
+* every model-specific rule has already run (`handle_model_specific_adjustments` and its override registry come
+  earlier in `pipeline.run_resolution_pipeline`), so we see what SGLang decided on its own and only fill the gap;
+* the step itself then runs SGLang's quantization rules, its per-runner asserts and the shared-expert-fusion
+  disable on *our* choice — the plugin's pick is validated by SGLang's own code, not trusted;
+* the pipeline imports the step at call time and calls it through `run_hook`, which keys on `__name__`
+  (HookRegistry's wrapper keeps it), so the hook lands whether or not `moe_hook` was imported before
+  `load_plugins()`; `register_model_override` would not see explicit-vs-derived "auto" or the a2a/EPLB fields
+  the same way, and per-arch providers would have to be registered for every architecture.
+The choice is written with `declare_resolution` (SGLang's own provenance stash), never by mutating the record.
+Older releases resolve elsewhere (<= 0.5.18: `ServerArgs.__post_init__` / `_handle_model_specific_adjustments`;
+0.5.16-0.5.18: `arg_groups.overrides`); they get no target here yet, so `doctor` shows none for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .. import PROJECT_NAME, hookimpl
+from ..selection import BACKENDS, Code, Resolution, log_decision, problem_from_hf_config, resolve
+from ..targets import HookTarget
+
+logger = logging.getLogger(PROJECT_NAME)
+
+TARGET = "sglang.srt.arg_groups.moe_hook.handle_moe_kernel_config"
+SOURCE = "sglang_trtllm_moe.auto_select"
+
+#: Every decision made in this process (target and draft), newest last: for `explain` and tests.
+DECISIONS: list[dict] = []
+
+
+def _problem(server_args: Any, draft: bool = False):
+    from sglang.srt.arg_groups.overrides import model_config_of, resolved_view
+
+    view = resolved_view(server_args)
+    model_config = model_config_of(server_args)
+    quant = view.quantization or getattr(model_config, "quantization", None)
+    a2a = view.speculative_moe_a2a_backend if draft and view.speculative_moe_a2a_backend else view.moe_a2a_backend
+    # A2A backends make EP span the TP group (SGLang declares that one step later, in handle_a2a_moe).
+    ep = view.tp_size if a2a not in (None, "none") else view.ep_size
+    return problem_from_hf_config(
+        model_config.hf_config, quantization=quant, tp_size=view.tp_size, ep_size=ep, a2a_backend=a2a or "none",
+        enable_eplb=bool(view.enable_eplb), num_redundant_experts=int(view.ep_num_redundant_experts or 0),
+        init_expert_location=str(view.init_expert_location or "trivial"), speculative_draft=draft,
+    ), view
+
+
+def decide(server_args: Any) -> Resolution | None:
+    """Look at the half-resolved ServerArgs, declare the plugin's choice, return the report (None: not MoE)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    from ..compat.platform import device_from_sglang
+
+    problem, view = _problem(server_args)
+    if problem is None:
+        return None
+    raw = getattr(server_args, "_raw_input", None) or {}
+    requested = raw.get("moe_runner_backend", server_args.moe_runner_backend) or "auto"
+    upstream = view.moe_runner_backend
+    device = device_from_sglang()
+    res = resolve(problem, device, requested=requested, upstream=upstream)
+    log_decision(res, problem)
+    DECISIONS.append({"what": "target", "problem": problem, **res.to_dict()})
+
+    if res.code != Code.AUTO_SELECTED or res.winner == upstream:
+        return res  # explicit, switched off, not SM 10.x, SGLang's own rule, or nothing eligible: SGLang's answer
+    declare_resolution(server_args, SOURCE, moe_runner_backend=res.winner)
+    # The draft inherits the target's runner by default (_speculative_moe_runner_default); pin it to what it
+    # would have inherited without us, so only the target moves.
+    if view.speculative_algorithm is not None and view.speculative_moe_runner_backend is None:
+        draft, _ = _problem(server_args, draft=True)
+        dres = resolve(draft, device, requested="auto", upstream=upstream)
+        log_decision(dres, draft, what="speculative draft MoE")
+        DECISIONS.append({"what": "draft", "problem": draft, **dres.to_dict()})
+        declare_resolution(server_args, SOURCE, speculative_moe_runner_backend=dres.winner)
+    return res
+
+
+def before_handle_moe_kernel_config(server_args, *args, **kwargs):
+    """BEFORE hook: decide, then let SGLang's step run (and validate) as usual. Never breaks resolution."""
+    try:
+        decide(server_args)
+    except Exception as e:  # noqa: BLE001 - a bug here must leave SGLang's own resolution untouched
+        logger.warning("sglang-trtllm-moe: auto-selection skipped, SGLang's choice stands: %s: %s",
+                       type(e).__name__, e, exc_info=True)
+    return None
+
+
+@hookimpl
+def register_sglang_hooks(register, release):
+    register(
+        HookTarget(
+            target=TARGET,
+            hook=before_handle_moe_kernel_config,
+            hook_type="before",
+            releases=">=0.5.23",
+            capability="auto-select",
+            why="on SM 10.x with --moe-runner-backend auto, pick flashinfer_trtllm(_routed) wherever eligible",
+        )
+    )
+
+
+__all__ = ["DECISIONS", "SOURCE", "TARGET", "before_handle_moe_kernel_config", "decide", "BACKENDS", "Code"]
+
+
+# --- `explain`: the same rules, offline, plus SGLang's own resolution with and without the plugin -----------------
+
+
+def _sglang_resolutions(model_path: str, sm: int | None, server_kwargs: dict) -> dict:
+    """moe_runner_backend from SGLang's real resolution (device="cpu", platform faked to `sm`): upstream alone
+    (our hook present but switched off through SGLANG_TRTLLM_MOE_AUTO=0) and with the plugin."""
+    import contextlib
+    import os
+
+    from ..compat.platform import fake_platform, resolved_moe_runner_backend
+    from ..doctor import load_into_this_process
+    from ..plugin import state
+    from ..selection import ENV_AUTO
+
+    load_into_this_process()
+    from sglang.srt.server_args import ServerArgs
+
+    out: dict = {"plugin_status": state().status}
+    saved = os.environ.get(ENV_AUTO)
+    try:
+        for key, auto in (("upstream_alone", "0"), ("with_plugin", saved if saved is not None else "1")):
+            os.environ[ENV_AUTO] = auto
+            scope = fake_platform(sm) if sm is not None else contextlib.nullcontext()
+            try:
+                with scope:
+                    out[key] = resolved_moe_runner_backend(ServerArgs(model_path=model_path, device="cpu", **server_kwargs))
+            except Exception as e:  # noqa: BLE001 - SGLang rejecting the configuration is an answer too
+                out[key] = None
+                out[f"{key}_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_AUTO, None)
+        else:
+            os.environ[ENV_AUTO] = saved
+    return out
+
+
+def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, ep_size: int = 1,
+                  quantization: str | None = None, a2a_backend: str = "none", enable_eplb: bool = False,
+                  moe_runner_backend: str = "auto", run_sglang: bool = True) -> dict:
+    """The resolution report for a model directory (config.json only), without a GPU."""
+    import json
+    import os
+    from dataclasses import asdict
+
+    from ..selection import DeviceInfo, flashinfer_version
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    problem = problem_from_hf_config(config, quantization=quantization, tp_size=tp_size,
+                                     ep_size=tp_size if a2a_backend != "none" else ep_size,
+                                     a2a_backend=a2a_backend, enable_eplb=enable_eplb)
+    if sm is not None:
+        device = DeviceInfo(sm=sm, flashinfer_version=flashinfer_version(), source="cli --sm")
+    else:
+        device = _local_device()
+    sglang: dict = {}
+    if run_sglang:
+        kwargs = dict(tp_size=tp_size, ep_size=ep_size, moe_runner_backend=moe_runner_backend,
+                      moe_a2a_backend=a2a_backend, enable_eplb=enable_eplb)
+        if quantization is not None:
+            kwargs["quantization"] = quantization
+        try:
+            sglang = _sglang_resolutions(model_path, device.sm, kwargs)
+        except Exception as e:  # noqa: BLE001 - no SGLang (or an older one): the plugin's rules still answer
+            sglang = {"error": f"{type(e).__name__}: {e}"}
+    if problem is None:
+        return {"winner": sglang.get("with_plugin") or moe_runner_backend, "code": "NOT_MOE",
+                "reason": "the model has no routed experts (no num_experts / n_routed_experts in config.json)",
+                "candidates": [], "problem": None, "sglang": sglang}
+    res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
+    return {**res.to_dict(), "problem": asdict(problem), "sglang": sglang}
+
+
+def _local_device():
+    from ..selection import DeviceInfo, flashinfer_version
+
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return DeviceInfo(sm=major * 10 + minor, flashinfer_version=flashinfer_version(), source="torch.cuda")
+    except Exception:  # noqa: BLE001
+        pass
+    return DeviceInfo(sm=None, flashinfer_version=flashinfer_version(), source="no CUDA device")
