@@ -156,7 +156,8 @@ def fp8_dequantize(q: torch.Tensor, scale: ScaleLike = 1.0) -> torch.Tensor:
 def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek 128x128 block FP8 of `[..., N, K]`: (e4m3 `[..., N, K]`, scale_inv float32 `[..., N/128, K/128]`).
 
-    Scale = max(amax/448, 1e-12), q = e4m3(clamp(w / scale)), exactly flashinfer `prepare._deepseek_fp8_quantize_weights`
+    Scale = max(amax/448, 1e-12), q = e4m3(clamp(w / scale)), exactly flashinfer
+    `prepare._deepseek_fp8_quantize_weights`
     (the TRT-LLM DeepSeek recipe uses plain fp32 scales, not DeepGEMM's power-of-two ue8m0 ones).
     """
     *lead, N, K = w.shape
@@ -174,7 +175,9 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
     return q.float() * s
 
 
-def fp8_group_quantize(x: torch.Tensor, group: int = FP8_BLOCK, min_scale: float = 1e-12) -> Tuple[torch.Tensor, torch.Tensor]:
+def fp8_group_quantize(
+    x: torch.Tensor, group: int = FP8_BLOCK, min_scale: float = 1e-12
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token 1x`group` FP8 of `[..., K]`: (e4m3 `[..., K]`, scale float32 `[..., K/group]`), scale = amax/448.
 
     Same math as flashinfer `prepare._deepseek_fp8_quantize_activations` (which returns the scales transposed

@@ -1,21 +1,21 @@
 """Quantizers against flashinfer's own CPU-capable pure-torch code (bit for bit where it exists).
 
 Oracles nobody here wrote:
-* `flashinfer.quantization.fp4_quantization._e2m1_and_ufp8sf_scale_to_float_cpu` (NVFP4 dequant, linear SF, e4m3 = type 1)
+* `flashinfer.quantization.fp4_quantization._e2m1_and_ufp8sf_scale_to_float_cpu` (NVFP4 dequant, linear SF,
+  e4m3 = type 1)
 * `flashinfer.fused_moe.prepare._quantize_mxfp4_linear` (e2m1 code selection + packing; ties round *down* there)
 * `flashinfer.fused_moe.prepare._deepseek_fp8_quantize_weights` / `_deepseek_fp8_quantize_activations` (DeepSeek FP8)
 * `flashinfer.fused_moe.prepare.prepare_trtllm_fp8_per_tensor_activations` (per-tensor e4m3 cast)
 """
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_trtllm_moe import quant
 
-fp4q = pytest.importorskip("flashinfer.quantization.fp4_quantization")
-prep = pytest.importorskip("flashinfer.fused_moe.prepare")
+import flashinfer.fused_moe.prepare as prep
+import flashinfer.quantization.fp4_quantization as fp4q
 
 GRID = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32)
 

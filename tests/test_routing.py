@@ -96,7 +96,8 @@ ALL_CUSTOM = [
 
 
 def test_enum_values_match_flashinfer():
-    fi = pytest.importorskip("flashinfer.tllm_enums")
+    import flashinfer.tllm_enums as fi
+
     for m in fi.RoutingMethodType:
         assert RoutingMethodType[m.name] == int(m)
 
@@ -183,7 +184,8 @@ def _flashinfer_pack_reference():
     spec = importlib.util.find_spec("flashinfer")
     path = pathlib.Path(spec.origin).parent / "experimental/b12x/moe/_shared/kernels/reference_flashinfer.py"
     tree = ast.parse(path.read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "pack_flashinfer_trtllm_topk_ids_weights")
+    name = "pack_flashinfer_trtllm_topk_ids_weights"
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     ns = {"torch": torch}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), ns)
     return ns[fn.name]
