@@ -41,6 +41,12 @@ def _as_f32_scalar(s: ScaleLike, device: torch.device) -> torch.Tensor:
     return t.reshape(())
 
 
+def _fp8_max(device: torch.device) -> torch.Tensor:
+    """448 as a tensor: torch's CUDA `tensor / python_scalar` multiplies by the reciprocal (1 ulp off true division,
+    which is what CPU torch and the kernels' `aMax / E4m3MaxVal` compute); tensor / tensor divides on both."""
+    return torch.tensor(FP8_E4M3_MAX, dtype=torch.float32, device=device)
+
+
 def _lut(device: torch.device) -> torch.Tensor:
     grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=device)
     return torch.cat([grid, -grid])
@@ -164,7 +170,7 @@ def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> Tuple[torch.T
     if N % block or K % block:
         raise ValueError(f"block FP8 needs N and K multiples of {block}, got {(N, K)}")
     b = w.float().reshape(*lead, N // block, block, K // block, block).transpose(-3, -2)
-    scale = (b.abs().amax(dim=(-1, -2), keepdim=True) / FP8_E4M3_MAX).clamp(min=1e-12)
+    scale = (b.abs().amax(dim=(-1, -2), keepdim=True) / _fp8_max(w.device)).clamp(min=1e-12)
     q = (b / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).transpose(-3, -2).reshape(w.shape)
     return q.to(torch.float8_e4m3fn), scale[..., 0, 0].contiguous()
 
@@ -188,7 +194,7 @@ def fp8_group_quantize(
     if K % group:
         raise ValueError(f"last dim {K} is not a multiple of the group {group}")
     b = x.float().reshape(*x.shape[:-1], K // group, group)
-    scale = (b.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=min_scale)
+    scale = (b.abs().amax(dim=-1, keepdim=True) / _fp8_max(x.device)).clamp(min=min_scale)
     q = (b / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(x.shape).to(torch.float8_e4m3fn)
     return q, scale.squeeze(-1)
 
