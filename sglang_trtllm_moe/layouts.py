@@ -18,7 +18,7 @@ Formulas: flashinfer 0.7.2 `get_reorder_rows_for_gated_act_gemm_row_indices`, `g
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -194,8 +194,21 @@ def _bytes3d(t: torch.Tensor, name: str = "t") -> torch.Tensor:
     return t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
 
 
-def _expert_runs(num_experts: int, experts, chunk) -> Iterator[tuple[int, int]]:
-    """Yield [start, stop) expert slices: consecutive runs of the requested experts, cut to `chunk` experts."""
+#: Default scratch cap per device type. On CPU a scratch that stays in the last-level cache makes the copy back
+#: nearly free: measured on a 2-core EPYC (32 MiB L3), w13 rows in place ran at 21 GB/s with 1 expert (14.7 MB)
+#: per chunk and at 5.8 GB/s with 4. On CUDA bigger chunks mean fewer launches.
+SCRATCH_CAP_BYTES = {"cpu": 16 << 20, "cuda": 512 << 20}
+
+
+def _default_chunk(u8: torch.Tensor) -> int:
+    """max(1, E // 8) experts (the memory promise), fewer if that would exceed the device's scratch cap."""
+    per_expert = max(1, u8[0].numel())
+    cap = SCRATCH_CAP_BYTES.get(u8.device.type, SCRATCH_CAP_BYTES["cuda"])
+    return max(1, min(u8.shape[0] // 8, cap // per_expert))
+
+
+def _expert_runs(num_experts: int, experts, chunk) -> list[tuple[int, int]]:
+    """[start, stop) expert slices: consecutive runs of the requested experts, cut to at most `chunk` experts."""
     if chunk is None:
         chunk = max(1, num_experts // 8)
     if chunk < 1:
@@ -207,16 +220,18 @@ def _expert_runs(num_experts: int, experts, chunk) -> Iterator[tuple[int, int]]:
         ids = sorted(int(i) for i in ids)
         if any(i < 0 or i >= num_experts for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"experts must be distinct ids in [0, {num_experts}), got {ids}")
+    runs: list[tuple[int, int]] = []
     run_start = prev = None
     for i in ids:
         if run_start is not None and (i != prev + 1 or i - run_start >= chunk):
-            yield run_start, prev + 1
+            runs.append((run_start, prev + 1))
             run_start = None
         if run_start is None:
             run_start = i
         prev = i
     if run_start is not None:
-        yield run_start, prev + 1
+        runs.append((run_start, prev + 1))
+    return runs
 
 
 def _check_row_map(row_map: torch.Tensor, m: int, t: torch.Tensor) -> torch.Tensor:
@@ -228,29 +243,51 @@ def _check_row_map(row_map: torch.Tensor, m: int, t: torch.Tensor) -> torch.Tens
     return row_map.long()
 
 
-def _gather_rows(u8: torch.Tensor, row_map: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows of experts [start, stop) permuted by row_map, as one flat-row gather (fastest on CPU, §6 of the notes).
+class _Scratch:
+    """One scratch buffer per in-place call, reused by every chunk of experts.
 
-    Tiny rows (< 64 bytes) would make the int64 index bigger than the data, so they gather along dim 1 instead.
+    A fresh allocation per chunk pays page faults on first touch: measured on the 2-core CPU, an out-of-place
+    index_select ran at 2.9 GB/s and the same gather into a preallocated buffer at 19 GB/s.
+    Rows are gathered flat (`[E*M, C].index_select(0, map + e*M)`, fastest on CPU, notes §6); rows under 64 bytes
+    gather along dim 1 instead, where a flat int64 index would be bigger than the data.
     """
-    e, m, c = u8.shape
-    k = stop - start
-    if c >= 64:
-        src = (row_map.unsqueeze(0) + torch.arange(start * m, stop * m, m, device=u8.device).unsqueeze(1))
-        tmp = u8.view(e * m, c).index_select(0, src.reshape(-1))
-        _note_scratch(src, tmp)
-        return tmp.view(k, m, c)
-    tmp = u8[start:stop].index_select(1, row_map)
-    _note_scratch(row_map, tmp)
-    return tmp
+
+    def __init__(self, u8: torch.Tensor, runs: Sequence[tuple[int, int]], row_map: torch.Tensor | None = None):
+        e, m, c = u8.shape
+        k = max((t - s for s, t in runs), default=0)
+        self.u8, self.m, self.c, self.row_map = u8, m, c, row_map
+        self.buf = torch.empty((k, m, c), dtype=torch.uint8, device=u8.device)
+        self.flat = row_map is not None and c >= 64
+        parts = [self.buf]
+        if self.flat:
+            offsets = torch.arange(0, k * m, m, device=u8.device).unsqueeze(1)
+            self.base = row_map.unsqueeze(0) + offsets
+            self.src = torch.empty_like(self.base)
+            parts += [self.base, self.src]
+        _note_scratch(*parts)
+
+    def load(self, s: int, t: int) -> torch.Tensor:
+        """Experts [s, t) (rows permuted when a map was given), copied out so their storage can be overwritten."""
+        k, m, c = t - s, self.m, self.c
+        out = self.buf[:k]
+        if self.row_map is None:
+            out.copy_(self.u8[s:t])
+        elif self.flat:
+            src = torch.add(self.base[:k], s * m, out=self.src[:k])
+            torch.index_select(self.u8.view(-1, c), 0, src.view(-1), out=out.view(k * m, c))
+        else:
+            torch.index_select(self.u8[s:t], 1, self.row_map, out=out)
+        return out
 
 
 def permute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
     """In place: t[e] = t[e][row_map] for each selected expert; storage and shape unchanged."""
     u8 = _bytes3d(t)
     row_map = _check_row_map(row_map, u8.shape[1], t)
-    for start, stop in _expert_runs(u8.shape[0], experts, chunk):
-        u8[start:stop].copy_(_gather_rows(u8, row_map, start, stop))
+    runs = _expert_runs(u8.shape[0], experts, chunk if chunk is not None else _default_chunk(u8))
+    scratch = _Scratch(u8, runs, row_map)
+    for start, stop in runs:
+        u8[start:stop].copy_(scratch.load(start, stop))
     return t
 
 
@@ -323,36 +360,41 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
     return e, r, c
 
 
+def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
+    e, r, c = _check_inplace_sf(sf)
+    u8 = _bytes3d(sf, "sf")
+    if row_map is not None:
+        row_map = _check_row_map(row_map, r, sf)
+    runs = _expert_runs(e, experts, chunk if chunk is not None else _default_chunk(u8))
+    scratch = _Scratch(u8, runs, row_map)
+    for s, t in runs:
+        k = t - s
+        # The 128x4 swizzle moves 4-byte groups (4 scales of one row), so it is an int32 permutation: copying
+        # 4x fewer, wider elements measured 2x faster on CPU than the uint8 6-D permute.
+        tmp = scratch.load(s, t).view(torch.int32).view(k, r // 128, 4, 32, c // 4)
+        dst = u8[s:t].view(torch.int32)
+        if swizzle:  # write the linear scratch straight into swizzled order: no second temporary
+            dst.view(k, r // 128, c // 4, 32, 4).copy_(tmp.permute(0, 1, 4, 3, 2))
+        else:
+            dst.view(k, r // 128, 4, 32, c // 4).copy_(
+                tmp.view(k, r // 128, c // 4, 32, 4).permute(0, 1, 4, 3, 2))
+    return sf
+
+
 def swizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
     """In place 128x4 swizzle (same storage); scratch is one chunk of experts."""
-    e, r, c = _check_inplace_sf(sf)
-    for s, t in _expert_runs(e, experts, chunk):
-        tmp = sf[s:t].clone()
-        _note_scratch(tmp)
-        sf[s:t].copy_(_sf_view_swizzled(tmp, t - s, r, c).reshape(t - s, r, c))
-    return sf
+    return _sf_inplace(sf, experts, chunk, None, True)
 
 
 def unswizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
     """In place inverse of `swizzle_sf_128x4_`."""
-    e, r, c = _check_inplace_sf(sf)
-    for s, t in _expert_runs(e, experts, chunk):
-        tmp = sf[s:t].clone()
-        _note_scratch(tmp)
-        sf[s:t].copy_(_sf_view_linear(tmp, t - s, r, c).reshape(t - s, r, c))
-    return sf
+    return _sf_inplace(sf, experts, chunk, None, False)
 
 
 def permute_rows_and_swizzle_sf_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
                                  chunk: int | None = None) -> torch.Tensor:
     """Scale prep in one pass: rows by `row_map`, then 128x4 swizzle, written straight back (one scratch copy)."""
-    e, r, c = _check_inplace_sf(sf)
-    u8 = _bytes3d(sf, "sf")
-    row_map = _check_row_map(row_map, r, sf)
-    for s, t in _expert_runs(e, experts, chunk):
-        tmp = _gather_rows(u8, row_map, s, t)
-        u8[s:t].copy_(_sf_view_swizzled(tmp.reshape(t - s, r, c), t - s, r, c).reshape(t - s, r, c))
-    return sf
+    return _sf_inplace(sf, experts, chunk, row_map, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -397,21 +439,18 @@ def block_major_k_view(t: torch.Tensor, block_k_bytes: int = 128) -> torch.Tenso
 def _block_inplace(t, block_k_bytes, experts, chunk, row_map=None, inverse=False):
     e, m, kb = _block_dims(t, block_k_bytes)
     u8 = _bytes3d(t)
-    nb = kb // block_k_bytes
+    nb, bk = kb // block_k_bytes, block_k_bytes
     if row_map is not None:
         row_map = _check_row_map(row_map, m, t)
-    for s, stop in _expert_runs(e, experts, chunk):
+    runs = _expert_runs(e, experts, chunk if chunk is not None else _default_chunk(u8))
+    scratch = _Scratch(u8, runs, row_map)
+    for s, stop in runs:
         k = stop - s
-        if row_map is not None:
-            tmp = _gather_rows(u8, row_map, s, stop)
-        else:
-            tmp = u8[s:stop].clone()
-            _note_scratch(tmp)
+        tmp = scratch.load(s, stop)
         if inverse:  # block-major [k, nb, M, bk] -> [k, M, nb, bk]
-            src = tmp.view(k, nb, m, block_k_bytes).permute(0, 2, 1, 3)
+            u8[s:stop].view(k, m, nb, bk).copy_(tmp.view(k, nb, m, bk).permute(0, 2, 1, 3))
         else:
-            src = tmp.view(k, m, nb, block_k_bytes).permute(0, 2, 1, 3)
-        u8[s:stop].copy_(src.reshape(k, m, kb))
+            u8[s:stop].view(k, nb, m, bk).copy_(tmp.view(k, m, nb, bk).permute(0, 2, 1, 3))
     return t
 
 

@@ -373,3 +373,18 @@ def test_errors_name_the_shape_the_requirement_and_the_fix():
     assert L.shuffle_map(48, epilogue_tile_m=64).numel() == 48  # 16-row blocks for a 64-row epilogue tile
     with pytest.raises(ValueError, match="ip=4 is smaller than I=5"):
         L.pad_gated_halves(_rand((1, 10, 2)), 4)
+
+
+def test_inplace_scratch_is_at_most_a_chunk_of_experts():
+    e, m, c = 16, 256, 512
+    t = _rand((e, m, c), seed=3)
+    expert_bytes, index_bytes = m * c, 2 * m * 8  # the scratch rows, plus the flat row index and its base
+    for chunk, experts_worth in ((None, e // 8), (1, 1), (3, 3)):
+        L.reset_scratch_peak()
+        L.permute_rows_(t, L.w2_row_map(m), chunk=chunk)
+        assert 0 < L.scratch_peak_bytes() <= experts_worth * (expert_bytes + index_bytes)
+    L.reset_scratch_peak()
+    L.permute_rows_and_swizzle_sf_(t, L.w13_row_map(m, True))
+    assert 0 < L.scratch_peak_bytes() <= (e // 8) * (expert_bytes + index_bytes)
+    with pytest.raises(ValueError, match="chunk"):
+        L.permute_rows_(t, L.w2_row_map(m), chunk=0)
