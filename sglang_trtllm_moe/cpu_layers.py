@@ -88,3 +88,50 @@ def load_checkpoint(layer, tensors: dict[str, torch.Tensor], num_experts: int) -
         else:
             raise KeyError(f"no FusedMoE parameter for checkpoint tensor {name}")
     return calls
+
+
+class TinyMoeModel(torch.nn.Module):
+    """The smallest model SGLang's weight-update paths accept: one FusedMoE under a DeepSeek-style prefix and a
+    `load_weights` that routes checkpoint names to FusedMoE.weight_loader, as SGLang's model classes do."""
+
+    prefix = "model.layers.0.mlp."
+
+    def __init__(self, spec: MoeSpec):
+        super().__init__()
+        self.spec = spec
+        self.experts = build_layer(spec, prefix=self.prefix + "experts")
+        self.quant_config = self.experts.quant_config
+
+    def load_weights(self, weights):
+        tensors = {}
+        for name, t in weights:
+            if not name.startswith(self.prefix):
+                raise KeyError(f"unexpected weight {name}")
+            tensors[name[len(self.prefix):]] = t
+        load_checkpoint(self.experts, tensors, self.spec.num_experts)
+        return set(tensors)
+
+
+def checkpoint_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full checkpoint names as a model's safetensors holds them."""
+    return {TinyMoeModel.prefix + k: v for k, v in tensors.items()}
+
+
+def write_safetensors_checkpoint(path, tensors: dict[str, torch.Tensor], spec: MoeSpec) -> None:
+    """A model directory SGLang's update_weights_from_disk can read: config.json + model.safetensors."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in checkpoint_names(tensors).items()}, os.path.join(path, "model.safetensors"))
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": spec.hidden, "moe_intermediate_size": spec.intermediate, "intermediate_size": 4 * spec.hidden,
+        "n_routed_experts": spec.num_experts, "num_experts_per_tok": spec.top_k, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)

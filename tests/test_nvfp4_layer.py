@@ -83,3 +83,50 @@ def test_unservable_layer_on_explicit_trtllm_is_a_clear_error():
     assert weights.state_of(layer) is None
     for n in WEIGHTS[:3]:
         assert torch.equal(as_bytes(getattr(layer, n)), as_bytes(before[n])), f"{n} was modified by a refused prep"
+
+
+def _forward(layer, x, logits):
+    from sglang.srt.layers.moe.topk import TopK
+
+    topk = TopK(top_k=2, renormalize=True, layer_id=0)
+    out = topk(x, logits)
+    return layer(x, out), out
+
+
+@pytest.mark.parametrize("spec", CASES)
+def test_forward_through_sglang_layer_with_emulator_matches_dequantized_reference(spec, monkeypatch):
+    from .moe_reference import reference_moe
+
+    monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
+    layer = loaded_layer(spec)
+    layer.quant_method.process_weights_after_loading(layer)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, spec.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(6, spec.num_experts, generator=g)
+    out, topk = _forward(layer, x, logits)
+    ref = reference_moe(x, topk.topk_ids, topk.topk_weights, cpu_layers.random_nvfp4_checkpoint(spec), spec)
+    # The kernel quantizes the activations and the GEMM1 output to NVFP4 (e2m1: 1 mantissa bit, ~12 % worst-case
+    # relative error per element), so against a float reference the whole output agrees to ~10 %; a wrong
+    # layout (rows of another half/expert) gives ~100 %.
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 0.2, float(rel)
+
+    # The same check must fail when the bytes are not in kernel layout (proves the bound can catch a layout bug).
+    NVFP4 = weights.state_of(layer).fmt
+    NVFP4.unprepare_(layer, "w13", list(range(spec.num_experts)))
+    bad, _ = _forward(layer, x, logits)
+    assert (bad.float() - ref).norm() / ref.norm() > 0.5
+
+
+def test_without_emulator_on_cpu_the_runner_says_what_to_do(monkeypatch):
+    from sglang_trtllm_moe.runner import KernelUnavailableError
+
+    monkeypatch.delenv("SGLANG_TRTLLM_MOE_EMULATE", raising=False)
+    spec = cpu_layers.MoeSpec()
+    layer = loaded_layer(spec)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(2, spec.hidden).to(torch.bfloat16)
+    with pytest.raises(KernelUnavailableError) as e:
+        _forward(layer, x, torch.randn(2, spec.num_experts))
+    msg = str(e.value)
+    assert "SM100" in msg and "SGLANG_TRTLLM_MOE_EMULATE=1" in msg and "model.layers.0.mlp.experts" in msg

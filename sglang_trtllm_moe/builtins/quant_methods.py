@@ -98,8 +98,25 @@ def remember_prefix(result, layer, *args, **kwargs):
         object.__setattr__(layer, "_trtllm_moe_prefix", prefix)
 
 
+def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
+    """SGLang silently drops a shard whose global expert id maps to no local expert (right for EP ranks that do
+    not own it); an id no rank owns is a caller bug that would leave the old weights in place unnoticed."""
+    if weights.state_of(layer) is not None and expert_id is not None:
+        total = int(getattr(layer, "num_experts", 0)) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
+        if total and not 0 <= int(expert_id) < total:
+            raise ValueError(
+                f"{weights.layer_name(layer)}: refused weight update of {weight_name}: expert id {expert_id} is not "
+                f"an expert of this model (0..{total - 1}); nothing was written"
+            )
+    return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+
+
 @hookimpl
 def register_sglang_hooks(register, release):
+    register(HookTarget(
+        f"{FUSED_MOE}.weight_loader", weight_loader, "around", releases=">=0.5.11", capability="rl-update",
+        why="refuse expert ids that no rank owns (SGLang drops them silently)",
+    ))
     register(HookTarget(
         f"{FUSED_MOE}.__init__", remember_prefix, "after", releases=">=0.5.11", capability="core",
         why="remember each MoE layer's checkpoint prefix so errors and reports can name it",
