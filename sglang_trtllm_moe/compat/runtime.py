@@ -13,13 +13,21 @@ import os
 _INITIALISED: dict = {}
 
 
-def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int = 29633, **server_args) -> None:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int | None = None, **server_args) -> None:
     """Idempotent per backend: re-publishing the config switches backend for layers built afterwards."""
     key = (moe_runner_backend, tuple(sorted(server_args.items())))
     if _INITIALISED.get("key") == key:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("MASTER_PORT", str(port or _free_port()))  # concurrent test runs must not collide
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
 
