@@ -48,6 +48,12 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.run()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglang-trtllm-moe", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -67,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
     e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")
     e.set_defaults(func=_cmd_explain)
+    m = sub.add_parser("demo", help="the plugin's whole job on real SGLang objects, on this CPU (a few minutes)")
+    m.set_defaults(func=_cmd_demo)
     return p
 
 

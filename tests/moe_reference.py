@@ -18,8 +18,21 @@ def dequant_nvfp4(ck, name):
     return out.reshape(rows, -1).float()
 
 
-def reference_moe(x, topk_ids, topk_weights, ck, spec):
+def _round_nvfp4(t, scale):
+    """Round to NVFP4 with a static input scale, as the kernel does to its activations (quantizer checked
+    bit-exact against flashinfer's dequant in test_quant.py)."""
+    from sglang_trtllm_moe.quant import nvfp4_dequantize, nvfp4_quantize
+
+    packed, sf = nvfp4_quantize(t, 1.0 / scale)
+    return nvfp4_dequantize(packed, sf, 1.0 / scale)
+
+
+def reference_moe(x, topk_ids, topk_weights, ck, spec, round_like_kernel=False):
     x = x.float()
+    if round_like_kernel:
+        a1 = max(float(v) for k, v in ck.items() if k.endswith("input_scale") and "down_proj" not in k)
+        a2 = max(float(v) for k, v in ck.items() if k.endswith("input_scale") and "down_proj" in k)
+        x = _round_nvfp4(x, a1)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for k in range(topk_ids.shape[1]):
@@ -32,5 +45,7 @@ def reference_moe(x, topk_ids, topk_weights, ck, spec):
                 h = torch.nn.functional.silu(g) * u
             else:
                 h = torch.relu(dequant_nvfp4(ck, base + UP + ".") @ x[t]) ** 2
+            if round_like_kernel:
+                h = _round_nvfp4(h[None], a2)[0]
             out[t] += float(topk_weights[t, k]) * (w2 @ h)
     return out
