@@ -54,6 +54,12 @@ def _cmd_demo(args) -> int:
     return demo.run()
 
 
+def _cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglang-trtllm-moe", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -75,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_explain)
     m = sub.add_parser("demo", help="the plugin's whole job on real SGLang objects, on this CPU (a few minutes)")
     m.set_defaults(func=_cmd_demo)
+    b = sub.add_parser("bench", help="prep and RL-update time vs SGLang's own code in the same run; load_plugins() cost")
+    b.add_argument("--json", action="store_true", help="a list of rows with name, plugin_s, upstream_s, ratio, ...")
+    b.add_argument("--experts", type=int, default=32, help="experts per layer (scaled down from the real model)")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

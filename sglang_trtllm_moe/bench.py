@@ -1,0 +1,212 @@
+"""`sglang-trtllm-moe bench`: the plugin against SGLang's own code, in the same run, on real SGLang layers.
+
+Rows (each: name, plugin_s, upstream_s, ratio = upstream_s / plugin_s, plus bytes and memory):
+* NVFP4 layer preparation at DeepSeek-V3 and Qwen3-MoE-235B shapes (expert count scaled down to fit 24 GB; the
+  row name says how many of how many): the plugin's in-place prep (the hooked `process_weights_after_loading`)
+  against SGLang 0.5.23's original (`__wrapped__`), whose only CUDA-only helper (flashinfer's
+  `nvfp4_block_scale_interleave`) is replaced by SGLang's own pure-torch `swizzle_blockscale` so it runs here.
+* RL update of one expert, and of the whole layer: the plugin (loader writes → flush of the dirty experts) against
+  upstream's flow (loader writes → `process_weights_after_loading` over the whole layer, which is also what
+  corrupts the experts that were not updated, see measured-upstream.md).
+* `load_plugins()`: the time SGLang's plugin loading takes with the plugin enabled vs disabled (fresh processes).
+Peak extra memory is the growth of the process's peak RSS during each step (ru_maxrss; plugin measured first, so
+upstream's figure is a lower bound). Timings are medians of `repeats` runs. Never used as a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    # name: (experts in the real model, hidden, moe intermediate)
+    "DeepSeek-V3": (256, 7168, 2048),
+    "Qwen3-MoE-235B": (128, 4096, 1536),
+}
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _fill_random_nvfp4(layer, seed: int = 0) -> None:
+    """Random packed FP4 bytes and positive finite e4m3 scales straight into the parameters (content is irrelevant
+    to the cost of a permutation; generating quantized experts of this size would dominate the run)."""
+    g = torch.Generator().manual_seed(seed)
+    for name in ("w13_weight", "w2_weight"):
+        p = getattr(layer, name).data
+        p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8, generator=g))
+    for name in ("w13_weight_scale", "w2_weight_scale"):
+        p = getattr(layer, name).data
+        p.view(torch.uint8).copy_(torch.randint(0, 0x7F, p.shape, dtype=torch.uint8, generator=g))
+    for name in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
+        getattr(layer, name).data.fill_(0.5)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _upstream_pwal():
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
+
+    fn = ModelOptNvFp4FusedMoEMethod.process_weights_after_loading
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _with_cpu_interleave():
+    import flashinfer
+    from sglang.srt.layers.quantization.utils import swizzle_blockscale
+
+    flashinfer.nvfp4_block_scale_interleave = (
+        lambda sf: swizzle_blockscale(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+
+
+def _expert_shards(layer, e: int) -> list[tuple]:
+    """(param, loaded tensor, name, shard, expert) for every shard of expert e, in checkpoint layout."""
+    half = layer.w13_weight.shape[1] // 2
+    out = []
+    for name in ("w13_weight", "w13_weight_scale"):
+        p = getattr(layer, name)
+        out.append((p, p.data[e, half:].clone(), name, "w1", e))
+        out.append((p, p.data[e, :half].clone(), name, "w3", e))
+    for name in ("w2_weight", "w2_weight_scale"):
+        p = getattr(layer, name)
+        out.append((p, p.data[e].clone(), name, "w2", e))
+    return out
+
+
+def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
+    from . import cpu_layers, layouts, weights
+
+    real_e, h, i = SHAPES[model]
+    spec = cpu_layers.MoeSpec(num_experts=experts, hidden=h, intermediate=i)
+    label = f"{model} layer ({experts} of {real_e} experts, H {h}, I {i})"
+    ours, theirs = cpu_layers.build_layer(spec), cpu_layers.build_layer(spec)
+    _fill_random_nvfp4(ours)
+    _fill_random_nvfp4(theirs)
+    nbytes = sum(getattr(ours, n).numel() * getattr(ours, n).element_size()
+                 for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"))
+    rows = []
+
+    layouts.reset_scratch_peak()
+    rss0 = _maxrss()
+    t0 = time.perf_counter()
+    ours.quant_method.process_weights_after_loading(ours)
+    plugin_first = time.perf_counter() - t0
+    rss1 = _maxrss()
+    _with_cpu_interleave()
+    upstream = _upstream_pwal()
+    t0 = time.perf_counter()
+    upstream(theirs.quant_method, theirs)
+    upstream_first = time.perf_counter() - t0
+    rss2 = _maxrss()
+    same = all(torch.equal(getattr(ours, n).data.view(torch.uint8), getattr(theirs, n).data.view(torch.uint8))
+               for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"))
+    rows.append(dict(name=f"nvfp4 prep, {label}", plugin_s=plugin_first, upstream_s=upstream_first,
+                     ratio=upstream_first / plugin_first, bytes=nbytes, plugin_gbps=2 * nbytes / plugin_first / 1e9,
+                     plugin_peak_extra_bytes=rss1 - rss0, upstream_peak_extra_bytes=rss2 - rss1,
+                     plugin_scratch_bytes=layouts.scratch_peak_bytes(), same_bytes=same))
+
+    def plugin_update(expert_ids):
+        for e in expert_ids:
+            for p, t, name, shard, eid in _expert_shards_cache[e]:
+                p.weight_loader(p, t, name, shard_id=shard, expert_id=eid)
+        weights.flush(ours)
+
+    def upstream_update(expert_ids):
+        # Upstream's flow: the loader writes, then the whole layer is re-prepared (re-shuffling untouched experts).
+        for e in expert_ids:
+            for p, t, name, shard, eid in _expert_shards_cache[e]:
+                p.data[eid].view(torch.uint8).reshape(-1)[: t.numel()].copy_(t.view(torch.uint8).reshape(-1))
+        upstream(theirs.quant_method, theirs)
+
+    _expert_shards_cache = {e: _expert_shards(ours, e) for e in range(experts)}
+    for what, ids in (("1 expert", [3]), ("whole layer", list(range(experts)))):
+        p_s = _median_time(lambda: plugin_update(ids), repeats)
+        u_s = _median_time(lambda: upstream_update(ids), repeats)
+        rows.append(dict(name=f"nvfp4 RL update of {what}, {label}", plugin_s=p_s, upstream_s=u_s, ratio=u_s / p_s,
+                         bytes=nbytes * len(ids) // experts))
+    del ours, theirs
+    return rows
+
+
+def bench_load_plugins(repeats: int = 3) -> dict:
+    code = ("import time; import sglang.srt.plugins as p; t = time.perf_counter(); p.load_plugins(); "
+            "print(time.perf_counter() - t)")
+
+    def once(disabled: bool) -> float:
+        env = dict(os.environ)
+        env.pop("SGLANG_TRTLLM_MOE_DISABLE", None)
+        if disabled:
+            env["SGLANG_TRTLLM_MOE_DISABLE"] = "1"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    with_p = statistics.median(once(False) for _ in range(repeats))
+    without = statistics.median(once(True) for _ in range(repeats))
+    return dict(name="SGLang load_plugins() (plugin enabled vs disabled; includes importing the hooked modules)",
+                plugin_s=with_p, upstream_s=without, ratio=without / with_p, added_s=with_p - without)
+
+
+def _one_model_in_this_process(model: str, experts: int, repeats: int, threads: int | None) -> list[dict]:
+    from sglang.srt.plugins import load_plugins
+
+    from .compat.runtime import init_single_process
+
+    if threads:
+        torch.set_num_threads(threads)
+    load_plugins()
+    init_single_process("flashinfer_trtllm")
+    return bench_nvfp4_layer(model, experts, repeats)
+
+
+def run(models=("DeepSeek-V3", "Qwen3-MoE-235B"), experts: int = 32, repeats: int = 3, threads: int | None = None) -> list[dict]:
+    """Each model runs in a fresh process, so its peak-RSS figures start from that layer alone."""
+    rows = []
+    for m in models:
+        code = ("import json, sys; from sglang_trtllm_moe import bench; "
+                f"print(json.dumps(bench._one_model_in_this_process({m!r}, {experts}, {repeats}, {threads!r})))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"bench for {m} failed:\n{out.stderr[-3000:]}")
+        rows.extend(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows.append(bench_load_plugins(repeats))
+    env = dict(torch_threads=threads or torch.get_num_threads(), torch=torch.__version__, device="cpu")
+    for r in rows:
+        r.update(env)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    w = max(len(r["name"]) for r in rows)
+    lines = [f"{'name':<{w}}  {'plugin_s':>9}  {'upstream_s':>10}  {'ratio':>6}  notes"]
+    for r in rows:
+        notes = []
+        if "plugin_gbps" in r:
+            notes.append(f"{r['plugin_gbps']:.1f} GB/s, same bytes: {r['same_bytes']}, peak extra "
+                         f"{r['plugin_peak_extra_bytes'] / 2**20:.0f} MiB vs {r['upstream_peak_extra_bytes'] / 2**20:.0f} MiB")
+        if "added_s" in r:
+            notes.append(f"plugin adds {r['added_s'] * 1000:.0f} ms")
+        lines.append(f"{r['name']:<{w}}  {r['plugin_s']:9.4f}  {r['upstream_s']:10.4f}  {r['ratio']:6.1f}  {'; '.join(notes)}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    rows = run(experts=args.experts, repeats=args.repeats, threads=args.threads)
+    print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
+    return 0
