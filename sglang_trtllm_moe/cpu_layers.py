@@ -35,6 +35,8 @@ class MoeSpec:
 def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts"):
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
+    if spec.fmt in FP8_CONFIGS:
+        return _build_fp8(spec, prefix)
     if spec.fmt != "nvfp4":
         raise NotImplementedError(f"format {spec.fmt!r}")
     from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
@@ -135,3 +137,67 @@ def write_safetensors_checkpoint(path, tensors: dict[str, torch.Tensor], spec: M
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
+
+
+# ---- FP8 per-tensor (ModelOpt / SGLang fp8 static) and FP8 128x128 block (DeepSeek) --------------------------------
+
+#: the config.json `quantization_config` of each FP8 flavour, parsed by SGLang's own config classes
+FP8_CONFIGS = {
+    "fp8_modelopt": {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}},
+    "fp8_tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+    "fp8_block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
+
+
+def _build_fp8(spec: MoeSpec, prefix: str):
+    """ModelOptFp8MoEMethod only takes flashinfer_trtllm when the layer declares its router (create_moe_runner), so
+    every FP8 layer here declares the softmax-renormalize router TopK(renormalize=True) implements."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.utils import RoutingMethodType
+
+    if spec.fmt == "fp8_modelopt":
+        from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp8Config as cls
+    else:
+        from sglang.srt.layers.quantization.fp8 import Fp8Config as cls
+    return FusedMoE(
+        num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=cls.from_config(FP8_CONFIGS[spec.fmt]),
+        prefix=prefix, activation=spec.activation, is_gated=spec.gated, routing_method_type=RoutingMethodType.Renormalize,
+    )
+
+
+def random_fp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, equal_gate_up_scale: bool = False):
+    """FP8 tensors per expert and projection. Per-tensor (ModelOpt / fp8 static): e4m3 `weight`, fp32 `weight_scale`
+    (amax/448 of that projection, so gate and up differ unless `equal_gate_up_scale`) and static `input_scale`
+    (one per expert and GEMM, calibrated like a real checkpoint for x ~ N(0, 1): no e4m3 clipping of x or
+    of the GEMM1 output, relu2's squared output needing the larger a2).
+    Block (DeepSeek): e4m3 `weight` and fp32 `weight_scale_inv` per 128x128 block (a partial last block when I is
+    not a multiple of 128, as DeepSeek-style checkpoints store it)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    h, i = spec.hidden, spec.intermediate
+    for e in range(spec.num_experts) if experts is None else experts:
+        ws = {}
+        for proj in spec.shards:
+            shape = (h, i) if proj == DOWN else (i, h)
+            ws[proj] = torch.randn(shape, generator=g) * (0.02 + 0.01 * (e % 3)) * (1.5 if proj == UP else 1.0)
+        for proj, w in ws.items():
+            base = f"experts.{e}.{proj}."
+            if spec.fmt == "fp8_block":
+                r, c = w.shape
+                wp = torch.zeros(-(-r // quant.FP8_BLOCK) * quant.FP8_BLOCK, -(-c // quant.FP8_BLOCK) * quant.FP8_BLOCK)
+                wp[:r, :c] = w
+                q, s = quant.fp8_block_quantize(wp)
+                out[base + "weight"], out[base + "weight_scale_inv"] = q[:r, :c].contiguous(), s
+                continue
+            amax = w.abs().max()
+            if equal_gate_up_scale and proj != DOWN:
+                amax = max(ws[p].abs().max() for p in ws if p != DOWN)
+            scale = (amax / quant.FP8_E4M3_MAX).to(torch.float32)
+            out[base + "weight"] = quant.fp8_quantize(w, scale)
+            out[base + "weight_scale"] = scale
+            out[base + "input_scale"] = torch.tensor(
+                (0.012 + 0.002 * (e % 3)) if proj != DOWN else (0.004 if spec.gated else 0.05) + 0.001 * (e % 4),
+                dtype=torch.float32)
+    return out
+

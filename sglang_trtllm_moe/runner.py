@@ -143,3 +143,85 @@ def fused_experts_fp4(dispatch_output, quant_info, runner_config, use_routed_top
     out = fn(**kwargs)
     out = out[0] if isinstance(out, (list, tuple)) else out
     return _combine(out.to(x.dtype))
+
+
+_FP8_FORMATS = ("fp8_tensor", "fp8_tensor_modelopt", "fp8_block")
+
+
+def serves_fp8(runner_config) -> bool:
+    """The FP8 leaf also serves MXFP8 and layers SGLang prepared itself; only layers the plugin prepared are ours."""
+    st = weights.state_of(getattr(runner_config, "layer", None))
+    return st is not None and st.fmt.name in _FP8_FORMATS
+
+
+def fused_experts_fp8(dispatch_output, quant_info, runner_config, use_routed_topk: bool = False):
+    """FP8 leaf (`fused_experts_none_to_flashinfer_trtllm_fp8`) for per-tensor and DeepSeek 128x128 block layers.
+
+    Per-tensor: activations e4m3 with the layer's static a1 (= max input scale, the scalar the flush keeps), the
+    three per-expert scalars of formats/fp8_tensor.py (separate gate and up dequant). Block: activations per token
+    and 128 columns, scales handed over transposed [H/128, T] as the kernel reads them; weights MajorK unshuffled.
+    The routed variants take SGLang's materialized top-k (routed_scaling_factor already folded in by TopK).
+    """
+    layer = runner_config.layer
+    ensure_prepared(layer)
+    x = dispatch_output.hidden_states
+    backend, name = _kernel_backend(layer, x.device)
+    if getattr(dispatch_output, "hidden_states_scale", None) is not None:
+        raise NotImplementedError(f"{weights.layer_name(layer)}: pre-quantized (a2a) FP8 dispatch is not supported by the plugin runner yet")
+    block = weights.state_of(layer).fmt.name == "fp8_block"
+    routing, routed = _routing_kwargs(dispatch_output.topk_output, quant_info, runner_config, use_routed_topk)
+    if routing.get("routed_scaling_factor") is None:
+        routing["routed_scaling_factor"] = 1.0
+    if not routed and not block:  # the per-tensor kernel reads bf16 logits (SGLang casts them the same way)
+        routing["routing_logits"] = routing["routing_logits"].to(torch.bfloat16)
+    kwargs = dict(
+        gemm1_weights=layer.w13_weight,
+        gemm2_weights=layer.w2_weight,
+        num_experts=quant_info.global_num_experts,
+        intermediate_size=int(layer.w2_weight.shape[2]),
+        local_expert_offset=quant_info.local_expert_offset,
+        local_num_experts=quant_info.local_num_experts,
+        do_finalize=True,
+        activation_type=activation_type(runner_config.activation, runner_config.is_gated),
+        **routing,
+    )
+    if block:
+        if name == "flashinfer":
+            from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import per_token_group_quant_fp8
+
+            hs, sf = per_token_group_quant_fp8(x, 128, column_major_scales=True)
+            sf_t = sf.t()
+        else:
+            from .quant import fp8_group_quantize
+
+            hs, sf = fp8_group_quantize(x, 128)
+            sf_t = sf.t().contiguous()
+        kwargs.update(
+            hidden_states=hs, hidden_states_scale=sf_t,
+            gemm1_weights_scale=layer.w13_weight_scale_inv, gemm2_weights_scale=layer.w2_weight_scale_inv,
+            gemm1_alpha=getattr(quant_info, "gemm1_alpha", None), gemm1_beta=getattr(quant_info, "gemm1_beta", None),
+            gemm1_clamp_limit=getattr(quant_info, "gemm1_clamp_limit", None),
+            use_shuffled_weight=False, weight_layout=0, fp8_quantization_type=1,  # MajorK, DeepSeekFp8
+        )
+        fn = backend.trtllm_fp8_block_scale_routed_moe if routed else backend.trtllm_fp8_block_scale_moe
+    else:
+        a1 = layer.w13_input_scale_max
+        if name == "flashinfer":
+            from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import scaled_fp8_quant
+
+            hs, _ = scaled_fp8_quant(x, a1)
+        else:
+            from .quant import fp8_quantize
+
+            hs = fp8_quantize(x, a1)
+        kwargs.update(
+            hidden_states=hs,
+            output1_scales_scalar=layer.output1_scales_scalar,
+            output1_scales_gate_scalar=layer.output1_scales_gate_scalar,
+            output2_scales_scalar=layer.output2_scales_scalar,
+            use_routing_scales_on_input=False,
+        )
+        fn = backend.trtllm_fp8_per_tensor_scale_routed_moe if routed else backend.trtllm_fp8_per_tensor_scale_moe
+    out = fn(**kwargs)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return _combine(out.to(x.dtype))

@@ -111,6 +111,69 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
     return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
 
 
+# ---- FP8 per-tensor (ModelOpt FP8, Fp8MoEMethod static) and FP8 128x128 block (Fp8MoEMethod DeepSeek) ---------
+
+FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
+
+
+def _fp8_method_format(method):
+    """(format, None) for an Fp8MoEMethod layer the plugin prepares; (None, why) to leave it to SGLang."""
+    from ..formats.fp8_block import FP8_BLOCK
+    from ..formats.fp8_tensor import FP8_TENSOR
+
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    backend = get_moe_runner_backend()
+    if not (backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed()):
+        return None, "not on the flashinfer_trtllm backend"
+    qc = method.quant_config
+    if getattr(method, "use_mxfp8", False) or getattr(method, "is_fp4_expert", False):
+        return None, "MXFP8 / FP4-expert checkpoints keep SGLang's own preparation"
+    if not qc.is_checkpoint_fp8_serialized:
+        return None, "the checkpoint is not FP8 (SGLang quantizes it at load time)"
+    if method.block_quant:
+        if list(qc.weight_block_size or ()) != [128, 128]:
+            return None, f"weight_block_size {qc.weight_block_size} is not the DeepSeek 128x128 recipe"
+        return FP8_BLOCK, None
+    return FP8_TENSOR, None
+
+
+def _sglang_side_attrs_fp8(method, layer) -> None:
+    """What SGLang's Fp8MoEMethod post-load leaves for its apply(): the optional SwiGLU tensors it reads as
+    layer._flashinfer_trtllm_gemm1_*, and the dispatcher's wire format."""
+    if getattr(method, "_owns_moe_runner", False):
+        method._prepare_flashinfer_trtllm_activation_params(layer)
+    if hasattr(layer, "dispatcher"):
+        layer.dispatcher.set_quant_config({"weight_dtype": layer.w13_weight.dtype, "use_mxfp8": False})
+
+
+def fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    fmt, why = _fp8_method_format(method)
+    if fmt is None:
+        return original(method, layer, *args, **kwargs)
+    if not method.block_quant and method.quant_config.activation_scheme != "static":
+        raise TrtllmLayerError(
+            f"{weights.layer_name(layer)}: --moe-runner-backend flashinfer_trtllm cannot serve this FP8 per-tensor "
+            "layer: its activation scales are dynamic and the TRT-LLM per-tensor kernel takes one static input scale. "
+            "Fix: use a checkpoint with static input scales, or choose another --moe-runner-backend"
+        )
+    prepare_layer(fmt, method, layer, _sglang_side_attrs_fp8)
+
+
+def _sglang_side_attrs_modelopt_fp8(method, layer) -> None:
+    """ModelOptFp8MoEMethod.apply reads output1_scales_scalar / output1_scales_gate_scalar / output2_scales_scalar
+    (set as kernel scalars by the flush) and the weights; nothing else."""
+
+
+def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    backend = getattr(method, "_moe_runner_backend", None)
+    if backend is None or not backend.is_flashinfer_trtllm() or not method.quant_config.is_checkpoint_fp8_serialized:
+        return original(method, layer, *args, **kwargs)
+    from ..formats.fp8_tensor import FP8_TENSOR_MODELOPT
+
+    prepare_layer(FP8_TENSOR_MODELOPT, method, layer, _sglang_side_attrs_modelopt_fp8)
+
+
 @hookimpl
 def register_sglang_hooks(register, release):
     register(HookTarget(
@@ -129,4 +192,15 @@ def register_sglang_hooks(register, release):
     register(HookTarget(
         f"{FUSED_MOE}._weight_loader_impl", weight_loader_impl, "around", releases=">=0.5.11",
         capability="rl-update", why="validate shards and un-prepare an expert before SGLang's loader writes into it",
+    ))
+    # FP8 per-tensor and FP8 128x128 block
+    register(HookTarget(
+        f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading", modelopt_fp8_process_weights_after_loading,
+        "around", releases=">=0.5.23", capability="fp8-prep",
+        why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
+    ))
+    register(HookTarget(
+        f"{FP8_METHOD}.process_weights_after_loading", fp8_process_weights_after_loading, "around",
+        releases=">=0.5.23", capability="fp8-prep",
+        why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert",
     ))
