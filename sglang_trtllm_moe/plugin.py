@@ -34,6 +34,7 @@ BUILTIN_MODULES = (
     "sglang_trtllm_moe.builtins.runner_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
     "sglang_trtllm_moe.builtins.selection_hooks",
+    "sglang_trtllm_moe.builtins.checker_hooks",
 )
 
 

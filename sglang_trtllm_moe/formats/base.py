@@ -107,6 +107,41 @@ class WeightFormat:
             if p.permute_rows:
                 layouts.unpermute_rows_(t, self.row_map(layer, p, t), experts=experts)
 
+    # ---- weight checker -------------------------------------------------------------------------------------
+    def scale_of(self, name: str) -> str | None:
+        """The laid-out parameter holding `name`'s block scales (`<name>_scale*`, same group), if any.
+
+        The checker compares a weight and its block scales as one entry: a weight alone has no value, and
+        SGLang's checker likewise consumes `*_weight_scale_inv` into its weight's comparison."""
+        group = self.group_of(name)
+        for p in self.params:
+            if p.name != name and p.group == group and p.name.startswith(name + "_scale"):
+                return p.name
+        return None
+
+    def dequantize_param(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None):
+        """Checkpoint-layout `[E, M, K]` (+ its block scales) -> (float32 values, float32 per-element tolerance).
+
+        The tolerance is one step of the quantization grid at each value (SGLang's `_quant_ulp` rule), so two
+        quantizations of the same weight that differ by rounding stay within tolerance of each other. Values are in
+        block-scale units: per-tensor / global scales are scalar parameters, compared bit for bit on their own.
+        Default: a dense weight (BF16, FP8 per-tensor), or float block scales that tile the weight (DeepSeek FP8).
+        """
+        q = weight.float()
+        finfo = torch.finfo(weight.dtype) if weight.dtype.is_floating_point else None
+        if finfo is None:
+            tol = torch.zeros_like(q)
+        else:
+            _, exp = torch.frexp(q.abs())
+            tol = torch.exp2((exp - 1).float()).masked_fill(q.abs() < finfo.smallest_normal, finfo.smallest_normal)
+            tol = tol * finfo.eps
+        if scale is None:
+            return q, tol
+        s = scale.float()
+        bm, bk = -(-q.shape[-2] // s.shape[-2]), -(-q.shape[-1] // s.shape[-1])
+        s = s.repeat_interleave(bm, dim=-2).repeat_interleave(bk, dim=-1)[..., : q.shape[-2], : q.shape[-1]]
+        return q * s, tol * s
+
     # ---- scalars --------------------------------------------------------------------------------------------
     def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
         return {}

@@ -26,6 +26,20 @@ class NvFp4(WeightFormat):
     )
     scalar_params = ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")
 
+    def dequantize_param(self, name, weight, scale):
+        """Packed e2m1 `[E, M, K/2]` x linear e4m3 `[E, M, K/16]` -> `[E, M, K]` (global scale_2 excluded: it is a
+        scalar parameter). Tolerance: the e2m1 grid step above each code's magnitude, times its block scale."""
+        from .. import quant
+
+        if scale is None:
+            return super().dequantize_param(name, weight, scale)
+        values = quant.nvfp4_dequantize(weight, scale, 1.0)
+        steps = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0], device=weight.device)
+        u8 = weight.view(torch.uint8)
+        codes = torch.stack([u8 & 0x07, (u8 >> 4) & 0x07], dim=-1).flatten(-2)
+        sf = scale.view(torch.float8_e4m3fn).float() if scale.dtype == torch.uint8 else scale.float()
+        return values, steps[codes.long()] * sf.repeat_interleave(16, dim=-1)
+
     def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
         gated = self.is_gated(layer)
         a1 = layer.w13_input_scale.data.max().to(torch.float32)

@@ -1,0 +1,179 @@
+"""SGLang's weight checker (`--check-weight-update-equal`) on every layer the plugin lays out.
+
+How SGLang 0.5.16+ compares (utils/weight_checker.py): `_build_quantized_set(model)` asks
+`select_comparable_weight(quant_method)` per module (only the quant method: it cannot see the layer, so a hook
+there cannot tell a plugin-prepared layer from another), `_build_check_entries(raw, ...)` turns each side's tensors
+into comparables, `compare_weights(expect, actual)` compares pairs. Our hooks, one concern each:
+
+* `_build_quantized_set` (AROUND): modules the plugin manages are hidden from SGLang's selection (before 0.5.17 it
+  raises NotImplementedError on trtllm NVFP4; it never knows FP8 per-tensor / BF16 trtllm layouts) and their
+  laid-out weights are listed for us, on the dict SGLang passes on to `_build_check_entries`;
+* `_build_check_entries` (AROUND): those weights get a `TrtllmMoeComparable` (weight + block scales as one entry,
+  and the layout state of the side that holds them);
+* `compare_weights` (AROUND): two of ours are compared by `checker.compare` (raw or layout-aware, locating the
+  first mismatches in checkpoint coordinates); anything else goes to SGLang;
+* `WeightChecker._snapshot` (AFTER): remembers which experts each snapshot tensor held prepared, so a snapshot
+  taken in another layout (before the plugin prepared the layer, or mid-update) is undone correctly;
+* `RawComparable.iter_chunks` (AROUND): SGLang moves every chunk with `.cuda()`; on a host without CUDA (the
+  emulator, CPU tests) the chunks stay where they are. With CUDA it is SGLang's own code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import checker, hookimpl, weights
+from ..targets import HookTarget
+
+WC = "sglang.srt.utils.weight_checker"
+CMP = "sglang.srt.utils.weight_checker_comparator"
+RELEASES = ">=0.5.16"
+
+#: attribute of a snapshot tensor: bool[E] prepared mask of its layer's group when the snapshot was taken (on the
+#: tensor itself, so it lives exactly as long as the snapshot; tensors cannot be weak-dict keys, they compare by value)
+SNAPSHOT_STATE_ATTR = "_trtllm_moe_prepared"
+
+
+class _Ref:
+    """A laid-out weight of a managed layer, by its full name in the model."""
+
+    __slots__ = ("layer", "prefix", "name")
+
+    def __init__(self, layer, prefix: str, name: str):
+        self.layer, self.prefix, self.name = layer, prefix, name
+
+    def full(self, name: str) -> str:
+        return self.prefix + name
+
+
+class PluginQuantizedSet(dict):
+    """SGLang's quantized set plus the plugin's entries (full weight name -> _Ref); SGLang reads it as a dict."""
+
+    trtllm_moe: dict
+
+    def consumed(self) -> set[str]:
+        """Names compared inside a plugin entry (the rest of each weight's group), not on their own."""
+        out = set()
+        for full, ref in self.trtllm_moe.items():
+            fmt = weights.state_of(ref.layer).fmt
+            scale = fmt.scale_of(ref.name)
+            if scale is not None:
+                out.add(ref.full(scale))
+        return out
+
+
+def _managed(model) -> list[tuple[str, object]]:
+    return [(name, m) for name, m in model.named_modules() if weights.state_of(m) is not None]
+
+
+class _WithoutManaged:
+    """The model as SGLang's selection sees it: without the modules whose layout the plugin owns."""
+
+    def __init__(self, model, skip: set[int]):
+        self._model, self._skip = model, skip
+
+    def named_modules(self, *args, **kwargs):
+        for name, m in self._model.named_modules(*args, **kwargs):
+            if id(m) not in self._skip:
+                yield name, m
+
+
+def _weight_names(fmt) -> list[str]:
+    """Laid-out parameters that are not some other parameter's block scales."""
+    scales = {fmt.scale_of(p.name) for p in fmt.params}
+    return [p.name for p in fmt.params if p.name not in scales]
+
+
+def build_quantized_set(original, model, *args, **kwargs):
+    managed = _managed(model)
+    if not managed:
+        return original(model, *args, **kwargs)
+    out = PluginQuantizedSet(original(_WithoutManaged(model, {id(m) for _, m in managed}), *args, **kwargs))
+    out.trtllm_moe = {}
+    for mname, layer in managed:
+        prefix = f"{mname}." if mname else ""
+        for name in _weight_names(weights.state_of(layer).fmt):
+            out.trtllm_moe[prefix + name] = _Ref(layer, prefix, name)
+    return out
+
+
+def _side(ref: _Ref, raw: dict) -> checker.ParamSide:
+    live = checker.live_side(ref.layer, ref.name)
+    tensors = {n: raw[ref.full(n)] for n in live.tensors}
+    t = tensors[ref.name]
+    if t.data_ptr() == live.tensors[ref.name].data_ptr():
+        return checker.ParamSide(live.layer, live.fmt, ref.name, {n: x.data for n, x in tensors.items()}, live.prepared)
+    # A snapshot: its recorded state; none recorded means it was taken before the plugin managed the layer,
+    # i.e. in checkpoint layout (the plugin changes a layout only after attaching to the layer).
+    prepared = getattr(t, SNAPSHOT_STATE_ATTR, None)
+    return checker.snapshot_side(ref.layer, ref.name, tensors, prepared=prepared, checkpoint=prepared is None)
+
+
+def build_check_entries(original, raw, skip_compare_names, quantized_set=None, *args, **kwargs):
+    entries = original(raw, skip_compare_names, quantized_set, *args, **kwargs)
+    refs = getattr(quantized_set, "trtllm_moe", None)
+    if not refs:
+        return entries
+    return _substitute(entries, raw, refs, quantized_set.consumed())
+
+
+def _substitute(entries, raw, refs, consumed):
+    for entry in entries:
+        if entry.name in consumed:
+            continue
+        ref = refs.get(entry.name)
+        if ref is None:
+            yield entry
+        else:
+            yield entry._replace(comparable=checker.TrtllmMoeComparable(_side(ref, raw), entry.name))
+
+
+def compare_weights(original, expect, actual, *args, **kwargs):
+    if not (isinstance(expect, checker.TrtllmMoeComparable) and isinstance(actual, checker.TrtllmMoeComparable)):
+        return original(expect, actual, *args, **kwargs)
+    from sglang.srt.utils.weight_checker_comparator import CompareResult
+
+    rep = checker.compare_comparables(expect, actual)
+    return CompareResult(rep.equal, rep.max_abs_err, rep.mean_abs_err, rep.num_exceed)
+
+
+def record_snapshot_state(result, self, *args, **kwargs):
+    snap = getattr(self, "_snapshot_tensors", None) or {}
+    for mname, layer in _managed(self._get_model()):
+        st = weights.state_of(layer)
+        prefix = f"{mname}." if mname else ""
+        for p in st.fmt.params:
+            t = snap.get(prefix + p.name)
+            if t is not None:
+                setattr(t, SNAPSHOT_STATE_ATTR, st.prepared[p.group].clone())
+    return None
+
+
+def raw_iter_chunks(original, self, *args, **kwargs):
+    if torch.cuda.is_available():
+        return original(self, *args, **kwargs)
+    return _raw_chunks_here(self)
+
+
+def _raw_chunks_here(comparable):
+    from sglang.srt.utils.weight_checker_comparator import CHUNK_NUMEL
+
+    flat = comparable.tensor.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK_NUMEL):
+        yield flat[start : start + CHUNK_NUMEL], None
+
+
+@hookimpl
+def register_sglang_hooks(register, release):
+    why = "weight checker: plugin-laid-out MoE weights compared raw or layout-aware, mismatches located"
+    register(HookTarget(f"{WC}._build_quantized_set", build_quantized_set, "around", releases=RELEASES,
+                        capability="weight-check", why=why + " (hide managed layers from SGLang's selection)"))
+    register(HookTarget(f"{WC}._build_check_entries", build_check_entries, "around", releases=RELEASES,
+                        capability="weight-check", why=why + " (our comparable per laid-out weight)"))
+    register(HookTarget(f"{CMP}.compare_weights", compare_weights, "around", releases=RELEASES,
+                        capability="weight-check", why=why + " (our compare, with expert/row/col)"))
+    register(HookTarget(f"{WC}.WeightChecker._snapshot", record_snapshot_state, "after", releases=RELEASES,
+                        capability="weight-check", why="remember the layout each snapshot tensor was taken in"))
+    register(HookTarget(f"{CMP}.RawComparable.iter_chunks", raw_iter_chunks, "around", releases=RELEASES,
+                        capability="weight-check", why="SGLang's raw comparator calls .cuda(); keep chunks on a "
+                        "host without CUDA"))

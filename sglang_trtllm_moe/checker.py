@@ -1,0 +1,360 @@
+"""Weight-checker comparators for every MoE layer the plugin lays out for the TRT-LLM-Gen kernels.
+
+Why: RL frameworks verify a weight update with SGLang's `--check-weight-update-equal` (snapshot, update, compare).
+Upstream raises NotImplementedError for trtllm NVFP4 layers before 0.5.17, then compares their bytes without
+saying where they differ, and has no comparator for the other trtllm layouts. A failed check must name the expert,
+row and column the update got wrong, in the coordinates the trainer knows (the checkpoint's), not in the kernel's
+shuffled ones. And a trainer holding checkpoint-layout tensors must be able to compare them with a prepared engine.
+
+Two comparisons of one laid-out weight (with its block scales) as two sides hold it (`ParamSide`):
+
+* `compare_raw`: stored bytes, bit for bit: two snapshots of prepared weights. Chunks of experts that differ are
+  then seen through the actual side's inverse layout, so mismatches are reported in checkpoint coordinates.
+* `compare_layout`: each side undoes its own layout (the format's own `unprepare_`, applied to a copy, only for the
+  experts that side holds prepared) and dequantizes (`WeightFormat.dequantize_param`), so a prepared tensor
+  compares with a checkpoint-layout one. An element exceeds when |a - b| > tol_a + tol_b, the per-element
+  quantization steps of each side (SGLang's own rule in `compare_weights`).
+
+Both work chunk by chunk over experts (bounded scratch), on CUDA when the data or the machine has it, else on CPU
+(never `.cuda()`: SGLang's raw comparator does that and fails on a CPU host).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .formats.base import WeightFormat
+
+ENV_MODE = "SGLANG_TRTLLM_MOE_CHECK_MODE"
+MODES = ("auto", "raw", "layout")
+#: scratch per side and chunk of experts (SGLang's checker chunks at 64 Mi elements)
+CHUNK_BYTES = 64 << 20
+MAX_REPORTED = 8
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def check_mode() -> str:
+    """How SGLang's checker compares plugin layers: auto (raw when both sides share a layout, else layout), raw,
+    layout. Read per comparison from SGLANG_TRTLLM_MOE_CHECK_MODE so a running server can be switched."""
+    mode = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_MODE}={mode!r}: expected one of {MODES}")
+    return mode
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One parameter as one side holds it
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParamSide:
+    """A laid-out weight of a managed layer as one side holds it: the group's tensors and which experts are in
+    kernel layout. The layer supplies geometry (gated, row maps) and nothing else: its own tensors are not read."""
+
+    layer: Any
+    fmt: WeightFormat
+    name: str
+    #: every laid-out parameter of the weight's group (the gated row map mixes them), full expert range
+    tensors: dict[str, torch.Tensor]
+    #: bool[E]: experts whose bytes are in kernel layout on this side
+    prepared: torch.Tensor
+
+    @property
+    def group(self) -> str:
+        return self.fmt.group_of(self.name)
+
+    @property
+    def scale_name(self) -> str | None:
+        return self.fmt.scale_of(self.name)
+
+    @property
+    def compared(self) -> tuple[str, ...]:
+        """The parameters this entry covers: the weight and its block scales."""
+        return (self.name,) if self.scale_name is None else (self.name, self.scale_name)
+
+    @property
+    def num_experts(self) -> int:
+        return self.tensors[self.name].shape[0]
+
+
+def group_names(fmt: WeightFormat, name: str) -> tuple[str, ...]:
+    g = fmt.group_of(name)
+    return tuple(p.name for p in fmt.params if p.group == g)
+
+
+def live_side(layer, name: str) -> ParamSide:
+    """The layer's own parameters and layout state right now."""
+    from .weights import layer_name, state_of
+
+    st = state_of(layer)
+    if st is None:
+        raise ValueError(f"{layer_name(layer)} is not managed by sglang-trtllm-moe: no TRT-LLM layout to undo")
+    if st.fmt.group_of(name) is None:
+        raise ValueError(f"{layer_name(layer)}: {name} is not a laid-out parameter of {st.fmt.name}")
+    tensors = {n: getattr(layer, n).data for n in group_names(st.fmt, name)}
+    return ParamSide(layer, st.fmt, name, tensors, st.prepared[st.fmt.group_of(name)].clone())
+
+
+def snapshot_side(layer, name: str, tensors: dict[str, torch.Tensor], prepared: torch.Tensor | None = None,
+                  checkpoint: bool = False) -> ParamSide:
+    """Other tensors of the same layer (a snapshot, or checkpoint-layout tensors with `checkpoint=True`)."""
+    live = live_side(layer, name)
+    missing = [n for n in live.tensors if n not in tensors]
+    if missing:
+        raise ValueError(f"{name}: the snapshot lacks {missing} (the whole group {tuple(live.tensors)} is needed)")
+    if checkpoint:
+        prepared = torch.zeros_like(live.prepared)
+    elif prepared is None:
+        prepared = live.prepared
+    return ParamSide(layer, live.fmt, name, {n: tensors[n] for n in live.tensors}, prepared.clone().bool().cpu())
+
+
+class _Shadow:
+    """The layer, with its group's parameters replaced by our copies: lets the format's own `unprepare_` (the
+    exact inverse the plugin uses for weight updates) run on scratch instead of the live weights."""
+
+    def __init__(self, layer, tensors: dict[str, torch.Tensor]):
+        self.__dict__["_layer"] = layer
+        self.__dict__["_tensors"] = tensors
+
+    def __getattr__(self, name):
+        t = self.__dict__["_tensors"].get(name)
+        return t if t is not None else getattr(self.__dict__["_layer"], name)
+
+
+def _undo_layout_(side: ParamSide, s: int, chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """In place on copies of experts [s, s+k): back to checkpoint layout where `side` holds them prepared."""
+    k = next(iter(chunk.values())).shape[0]
+    ids = side.prepared[s : s + k].nonzero().flatten().tolist()
+    if ids:
+        side.fmt.unprepare_(_Shadow(side.layer, chunk), side.group, ids)
+    return chunk
+
+
+def _copy_chunk(side: ParamSide, s: int, t: int, device: torch.device) -> dict[str, torch.Tensor]:
+    return {n: x[s:t].to(device=device, copy=True).contiguous() for n, x in side.tensors.items()}
+
+
+def _device(*sides: ParamSide) -> torch.device:
+    for side in sides:
+        for x in side.tensors.values():
+            if x.is_cuda:
+                return x.device
+    if torch.cuda.is_available():  # a CPU snapshot on a GPU host: compare on the GPU, like SGLang does
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _expert_chunks(side: ParamSide) -> list[tuple[int, int]]:
+    e = side.num_experts
+    per_expert = sum(x[0].numel() * max(x.element_size(), 4) for x in side.tensors.values()) if e else 1
+    k = max(1, CHUNK_BYTES // max(1, per_expert))
+    return [(s, min(s + k, e)) for s in range(0, e, k)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reports
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Mismatch(NamedTuple):
+    param: str
+    expert: int
+    row: int
+    col: int
+    expect: float | int
+    actual: float | int
+    exceeds: bool = True
+
+
+@dataclass
+class Report:
+    """Outcome of one comparison. Coordinates are the checkpoint layout of the parameter: [expert, row, col] with
+    col in stored elements for raw (a packed-FP4 byte holds columns 2c and 2c+1) and in values for layout."""
+
+    name: str
+    mode: str
+    numel: int = 0
+    num_mismatch: int = 0
+    num_exceed: int = 0
+    max_abs_err: float = 0.0
+    sum_abs_err: float = 0.0
+    first: list[Mismatch] = field(default_factory=list)
+    #: per parameter and expert: how many elements differ
+    per_expert: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    @property
+    def equal(self) -> bool:
+        return self.num_mismatch == 0
+
+    @property
+    def mean_abs_err(self) -> float:
+        return self.sum_abs_err / max(self.numel, 1)
+
+    @property
+    def experts(self) -> list[int]:
+        return sorted({e for _, e in self.per_expert})
+
+    def summary(self) -> str:
+        if self.equal:
+            return f"{self.name}: equal ({self.mode}, {self.numel} elements)"
+        fmt = (lambda v: f"0x{v:x}") if self.mode == "raw" else (lambda v: f"{v:.6g}")
+        where = "; ".join(
+            f"{m.param}[expert {m.expert}, row {m.row}, col {m.col}] expect {fmt(m.expect)} actual {fmt(m.actual)}"
+            + ("" if m.exceeds or self.mode == "raw" else " (within tolerance)")
+            for m in self.first
+        )
+        return (f"{self.name}: {self.num_mismatch} of {self.numel} elements differ ({self.mode} compare, "
+                f"{self.num_exceed} beyond tolerance) in experts {self.experts}; first, in checkpoint layout: {where}")
+
+    __str__ = summary
+
+
+def _note(report: Report, param: str, s: int, diff: torch.Tensor, exceed: torch.Tensor, a: torch.Tensor,
+          b: torch.Tensor) -> None:
+    """Count and locate the differing elements of one chunk (diff/exceed are bool [k, M, K])."""
+    n = int(diff.sum())
+    if not n:
+        return
+    report.num_mismatch += n
+    report.num_exceed += int(exceed.sum())
+    for e, c in enumerate(diff.flatten(1).sum(1).tolist()):
+        if c:
+            report.per_expert[(param, s + e)] = c
+    room = MAX_REPORTED - len(report.first)
+    if room > 0:
+        for e, r, c in diff.nonzero()[:room].tolist():
+            report.first.append(Mismatch(param, s + e, r, c, b[e, r, c].item(), a[e, r, c].item(),
+                                         bool(exceed[e, r, c])))
+
+
+def _check_pair(expect: ParamSide, actual: ParamSide, raw: bool) -> None:
+    if expect.fmt.name != actual.fmt.name or expect.name != actual.name:
+        raise ValueError(f"cannot compare {expect.fmt.name} {expect.name} with {actual.fmt.name} {actual.name}")
+    for n in actual.tensors:
+        x, y = expect.tensors[n], actual.tensors[n]
+        if x.shape != y.shape or (raw and x.dtype != y.dtype):
+            raise ValueError(f"{n}: expect {tuple(x.shape)} {x.dtype} vs actual {tuple(y.shape)} {y.dtype}")
+
+
+def compare_raw(expect: ParamSide, actual: ParamSide, label: str | None = None) -> Report:
+    """Bit-exact compare of the stored bytes of the weight and its block scales."""
+    _check_pair(expect, actual, raw=True)
+    dev = _device(actual, expect)
+    rep = Report(label or actual.name, "raw")
+    for s, t in _expert_chunks(actual):
+        a, b = _copy_chunk(actual, s, t, dev), _copy_chunk(expect, s, t, dev)
+        rep.numel += sum(a[n].numel() for n in actual.compared)
+        if all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in actual.compared):
+            continue
+        # The same inverse applied to both sides keeps the byte comparison exact and puts it in checkpoint order.
+        _undo_layout_(actual, s, a)
+        _undo_layout_(actual, s, b)
+        for n in actual.compared:
+            ia, ib = a[n].view(_INT_OF_SIZE[a[n].element_size()]), b[n].view(_INT_OF_SIZE[b[n].element_size()])
+            diff = ia != ib
+            if not bool(diff.any()):
+                continue
+            err = (a[n].float() - b[n].float()).abs()[diff]
+            rep.max_abs_err = max(rep.max_abs_err, float(err.nan_to_num(nan=float("inf")).max()))
+            rep.sum_abs_err += float(err.nan_to_num(nan=0.0).sum())
+            _note(rep, n, s, diff, diff, ia.long() & (256 ** a[n].element_size() - 1),
+                  ib.long() & (256 ** b[n].element_size() - 1))
+    return rep
+
+
+def _dequantized(side: ParamSide, chunk: dict[str, torch.Tensor]):
+    scale = side.scale_name
+    return side.fmt.dequantize_param(side.name, chunk[side.name], None if scale is None else chunk[scale])
+
+
+def iter_dequantized(side: ParamSide, device: torch.device | None = None):
+    """(first expert, float32 values, tolerance) per chunk of experts, in checkpoint layout."""
+    dev = device or _device(side)
+    for s, t in _expert_chunks(side):
+        values, tol = _dequantized(side, _undo_layout_(side, s, _copy_chunk(side, s, t, dev)))
+        yield s, values, tol
+
+
+def compare_layout(expect: ParamSide, actual: ParamSide, label: str | None = None) -> Report:
+    """Undo each side's layout, dequantize, compare values with the format's per-element tolerance."""
+    _check_pair(expect, actual, raw=False)
+    dev = _device(actual, expect)
+    rep = Report(label or actual.name, "layout")
+    for (s, va, ta), (_, vb, tb) in zip(iter_dequantized(actual, dev), iter_dequantized(expect, dev)):
+        if va.shape != vb.shape:
+            raise ValueError(f"{actual.name}: dequantized shapes differ: {tuple(vb.shape)} vs {tuple(va.shape)}")
+        rep.numel += va.numel()
+        err = (va - vb).abs()
+        diff = ~(err == 0)  # NaN differs
+        if not bool(diff.any()):
+            continue
+        exceed = ~(err <= ta + tb)
+        rep.max_abs_err = max(rep.max_abs_err, float(err.nan_to_num(nan=float("inf")).max()))
+        rep.sum_abs_err += float(err.nan_to_num(nan=0.0).sum())
+        _note(rep, actual.name, s, diff, exceed, va, vb)
+    return rep
+
+
+def compare(expect: ParamSide, actual: ParamSide, mode: str | None = None, label: str | None = None) -> Report:
+    """raw, layout, or auto: raw (strictest) when both sides hold the same experts prepared, else layout."""
+    mode = mode or check_mode()
+    if mode == "auto":
+        same = torch.equal(expect.prepared.cpu(), actual.prepared.cpu()) and all(
+            expect.tensors[n].dtype == actual.tensors[n].dtype for n in actual.tensors)
+        mode = "raw" if same else "layout"
+    if mode == "raw":
+        return compare_raw(expect, actual, label)
+    if mode == "layout":
+        return compare_layout(expect, actual, label)
+    raise ValueError(f"unknown compare mode {mode!r}: expected one of {MODES}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SGLang's ComparableWeight protocol (iter_chunks / dequantize / repr)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class TrtllmMoeComparable:
+    """What SGLang's WeightChecker holds for a plugin-laid-out weight. `compare_weights` is hooked to call
+    `compare` on two of these (and keep the report for the message); without that hook SGLang's own
+    `compare_weights` still works on `iter_chunks`: dequantized checkpoint-layout values with tolerances."""
+
+    def __init__(self, side: ParamSide, label: str):
+        self.side = side
+        self.label = label
+        self.report: Report | None = None
+
+    def iter_chunks(self):
+        for _, values, tol in iter_dequantized(self.side):
+            yield values.reshape(-1), tol.reshape(-1)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Checkpoint layout, dequantized: equal for two engines holding the same weights in any layout."""
+        return torch.cat([v.to(dtype) for _, v, _ in iter_dequantized(self.side)], dim=0)
+
+    def __repr__(self) -> str:
+        s = self.side
+        head = (f"trtllm_moe_{s.fmt.name}({'+'.join(s.compared)} shape={tuple(s.tensors[s.name].shape)} "
+                f"prepared={int(s.prepared.sum())}/{s.num_experts})")
+        return head if self.report is None or self.report.equal else f"{head} {self.report.summary()}"
+
+
+def compare_comparables(expect: TrtllmMoeComparable, actual: TrtllmMoeComparable, mode: str | None = None):
+    """Run `compare` and keep the report on the actual side (SGLang prints its repr when the check fails)."""
+    rep = compare(expect.side, actual.side, mode, label=actual.label)
+    actual.report = rep
+    return rep
+
+
+__all__ = [
+    "ENV_MODE", "MODES", "check_mode", "ParamSide", "live_side", "snapshot_side", "group_names", "Mismatch",
+    "Report", "compare_raw", "compare_layout", "compare", "iter_dequantized", "TrtllmMoeComparable",
+    "compare_comparables",
+]
