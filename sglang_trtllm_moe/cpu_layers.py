@@ -35,6 +35,8 @@ class MoeSpec:
 def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts"):
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
+    if spec.fmt in ("bf16", "ct_nvfp4"):
+        return _build_bf16_or_ct_nvfp4(spec, prefix)
     if spec.fmt in FP8_CONFIGS:
         return _build_fp8(spec, prefix)
     if spec.fmt != "nvfp4":
@@ -137,6 +139,86 @@ def write_safetensors_checkpoint(path, tensors: dict[str, torch.Tensor], spec: M
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
+
+
+# ---- BF16 (unquantized) and compressed-tensors NVFP4 -------------------------------------------------------------
+
+#: the config.json `quantization_config` of an llm-compressor NVFP4 (W4A4, tensor_group, group 16) checkpoint
+CT_NVFP4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": [],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                    "dynamic": False},
+        "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                              "symmetric": True, "dynamic": "local"},
+    }},
+}
+
+
+def _build_bf16_or_ct_nvfp4(spec: MoeSpec, prefix: str):
+    """BF16: no quant config (SGLang picks UnquantizedFusedMoEMethod). Compressed-tensors: SGLang's own parser of the
+    config dict; its capability probe calls torch.cuda, so on a CPU box it is answered "supported" for the build."""
+    from unittest import mock
+
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    qc, probe = None, mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (10, 0))
+    extra = {}
+    if spec.fmt == "ct_nvfp4":
+        from sglang.srt.layers.moe.utils import RoutingMethodType
+        from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+        qc = CompressedTensorsConfig.from_config(CT_NVFP4_CONFIG)
+        # its trtllm apply asserts a routing method; model code passes one (Qwen3-MoE: Renormalize)
+        extra["routing_method_type"] = RoutingMethodType.Renormalize
+    with probe if (spec.fmt == "ct_nvfp4" and not torch.cuda.is_available()) else _nullcontext():
+        return FusedMoE(
+            num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+            top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
+            activation=spec.activation, is_gated=spec.gated, **extra,
+        )
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def random_bf16_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
+    """BF16 tensors per expert and projection (HF names)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    h, i = spec.hidden, spec.intermediate
+    for e in range(spec.num_experts) if experts is None else experts:
+        for proj in spec.shards:
+            shape = (h, i) if proj == DOWN else (i, h)
+            out[f"experts.{e}.{proj}.weight"] = (torch.randn(shape, generator=g) * (0.05 + 0.01 * (e % 3))).to(torch.bfloat16)
+    return out
+
+
+def random_ct_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
+                               same_gate_up_scale: bool = True) -> dict[str, torch.Tensor]:
+    """Compressed-tensors NVFP4 tensors as llm-compressor names them. Its global scales are *quantize* scales
+    (value = e2m1 * e4m3 / global_scale), i.e. the inverses of ModelOpt's weight_scale_2 / input_scale.
+    llm-compressor fuses the gate/up global scales; `same_gate_up_scale=False` makes them differ."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    h, i = spec.hidden, spec.intermediate
+    for e in range(spec.num_experts) if experts is None else experts:
+        ws = {p: torch.randn(((h, i) if p == DOWN else (i, h)), generator=g) * (0.02 + 0.01 * (e % 3)) for p in spec.shards}
+        fused = float(448 * 6 / max(float(ws[p].abs().max()) for p in spec.shards if p != DOWN))
+        in_gs = 1.0 / (0.5 + 0.1 * (e % 4))
+        for proj, w in ws.items():
+            gs = fused if (proj != DOWN and same_gate_up_scale) else float(448 * 6 / w.abs().max())
+            packed, sf = quant.nvfp4_quantize(w, gs)
+            base = f"experts.{e}.{proj}."
+            out[base + "weight_packed"] = packed
+            out[base + "weight_scale"] = sf
+            out[base + "weight_global_scale"] = torch.tensor([gs], dtype=torch.float32)
+            out[base + "input_global_scale"] = torch.tensor([in_gs if proj != DOWN else in_gs * 0.8], dtype=torch.float32)
+    return out
 
 
 # ---- FP8 per-tensor (ModelOpt / SGLang fp8 static) and FP8 128x128 block (DeepSeek) --------------------------------

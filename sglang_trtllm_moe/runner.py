@@ -145,6 +145,44 @@ def fused_experts_fp4(dispatch_output, quant_info, runner_config, use_routed_top
     return _combine(out.to(x.dtype))
 
 
+def fused_experts_bf16(dispatch_output, quant_info, runner_config, use_routed_topk: bool = False):
+    """BF16 leaf (`fused_experts_none_to_flashinfer_trtllm_bf16`). The weights stay [E, M, K] Parameters whose bytes
+    are block-major (formats/bf16.py); the kernel is given the 4-D BlockMajorK view of the same storage.
+    routed_scaling_factor reaches the kernel on the logits path (vllm#43769 lost it for BF16); on the routed path
+    SGLang's TopK has already folded it into the weights."""
+    from . import layouts
+
+    layer = runner_config.layer
+    ensure_prepared(layer)
+    x = dispatch_output.hidden_states
+    backend, _ = _kernel_backend(layer, x.device)
+    # SGLang's BF16 quant info carries no routing method; its leaf reads the runner config's
+    from types import SimpleNamespace
+
+    method = SimpleNamespace(routing_method_type=runner_config.routing_method_type)
+    routing, routed = _routing_kwargs(dispatch_output.topk_output, method, runner_config, use_routed_topk)
+    if routed:
+        routing.pop("routing_bias", None)  # trtllm_bf16_routed_moe takes no bias: the top-k is already chosen
+    kwargs = dict(
+        hidden_states=x,
+        gemm1_weights=layouts.block_major_k_view(quant_info.gemm1_weights.data),
+        gemm2_weights=layouts.block_major_k_view(quant_info.gemm2_weights.data),
+        num_experts=quant_info.global_num_experts,
+        intermediate_size=runner_config.intermediate_size_per_partition,
+        local_expert_offset=quant_info.local_expert_offset,
+        local_num_experts=runner_config.num_local_experts,
+        use_shuffled_weight=True,
+        weight_layout=2,  # WeightLayout.BlockMajorK
+        do_finalize=True,
+        activation_type=activation_type(runner_config.activation, runner_config.is_gated),
+        **routing,
+    )
+    fn = backend.trtllm_bf16_routed_moe if routed else backend.trtllm_bf16_moe
+    out = fn(**kwargs)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return _combine(out.to(x.dtype))
+
+
 _FP8_FORMATS = ("fp8_tensor", "fp8_tensor_modelopt", "fp8_block")
 
 

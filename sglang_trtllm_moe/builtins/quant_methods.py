@@ -111,6 +111,108 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
     return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
 
 
+# ---- BF16 (UnquantizedFusedMoEMethod) and compressed-tensors NVFP4 ----------------------------------------------
+
+UNQUANT = "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod"
+CT_NVFP4_SCHEME = ("sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe."
+                   "CompressedTensorsW4A4Nvfp4MoE")
+CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsFusedMoEMethod"
+
+
+def _kw(args, kwargs, i, name):
+    return kwargs[name] if name in kwargs else args[i]
+
+
+def _sglang_side_attrs_bf16(method, layer) -> None:
+    """SGLang's BF16 trtllm apply reads only w13_weight / w2_weight (kept [E, M, K]; the runner views them 4-D).
+    Of the rest of SGLang's BF16 post-load steps only MORI's dispatcher dtype can apply to a trtllm layer."""
+    method.w13_swiglu_interleaved = False
+    try:
+        from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+        if get_moe_a2a_backend().is_mori() and hasattr(layer, "dispatcher"):
+            layer.dispatcher.set_quant_config({"weight_dtype": layer.w13_weight.dtype})
+    except (ImportError, AttributeError):
+        pass
+
+
+def bf16_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    """SGLang's own version re-lays every expert and reshapes the Parameters to 4-D (and on CPU would AMX-pack
+    them): for a layer on flashinfer_trtllm the plugin prepares in place, per dirty expert, shape kept."""
+    if not getattr(method, "use_flashinfer_trtllm_moe", False):
+        return original(method, layer, *args, **kwargs)
+    from ..formats.bf16 import BF16
+
+    prepare_layer(BF16, method, layer, _sglang_side_attrs_bf16)
+
+
+def bf16_apply(original, method, *args, **kwargs):
+    """A managed layer holds kernel-layout bytes, so it must take SGLang's flashinfer_trtllm branch (forward_cuda)
+    on every device: SGLang's CPU dispatch (forward_cpu / moe_forward_native, also its bs=1 torch.compile path)
+    would read those bytes as plain [E, M, K] weights. Off SM100 the runner then emulates or says what to do."""
+    layer = _kw(args, kwargs, 0, "layer")
+    if weights.state_of(layer) is None or not getattr(method, "use_flashinfer_trtllm_moe", False):
+        return original(method, *args, **kwargs)
+    return method.forward_cuda(layer, _kw(args, kwargs, 1, "dispatch_output"))
+
+
+def bf16_restore_shape_for_load(original, method, *args, **kwargs):
+    """SGLang un-blocks the whole 4-D layer before each load (sglang#33743). Managed layers never change shape and
+    weight_loader_impl returns just the expert being written to checkpoint layout, so there is nothing to undo."""
+    if weights.state_of(_kw(args, kwargs, 0, "layer")) is not None:
+        return None
+    return original(method, *args, **kwargs)
+
+
+def unprepare_before_loading(original, method, layer, *args, **kwargs):
+    """`restore_weights_before_loading` (0.5.21+) promises checkpoint layout for loader-free refits (P2P/RDMA)
+    that write straight into the parameters: every expert of a managed layer goes back in place, to be prepared
+    again at the next flush (end of the update entry point, or the next forward)."""
+    st = weights.state_of(layer)
+    if st is None:
+        return original(method, layer, *args, **kwargs)
+    for p in st.fmt.params:
+        weights.before_write(layer, p.name, None)
+
+
+def ct_nvfp4_create_weights(result, scheme, *args, **kwargs):
+    """AFTER create_weights: SGLang allocates GEMM1 with 2*I rows whatever the activation; a non-gated (relu2)
+    layer on flashinfer_trtllm gets [E, I, ...] (the kernel's shape) before anything is loaded, same attributes."""
+    import torch
+
+    layer = _kw(args, kwargs, 0, "layer")
+    if not getattr(scheme, "use_flashinfer_trtllm", False) or layer.moe_runner_config.is_gated:
+        return result
+    rows = _kw(args, kwargs, 3, "intermediate_size_per_partition")
+    for name in ("w13_weight_packed", "w13_weight_scale"):
+        old = getattr(layer, name)
+        if old.shape[1] == rows:
+            continue
+        new = torch.nn.Parameter(torch.empty((old.shape[0], rows, *old.shape[2:]), dtype=old.dtype,
+                                             device=old.device), requires_grad=False)
+        for k, v in vars(old).items():  # weight_loader, quant_method, ... (set_weight_attrs)
+            setattr(new, k, v)
+        layer.register_parameter(name, new)
+    return result
+
+
+def _sglang_side_attrs_ct_nvfp4(scheme, layer) -> None:
+    """SGLang's apply reads w13_weight / w2_weight; they alias the loaded *_packed Parameters (same object)."""
+    from ..formats.nvfp4 import CT_NVFP4
+
+    for alias, name in CT_NVFP4.aliases.items():
+        if getattr(layer, alias, None) is not getattr(layer, name):
+            layer.register_parameter(alias, getattr(layer, name))
+
+
+def ct_nvfp4_process_weights_after_loading(original, scheme, layer, *args, **kwargs):
+    if not getattr(scheme, "use_flashinfer_trtllm", False):
+        return original(scheme, layer, *args, **kwargs)
+    from ..formats.nvfp4 import CT_NVFP4
+
+    prepare_layer(CT_NVFP4, scheme, layer, _sglang_side_attrs_ct_nvfp4)
+
+
 # ---- FP8 per-tensor (ModelOpt FP8, Fp8MoEMethod static) and FP8 128x128 block (Fp8MoEMethod DeepSeek) ---------
 
 FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
@@ -192,6 +294,35 @@ def register_sglang_hooks(register, release):
     register(HookTarget(
         f"{FUSED_MOE}._weight_loader_impl", weight_loader_impl, "around", releases=">=0.5.11",
         capability="rl-update", why="validate shards and un-prepare an expert before SGLang's loader writes into it",
+    ))
+    # BF16 (unquantized) and compressed-tensors NVFP4
+    register(HookTarget(
+        f"{UNQUANT}.process_weights_after_loading", bf16_process_weights_after_loading, "around",
+        releases=">=0.5.11", capability="bf16-prep",
+        why="BF16 layers on flashinfer_trtllm are prepared in place (shape [E, M, K] kept), per dirty expert",
+    ))
+    register(HookTarget(
+        f"{UNQUANT}.apply", bf16_apply, "around", releases=">=0.5.11", capability="bf16-prep",
+        why="a prepared BF16 layer always takes SGLang's flashinfer_trtllm branch, never a path that reads it as plain weights",
+    ))
+    register(HookTarget(
+        f"{UNQUANT}.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load", bf16_restore_shape_for_load,
+        "around", releases=">=0.5.23", capability="rl-update",
+        why="SGLang's whole-layer un-block before each load is unnecessary for in-place [E, M, K] layers",
+    ))
+    for method in (UNQUANT, CT_MOE):
+        register(HookTarget(
+            f"{method}.restore_weights_before_loading", unprepare_before_loading, "around", releases=">=0.5.21",
+            capability="rl-update", why="loader-free refits write checkpoint layout: un-prepare managed layers in place",
+        ))
+    register(HookTarget(
+        f"{CT_NVFP4_SCHEME}.create_weights", ct_nvfp4_create_weights, "after", releases=">=0.5.11",
+        capability="ct-nvfp4-prep", why="non-gated GEMM1 allocated at the kernel's [E, I, ...] (SGLang allocates 2I rows)",
+    ))
+    register(HookTarget(
+        f"{CT_NVFP4_SCHEME}.process_weights_after_loading", ct_nvfp4_process_weights_after_loading, "around",
+        releases=">=0.5.11", capability="ct-nvfp4-prep",
+        why="compressed-tensors NVFP4 layers on flashinfer_trtllm are prepared in place, per dirty expert",
     ))
     # FP8 per-tensor and FP8 128x128 block
     register(HookTarget(

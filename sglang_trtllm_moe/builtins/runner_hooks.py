@@ -25,6 +25,11 @@ def register_sglang_hooks(register, release):
         why="NVFP4 leaf looked up at call time by the flashinfer_trtllm(_routed) dispatchers",
     ))
     register(HookTarget(
+        f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_bf16", runner.fused_experts_bf16, "replace",
+        releases=">=0.5.11", capability="runner",
+        why="BF16 leaf looked up at call time by the flashinfer_trtllm(_routed) dispatchers",
+    ))
+    register(HookTarget(
         f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp8", fp8_leaf, "around",
         releases=">=0.5.23", capability="runner",
         why="FP8 per-tensor / DeepSeek block leaf for plugin-prepared layers (MXFP8 stays on SGLang's leaf)",

@@ -1,0 +1,320 @@
+"""BF16 (unquantized) FusedMoE layers of the installed SGLang on CPU, prepared in place by the plugin.
+
+Oracles: SGLang 0.5.23's own BF16 trtllm preparation (`UnquantizedFusedMoEMethod.process_weights_after_loading`,
+reached at `__wrapped__`), flashinfer's `prepare_trtllm_bf16_weights` (pure torch), SGLang's own DeepSeek routing
+(`biased_grouped_topk_impl`), and a float MoE written here from the checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+from sglang_trtllm_moe import cpu_layers, layouts, weights
+from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
+
+from . import sglang_runtime
+
+CASES = [
+    pytest.param(cpu_layers.MoeSpec(intermediate=128, fmt="bf16"), id="gated-I128"),
+    pytest.param(cpu_layers.MoeSpec(intermediate=96, fmt="bf16"), id="gated-I96-padded"),
+    pytest.param(cpu_layers.MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="bf16"), id="relu2-I128"),
+    pytest.param(cpu_layers.MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="bf16"), id="relu2-I200-padded"),
+]
+WEIGHTS = ("w13_weight", "w2_weight")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    sglang_runtime.ensure("flashinfer_trtllm")
+
+
+def ckpt(spec, seed=0):
+    return cpu_layers.random_bf16_checkpoint(spec, seed=seed)
+
+
+def loaded_layer(spec, seed=0):
+    layer = cpu_layers.build_layer(spec)
+    cpu_layers.load_checkpoint(layer, ckpt(spec, seed), spec.num_experts)
+    return layer
+
+
+def prepared_layer(spec, seed=0):
+    layer = loaded_layer(spec, seed)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def as_bytes(t):
+    return t.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def upstream_prep(layer, monkeypatch):
+    """SGLang's own BF16 post-load step. On CPU it would also AMX-pack the weights where AMX exists; that branch is
+    not part of the trtllm preparation, so it is switched off (it is already off on this box)."""
+    import sglang.srt.layers.quantization.unquant as unquant
+
+    monkeypatch.setattr(unquant, "_is_cpu_amx_available", False)
+    original = unquant.UnquantizedFusedMoEMethod.process_weights_after_loading
+    while hasattr(original, "__wrapped__"):
+        original = original.__wrapped__
+    original(layer.quant_method, layer)
+
+
+def padded_checkpoint(spec, ck):
+    """[up; gate] w13 with each half padded to SGLang's 128-aligned intermediate, and w2 with padded columns."""
+    ip = -(-spec.intermediate // 128) * 128
+    e, h, i = spec.num_experts, spec.hidden, spec.intermediate
+    w13 = torch.zeros(e, (2 if spec.gated else 1) * ip, h, dtype=torch.bfloat16)
+    w2 = torch.zeros(e, h, ip, dtype=torch.bfloat16)
+    for x in range(e):
+        w13[x, :i] = ck[f"experts.{x}.up_proj.weight"]
+        if spec.gated:
+            w13[x, ip:ip + i] = ck[f"experts.{x}.gate_proj.weight"]
+        w2[x, :, :i] = ck[f"experts.{x}.down_proj.weight"]
+    return w13, w2, ip
+
+
+@pytest.mark.parametrize("spec", CASES)
+def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, monkeypatch):
+    ours = loaded_layer(spec)
+    before = {n: (p, p.data_ptr(), tuple(p.shape)) for n, p in ours.named_parameters()}
+    ours.quant_method.process_weights_after_loading(ours)
+    assert weights.state_of(ours) is not None and weights.state_of(ours).clean, "the plugin did not take over"
+    for n, (obj, ptr, shape) in before.items():  # in place: same Parameter, storage and shape
+        p = getattr(ours, n)
+        assert p is obj and p.data_ptr() == ptr and tuple(p.shape) == shape, n
+
+    upstream = loaded_layer(spec)
+    upstream_prep(upstream, monkeypatch)
+    from flashinfer.fused_moe.api import ReLU2, SwiGLU
+    from flashinfer.fused_moe.prepare import prepare_trtllm_bf16_weights
+
+    w13, w2, ip = padded_checkpoint(spec, ckpt(spec))
+    fi = prepare_trtllm_bf16_weights(
+        w13, w2, num_local_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=ip,
+        activation=SwiGLU() if spec.gated else ReLU2(), permute_cache={},
+    )
+    for n, fi_name in zip(WEIGHTS, ("gemm1_weights", "gemm2_weights")):
+        a, b = getattr(ours, n), getattr(upstream, n)
+        # SGLang reshapes its Parameter to the 4-D BlockMajorK shape (what breaks its later loads); ours keeps
+        # [E, M, K] and hands the kernel a 4-D view of the same storage
+        assert b.dim() == 4 and a.dim() == 3
+        view = layouts.block_major_k_view(a.data)
+        assert view.shape == b.shape and view.data_ptr() == a.data_ptr()
+        assert torch.equal(as_bytes(a), as_bytes(b)), f"{n} differs from SGLang's own trtllm preparation"
+        assert torch.equal(as_bytes(a), as_bytes(fi[fi_name])), f"{n} differs from flashinfer prepare_trtllm_bf16_weights"
+
+
+def reference_moe(x, topk_ids, topk_weights, ck, spec):
+    """Float MoE from the checkpoint, per token and selected expert (gate/up/down by name, no layouts)."""
+    x = x.float()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            base = f"experts.{int(topk_ids[t, k])}."
+            up = ck[base + "up_proj.weight"].float() @ x[t]
+            if spec.gated:
+                h = torch.nn.functional.silu(ck[base + "gate_proj.weight"].float() @ x[t]) * up
+            else:
+                h = torch.relu(up) ** 2
+            out[t] += float(topk_weights[t, k]) * (ck[base + "down_proj.weight"].float() @ h)
+    return out
+
+
+def _forward(layer, x, logits):
+    from sglang.srt.layers.moe.topk import TopK
+
+    topk = TopK(top_k=2, renormalize=True, layer_id=0)
+    out = topk(x, logits)
+    return layer(x, out), out
+
+
+def rel(a, b):
+    return float((a.float() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("spec", CASES)
+def test_forward_through_sglang_layer_with_emulator_matches_reference(spec, monkeypatch):
+    monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
+    layer = prepared_layer(spec)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, spec.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(6, spec.num_experts, generator=g)
+    out, topk = _forward(layer, x, logits)
+    ref = reference_moe(x, topk.topk_ids, topk.topk_weights, ckpt(spec), spec)
+    # BF16 kernel: fp32 accumulation, the intermediate and each expert's output rounded to bf16 (8 mantissa bits,
+    # <= 0.4 % each) and a bf16 result: ~0.5 % of the output norm. A wrong row/block layout mixes unrelated
+    # weights and gives ~100 %.
+    assert rel(out, ref) < 0.02, rel(out, ref)
+
+    weights.state_of(layer).fmt.unprepare_(layer, "w13", list(range(spec.num_experts)))  # bytes not in kernel layout
+    bad, _ = _forward(layer, x, logits)
+    assert rel(bad, ref) > 0.5
+
+
+def test_routed_scaling_factor_reaches_the_kernel_on_the_logits_path(monkeypatch):
+    """DeepSeek-V3 routing done by the kernel from logits (SGLang's bypassed TopK): routed_scaling_factor must be
+    passed (vllm#43769 dropped it for BF16). Routing oracle: SGLang's own biased_grouped_topk_impl."""
+    from sglang.srt.layers.moe.topk import BypassedTopKOutput, TopKConfig, biased_grouped_topk_impl
+    from sglang.srt.layers.moe.utils import RoutingMethodType
+
+    monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
+    spec = cpu_layers.MoeSpec(intermediate=128, fmt="bf16")
+    layer = prepared_layer(spec)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, spec.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(5, spec.num_experts, generator=g)
+    bias = torch.randn(spec.num_experts, generator=g) * 0.1
+    monkeypatch.setattr(layer.moe_runner_config, "routing_method_type", RoutingMethodType.DeepSeekV3)
+    outs = {}
+    for rsf in (1.0, 2.5):
+        monkeypatch.setattr(layer.moe_runner_config, "routed_scaling_factor", rsf)
+        cfg = TopKConfig(top_k=2, use_grouped_topk=True, topk_group=1, num_expert_group=2, renormalize=True,
+                         correction_bias=bias, routed_scaling_factor=rsf, routing_method_type=RoutingMethodType.DeepSeekV3)
+        outs[rsf] = layer(x, BypassedTopKOutput(hidden_states=x, raw_router_logits=logits, topk_config=cfg))
+        w, ids = biased_grouped_topk_impl(x, logits, bias, 2, True, num_expert_group=2, topk_group=1,
+                                          routed_scaling_factor=rsf, apply_routed_scaling_factor_on_output=True)
+        assert rel(outs[rsf], reference_moe(x, ids, w, ckpt(spec), spec)) < 0.02
+    assert rel(outs[2.5], 2.5 * outs[1.0].float()) < 0.01
+
+
+def test_without_emulator_on_cpu_the_runner_says_what_to_do(monkeypatch):
+    from sglang_trtllm_moe.runner import KernelUnavailableError
+
+    monkeypatch.delenv("SGLANG_TRTLLM_MOE_EMULATE", raising=False)
+    spec = cpu_layers.MoeSpec(fmt="bf16")
+    layer = prepared_layer(spec)
+    x = torch.randn(2, spec.hidden).to(torch.bfloat16)
+    with pytest.raises(KernelUnavailableError) as e:  # never SGLang's CPU path reading kernel-layout bytes
+        _forward(layer, x, torch.randn(2, spec.num_experts))
+    assert "SGLANG_TRTLLM_MOE_EMULATE=1" in str(e.value) and "model.layers.0.mlp.experts" in str(e.value)
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param(cpu_layers.MoeSpec(fmt="bf16", activation="gelu"), id="gelu"),
+    pytest.param(cpu_layers.MoeSpec(fmt="bf16", hidden=96), id="hidden96"),
+])
+def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec):
+    layer = loaded_layer(spec)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    with pytest.raises(TrtllmLayerError) as e:
+        layer.quant_method.process_weights_after_loading(layer)
+    msg = str(e.value)
+    assert "model.layers.0.mlp.experts" in msg and "Fix:" in msg
+    assert ("'gelu'" in msg) if spec.activation == "gelu" else ("w13_weight" in msg and "multiple of 64" in msg)
+    assert weights.state_of(layer) is None
+    for n, p in layer.named_parameters():
+        assert torch.equal(as_bytes(p), as_bytes(before[n])), f"{n} was modified by a refused prep"
+
+
+# ---- RL updates through SGLang's WeightUpdater -------------------------------------------------------------------
+
+RL_SPEC = cpu_layers.MoeSpec(intermediate=96, fmt="bf16")  # gated, padded 96 -> 128 per half
+_CONFIG_DIR = {}
+
+
+def updater(model):
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    if "d" not in _CONFIG_DIR:  # from_tensor never reads weights, but ModelConfig needs a config.json
+        d = _CONFIG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-bf16-cfg-")
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                       "hidden_size": RL_SPEC.hidden, "moe_intermediate_size": RL_SPEC.intermediate,
+                       "intermediate_size": 4 * RL_SPEC.hidden, "n_routed_experts": RL_SPEC.num_experts,
+                       "num_experts_per_tok": RL_SPEC.top_k, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "num_key_value_heads": 4, "vocab_size": 256, "torch_dtype": "bfloat16"}, f)
+    return WeightUpdater(
+        tp_rank=0, device="cpu", gpu_id=0, model_config=ModelConfig(model_path=_CONFIG_DIR["d"]),
+        custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
+        recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
+    )
+
+
+def prepared_model(tensors):
+    model = cpu_layers.TinyMoeModel(RL_SPEC)
+    model.load_weights(cpu_layers.checkpoint_names(tensors).items())
+    model.experts.quant_method.process_weights_after_loading(model.experts)
+    return model
+
+
+def assert_same_as_fresh(model, intended):
+    fresh = prepared_model(intended)
+    for n in WEIGHTS:
+        assert torch.equal(as_bytes(getattr(model.experts, n)), as_bytes(getattr(fresh.experts, n))), n
+
+
+def pointers(model):
+    return {n: (p.data_ptr(), tuple(p.shape)) for n, p in model.named_parameters()}
+
+
+def test_partial_update_from_tensor_is_exact_and_storage_stable():
+    base, new = ckpt(RL_SPEC, 0), ckpt(RL_SPEC, 7)
+    model = prepared_model(base)
+    ptrs = pointers(model)
+    st = weights.state_of(model.experts)
+    before = st.experts_prepared_total
+    one = {k: v for k, v in new.items() if k.startswith("experts.5.")}
+    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(one).items()))
+    assert ok, msg
+    assert st.clean and st.experts_prepared_total - before == 2  # expert 5's w13 and w2, nothing else
+    assert pointers(model) == ptrs
+    assert_same_as_fresh(model, {**base, **one})
+    # again, the whole layer: still exact, still the same storage and [E, M, K] shapes
+    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(new).items()))
+    assert ok, msg
+    assert pointers(model) == ptrs
+    assert_same_as_fresh(model, new)
+
+
+def test_sglang_restore_hooks_are_harmless_and_loader_free_refits_get_checkpoint_layout():
+    """SGLang's `maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load` (called before every load) must not
+    touch a managed layer; `restore_weights_before_loading` (begin_weight_update, loader-free P2P refits) must leave
+    the parameters in checkpoint layout, in place, and the next flush must prepare them again."""
+    model = prepared_model(ckpt(RL_SPEC, 0))
+    layer, method = model.experts, model.experts.quant_method
+    ptrs = pointers(model)
+    prepared = {n: as_bytes(getattr(layer, n)).clone() for n in WEIGHTS}
+    for n in WEIGHTS:
+        method.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load(
+            layer=layer, param=getattr(layer, n), weight_name=f"model.layers.0.mlp.experts.{n}")
+        assert torch.equal(as_bytes(getattr(layer, n)), prepared[n])
+
+    updater(model).begin_weight_update()  # SGLang's entry point -> DefaultModelLoader.restore_weights_before_loading
+    raw = cpu_layers.TinyMoeModel(RL_SPEC)
+    raw.load_weights(cpu_layers.checkpoint_names(ckpt(RL_SPEC, 0)).items())  # loaded, never prepared
+    for n in WEIGHTS:
+        assert torch.equal(as_bytes(getattr(layer, n)), as_bytes(getattr(raw.experts, n))), n
+    assert pointers(model) == ptrs
+    # a loader-free refit writes checkpoint bytes straight into the storage, then the update ends
+    new = ckpt(RL_SPEC, 9)
+    raw2 = cpu_layers.TinyMoeModel(RL_SPEC)
+    raw2.load_weights(cpu_layers.checkpoint_names(new).items())
+    for n in WEIGHTS:
+        getattr(layer, n).data.copy_(getattr(raw2.experts, n).data)
+    weights.flush_all()
+    assert pointers(model) == ptrs
+    assert_same_as_fresh(model, new)
+
+
+@pytest.mark.requires_sm100
+@pytest.mark.parametrize("spec", CASES)
+def test_real_kernel_matches_emulator_on_sm100(spec, monkeypatch):
+    import sglang_trtllm_moe.runner as runner
+
+    layer = prepared_layer(spec)
+    layer.to("cuda")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, spec.hidden, generator=g).to(torch.bfloat16).cuda()
+    logits = torch.randn(16, spec.num_experts, generator=g).cuda()
+    monkeypatch.delenv("SGLANG_TRTLLM_MOE_EMULATE", raising=False)
+    kernel, _ = _forward(layer, x, logits)
+    monkeypatch.setattr(runner, "emulating", lambda: True)
+    emulated, _ = _forward(layer, x, logits)
+    assert rel(kernel, emulated.float()) < 0.01
