@@ -275,3 +275,53 @@ def test_layout_aware_tolerance_one_grid_step_passes_only_with_allow_quant_error
     with pytest.raises(Exception) as err:
         wc.handle("compare", allow_quant_error=True, role="target")
     assert "layout compare, 1 beyond tolerance" in str(err.value)
+
+
+# ---- BF16: the same comparators, generic over the format (BlockMajorK layout, no scales) ------------------------
+
+BF16_CASES = [
+    pytest.param(cpu_layers.MoeSpec(num_experts=4, intermediate=96, fmt="bf16"), id="bf16-gated-padded"),
+    pytest.param(cpu_layers.MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False, fmt="bf16"),
+                 id="bf16-relu2"),
+]
+
+
+def flashinfer_bf16(spec, w13, w2):
+    """flashinfer's own pure-torch BF16 preparation, as [E, M, K]-shaped tensors over the same bytes."""
+    from flashinfer.fused_moe.api import ReLU2, SwiGLU
+    from flashinfer.fused_moe.prepare import prepare_trtllm_bf16_weights
+
+    out = prepare_trtllm_bf16_weights(
+        w13.clone(), w2.clone(), num_local_experts=spec.num_experts, hidden_size=spec.hidden,
+        intermediate_size=w2.shape[2], activation=SwiGLU() if spec.gated else ReLU2(), permute_cache={},
+    )
+    return {"w13_weight": out["gemm1_weights"].contiguous().reshape(w13.shape),
+            "w2_weight": out["gemm2_weights"].contiguous().reshape(w2.shape)}
+
+
+@pytest.mark.parametrize("spec", BF16_CASES)
+def test_bf16_prepared_vs_checkpoint_and_a_changed_element_located_through_flashinfer_prep(spec):
+    model = cpu_layers.TinyMoeModel(spec)
+    model.load_weights(cpu_layers.checkpoint_names(cpu_layers.random_bf16_checkpoint(spec, 7)).items())
+    ck = {n: getattr(model.experts, n).data.clone() for n in WEIGHTS}
+    model.experts.quant_method.process_weights_after_loading(model.experts)
+    layer = model.experts
+    assert weights.state_of(layer).fmt.name == "bf16"
+    fi = flashinfer_bf16(spec, ck["w13_weight"], ck["w2_weight"])
+    g = torch.Generator().manual_seed(0)
+    for name in WEIGHTS:
+        live = checker.live_side(layer, name)
+        theirs = checker.snapshot_side(layer, name, fi)
+        ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
+        assert checker.compare_raw(theirs, live).equal  # plugin bytes == flashinfer's
+        assert checker.compare(ckpt_side, live).equal  # auto -> layout-aware
+        assert not checker.compare_raw(ckpt_side, live).equal
+        got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
+        assert torch.equal(got, ck[name].float())
+        for _ in range(3):
+            e, r, c = (int(torch.randint(0, n, (1,), generator=g)) for n in ck[name].shape)
+            changed = {k: v.clone() for k, v in ck.items()}
+            changed[name][e, r, c] = -changed[name][e, r, c] - 1
+            rep = checker.compare_raw(theirs, checker.snapshot_side(layer, name, flashinfer_bf16(spec, **{
+                "w13": changed["w13_weight"], "w2": changed["w2_weight"]})))
+            assert rep.num_mismatch == 1 and (rep.first[0].expert, rep.first[0].row, rep.first[0].col) == (e, r, c)
