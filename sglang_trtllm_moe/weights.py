@@ -138,8 +138,13 @@ def flush(layer, chunk: int | None = None) -> int:
     return done
 
 
-def flush_all() -> int:
-    """End of a weight-update entry point: every managed layer back to kernel layout."""
+def flush_all(end_session: bool = False) -> int:
+    """End of a weight-update entry point: every managed layer back to kernel layout (deferred while a
+    begin/end weight-update session is open, until its end)."""
+    if end_session:
+        SESSION["open"] = False
+    elif SESSION["open"]:
+        return 0
     total = 0
     errors = []
     for layer in managed_layers():
@@ -150,6 +155,21 @@ def flush_all() -> int:
     if errors:
         raise WeightPrepError("; ".join(errors))
     return total
+
+
+#: True between begin_weight_update and end_weight_update: writes may bypass the loader, so nothing is prepared
+#: until the session ends (a flush in between would let the next direct write land on kernel-layout bytes).
+SESSION = {"open": False}
+
+
+def unprepare_all() -> None:
+    """Every managed layer back to checkpoint layout, in place (before loader-free refits that write straight into
+    the parameters, e.g. a `begin_weight_update` session). The next flush prepares them again."""
+    SESSION["open"] = True
+    for layer in managed_layers():
+        st = state_of(layer)
+        for p in st.fmt.params:
+            before_write(layer, p.name, None)
 
 
 def on_reload_start() -> None:
@@ -183,8 +203,11 @@ def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expe
     where = f"{layer_name(layer)}: refused weight update of {name} (shard {shard_id!r}, expert {expert_id})"
     if shard_id not in _SHARDS:
         raise ValueError(f"{where}: shard id must be one of {_SHARDS}; nothing was written")
-    if expert_id is not None and not (0 <= int(expert_id) < st.num_experts):
-        raise ValueError(f"{where}: expert id out of range [0, {st.num_experts}); nothing was written")
+    # Params SGLang keeps for every expert of the model (input scales, `_sglang_require_global_experts`) reach the
+    # loader with the GLOBAL expert id; under EP that id is >= the local count on every rank but the first.
+    n_ids = int(param.shape[0]) if getattr(param, "_sglang_require_global_experts", False) else st.num_experts
+    if expert_id is not None and not (0 <= int(expert_id) < n_ids):
+        raise ValueError(f"{where}: expert id out of range [0, {n_ids}); nothing was written")
     if param.dtype.itemsize == 1 and loaded.dtype != param.dtype:
         raise ValueError(
             f"{where}: dtype {loaded.dtype} cannot be written into {param.dtype} storage (it would be value-converted, "

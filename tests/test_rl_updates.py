@@ -196,3 +196,26 @@ def test_failure_while_preparing_is_raised_naming_the_layer_and_retried(monkeypa
     weights.flush_all()  # the next flush point retries exactly what is left
     assert st.clean
     assert_same_as_fresh(model, ckpt(6))
+
+
+def test_begin_end_session_with_direct_writes_into_parameters():
+    # 0.5.21+: begin_weight_update promises checkpoint layout, so a refit may write whole parameters directly
+    # (load_format="direct" -> default_weight_loader, no FusedMoE loader). The plugin un-prepares every managed
+    # layer at begin and prepares at end.
+    staged = cpu_layers.TinyMoeModel(SPEC)
+    staged.load_weights(cpu_layers.checkpoint_names(ckpt(7)).items())  # checkpoint layout, not prepared
+    direct = [(n, p.detach().clone()) for n, p in staged.named_parameters()]
+    model = prepared_model(ckpt(0))
+    ptrs = pointers(model)
+    u = updater(model)
+    u.begin_weight_update()
+    assert weights.state_of(model.experts).dirty_experts(), "begin must return the layer to checkpoint layout"
+    # two writes in one session: nothing may be prepared between them, or the second lands on kernel layout
+    for part in (direct[: len(direct) // 2], direct[len(direct) // 2:]):
+        ok, msg = u.update_weights_from_tensor(part, load_format="direct")
+        assert ok, msg
+        assert not weights.state_of(model.experts).clean, "prepared inside an open begin/end session"
+    u.end_weight_update(run_post_load=False)
+    assert weights.state_of(model.experts).clean
+    assert_same_as_fresh(model, ckpt(7))
+    assert pointers(model) == ptrs

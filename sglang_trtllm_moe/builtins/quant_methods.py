@@ -37,8 +37,13 @@ def _nvfp4_serves(method, layer) -> tuple[bool, str]:
 
 def _sglang_side_attrs_nvfp4(method, layer) -> None:
     """Attributes SGLang's own trtllm path leaves on the layer, which its apply() and dispatcher read."""
-    layer.w13_blockscale_swizzled = layer.w13_weight_scale
-    layer.w2_blockscale_swizzled = layer.w2_weight_scale
+    from torch.nn import Parameter
+
+    for half in ("w13", "w2"):
+        # 0.5.2x: create_weights leaves None and SGLang aliases it (the kernel never reads it). Older releases
+        # register a Parameter placeholder: keep it, so every registered parameter stays the same object.
+        if not isinstance(layer._parameters.get(f"{half}_blockscale_swizzled"), Parameter):
+            setattr(layer, f"{half}_blockscale_swizzled", getattr(layer, f"{half}_weight_scale"))
     layer.trtllm_padded_hidden_size = None
     dispatcher = getattr(layer, "dispatcher", None)
     if dispatcher is not None and hasattr(dispatcher, "set_quant_config"):
@@ -96,6 +101,9 @@ def remember_prefix(result, layer, *args, **kwargs):
         prefix = kwargs.get("prefix")
     if prefix:
         object.__setattr__(layer, "_trtllm_moe_prefix", prefix)
+    cfg = getattr(layer, "moe_runner_config", None)
+    if cfg is not None and getattr(cfg, "layer", None) is None:
+        cfg.layer = layer  # < 0.5.16: MoeRunnerConfig has no `layer` field; the plugin runner finds the layer by it
 
 
 def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
@@ -165,14 +173,14 @@ def bf16_restore_shape_for_load(original, method, *args, **kwargs):
 
 
 def unprepare_before_loading(original, method, layer, *args, **kwargs):
-    """`restore_weights_before_loading` (0.5.21+) promises checkpoint layout for loader-free refits (P2P/RDMA)
-    that write straight into the parameters: every expert of a managed layer goes back in place, to be prepared
-    again at the next flush (end of the update entry point, or the next forward)."""
-    st = weights.state_of(layer)
-    if st is None:
-        return original(method, layer, *args, **kwargs)
-    for p in st.fmt.params:
-        weights.before_write(layer, p.name, None)
+    """SGLang's `restore_weights_before_loading` (0.5.21+) runs before every disk update and at
+    `begin_weight_update`. Managed layers need none of it: a loader write returns just the written expert to
+    checkpoint layout (weight_loader_impl), and `begin_weight_update` — where loader-free refits may write straight
+    into the parameters — un-prepares every managed layer of every format (builtins/weight_updates.py). So a
+    one-expert disk update re-prepares one expert, not the layer."""
+    if weights.state_of(layer) is not None:
+        return None
+    return original(method, layer, *args, **kwargs)
 
 
 def ct_nvfp4_create_weights(result, scheme, *args, **kwargs):
@@ -313,7 +321,7 @@ def register_sglang_hooks(register, release):
     for method in (UNQUANT, CT_MOE):
         register(HookTarget(
             f"{method}.restore_weights_before_loading", unprepare_before_loading, "around", releases=">=0.5.21",
-            capability="rl-update", why="loader-free refits write checkpoint layout: un-prepare managed layers in place",
+            capability="rl-update", why="managed layers are un-prepared per written expert, not by SGLang's whole-layer restore",
         ))
     register(HookTarget(
         f"{CT_NVFP4_SCHEME}.create_weights", ct_nvfp4_create_weights, "after", releases=">=0.5.11",

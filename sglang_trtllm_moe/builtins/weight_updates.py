@@ -19,8 +19,18 @@ def drop_caches_before(*args, **kwargs):
     weights.on_reload_start()
 
 
+def unprepare_all_before(*args, **kwargs):
+    weights.on_reload_start()
+    weights.unprepare_all()
+
+
 def flush_after(result, *args, **kwargs):
     weights.flush_all()
+    return None
+
+
+def end_session_after(result, *args, **kwargs):
+    weights.flush_all(end_session=True)
     return None
 
 
@@ -29,13 +39,11 @@ LOAD_ONLY_ENTRY_POINTS = (
     (f"{UPDATER}.update_weights_from_tensor", ">=0.5.16"),
     (f"{UPDATER}.load_weights_from_distributed", ">=0.5.16"),
     (f"{UPDATER}.update_weights_from_ipc", ">=0.5.16"),
-    (f"{UPDATER}.end_weight_update", ">=0.5.21"),
     (f"{MODEL_RUNNER}.update_weights_from_tensor", "<0.5.16"),
     (f"{MODEL_RUNNER}.update_weights_from_distributed", "<0.5.16"),
 )
 RELOAD_START = (
     (f"{UPDATER}.update_weights_from_disk", ">=0.5.16"),
-    (f"{UPDATER}.begin_weight_update", ">=0.5.21"),
     (f"{MODEL_RUNNER}.update_weights_from_disk", "<0.5.16"),
 )
 
@@ -48,3 +56,8 @@ def register_sglang_hooks(register, release):
     for target, rel in RELOAD_START + LOAD_ONLY_ENTRY_POINTS:
         register(HookTarget(target, drop_caches_before, "before", releases=rel, capability="rl-update",
                             why="drop cached layout index maps so none survives a pause/resume"))
+    register(HookTarget(f"{UPDATER}.end_weight_update", end_session_after, "after", releases=">=0.5.21",
+                        capability="rl-update", why="the session is over: prepare everything it wrote"))
+    register(HookTarget(f"{UPDATER}.begin_weight_update", unprepare_all_before, "before", releases=">=0.5.21",
+                        capability="rl-update",
+                        why="a begin/end session may write straight into parameters: every managed layer to checkpoint layout"))
