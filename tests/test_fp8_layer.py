@@ -236,7 +236,7 @@ def test_modelopt_unequal_scales_ours_lossless_upstream_requant_is_not():
         err_ours = max(err_ours, float((mine - ref).norm() / ref.norm()))
         err_up = max(err_up, float((theirs - ref).norm() / ref.norm()))
     assert err_ours < 1e-6, err_ours
-    assert err_up > 0.005, err_up  # measured ~1.3 %: the smaller-scale half loses up to one e4m3 step per element
+    assert err_up > 0.005, err_up  # measured 1.6 % (worst expert): the smaller-scale half re-rounded to a coarser grid
 
 
 # ---- (b) forward through SGLang's own layer with the emulator ----------------------------------------------------
@@ -298,11 +298,12 @@ def test_forward_through_sglang_layer_with_emulator_matches_dequantized_referenc
     logits = torch.randn(8, spec.num_experts, generator=g).to(torch.bfloat16).float()  # same routing in bf16/fp32
     out = _forward(layer, x, logits, bypass)
     ref = reference_moe(x, logits, ck, spec)
-    # The kernel quantizes the activations and the GEMM1 output to e4m3 (3 mantissa bits: <= 6.25 % per element,
-    # ~2 % rms), per tensor or per 1x128 block; summed over K = 256 products the output agrees to a few % in norm
-    # (measured 2-4 %). A wrong layout (other half / other rows) gives ~100 %.
+    # The kernel re-quantizes to e4m3 (3 mantissa bits: <= 6.25 % per element, ~2-3 % rms) the activations and the
+    # GEMM1 output (per tensor with the static scales, or per 1x128 block; the DeepSeek path also writes GEMM1 itself
+    # in e4m3), against a float reference from the same dequantized weights. Measured: per-tensor 3.8-5.6 %, block
+    # 6.2-6.5 %; a wrong layout (other half / other rows) gives ~100 %.
     rel = float((out.float() - ref).norm() / ref.norm())
-    assert rel < 0.08, rel
+    assert rel < 0.1, rel
     # The same check fails on bytes not in kernel layout: per-tensor, w13 back in checkpoint layout; block, the
     # [gate; up] order SGLang's loader would have left without its w1/w3 swap.
     fmt = weights.state_of(layer).fmt
