@@ -325,3 +325,80 @@ def test_bf16_prepared_vs_checkpoint_and_a_changed_element_located_through_flash
             rep = checker.compare_raw(theirs, checker.snapshot_side(layer, name, flashinfer_bf16(spec, **{
                 "w13": changed["w13_weight"], "w2": changed["w2_weight"]})))
             assert rep.num_mismatch == 1 and (rep.first[0].expert, rep.first[0].row, rep.first[0].col) == (e, r, c)
+
+
+# ---- every other format the plugin prepares: FP8 per-tensor (ModelOpt, fp8 static), FP8 block, CT NVFP4 ---------
+
+OTHER_FORMATS = {
+    "fp8_modelopt": cpu_layers.random_fp8_checkpoint,
+    "fp8_tensor": cpu_layers.random_fp8_checkpoint,
+    "fp8_block": cpu_layers.random_fp8_checkpoint,
+    "ct_nvfp4": cpu_layers.random_ct_nvfp4_checkpoint,
+}
+
+
+def reference_dequant(fmt, weight, scale):
+    """Checkpoint-layout dequantization by code nobody here wrote (block-scale units, as the checker compares)."""
+    if scale is None:  # FP8 per-tensor: the e4m3 values; the per-tensor scale is a scalar param compared raw
+        return weight.float()
+    if fmt == "fp8_block":
+        from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+
+        return block_quant_dequant(weight, scale, [128, 128], torch.float32)
+    from flashinfer.quantization.fp4_quantization import _e2m1_and_ufp8sf_scale_to_float_cpu as fi_dequant
+
+    return torch.stack([fi_dequant(weight[e], scale[e].view(torch.uint8), None, 16, 1, False)
+                        for e in range(weight.shape[0])])
+
+
+@pytest.mark.parametrize("fmt", list(OTHER_FORMATS))
+def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang(fmt):
+    spec = cpu_layers.MoeSpec(num_experts=4, intermediate=128, fmt=fmt)
+    good = OTHER_FORMATS[fmt](spec, seed=8)
+    model = cpu_layers.TinyMoeModel(spec)
+    model.load_weights(cpu_layers.checkpoint_names(good).items())
+    layer = model.experts
+    ck = {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}
+    layer.quant_method.process_weights_after_loading(layer)
+    st = weights.state_of(layer)
+    assert st is not None and st.clean, f"{fmt}: the plugin did not take the layer"
+    laid_out = [p.name for p in st.fmt.params]
+    names = [n for n in laid_out if st.fmt.scale_of(n) is not None or "scale" not in n]
+    for name in names:
+        scale = st.fmt.scale_of(name)
+        live = checker.live_side(layer, name)
+        got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
+        assert torch.equal(got, reference_dequant(fmt, ck[name], None if scale is None else ck[scale])), name
+        ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
+        assert checker.compare_layout(ckpt_side, live).equal
+        moved = any(not torch.equal(ck[n].view(torch.uint8), live.tensors[n].view(torch.uint8)) for n in live.tensors)
+        assert checker.compare_raw(ckpt_side, live).equal == (not moved)  # FP8 block: the kernel layout is the loaded one
+
+    # SGLang's flow: snapshot, then a corrupted expert-2 shard through SGLang's loader (+ the plugin's flush)
+    key = next(k for k in good if k.startswith("experts.2.gate_proj.weight") and good[k].element_size() == 1
+               and "scale" not in k)
+    bad = dict(good)
+    w = good[key].clone()
+    w.view(torch.uint8)[5, 3] ^= 0x11
+    bad[key] = w
+
+    def where():
+        a, b = (cpu_layers.TinyMoeModel(spec) for _ in range(2))
+        a.load_weights(cpu_layers.checkpoint_names(good).items())
+        b.load_weights(cpu_layers.checkpoint_names(bad).items())
+        for n in laid_out:
+            d = (getattr(a.experts, n).data.view(torch.uint8) != getattr(b.experts, n).data.view(torch.uint8))
+            if d.any():
+                assert int(d.sum()) == 1
+                return (n, *d.nonzero()[0].tolist())
+        raise AssertionError("corruption not loaded")
+
+    n, e, r, c = where()
+    wc = weight_checker(model)
+    wc.handle("snapshot", role="target")
+    cpu_layers.load_checkpoint(layer, {key: bad[key]}, spec.num_experts)
+    weights.flush_all()
+    with pytest.raises(Exception) as err:
+        wc.handle("compare", role="target")
+    msg = str(err.value)
+    assert f"{n}[expert {e}, row {r}, col {c}]" in msg and "in experts [2]" in msg and " 1 of " in msg, msg[-600:]

@@ -8,6 +8,7 @@ Everything else (scalars, input scales) is recomputed from the parameters after 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -109,15 +110,17 @@ class WeightFormat:
 
     # ---- weight checker -------------------------------------------------------------------------------------
     def scale_of(self, name: str) -> str | None:
-        """The laid-out parameter holding `name`'s block scales (`<name>_scale*`, same group), if any.
+        """The laid-out parameter holding `name`'s block scales (a `*scale*` parameter of its group), if any.
 
         The checker compares a weight and its block scales as one entry: a weight alone has no value, and
-        SGLang's checker likewise consumes `*_weight_scale_inv` into its weight's comparison."""
+        SGLang's checker likewise consumes `*_weight_scale_inv` into its weight's comparison. Matches
+        w13_weight -> w13_weight_scale(_inv), and compressed-tensors' w13_weight_packed -> w13_weight_scale."""
+        if "scale" in name:
+            return None
         group = self.group_of(name)
-        for p in self.params:
-            if p.name != name and p.group == group and p.name.startswith(name + "_scale"):
-                return p.name
-        return None
+        cands = [p.name for p in self.params if p.group == group and p.name != name and "scale" in p.name]
+        common = lambda a: len(os.path.commonprefix([a, name]))  # noqa: E731
+        return max(cands, key=common) if cands else None
 
     def dequantize_param(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None):
         """Checkpoint-layout `[E, M, K]` (+ its block scales) -> (float32 values, float32 per-element tolerance).
