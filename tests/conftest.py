@@ -28,6 +28,13 @@ def _sm100_reason():
     return None
 
 
+def pytest_configure(config):
+    # release ranges / capabilities per test, and why a test does not apply here (the compat matrix)
+    from sglang_trtllm_moe.compat import matrix
+
+    config.pluginmanager.register(matrix, "sglang_trtllm_moe_compat_matrix")
+
+
 def pytest_collection_modifyitems(config, items):
     reason = _sm100_reason()
     if reason is None:

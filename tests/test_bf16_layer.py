@@ -220,7 +220,7 @@ _CONFIG_DIR = {}
 
 def updater(model):
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang_trtllm_moe.compat.runtime import weight_updater  # WeightUpdater, or ModelRunner before 0.5.16
 
     if "d" not in _CONFIG_DIR:  # from_tensor never reads weights, but ModelConfig needs a config.json
         d = _CONFIG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-bf16-cfg-")
@@ -230,11 +230,7 @@ def updater(model):
                        "intermediate_size": 4 * RL_SPEC.hidden, "n_routed_experts": RL_SPEC.num_experts,
                        "num_experts_per_tok": RL_SPEC.top_k, "num_hidden_layers": 1, "num_attention_heads": 4,
                        "num_key_value_heads": 4, "vocab_size": 256, "torch_dtype": "bfloat16"}, f)
-    return WeightUpdater(
-        tp_rank=0, device="cpu", gpu_id=0, model_config=ModelConfig(model_path=_CONFIG_DIR["d"]),
-        custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
-        recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
-    )
+    return weight_updater(model, ModelConfig(model_path=_CONFIG_DIR["d"]))
 
 
 def prepared_model(tensors):

@@ -326,16 +326,12 @@ def _updater(model):
     import tempfile
 
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang_trtllm_moe.compat.runtime import weight_updater  # WeightUpdater, or ModelRunner before 0.5.16
 
     if "d" not in _CONFIG_DIR:  # from_tensor never reads the directory, but ModelConfig needs a config.json
         _CONFIG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-fp8-cfg-")
         cpu_layers.write_safetensors_checkpoint(_CONFIG_DIR["d"], {}, model.spec)
-    return WeightUpdater(
-        tp_rank=0, device="cpu", gpu_id=0, model_config=ModelConfig(model_path=_CONFIG_DIR["d"]),
-        custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
-        recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
-    )
+    return weight_updater(model, ModelConfig(model_path=_CONFIG_DIR["d"]))
 
 
 def _model(spec, tensors):

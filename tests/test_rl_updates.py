@@ -70,13 +70,9 @@ def updater(model, path=None):
             _CONFIG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-cfg-")
             cpu_layers.write_safetensors_checkpoint(_CONFIG_DIR["d"], {}, SPEC)
         path = _CONFIG_DIR["d"]
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang_trtllm_moe.compat.runtime import weight_updater
 
-    return WeightUpdater(
-        tp_rank=0, device="cpu", gpu_id=0, model_config=ModelConfig(model_path=path), custom_weight_loaders={},
-        get_model=lambda: model, update_model_fields=lambda *a, **k: None, recapture_cuda_graph=lambda: None,
-        get_model_runner=lambda: None,
-    )
+    return weight_updater(model, ModelConfig(model_path=path))  # WeightUpdater, or ModelRunner before 0.5.16
 
 
 def from_disk(model, tensors):

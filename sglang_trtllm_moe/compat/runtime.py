@@ -3,14 +3,42 @@
 SGLang's FusedMoE and quant methods read a published ServerArgs, model-parallel groups and the platform. A test,
 the demo or the benchmark needs that state in one process without a GPU: gloo world of size 1, a faked Blackwell
 platform (the quant methods refuse NVFP4 elsewhere), and the MoE config initialised from the chosen backend.
-How each step is spelled changed between releases (cpu-test-environment.md §3), hence this module.
+How each step is spelled changed between releases, so each step is one small table keyed by release range
+(read from the wheels; cpu-test-environment.md §3 only covers 0.5.14/0.5.18/0.5.23 and is wrong that there is no
+`runtime_context` before 0.5.23 — it exists from 0.5.14, `override_platform` from 0.5.19, `SpawnRanks` from 0.5.22):
+
+| step | < 0.5.19 | 0.5.19 – 0.5.21 | >= 0.5.22 |
+|---|---|---|---|
+| fake SM100 | rebind `is_sm100_supported` / `is_blackwell_supported` (lru-cached module globals, imported by name into ~10 modules) | `runtime_context.override_platform(...).install()` | same |
+| publish ServerArgs | `set_global_server_args_for_scheduler` (a global ≤ 0.5.15, `get_context().set_server_args` 0.5.16–0.5.17, `publish(role="scheduler")` 0.5.18) | same shim (`publish`) | `publish(..., ranks=SpawnRanks(0))` + `get_parallel().override_permanently(world_group=...)` |
+| MoE config | `initialize_moe_config(server_args)` | `initialize_moe_config()` | same |
+| weight updates | `ModelRunner.update_weights_from_{disk,tensor}` (< 0.5.16) | `WeightUpdater` (>= 0.5.16) | same |
+
+One CPU-only repair: up to 0.5.19 NVFP4 `create_weights` calls `quantization.utils.swizzle_blockscale`, which ends in
+`.contiguous().cuda()` (for a shape-only placeholder), so no NVFP4 layer can even be built without a GPU. On a box
+without CUDA, SGLang's own function is kept and only its `.cuda()` is made a no-op for the duration of that call.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 _INITIALISED: dict = {}
+
+#: release ranges of each spelling (see the table above)
+PLATFORM_OVERRIDE = SpecifierSet(">=0.5.19")
+PUBLISH_WITH_RANKS = SpecifierSet(">=0.5.22")
+MOE_CONFIG_TAKES_ARGS = SpecifierSet("<0.5.19")
+SWIZZLE_MOVES_TO_CUDA = SpecifierSet("<0.5.20")
+WEIGHT_UPDATER = SpecifierSet(">=0.5.16")
+
+#: the platform predicates releases before 0.5.19 ask (sglang.srt.utils.common), and what a B200 answers
+_LEGACY_PLATFORM_FACTS = {"is_sm100_supported": True, "is_blackwell_supported": True, "is_blackwell": True,
+                          "is_sm90_supported": False, "is_sm120_supported": False}
 
 
 def _free_port() -> int:
@@ -19,6 +47,99 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def release() -> Version:
+    from .releases import installed_version
+
+    v = installed_version()
+    if v is None:
+        raise RuntimeError("sglang is not installed")
+    return Version(v.base_version)
+
+
+def _answer(value: bool):
+    def fact(*args, **kwargs) -> bool:
+        return value
+
+    fact.cache_clear = lambda: None  # callers of the lru-cached originals may clear them
+    return fact
+
+
+def fake_blackwell_legacy(facts: dict | None = None) -> None:
+    """Releases < 0.5.19 ask `is_sm100_supported()` etc., lru-cached functions each module imports by name.
+    Rebind them in `sglang.srt.utils.common` (so modules imported later bind the fake) and in every loaded
+    sglang module that holds the original (what HookRegistry's `_propagate_patch` does for its hooks)."""
+    from sglang.srt.utils import common
+
+    for name, value in (facts or _LEGACY_PLATFORM_FACTS).items():
+        original = getattr(common, name, None)
+        if original is None:
+            continue
+        fake = _answer(value)
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("sglang") and getattr(mod, name, None) is original:
+                setattr(mod, name, fake)
+
+
+def fake_blackwell() -> None:
+    if release() in PLATFORM_OVERRIDE:
+        from sglang.srt.runtime_context import override_platform
+
+        override_platform(is_blackwell=True, is_sm100=True).install()
+    else:
+        # the modules whose import-time platform checks matter, loaded before the facts are rebound
+        import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
+        import sglang.srt.layers.quantization.fp8  # noqa: F401  (0.5.14: flashinfer_trtllm is circular alone)
+        import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401
+
+        fake_blackwell_legacy()
+
+
+def _rebind_everywhere(module, name: str, new) -> None:
+    original = getattr(module, name)
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("sglang") and getattr(mod, name, None) is original:
+            setattr(mod, name, new)
+
+
+def keep_swizzle_on_cpu() -> None:
+    """SGLang's `swizzle_blockscale` without its hard-coded `.cuda()` (only where CUDA is absent)."""
+    import functools
+
+    import torch
+    from sglang.srt.layers.quantization import utils as qutils
+
+    original = qutils.swizzle_blockscale
+    if getattr(original, "_trtllm_moe_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def swizzle_blockscale(scale):
+        real_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return original(scale)
+        finally:
+            torch.Tensor.cuda = real_cuda
+
+    swizzle_blockscale._trtllm_moe_cpu = True
+    _rebind_everywhere(qutils, "swizzle_blockscale", swizzle_blockscale)
+
+
+def _publish(server_args) -> None:
+    from sglang.srt.distributed import parallel_state
+
+    if release() in PUBLISH_WITH_RANKS:
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+
+        reset_context()
+        publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    else:
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        set_global_server_args_for_scheduler(server_args)
 
 
 def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int | None = None, **server_args) -> None:
@@ -32,32 +153,62 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
         os.environ.setdefault(k, v)
 
     import torch
-    from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import (
         init_distributed_environment,
         initialize_model_parallel,
         model_parallel_is_initialized,
     )
     from sglang.srt.layers.moe.utils import initialize_moe_config
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, override_platform, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     if not _INITIALISED.get("platform"):
-        override_platform(is_blackwell=True, is_sm100=True).install()
+        fake_blackwell()
+        if release() in SWIZZLE_MOVES_TO_CUDA and not torch.cuda.is_available():
+            import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401  (binds the name first)
+
+            keep_swizzle_on_cpu()
         _INITIALISED["platform"] = True
     if not torch.distributed.is_initialized():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    reset_context()
-    publish(
-        ServerArgs(model_path="dummy", device="cpu", tp_size=1, ep_size=1, pp_size=1,
-                   moe_runner_backend=moe_runner_backend, **server_args),
-        role="test", ranks=SpawnRanks(world_rank=0),
-    )
-    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    sa = ServerArgs(model_path="dummy", device="cpu", tp_size=1, ep_size=1, pp_size=1,
+                    moe_runner_backend=moe_runner_backend, **server_args)
+    _publish(sa)
     if not model_parallel_is_initialized():
         initialize_model_parallel(backend="gloo")
-    initialize_moe_config()
+    if release() in MOE_CONFIG_TAKES_ARGS:
+        initialize_moe_config(sa)
+    else:
+        initialize_moe_config()
     _INITIALISED["key"] = key
+
+
+def weight_updater(model, model_config):
+    """The object that owns `update_weights_from_disk` / `update_weights_from_tensor` in this release, around
+    `model`, as a server's scheduler would call it (SGLang's own code, with the plugin's hooks on it).
+
+    >= 0.5.16: a `WeightUpdater` component. Before: those are `ModelRunner` methods; a `ModelRunner` shell (no
+    __init__: that would load a model and allocate KV caches) carries exactly the fields they read."""
+    from types import SimpleNamespace
+
+    if release() in WEIGHT_UPDATER:
+        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+        return WeightUpdater(
+            tp_rank=0, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
+            get_model=lambda: model, update_model_fields=lambda *a, **k: None, recapture_cuda_graph=lambda: None,
+            get_model_runner=lambda: None,
+        )
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    runner = object.__new__(ModelRunner)
+    runner.__dict__.update(
+        device="cpu", gpu_id=0, tp_rank=0, model=model, model_config=model_config,
+        server_args=SimpleNamespace(model_path=model_config.model_path, load_format="auto", custom_weight_loader=[]),
+    )
+    return runner
+
+
+__all__ = ["weight_updater", "fake_blackwell", "fake_blackwell_legacy", "init_single_process", "keep_swizzle_on_cpu", "release"]
 
 
 def init_rank(rank: int, world_size: int, tp_size: int, ep_size: int, port: int,

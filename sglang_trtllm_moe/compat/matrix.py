@@ -1,0 +1,406 @@
+"""The compat matrix: which tests prove which capability, which SGLang releases a test needs, and the pytest
+plumbing that turns "does not apply to this release" into a skip that says why (never a silent one).
+
+Loaded by `tests/conftest.py` as a pytest plugin; read by `ci/matrix` to build docs/compat.json and the table.
+One table, not ifs in test files: a test needs a release range either through `@pytest.mark.sglang(spec,
+reason=...)` or through a row of `REQUIREMENTS` below (so tests owned by others need no edit). A requirement can
+also be a *capability* (the plugin registers a hook target of that capability on the running release): tests of a
+capability the plugin does not provide on a release yet are reported "not provided by the plugin on <release>",
+and start running there the day a target's `releases=` is widened.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+#: (key, column title, selectors). A selector is "path::name-prefix" or "path" (a whole file); "~text" as a second
+#: element restricts it to node ids containing text. A test may prove several capabilities.
+CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
+    ("loads", "plugin loads", (("tests/test_plugin.py::test_sglang_load_plugins", None),
+                               ("tests/test_plugin.py::test_doctor_cli_json", None),
+                               ("tests/test_compat_release.py::test_plugin_loads", None))),
+    ("targets", "targets landed", (("tests/test_plugin.py::test_sglang_load_plugins_runs_register_and_every_target_lands", None),
+                                   ("tests/test_compat_release.py::test_every_capability", None))),
+    ("runtime", "CPU runtime", (("tests/test_compat_release.py::test_single_process_runtime", None),)),
+    ("nvfp4", "NVFP4 prep", (("tests/test_nvfp4_layer.py", None), ("tests/test_ct_nvfp4_layer.py", None))),
+    ("fp8", "FP8 prep", (("tests/test_fp8_layer.py", None),)),
+    ("bf16", "BF16 prep", (("tests/test_bf16_layer.py", None),)),
+    ("relu2", "relu2", (("tests/test_nvfp4_layer.py", "relu2"), ("tests/test_fp8_layer.py", "relu2"),
+                        ("tests/test_bf16_layer.py", "relu2"), ("tests/test_ct_nvfp4_layer.py", "relu2"))),
+    ("rl_disk", "RL update: disk", (("tests/test_rl_updates.py::test_full_update_from_disk", None),)),
+    ("rl_tensor", "RL update: tensor", (("tests/test_rl_updates.py::test_update_from_tensor", None),
+                                        ("tests/test_rl_updates.py::test_five_updates", None),
+                                        ("tests/test_rl_updates.py::test_begin_end", None))),
+    ("rl_partial", "RL update: partial", (("tests/test_rl_updates.py::test_partial_update", None),
+                                          ("tests/test_rl_updates.py::test_w2_only", None))),
+    ("checker", "weight checker", (("tests/test_checker.py", None),)),
+    ("auto", "auto-select", (("tests/test_selection.py::test_the_hook_lands", None),
+                             ("tests/test_selection.py::test_sglang_resolution", None),
+                             ("tests/test_selection.py::test_speculative_draft", None))),
+)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    selector: str  # node-id prefix
+    #: PEP 440 specifier on the SGLang release, or "capability:<name>" (the plugin has a target of it here)
+    needs: str
+    reason: str
+
+
+REQUIREMENTS: tuple[Requirement, ...] = (
+    Requirement("tests/test_rl_updates.py::test_begin_end_session", ">=0.5.21",
+                "WeightUpdater.begin_weight_update/end_weight_update sessions do not exist upstream before 0.5.21"),
+    Requirement("tests/test_bf16_layer.py::test_routed_scaling_factor_reaches_the_kernel", ">=0.5.23",
+                "TopKConfig(routing_method_type=...) (the test's logits-path router) exists upstream from 0.5.23"),
+    Requirement("tests/test_fp8_layer.py", "capability:fp8-prep",
+                "the plugin's FP8 (per-tensor / block) preparation hooks are declared for >=0.5.23 only "
+                "(builtins/quant_methods.py releases=); on older releases SGLang prepares FP8 itself"),
+    Requirement("tests/test_checker.py", "capability:weight-check",
+                "SGLang's weight-checker comparator (utils.weight_checker_comparator, _build_quantized_set) is "
+                "absent upstream before 0.5.16, and the plugin's checker hooks attach to it"),
+    Requirement("tests/test_selection.py::test_activation_table_matches_sglang", "capability:auto-select",
+                "the selection tables describe the releases the auto-select hook serves (>=0.5.23): e.g. "
+                "_SUPPORTED_*_ACTIVATIONS sets and the ('flashinfer', 'flashinfer_trtllm') fused func (0.5.20+)"),
+    Requirement("tests/test_selection.py::test_a2a_table_matches_sglang", "capability:auto-select",
+                "the selection tables describe the releases the auto-select hook serves (>=0.5.23): "
+                "FusedOpPool has ('flashinfer', 'flashinfer_trtllm') only from 0.5.20"),
+)
+
+#: fixtures that stand for a capability (every test using one needs it)
+FIXTURE_REQUIREMENTS = {
+    "sglang_runs": ("capability:auto-select",
+                    "the plugin's auto-select hook (arg_groups.moe_hook.handle_moe_kernel_config) is not provided on "
+                    "this release yet: SGLang resolves the backend in ServerArgs.__post_init__ there"),
+}
+
+
+def installed_release() -> Version | None:
+    from .releases import installed_version
+
+    v = installed_version()
+    return None if v is None else Version(v.base_version)
+
+
+def plugin_capabilities(release: Version) -> set[str]:
+    """Capabilities for which the built-ins register at least one target applicable on `release`."""
+    import importlib
+
+    from ..plugin import BUILTIN_MODULES
+
+    caps: set[str] = set()
+    for mod in BUILTIN_MODULES:
+        targets = []
+        importlib.import_module(mod).register_sglang_hooks(register=targets.append, release=release)
+        caps.update(t.capability for t in targets if t.applies_to(release))
+    return caps
+
+
+def unmet(needs: str, release: Version, caps: set[str]) -> bool:
+    if needs.startswith("capability:"):
+        return needs.split(":", 1)[1] not in caps
+    return not SpecifierSet(needs).contains(release, prereleases=True)
+
+
+def flashinfer_missing_reason(release) -> str | None:
+    if importlib.util.find_spec("flashinfer") is not None:
+        return None
+    return (f"sglang {release}: flashinfer (the oracle / SGLang's trtllm prep) cannot be imported on CPU in this env: "
+            "the flashinfer-python this release pins (< 0.6.14) asserts libcudart at import (ci/releases.tsv)")
+
+
+# ---- pytest plugin ---------------------------------------------------------------------------------------------
+
+try:
+    import pytest
+except ImportError:  # imported outside a test run (ci/matrix reads the tables only)
+    pytest = None
+
+if pytest is not None:
+
+    def pytest_configure(config):
+        config.addinivalue_line(
+            "markers", "sglang(spec, reason=''): the SGLang releases this test applies to (skipped elsewhere, with "
+            "the reason); spec may be 'capability:<name>'")
+
+    def pytest_collection_modifyitems(config, items):
+        release = installed_release()
+        if release is None:
+            return
+        caps = plugin_capabilities(release)
+        for item in items:
+            needs = [(m.args[0], m.kwargs.get("reason", "")) for m in item.iter_markers("sglang")]
+            needs += [(r.needs, r.reason) for r in REQUIREMENTS if item.nodeid.startswith(r.selector)]
+            needs += [FIXTURE_REQUIREMENTS[f] for f in getattr(item, "fixturenames", ()) if f in FIXTURE_REQUIREMENTS]
+            for spec, reason in needs:
+                if unmet(spec, release, caps):
+                    what = "not provided by the plugin" if spec.startswith("capability:") else "absent upstream"
+                    item.add_marker(pytest.mark.skip(
+                        reason=f"sglang {release}: {what}: {reason} (needs {spec})"))
+                    break
+
+    def _flashinfer_absent(exc) -> str | None:
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "flashinfer":
+            return flashinfer_missing_reason(installed_release())
+        return None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(item):
+        try:
+            return (yield)
+        except ModuleNotFoundError as e:
+            reason = _flashinfer_absent(e)
+            if reason:
+                pytest.skip(reason)
+            raise
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item):
+        try:
+            return (yield)
+        except ModuleNotFoundError as e:
+            reason = _flashinfer_absent(e)
+            if reason:
+                pytest.skip(reason)
+            raise
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(collector):
+        """A test module that imports flashinfer at the top is skipped as a whole where flashinfer cannot load."""
+        rep = yield
+        if rep.failed and isinstance(collector, pytest.Module) and "No module named 'flashinfer" in str(rep.longrepr):
+            reason = flashinfer_missing_reason(installed_release())
+            if reason:
+                rep.outcome = "skipped"
+                rep.longrepr = (str(collector.path), 0, f"Skipped: {reason}")
+        return rep
+
+
+# ---- report: JUnit results per release -> docs/compat.json, docs/COMPAT.md, README table ------------------------
+
+def _nodeid(classname: str, name: str, root) -> str:
+    """JUnit's dotted classname back to a pytest node id (tests.test_x.TestY + name -> tests/test_x.py::TestY::name)."""
+    import os
+
+    parts = classname.split(".") if classname else []
+    for i in range(len(parts), 0, -1):
+        path = "/".join(parts[:i]) + ".py"
+        if os.path.exists(os.path.join(root, path)):
+            return "::".join([path, *parts[i:], name])
+    if not parts and name.startswith("tests."):  # a module skipped as a whole at collection
+        return name.replace(".", "/") + ".py"
+    return "::".join([*parts, name])
+
+
+def read_junit(path, root) -> dict:
+    import xml.etree.ElementTree as ET
+
+    out = {}
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        nid = _nodeid(tc.get("classname", ""), tc.get("name", ""), root)
+        outcome, reason = "passed", ""
+        for child in tc:
+            if child.tag in ("failure", "error"):
+                outcome, reason = "failed", (child.get("message") or "")[:300]
+            elif child.tag == "skipped":
+                xfail = child.get("type") == "pytest.xfail"
+                outcome = "xfailed" if xfail else "skipped"
+                reason = child.get("message") or ""
+                if reason.startswith("xfail-reason: ") or reason.startswith("Skipped: "):
+                    reason = reason.split(": ", 1)[1]
+        out[nid] = {"outcome": outcome, "reason": reason}
+    return out
+
+
+def _selected(nodeid: str, selectors) -> bool:
+    for prefix, text in selectors:
+        if (nodeid == prefix or nodeid.startswith(prefix)) and (text is None or text in nodeid):
+            return True
+    return False
+
+
+def _short(reason: str, release: str) -> str:
+    for pre in (f"sglang {release}: ",):
+        if reason.startswith(pre):
+            reason = reason[len(pre):]
+    return reason.strip()
+
+
+def capability_cells(tests: dict, release: str) -> dict:
+    cells = {}
+    for key, title, selectors in CAPABILITIES:
+        mine = {n: r for n, r in tests.items() if _selected(n, selectors)}
+        if not mine:
+            cells[key] = {"status": "no test", "detail": "no test of this capability ran on this release"}
+            continue
+        by = {}
+        for n, r in mine.items():
+            by.setdefault(r["outcome"], []).append(n)
+        reasons = sorted({_short(mine[n]["reason"], release) for n in by.get("skipped", []) + by.get("xfailed", [])})
+        if by.get("failed"):
+            names = sorted(n.split("::", 1)[-1] for n in by["failed"])
+            cells[key] = {"status": "FAIL", "detail": f"{len(names)} failed: " + ", ".join(names[:4])
+                          + (" ..." if len(names) > 4 else "")}
+        elif by.get("xfailed"):
+            cells[key] = {"status": "bug", "detail": "; ".join(reasons)}
+        elif by.get("passed") and by.get("skipped"):
+            cells[key] = {"status": "pass (partly n/a)", "detail": f"{len(by['passed'])} passed, "
+                          f"{len(by['skipped'])} n/a: " + "; ".join(reasons)}
+        elif by.get("passed"):
+            cells[key] = {"status": "pass", "detail": f"{len(by['passed'])} tests passed"}
+        else:
+            cells[key] = {"status": "n/a", "detail": "; ".join(reasons)}
+    return cells
+
+
+def _rows(releases_tsv):
+    rows = []
+    with open(releases_tsv) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                rel, tf, tvm, oai, fi, extra = (line.split() + ["-"] * 6)[:6]
+                rows.append({"release": rel, "transformers": tf, "flashinfer": fi, "extra": extra})
+    return rows
+
+
+SYMBOL = {"pass": "pass", "pass (partly n/a)": "pass*", "n/a": "n/a", "bug": "bug", "FAIL": "**FAIL**",
+          "no test": "-", "not run": "-"}
+
+
+def render_markdown(data: dict) -> str:
+    caps = [(k, t) for k, t, _ in CAPABILITIES]
+    head = "| release | " + " | ".join(t for _, t in caps) + " | flashinfer | tests |"
+    lines = [head, "|" + "---|" * (len(caps) + 3)]
+    notes: list[str] = []
+
+    def note(text: str) -> str:
+        if text not in notes:
+            notes.append(text)
+        return f"[{notes.index(text) + 1}]"
+
+    for row in data["releases"]:
+        rel = row["release"]
+        if row.get("env_error") or "capabilities" not in row:
+            lines.append(f"| {rel} | " + " | ".join("not run" for _ in caps)
+                         + f" | {row.get('flashinfer', '?')} | {'env build failed' if row.get('env_error') else 'not run'} |")
+            continue
+        cells = []
+        for k, _ in caps:
+            c = row["capabilities"][k]
+            sym = SYMBOL.get(c["status"], c["status"])
+            cells.append(sym if c["status"] == "pass" else f"{sym} {note(c['detail'])}")
+        t = row.get("timing", {})
+        counts = row.get("counts", {})
+        tests = f"{row.get('scope', '?')}: {counts.get('passed', 0)} pass, {counts.get('skipped', 0)} n/a" + (
+            f", {counts['failed']} fail" if counts.get("failed") else "") + (
+            f", {counts['xfailed']} bug" if counts.get("xfailed") else "") + (
+            f"; {t.get('tests_s', '?')} s" if t else "")
+        lines.append(f"| {rel} | " + " | ".join(cells) + f" | {row.get('flashinfer', '?')} | {tests} |")
+    out = "\n".join(lines) + "\n"
+    if notes:
+        out += "\n" + "\n".join(f"{i + 1}. {n}" for i, n in enumerate(notes)) + "\n"
+    return out
+
+
+MD_HEADER = """# SGLang compatibility matrix
+
+Generated by `ci/matrix` (do not edit by hand): one CPU env per SGLang release (`ci/make-env`, pins in
+`ci/releases.tsv`), the plugin from this checkout, real SGLang layers and update paths driven on CPU. Raw results
+per test: `docs/compat.json`.
+
+How a cell is computed: the tests that prove a capability are listed in `sglang_trtllm_moe/compat/matrix.py`
+(`CAPABILITIES`). **pass**: all of them passed. **pass\\***: those that apply passed, others do not apply (note).
+**n/a**: none applies on that release; the note says whether it is absent upstream or not (yet) provided by the
+plugin, or that flashinfer (SGLang's own trtllm preparation, and the oracle) cannot be imported on CPU there.
+**bug**: a known bug, expected to fail (note names it). **FAIL**: a test failed (note names it). The newest
+release runs the whole suite; older ones the SGLang-dependent subset (`ci/matrix`), so their counts are smaller.
+
+"""
+
+
+def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None, root=".") -> dict:
+    import glob
+    import json
+    import os
+
+    data = {"releases": []}
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            data = json.load(f)
+    old = {r["release"]: r for r in data.get("releases", [])}
+    rows = []
+    for row in _rows(releases_tsv):
+        rel = row["release"]
+        timing_f = os.path.join(out_dir, f"timing-{rel}.json")
+        junit_f = os.path.join(out_dir, f"junit-{rel}.xml")
+        if not os.path.exists(timing_f):
+            rows.append(old.get(rel, row))  # not run this time: keep the last result
+            continue
+        with open(timing_f) as f:
+            timing = json.load(f)
+        new = {**row, "timing": timing, "scope": timing.get("scope")}
+        if timing.get("env_error") or not os.path.exists(junit_f):
+            new["env_error"] = True
+        else:
+            tests = read_junit(junit_f, root)
+            counts = {}
+            for r in tests.values():
+                counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+            new.update(tests=tests, counts=counts, capabilities=capability_cells(tests, rel))
+        rows.append(new)
+    data = {"generated_by": "ci/matrix", "capabilities": [{"key": k, "title": t} for k, t, _ in CAPABILITIES],
+            "releases": rows}
+    if total_s is not None:
+        data["last_run_total_s"] = total_s
+        data["last_run_releases"] = sorted(os.path.basename(p)[7:-5] for p in glob.glob(os.path.join(out_dir, "timing-*.json")))
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    table = render_markdown(data)
+    with open(md_path, "w") as f:
+        f.write(MD_HEADER + table)
+    if readme:
+        _update_readme(readme, table)
+    return data
+
+
+BEGIN, END = "<!-- compat-matrix:begin (generated by ci/matrix) -->", "<!-- compat-matrix:end -->"
+
+
+def _update_readme(path, table: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        return  # the README's "Supported SGLang releases" section carries the markers; nothing to do without them
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n" + table + END + tail)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m sglang_trtllm_moe.compat.matrix")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("report", help="JUnit results of ci/matrix -> JSON + Markdown")
+    r.add_argument("out_dir")
+    r.add_argument("--releases", default="ci/releases.tsv")
+    r.add_argument("--json", default="docs/compat.json")
+    r.add_argument("--markdown", default="docs/COMPAT.md")
+    r.add_argument("--readme", default=None)
+    r.add_argument("--total-s", type=int, default=None)
+    a = ap.parse_args(argv)
+    report(a.out_dir, a.releases, a.json, a.markdown, a.readme, a.total_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["CAPABILITIES", "REQUIREMENTS", "FIXTURE_REQUIREMENTS", "Requirement", "plugin_capabilities", "report", "unmet"]

@@ -1,0 +1,143 @@
+"""The installed SGLang release, as the compat matrix sees it: the plugin loads through SGLang's own
+`load_plugins()`, every hook target it registers lands, every target it leaves out is really absent from this
+release (or superseded, with the reason written down), and the CPU runtime stands SGLang up the way a scheduler
+would. Runs unchanged on every release 0.5.11 ... 0.5.23 (ci/matrix)."""
+
+from __future__ import annotations
+
+import json
+
+from sglang_trtllm_moe.compat.releases import installed_version
+
+from .helpers import last_json, run_python
+
+#: not-applicable targets whose dotted path still resolves on the releases they are left out of, and why
+SUPERSEDED = {
+    # From 0.5.16 ModelRunner keeps thin delegates; the work (and our hooks) moved to WeightUpdater.
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_tensor":
+        "0.5.16+: delegates to WeightUpdater.update_weights_from_tensor, which is hooked",
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_distributed":
+        "0.5.16+: delegates to WeightUpdater, which is hooked",
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk":
+        "0.5.16+: delegates to WeightUpdater.update_weights_from_disk, which is hooked",
+}
+
+#: capabilities that must be complete on every release 0.5.11+ (plugin loads, NVFP4 prep, RL updates, runner);
+#: format-specific targets of other quant methods (BF16 / compressed-tensors restore hooks) belong to those formats
+ESSENTIAL = {"core", "nvfp4-prep", "rl-update", "runner"}
+
+REPORT = """
+    import json, pkgutil, inspect
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_trtllm_moe import doctor
+    r = doctor.report(load=False)
+    def resolves(path):
+        obj, attr = path.rsplit(".", 1)
+        try:
+            inspect.getattr_static(pkgutil.resolve_name(obj), attr)
+            return True
+        except Exception:
+            return False
+    for t in r["targets"]:
+        t["resolves"] = resolves(t["target"])
+    print(json.dumps(r))
+"""
+
+
+def _report():
+    proc = run_python(REPORT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_json(proc)
+
+
+def test_plugin_loads_through_sglang_and_every_target_lands_or_is_absent_upstream():
+    r = _report()
+    assert r["status"] == "enabled", r.get("reason")
+    assert r["release_status"] == "tested" and r["sglang_version"] == str(installed_version())
+    by_state: dict[str, list] = {}
+    for t in r["targets"]:
+        by_state.setdefault(t["state"], []).append(t)
+    assert not by_state.get("missing"), [(t["target"], t["reason"]) for t in by_state["missing"]]
+    assert by_state.get("landed"), "no target landed"
+    for t in by_state["landed"]:
+        assert t["resolves"], t["target"]
+    # Left out although the path exists here: either superseded (reason above), or a capability the plugin does not
+    # provide on this release yet (the matrix reports it per capability). The first-priority capabilities must be
+    # complete on every release: nothing of theirs may be left out where SGLang has it.
+    gaps = [t for t in by_state.get("not_applicable", []) if t["resolves"] and t["target"] not in SUPERSEDED]
+    essential = [(t["target"], t["capability"]) for t in gaps if t["capability"] in ESSENTIAL
+                 and ".layers.quantization." not in t["target"].replace("modelopt_quant.ModelOptNvFp4", "")]
+    assert essential == [], f"left out on sglang {installed_version()} although present there: {essential}"
+
+
+def test_every_capability_has_a_landed_target_where_the_plugin_claims_it():
+    from packaging.version import Version
+
+    from sglang_trtllm_moe.compat.matrix import plugin_capabilities
+
+    release = Version(installed_version().base_version)
+    claimed = plugin_capabilities(release)
+    landed = {t["capability"] for t in _report()["targets"] if t["state"] == "landed"}
+    assert ESSENTIAL <= claimed
+    assert claimed == landed, (sorted(claimed), sorted(landed))
+
+
+RUNTIME = """
+    import json, torch
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_trtllm_moe.compat.runtime import init_single_process
+    from sglang_trtllm_moe import cpu_layers, weights
+    init_single_process("flashinfer_trtllm")
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+    from sglang.srt.distributed import parallel_state
+    spec = cpu_layers.MoeSpec(num_experts=4, hidden=128, intermediate=64)
+    layer = cpu_layers.build_layer(spec)
+    calls = cpu_layers.load_checkpoint(layer, cpu_layers.random_nvfp4_checkpoint(spec), spec.num_experts)
+    layer.quant_method.process_weights_after_loading(layer)
+    st = weights.state_of(layer)
+    print(json.dumps({
+        "backend": get_moe_runner_backend().value,
+        "world": torch.distributed.get_world_size(),
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "trtllm_method": bool(getattr(layer.quant_method, "enable_flashinfer_trtllm_moe", False)),
+        "calls": calls, "prepared": bool(st is not None and st.clean),
+        "w13": list(layer.w13_weight.shape), "device": str(layer.w13_weight.device),
+        "inter": layer.intermediate_size_per_partition,
+    }))
+"""
+
+
+def test_single_process_runtime_builds_and_prepares_a_real_nvfp4_layer():
+    """SGLang's own getters say what a scheduler process would: world of one, flashinfer_trtllm chosen, and the
+    NVFP4 quant method (which refuses non-Blackwell platforms) took the TRT-LLM path."""
+    proc = run_python(RUNTIME)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = last_json(proc)
+    assert r["backend"] == "flashinfer_trtllm"
+    assert r["world"] == 1 and r["tp"] == 1
+    assert r["trtllm_method"] is True
+    assert r["calls"] == 4 * 3 * 4  # experts x projections x (weight, scale, scale_2, input_scale)
+    assert r["prepared"] is True and r["device"] == "cpu"
+    # SGLang decides the (padded) intermediate: <= 0.5.22 FusedMoE rounds it up to 128 for flashinfer_trtllm,
+    # 0.5.23 aligns NVFP4 in create_weights. Prepared in place, w13 keeps both halves at SGLang's size.
+    assert r["inter"] >= 64 and r["inter"] % 16 == 0
+    assert r["w13"] == [4, 2 * r["inter"], 128 // 2]
+
+
+def test_matrix_skip_reasons_name_the_release():
+    """A test that does not apply says which release and why (the contract ci/matrix relies on)."""
+    from packaging.version import Version
+
+    from sglang_trtllm_moe.compat import matrix
+
+    release = Version(installed_version().base_version)
+    caps = matrix.plugin_capabilities(release)
+    for req in matrix.REQUIREMENTS:
+        assert req.reason and (req.needs.startswith("capability:") or str(req.needs)[0] in "<>=!~")
+        assert matrix.unmet(req.needs, release, caps) in (True, False)
+    assert matrix.unmet(">=0.0.1", release, caps) is False
+    assert matrix.unmet("<0.0.1", release, caps) is True
+    assert matrix.unmet("capability:no-such-capability", release, caps) is True
+    json.dumps([c[:2] for c in matrix.CAPABILITIES])
