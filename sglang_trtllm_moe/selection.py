@@ -80,11 +80,13 @@ ACTIVATIONS = {
     "bf16": ({"silu"}, {"silu", "relu2"}),
 }
 
-#: Intermediate-per-rank padding (gated, non-gated). 16/128 is the kernels' own rule (SGLang pads to it). NVFP4
-#: gated needs 64: the scale-row permutation asserts 2*Ip % 128 == 0 (flashinfer#3206, vllm#46880). BF16 gated
-#: needs 64: w2's 128-byte block layout runs over Ip bf16 values. FP8 block cannot be padded past its scale
-#: blocks, so it must already be a multiple of 128 (checked separately).
-INTERMEDIATE_ALIGN = {"nvfp4": (64, 128), "fp8_tensor": (16, 128), "fp8_block": (128, 128), "bf16": (64, 128)}
+#: Intermediate-per-rank padding (gated, non-gated) as the layer is actually allocated. NVFP4 gated: 64, because
+#: the scale-row permutation asserts 2*Ip % 128 == 0 (flashinfer#3206, vllm#46880); SGLang's NVFP4 create_weights
+#: pads to exactly that. Every other format: SGLang 0.5.23's FusedMoE rounds the per-rank intermediate up to 128 on
+#: the trtllm path (fused_moe_triton/layer.py, per half for gated w13) although the kernels alone would accept 16
+#: (FP8 per-tensor gated) or 64 (BF16 gated: w2's 128-byte block layout) — measured by the multi-rank tests. FP8
+#: block cannot be padded past its scale blocks, so it must already be a multiple of 128 (checked separately).
+INTERMEDIATE_ALIGN = {"nvfp4": (64, 128), "fp8_tensor": (128, 128), "fp8_block": (128, 128), "bf16": (128, 128)}
 
 #: Hidden size must be a multiple of this (not padded by the plugin): w2's rows are the hidden dim and go through
 #: the same 128-row scale/shuffle tiling. Conservative for BF16/FP8 per-tensor (they need 32/64); a rejection

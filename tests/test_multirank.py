@@ -203,17 +203,30 @@ def test_tp_ranks_hold_consecutive_padded_chunks_of_the_checkpoint(world2):
         assert held == spec.intermediate, (name, held)  # every channel on exactly one rank
 
 
+_QUANT_OF_FMT = {"nvfp4": "modelopt_fp4", "fp8_modelopt": "modelopt_fp8", "fp8_tensor": "fp8", "bf16": None}
+
+
 def _selection_padded(spec, tp):
     """The per-rank padded intermediate size that selection's report names (`I/rank 88, padded to 128`)."""
     import re
 
     p = selection.MoeProblem(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                             num_experts=spec.num_experts, quantization="modelopt_fp4", activation=spec.activation,
+                             num_experts=spec.num_experts, quantization=_QUANT_OF_FMT[spec.fmt],
+                             activation=spec.activation,
                              gated=spec.gated, tp_size=tp)
     e = selection.can_implement(selection.TRTLLM, p, selection.DeviceInfo(sm=100, flashinfer_version="0.7.2"))
     assert e.eligible, e
     m = re.search(r"padded to (\d+)", e.reason)
     return int(m.group(1)) if m else p.intermediate_per_rank
+
+
+def test_selection_reports_the_padding_sglang_allocates_for_fp8_too(world2):
+    # Regression: selection once reported the kernels' own gated FP8 alignment (16: 96 per rank stays 96) while
+    # SGLang's FusedMoE allocates every non-NVFP4 per-rank intermediate rounded to 128.
+    results, _ = world2
+    spec = cpu_layers.MoeSpec(**SCENARIOS["tp2-fp8-gated-I192-padded"]["spec"])
+    for res in _ok(results, "tp2-fp8-gated-I192-padded"):
+        assert res["meta"]["intermediate_size_per_partition"] == _selection_padded(spec, tp=2) == 128
 
 
 def test_ep_ranks_get_their_expert_slice_and_the_kernel_its_offset(world2):

@@ -395,9 +395,9 @@ def test_can_implement_rules(changes, device, backend, code):
 @pytest.mark.parametrize("quant,scheme,gated,inter,tp,padded", [
     ("modelopt_fp4", None, True, 704, 8, 128),   # 88 -> 128: 2*Ip % 128 for the NVFP4 scale rows (flashinfer#3206)
     ("compressed-tensors", "nvfp4", True, 960, 8, 128),  # 120 -> 128
-    ("modelopt_fp8", None, True, 704, 8, 96),    # 88 -> 96: the kernels' own gated alignment of 16
+    ("modelopt_fp8", None, True, 704, 8, 128),   # 88 -> 128: SGLang's FusedMoE allocates non-NVFP4 padded to 128
     ("modelopt_fp8", None, False, 704, 8, 128),  # non-gated: 128
-    (None, None, True, 704, 8, 128),             # BF16 gated: w2 block layout, 64
+    (None, None, True, 704, 8, 128),             # BF16 gated: 128 likewise (the kernel alone needs 64)
     ("modelopt_fp4", None, True, 512, 4, None),  # 128: aligned already, no padding
 ])
 def test_padding_is_reported(quant, scheme, gated, inter, tp, padded):
