@@ -92,19 +92,31 @@ def activation_type(activation: str, gated: bool) -> int:
     return table[activation]
 
 
-def _combine(result):
-    from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
-
-    return StandardCombineInput(hidden_states=result)
-
-
-def fused_experts_fp4(dispatch_output, quant_info, runner_config, use_routed_topk: bool = False):
+def _begin(dispatch_output, runner_config, what: str):
+    """Shared prologue of every leaf: the layer (flushed if an update left experts in checkpoint layout), its input,
+    and the backend that will run it. Pre-quantized a2a input is refused by name, not misread."""
     layer = runner_config.layer
     ensure_prepared(layer)
     x = dispatch_output.hidden_states
     backend, name = _kernel_backend(layer, x.device)
     if getattr(dispatch_output, "hidden_states_scale", None) is not None:
-        raise NotImplementedError(f"{weights.layer_name(layer)}: NVFP4 a2a dispatch is not supported by the plugin runner yet")
+        raise NotImplementedError(
+            f"{weights.layer_name(layer)}: pre-quantized (a2a) {what} dispatch is not supported by the plugin runner yet"
+        )
+    return layer, x, backend, name
+
+
+def _finish(fn, kwargs: dict, x):
+    """Shared epilogue: call the kernel (or emulator), unwrap flashinfer's list return, hand SGLang a combine input."""
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+
+    out = fn(**kwargs)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return StandardCombineInput(hidden_states=out.to(x.dtype))
+
+
+def fused_experts_fp4(dispatch_output, quant_info, runner_config, use_routed_topk: bool = False):
+    layer, x, backend, name = _begin(dispatch_output, runner_config, "NVFP4")
     if getattr(quant_info, "use_per_token_activation", False):
         raise NotImplementedError(f"{weights.layer_name(layer)}: per-token NVFP4 activations are not supported by the plugin runner yet")
     if name == "flashinfer":
@@ -140,9 +152,7 @@ def fused_experts_fp4(dispatch_output, quant_info, runner_config, use_routed_top
         **routing,
     )
     fn = backend.trtllm_fp4_block_scale_routed_moe if routed else backend.trtllm_fp4_block_scale_moe
-    out = fn(**kwargs)
-    out = out[0] if isinstance(out, (list, tuple)) else out
-    return _combine(out.to(x.dtype))
+    return _finish(fn, kwargs, x)
 
 
 def fused_experts_bf16(dispatch_output, quant_info, runner_config, use_routed_topk: bool = False):
@@ -152,10 +162,7 @@ def fused_experts_bf16(dispatch_output, quant_info, runner_config, use_routed_to
     SGLang's TopK has already folded it into the weights."""
     from . import layouts
 
-    layer = runner_config.layer
-    ensure_prepared(layer)
-    x = dispatch_output.hidden_states
-    backend, _ = _kernel_backend(layer, x.device)
+    layer, x, backend, _ = _begin(dispatch_output, runner_config, "BF16")
     # SGLang's BF16 quant info carries no routing method; its leaf reads the runner config's
     from types import SimpleNamespace
 
@@ -178,9 +185,7 @@ def fused_experts_bf16(dispatch_output, quant_info, runner_config, use_routed_to
         **routing,
     )
     fn = backend.trtllm_bf16_routed_moe if routed else backend.trtllm_bf16_moe
-    out = fn(**kwargs)
-    out = out[0] if isinstance(out, (list, tuple)) else out
-    return _combine(out.to(x.dtype))
+    return _finish(fn, kwargs, x)
 
 
 _FP8_FORMATS = ("fp8_tensor", "fp8_tensor_modelopt", "fp8_block")
@@ -200,12 +205,7 @@ def fused_experts_fp8(dispatch_output, quant_info, runner_config, use_routed_top
     and 128 columns, scales handed over transposed [H/128, T] as the kernel reads them; weights MajorK unshuffled.
     The routed variants take SGLang's materialized top-k (routed_scaling_factor already folded in by TopK).
     """
-    layer = runner_config.layer
-    ensure_prepared(layer)
-    x = dispatch_output.hidden_states
-    backend, name = _kernel_backend(layer, x.device)
-    if getattr(dispatch_output, "hidden_states_scale", None) is not None:
-        raise NotImplementedError(f"{weights.layer_name(layer)}: pre-quantized (a2a) FP8 dispatch is not supported by the plugin runner yet")
+    layer, x, backend, name = _begin(dispatch_output, runner_config, "FP8")
     block = weights.state_of(layer).fmt.name == "fp8_block"
     routing, routed = _routing_kwargs(dispatch_output.topk_output, quant_info, runner_config, use_routed_topk)
     if routing.get("routed_scaling_factor") is None:
@@ -260,6 +260,4 @@ def fused_experts_fp8(dispatch_output, quant_info, runner_config, use_routed_top
             use_routing_scales_on_input=False,
         )
         fn = backend.trtllm_fp8_per_tensor_scale_routed_moe if routed else backend.trtllm_fp8_per_tensor_scale_moe
-    out = fn(**kwargs)
-    out = out[0] if isinstance(out, (list, tuple)) else out
-    return _combine(out.to(x.dtype))
+    return _finish(fn, kwargs, x)
