@@ -51,15 +51,24 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts"):
     )
 
 
-def random_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
-    """ModelOpt NVFP4 tensors per expert and projection, as a safetensors checkpoint names them."""
+def _random_experts(spec: MoeSpec, seed: int, experts, std: float = 0.02, up_factor: float = 1.0):
+    """(expert, {projection: float32 weight}) with HF shapes; one generator, one draw per projection in order, so
+    every format's checkpoint of the same seed is built from the same numbers (std varies per expert)."""
     g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
     h, i = spec.hidden, spec.intermediate
     for e in range(spec.num_experts) if experts is None else experts:
-        for proj in spec.shards:
-            shape = (h, i) if proj == DOWN else (i, h)
-            w = torch.randn(shape, generator=g) * (0.02 + 0.01 * (e % 3))
+        yield e, {
+            proj: torch.randn((h, i) if proj == DOWN else (i, h), generator=g) * (std + 0.01 * (e % 3))
+            * (up_factor if proj == UP else 1.0)
+            for proj in spec.shards
+        }
+
+
+def random_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4 tensors per expert and projection, as a safetensors checkpoint names them."""
+    out: dict[str, torch.Tensor] = {}
+    for e, ws in _random_experts(spec, seed, experts):
+        for proj, w in ws.items():
             gs = float(448 * 6 / w.abs().max())
             packed, sf = quant.nvfp4_quantize(w, gs)
             base = f"experts.{e}.{proj}."
@@ -188,14 +197,8 @@ def _nullcontext():
 
 def random_bf16_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
     """BF16 tensors per expert and projection (HF names)."""
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    h, i = spec.hidden, spec.intermediate
-    for e in range(spec.num_experts) if experts is None else experts:
-        for proj in spec.shards:
-            shape = (h, i) if proj == DOWN else (i, h)
-            out[f"experts.{e}.{proj}.weight"] = (torch.randn(shape, generator=g) * (0.05 + 0.01 * (e % 3))).to(torch.bfloat16)
-    return out
+    return {f"experts.{e}.{proj}.weight": w.to(torch.bfloat16)
+            for e, ws in _random_experts(spec, seed, experts, std=0.05) for proj, w in ws.items()}
 
 
 def random_ct_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
@@ -203,11 +206,8 @@ def random_ct_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
     """Compressed-tensors NVFP4 tensors as llm-compressor names them. Its global scales are *quantize* scales
     (value = e2m1 * e4m3 / global_scale), i.e. the inverses of ModelOpt's weight_scale_2 / input_scale.
     llm-compressor fuses the gate/up global scales; `same_gate_up_scale=False` makes them differ."""
-    g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    h, i = spec.hidden, spec.intermediate
-    for e in range(spec.num_experts) if experts is None else experts:
-        ws = {p: torch.randn(((h, i) if p == DOWN else (i, h)), generator=g) * (0.02 + 0.01 * (e % 3)) for p in spec.shards}
+    for e, ws in _random_experts(spec, seed, experts):
         fused = float(448 * 6 / max(float(ws[p].abs().max()) for p in spec.shards if p != DOWN))
         in_gs = 1.0 / (0.5 + 0.1 * (e % 4))
         for proj, w in ws.items():
@@ -255,14 +255,8 @@ def random_fp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, equal_gate
     of the GEMM1 output, relu2's squared output needing the larger a2).
     Block (DeepSeek): e4m3 `weight` and fp32 `weight_scale_inv` per 128x128 block (a partial last block when I is
     not a multiple of 128, as DeepSeek-style checkpoints store it)."""
-    g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    h, i = spec.hidden, spec.intermediate
-    for e in range(spec.num_experts) if experts is None else experts:
-        ws = {}
-        for proj in spec.shards:
-            shape = (h, i) if proj == DOWN else (i, h)
-            ws[proj] = torch.randn(shape, generator=g) * (0.02 + 0.01 * (e % 3)) * (1.5 if proj == UP else 1.0)
+    for e, ws in _random_experts(spec, seed, experts, up_factor=1.5):
         for proj, w in ws.items():
             base = f"experts.{e}.{proj}."
             if spec.fmt == "fp8_block":
