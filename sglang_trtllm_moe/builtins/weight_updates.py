@@ -37,7 +37,8 @@ def end_session_after(result, *args, **kwargs):
 # (dotted path, releases): where each release keeps its weight-update entry points (sglang-versions.md §1b, §7).
 LOAD_ONLY_ENTRY_POINTS = (
     (f"{UPDATER}.update_weights_from_tensor", ">=0.5.16"),
-    (f"{UPDATER}.load_weights_from_distributed", ">=0.5.16"),
+    (f"{UPDATER}.update_weights_from_distributed", ">=0.5.16,<0.5.21"),  # renamed in 0.5.21:
+    (f"{UPDATER}.load_weights_from_distributed", ">=0.5.21"),
     (f"{UPDATER}.update_weights_from_ipc", ">=0.5.16"),
     (f"{MODEL_RUNNER}.update_weights_from_tensor", "<0.5.16"),
     (f"{MODEL_RUNNER}.update_weights_from_distributed", "<0.5.16"),
