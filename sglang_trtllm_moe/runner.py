@@ -134,9 +134,10 @@ def fused_experts_fp4(dispatch_output, quant_info, runner_config, use_routed_top
         gemm1_weights=quant_info.w13_weight,
         gemm1_weights_scale=quant_info.w13_weight_scale.view(torch.float8_e4m3fn),
         gemm1_bias=None,
-        gemm1_alpha=quant_info.gemm1_alpha,
-        gemm1_beta=quant_info.gemm1_beta,
-        gemm1_clamp_limit=quant_info.gemm1_clamp_limit,
+        # < 0.5.2x: the FP4 QuantInfo has no gemm1_alpha/beta (SGLang passes None there)
+        gemm1_alpha=getattr(quant_info, "gemm1_alpha", None),
+        gemm1_beta=getattr(quant_info, "gemm1_beta", None),
+        gemm1_clamp_limit=getattr(quant_info, "gemm1_clamp_limit", None),
         gemm2_weights=quant_info.w2_weight,
         gemm2_weights_scale=quant_info.w2_weight_scale.view(torch.float8_e4m3fn),
         gemm2_bias=None,
