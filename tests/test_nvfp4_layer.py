@@ -7,6 +7,7 @@ import torch
 
 from sglang_trtllm_moe import cpu_layers, weights
 from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
+from sglang_trtllm_moe.formats.nvfp4 import w13_scales_up_first
 
 from . import sglang_runtime
 
@@ -56,8 +57,15 @@ def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
         a, b = getattr(ours, n), getattr(upstream, n)
         assert a.shape == b.shape, (n, a.shape, b.shape)
         assert torch.equal(as_bytes(a), as_bytes(b)), f"{n} differs from SGLang's own trtllm preparation"
+    # <= 0.5.22 SGLang stores the per-tensor w13 scales [Up, Gate] for trtllm and then reads them as [Gate, Up]:
+    # its gate/up alphas are swapped; the plugin reads them as stored (formats/nvfp4.w13_scales_up_first).
+    swapped = spec.gated and w13_scales_up_first()
+    expected = {n: getattr(upstream, n).data for n in SCALARS}
+    if swapped:
+        expected["g1_alphas"], expected["g1_alphas_up"] = expected["g1_alphas_up"], expected["g1_alphas"]
+        expected["g1_scale_c"] = (upstream.w2_input_scale_quant.data * upstream.g1_alphas.data).to(torch.float32)
     for n in SCALARS:
-        torch.testing.assert_close(getattr(ours, n).data, getattr(upstream, n).data, rtol=0, atol=0, msg=n)
+        torch.testing.assert_close(getattr(ours, n).data, expected[n], rtol=0, atol=0, msg=n)
 
 
 def test_padded_gate_half_starts_at_padded_row():

@@ -92,11 +92,6 @@ class KnownBug:
 
 
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug("tests/test_nvfp4_layer.py::test_forward_through_sglang_layer_with_emulator_matches_dequantized_reference[gated",
-             ">=0.5.16,<0.5.23",
-             "gated NVFP4 emulated forward is off by 6-11% of the reference although the prepared bytes equal SGLang's "
-             "own preparation of that release (test_prepared_bytes_equal_sglang_own_preparation passes): gate/up half "
-             "order or the flashinfer 0.6.x kernel's gated convention differs from what runner/emulator assume (0.7.x)"),
     KnownBug("tests/test_ct_nvfp4_layer.py::test_prepared_bytes_equal_sglang_own_preparation_in_place", ">=0.5.16,<0.5.23",
              "compressed-tensors NVFP4 preparation is not in place on this release (a parameter's data_ptr changes)"),
     KnownBug("tests/test_ct_nvfp4_layer.py::test_forward_through_sglang_layer_with_emulator", ">=0.5.16,<0.5.19",

@@ -16,6 +16,14 @@ import torch
 from .base import ParamLayout, WeightFormat
 
 
+def w13_scales_up_first() -> bool:
+    """True where SGLang's trtllm weight loader stores the per-tensor w13 scales [Up, Gate] (0.5.11-0.5.22)."""
+    from ..compat.releases import installed_version
+
+    v = installed_version()
+    return v is not None and v.release[:3] < (0, 5, 23)
+
+
 class NvFp4(WeightFormat):
     name = "nvfp4"
     params = (
@@ -49,7 +57,10 @@ class NvFp4(WeightFormat):
             a2 = torch.ones_like(a2)
         s2 = layer.w13_weight_scale_2.data
         if gated and s2.dim() == 2 and s2.shape[1] >= 2:
-            gate, up = s2[:, 0], s2[:, 1]
+            # <= 0.5.22 FusedMoE's loader swaps the w1/w3 shard ids for flashinfer_trtllm ("w31") for the per-tensor
+            # scales too, so scale_2 is stored [Up, Gate]; SGLang's own prep there still reads [:, 0] as the gate
+            # (gate/up alphas swapped whenever the two scales differ). 0.5.23 keeps them [Gate, Up].
+            gate, up = (s2[:, 1], s2[:, 0]) if w13_scales_up_first() else (s2[:, 0], s2[:, 1])
         else:
             gate = up = s2.reshape(s2.shape[0])
         g1 = (a1 * gate).to(torch.float32)
