@@ -35,7 +35,7 @@ PUBLISH_WITH_RANKS = SpecifierSet(">=0.5.22")
 MOE_CONFIG_TAKES_ARGS = SpecifierSet("<0.5.19")
 SWIZZLE_MOVES_TO_CUDA = SpecifierSet("<0.5.20")
 WEIGHT_UPDATER = SpecifierSet(">=0.5.16")
-WEIGHT_CACHE_CHECK = SpecifierSet(">=0.5.18,<0.5.21")
+WEIGHT_CACHE_CHECK = SpecifierSet(">=0.5.17,<0.5.21")
 
 #: the platform predicates releases before 0.5.19 ask (sglang.srt.utils.common), and what a B200 answers
 _LEGACY_PLATFORM_FACTS = {"is_sm100_supported": True, "is_blackwell_supported": True, "is_blackwell": True,
@@ -194,7 +194,7 @@ def weight_updater(model, model_config):
     if release() in WEIGHT_UPDATER:
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-        # 0.5.18-0.5.20 refuse updates unless the runner's --weight-cache-mode is "off"; later releases do not ask
+        # 0.5.17-0.5.20 refuse updates unless the runner's --weight-cache-mode is "off"; later releases do not ask
         runner = None
         if release() in WEIGHT_CACHE_CHECK:
             runner = SimpleNamespace(server_args=SimpleNamespace(weight_cache_mode="off"))
