@@ -5,9 +5,9 @@ the demo or the benchmark needs that state in one process without a GPU: gloo wo
 platform (the quant methods refuse NVFP4 elsewhere), and the MoE config initialised from the chosen backend.
 How each step is spelled changed between releases, so each step is one small table keyed by release range
 (read from the wheels; cpu-test-environment.md §3 only covers 0.5.14/0.5.18/0.5.23 and is wrong that there is no
-`runtime_context` before 0.5.23 — it exists from 0.5.14, `override_platform` from 0.5.19, `SpawnRanks` from 0.5.22):
+`runtime_context` before 0.5.23 — it exists from 0.5.14, `override_platform` from 0.5.19, `SpawnRanks` from 0.5.21):
 
-| step | < 0.5.19 | 0.5.19 – 0.5.21 | >= 0.5.22 |
+| step | < 0.5.19 | 0.5.19 – 0.5.20 | >= 0.5.21 |
 |---|---|---|---|
 | fake SM100 | rebind `is_sm100_supported` / `is_blackwell_supported` (lru-cached module globals, imported by name into ~10 modules) | `runtime_context.override_platform(...).install()` | same |
 | publish ServerArgs | `set_global_server_args_for_scheduler` (a global ≤ 0.5.15, `get_context().set_server_args` 0.5.16–0.5.17, `publish(role="scheduler")` 0.5.18) | same shim (`publish`) | `publish(..., ranks=SpawnRanks(0))` + `get_parallel().override_permanently(world_group=...)` |
@@ -31,7 +31,7 @@ _INITIALISED: dict = {}
 
 #: release ranges of each spelling (see the table above)
 PLATFORM_OVERRIDE = SpecifierSet(">=0.5.19")
-PUBLISH_WITH_RANKS = SpecifierSet(">=0.5.22")
+PUBLISH_WITH_RANKS = SpecifierSet(">=0.5.21")
 MOE_CONFIG_TAKES_ARGS = SpecifierSet("<0.5.19")
 SWIZZLE_MOVES_TO_CUDA = SpecifierSet("<0.5.20")
 WEIGHT_UPDATER = SpecifierSet(">=0.5.16")
