@@ -370,6 +370,24 @@ How a cell is computed: the tests that prove a capability are listed in `sglang_
 plugin, or that flashinfer (SGLang's own trtllm preparation, and the oracle) cannot be imported on CPU there.
 **bug**: a known bug, expected to fail (note names it). **FAIL**: a test failed (note names it). The newest
 release runs the whole suite; older ones the SGLang-dependent subset (`ci/matrix`), so their counts are smaller.
+Real-kernel tests (`requires_sm100`) are left out of the cells: no CPU row can run them.
+
+## Release differences the plugin (or the CPU test runtime) handles
+
+Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the matrix:
+
+| what | releases | handled by |
+|---|---|---|
+| flashinfer pin asserts `libcudart` at import (`flashinfer.comm.cuda_ipc`, made lazy in 0.6.14) | 0.5.11-0.5.15 (0.6.8.post1, 0.6.11.post1, 0.6.12) | env without flashinfer; oracle tests skip with that reason |
+| per-tensor w13 scales (`weight_scale_2`) stored [Up, Gate] by the trtllm loader's w1/w3 swap, read as [Gate, Up] by SGLang's own prep (gate/up alphas swapped when they differ) | 0.5.11-0.5.22 | `formats/nvfp4.w13_scales_up_first` reads them as stored |
+| `MoeRunnerConfig.layer` absent | < 0.5.16 | `FusedMoE.__init__` AFTER hook sets it |
+| `w13/w2_blockscale_swizzled` are registered Parameters (placeholders) on the trtllm path | 0.5.11-0.5.12 (None from 0.5.13) | kept, so every registered parameter stays the same object |
+| FusedMoE rounds the intermediate up to 128 for flashinfer_trtllm (per half for w13) | < 0.5.23 (0.5.23 aligns NVFP4 in create_weights) | nothing to do: prepared in place at SGLang's size |
+| weight updates live in `ModelRunner` / `WeightUpdater`; `update_weights_from_distributed` renamed `load_weights_from_distributed`; begin/end sessions | < 0.5.16 / >= 0.5.16; 0.5.21; >= 0.5.21 | `builtins/weight_updates.py` targets per range |
+| platform facts: `is_sm100_supported()`-style globals / `runtime_context.override_platform` | < 0.5.19 / >= 0.5.19 | `compat/runtime.py` (CPU tests) |
+| ServerArgs published by `set_global_server_args_for_scheduler` / `publish(ranks=SpawnRanks)` | < 0.5.21 / >= 0.5.21 | `compat/runtime.py` |
+| `swizzle_blockscale` ends in `.cuda()` (NVFP4 `create_weights` cannot run without a GPU) | < 0.5.20 | `compat/runtime.py` neutralises `.cuda()` for that call on CUDA-less boxes only |
+| .post releases (0.5.12.post1, 0.5.13.post1, 0.5.15.post1) | - | no row: their `srt/` diffs touch nothing the plugin hooks |
 
 """
 
