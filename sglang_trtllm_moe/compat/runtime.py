@@ -149,7 +149,9 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
     if _INITIALISED.get("key") == key:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port or _free_port()))  # concurrent test runs must not collide
+    # The rendezvous port goes to init only, not into os.environ: child processes (tests that start SGLang in a
+    # subprocess) inherit the environment and would try to listen on the port this process holds.
+    port = port or int(os.environ.get("MASTER_PORT") or _free_port())
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
 
@@ -170,7 +172,8 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
             keep_swizzle_on_cpu()
         _INITIALISED["platform"] = True
     if not torch.distributed.is_initialized():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
     sa = ServerArgs(model_path="dummy", device="cpu", tp_size=1, ep_size=1, pp_size=1,
                     moe_runner_backend=moe_runner_backend, **server_args)
     _publish(sa)
