@@ -86,10 +86,11 @@ def test_prepared_bytes_equal_sglang_own_preparation_in_place(spec, monkeypatch)
 
     upstream = loaded_layer(spec, tensors)
     if spec.gated:
-        loaded_ptr = upstream.w13_weight_packed.data_ptr()
+        loaded_storage = upstream.w13_weight_packed.data  # held, so its address cannot be handed out again
         upstream_prep(upstream, monkeypatch)
         # upstream: reorder_w1w3_to_w3w1 allocates, then replace_parameter rebinds; the loaded name is deleted
-        assert upstream.w13_weight.data_ptr() != loaded_ptr and not hasattr(upstream, "w13_weight_packed")
+        assert upstream.w13_weight.data_ptr() != loaded_storage.data_ptr()
+        assert not hasattr(upstream, "w13_weight_packed")
         for n in SCALARS:
             assert torch.equal(getattr(ours, n).data, getattr(upstream, n).data.reshape(-1)), n
         expected = {n: getattr(upstream, n) for n in PREPARED}
