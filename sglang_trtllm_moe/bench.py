@@ -141,7 +141,6 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
         u_s = _median_time(lambda: upstream_update(ids), repeats)
         rows.append(dict(name=f"nvfp4 RL update of {what}, {label}", plugin_s=p_s, upstream_s=u_s, ratio=u_s / p_s,
                          bytes=nbytes * len(ids) // experts))
-    del ours, theirs
     return rows
 
 

@@ -6,7 +6,6 @@ torchvision unconditionally (sglang/srt/configs -> internvl_utils), though it on
 Defining the two op schemas first is enough (see ../shared/reference/cpu-test-environment.md §1).
 """
 
-import os
 
 import pytest
 import torch

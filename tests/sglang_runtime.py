@@ -35,3 +35,36 @@ def upstream_process_weights_after_loading(method, layer, monkeypatch) -> None:
     while hasattr(original, "__wrapped__"):
         original = original.__wrapped__
     original(method, layer)
+
+
+_CONFIG_DIRS: dict = {}
+
+
+def updater(model, path=None):
+    """The object that owns SGLang's weight-update entry points on this release (WeightUpdater, or ModelRunner
+    before 0.5.16) around `model`. ModelConfig needs a config.json and must not reach a hub; update_weights_from_tensor
+    never reads the directory, so one per format is written once."""
+    import tempfile
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_trtllm_moe import cpu_layers
+    from sglang_trtllm_moe.compat.runtime import weight_updater
+
+    if path is None:
+        fmt = model.spec.fmt
+        if fmt not in _CONFIG_DIRS:
+            _CONFIG_DIRS[fmt] = tempfile.mkdtemp(prefix=f"trtllm-moe-cfg-{fmt}-")
+            cpu_layers.write_safetensors_checkpoint(_CONFIG_DIRS[fmt], {}, model.spec)
+        path = _CONFIG_DIRS[fmt]
+    return weight_updater(model, ModelConfig(model_path=path))
+
+
+def prepared_model(spec, tensors):
+    """A TinyMoeModel loaded with `tensors` through SGLang's loader and prepared, as after a server's model load."""
+    from sglang_trtllm_moe import cpu_layers
+
+    model = cpu_layers.TinyMoeModel(spec)
+    model.load_weights(cpu_layers.checkpoint_names(tensors).items())
+    model.experts.quant_method.process_weights_after_loading(model.experts)
+    return model

@@ -7,9 +7,6 @@ reached at `__wrapped__`), flashinfer's `prepare_trtllm_bf16_weights` (pure torc
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 
 import pytest
 import torch
@@ -215,29 +212,11 @@ def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec):
 # ---- RL updates through SGLang's WeightUpdater -------------------------------------------------------------------
 
 RL_SPEC = cpu_layers.MoeSpec(intermediate=96, fmt="bf16")  # gated, padded 96 -> 128 per half
-_CONFIG_DIR = {}
-
-
-def updater(model):
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang_trtllm_moe.compat.runtime import weight_updater  # WeightUpdater, or ModelRunner before 0.5.16
-
-    if "d" not in _CONFIG_DIR:  # from_tensor never reads weights, but ModelConfig needs a config.json
-        d = _CONFIG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-bf16-cfg-")
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-                       "hidden_size": RL_SPEC.hidden, "moe_intermediate_size": RL_SPEC.intermediate,
-                       "intermediate_size": 4 * RL_SPEC.hidden, "n_routed_experts": RL_SPEC.num_experts,
-                       "num_experts_per_tok": RL_SPEC.top_k, "num_hidden_layers": 1, "num_attention_heads": 4,
-                       "num_key_value_heads": 4, "vocab_size": 256, "torch_dtype": "bfloat16"}, f)
-    return weight_updater(model, ModelConfig(model_path=_CONFIG_DIR["d"]))
+updater = sglang_runtime.updater
 
 
 def prepared_model(tensors):
-    model = cpu_layers.TinyMoeModel(RL_SPEC)
-    model.load_weights(cpu_layers.checkpoint_names(tensors).items())
-    model.experts.quant_method.process_weights_after_loading(model.experts)
-    return model
+    return sglang_runtime.prepared_model(RL_SPEC, tensors)
 
 
 def assert_same_as_fresh(model, intended):

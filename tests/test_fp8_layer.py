@@ -319,26 +319,10 @@ def test_forward_through_sglang_layer_with_emulator_matches_dequantized_referenc
 
 # ---- (d) RL: partial update through SGLang's WeightUpdater -------------------------------------------------------
 
-_CONFIG_DIR = {}
+_updater = sglang_runtime.updater
 
 
-def _updater(model):
-    import tempfile
-
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang_trtllm_moe.compat.runtime import weight_updater  # WeightUpdater, or ModelRunner before 0.5.16
-
-    if "d" not in _CONFIG_DIR:  # from_tensor never reads the directory, but ModelConfig needs a config.json
-        _CONFIG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-fp8-cfg-")
-        cpu_layers.write_safetensors_checkpoint(_CONFIG_DIR["d"], {}, model.spec)
-    return weight_updater(model, ModelConfig(model_path=_CONFIG_DIR["d"]))
-
-
-def _model(spec, tensors):
-    model = cpu_layers.TinyMoeModel(spec)
-    model.load_weights(cpu_layers.checkpoint_names(tensors).items())
-    model.experts.quant_method.process_weights_after_loading(model.experts)
-    return model
+_model = sglang_runtime.prepared_model
 
 
 @pytest.mark.parametrize("spec", [

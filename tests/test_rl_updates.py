@@ -4,7 +4,6 @@ Every check compares with a fresh load of the intended checkpoint, byte for byte
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
@@ -30,10 +29,7 @@ def ckpt(seed):
 
 
 def prepared_model(tensors):
-    model = cpu_layers.TinyMoeModel(SPEC)
-    model.load_weights(cpu_layers.checkpoint_names(tensors).items())
-    model.experts.quant_method.process_weights_after_loading(model.experts)
-    return model
+    return sglang_runtime.prepared_model(SPEC, tensors)
 
 
 def mix(base, new, experts=None, projections=None):
@@ -59,20 +55,7 @@ def pointers(model):
     return {n: p.data_ptr() for n, p in model.named_parameters()}
 
 
-_CONFIG_DIR = {}
-
-
-def updater(model, path=None):
-    from sglang.srt.configs.model_config import ModelConfig
-
-    if path is None:  # from_tensor never reads the directory, but ModelConfig needs a config.json (no hub access)
-        if "d" not in _CONFIG_DIR:
-            _CONFIG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-cfg-")
-            cpu_layers.write_safetensors_checkpoint(_CONFIG_DIR["d"], {}, SPEC)
-        path = _CONFIG_DIR["d"]
-    from sglang_trtllm_moe.compat.runtime import weight_updater
-
-    return weight_updater(model, ModelConfig(model_path=path))  # WeightUpdater, or ModelRunner before 0.5.16
+updater = sglang_runtime.updater
 
 
 def from_disk(model, tensors):
