@@ -29,7 +29,6 @@ EXTENSION_GROUP = PROJECT_NAME
 
 #: Built-in capabilities, registered the same way as extensions (one module per capability).
 BUILTIN_MODULES = (
-    "sglang_trtllm_moe.builtins.probe",
     "sglang_trtllm_moe.builtins.quant_methods",
     "sglang_trtllm_moe.builtins.runner_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",

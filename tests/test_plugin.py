@@ -47,14 +47,24 @@ def test_entry_point_is_declared_for_sglang():
 
 
 def test_sglang_load_plugins_runs_register_and_every_target_lands():
+    # Witness that SGLang really calls through a landed hook: a weight-update entry point of this release must
+    # drop the layout index-map cache before it runs (sglang#28676), whatever the call itself then does.
     proc = run_python(LOAD_AND_REPORT + """
-    from sglang.srt.layers.moe import utils
-    from sglang_trtllm_moe.builtins import probe
+    import pkgutil
+    from packaging.version import Version
+    from sglang_trtllm_moe import layouts
+    from sglang_trtllm_moe.builtins.weight_updates import LOAD_ONLY_ENTRY_POINTS
+    from sglang_trtllm_moe.compat import installed_version
+    from sglang_trtllm_moe.targets import HookTarget
+    rel = installed_version()
+    target = next(t for t, spec in LOAD_ONLY_ENTRY_POINTS if HookTarget(t, None, releases=spec).applies_to(rel))
+    layouts.w2_row_map(256)
+    before = layouts.cache_size()
     try:
-        utils.initialize_moe_config()
+        pkgutil.resolve_name(target)(object(), [])
     except Exception:
-        pass  # no published config in this bare process; the witness counts before calling through
-    print(json.dumps({"probe_calls": probe.CALLS["initialize_moe_config"]}))
+        pass  # a bare object is no WeightUpdater; the BEFORE hook has run by then
+    print(json.dumps({"target": target, "cache_before": before, "cache_after": layouts.cache_size()}))
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
@@ -64,8 +74,8 @@ def test_sglang_load_plugins_runs_register_and_every_target_lands():
     assert r["targets"], "no targets registered"
     assert [t for t in r["targets"] if t["state"] == "missing"] == []
     assert {t["state"] for t in r["targets"]} <= {"landed", "not_applicable"}
-    assert "sglang.srt.layers.moe.utils.initialize_moe_config" in r["registry_targets"]
-    assert calls["probe_calls"] == 1
+    assert calls["target"] in r["registry_targets"]
+    assert calls["cache_before"] > 0 and calls["cache_after"] == 0
 
 
 def test_disable_switch_registers_nothing():
@@ -152,7 +162,8 @@ def test_broken_extensions_break_neither_sglang_nor_builtins(tmp_path):
     by_source = {}
     for t in r["targets"]:
         by_source.setdefault(t["source"], []).append(t)
-    assert all(t["state"] == "landed" for t in by_source["sglang_trtllm_moe.builtins.probe"])
+    assert all(t["state"] in ("landed", "not_applicable") for t in by_source["sglang_trtllm_moe.builtins.quant_methods"])
+    assert any(t["state"] == "landed" for t in by_source["sglang_trtllm_moe.builtins.quant_methods"])
     (bad,) = by_source["ext:bad_target"]
     assert bad["state"] == "missing" and "this_function_does_not_exist" in bad["reason"]
 
