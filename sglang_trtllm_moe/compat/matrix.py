@@ -92,12 +92,6 @@ class KnownBug:
 
 
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug("tests/test_ct_nvfp4_layer.py::test_prepared_bytes_equal_sglang_own_preparation_in_place", ">=0.5.16,<0.5.23",
-             "compressed-tensors NVFP4 preparation is not in place on this release (a parameter's data_ptr changes)"),
-    KnownBug("tests/test_ct_nvfp4_layer.py::test_forward_through_sglang_layer_with_emulator", ">=0.5.16,<0.5.19",
-             "the plugin runner reads TopKOutput.topk_config, which this release's StandardTopKOutput lacks"),
-    KnownBug("tests/test_ct_nvfp4_layer.py::test_different_gate_and_up_global_scales_are_kept", ">=0.5.16,<0.5.19",
-             "the plugin runner reads TopKOutput.topk_config, which this release's StandardTopKOutput lacks"),
     KnownBug("tests/test_checker.py::test_flipped_byte_through_sglang_weight_checker", ">=0.5.16,<0.5.21",
              "test harness: builds WeightChecker(get_model=...) as 0.5.21+ does; 0.5.16-0.5.20 also require `ps`"),
     KnownBug("tests/test_checker.py::test_snapshot_reset_update_compare", ">=0.5.16,<0.5.21",
@@ -348,11 +342,14 @@ def render_markdown(data: dict) -> str:
             f"; {t.get('tests_s', '?')} s" if t else "")
         lines.append(f"| {rel} | " + " | ".join(cells) + f" | {row.get('flashinfer', '?')} | {tests} |")
     out = "\n".join(lines) + "\n"
-    if data.get("last_run_total_s") is not None:
-        runs = data.get("last_run_releases") or []
-        envs = sum(r.get("timing", {}).get("env_s", 0) for r in data["releases"] if r["release"] in runs)
-        out += (f"\nLast `ci/matrix` run: {data['last_run_total_s']} s wall on 2 cores for {len(runs)} release(s) "
-                f"({envs} s of it env build/reuse + plugin install; the rest tests).\n")
+    full = data.get("last_full_run")
+    if full:
+        out += (f"\nLast full `ci/matrix` run (all {len(full['releases'])} releases): {full['total_s']} s wall on 2 "
+                f"cores, {full['env_s']} s of it env reuse + plugin install (envs cached; a cold build adds about "
+                "1 min for the shared base and 0.5-2 min per release).\n")
+    part = data.get("last_partial_run")
+    if part:
+        out += f"Last partial run: {', '.join(part['releases'])} in {part['total_s']} s.\n"
     if notes:
         out += "\n" + "\n".join(f"{i + 1}. {n}" for i, n in enumerate(notes)) + "\n"
     return out
@@ -422,11 +419,20 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
                 counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
             new.update(tests=tests, counts=counts, capabilities=capability_cells(tests, rel))
         rows.append(new)
+    previous = data
     data = {"generated_by": "ci/matrix", "capabilities": [{"key": k, "title": t} for k, t, _ in CAPABILITIES],
             "releases": rows}
+    for k in ("last_full_run", "last_partial_run"):
+        if k in previous:
+            data[k] = previous[k]
     if total_s is not None:
-        data["last_run_total_s"] = total_s
-        data["last_run_releases"] = sorted(os.path.basename(p)[7:-5] for p in glob.glob(os.path.join(out_dir, "timing-*.json")))
+        ran = sorted(os.path.basename(p)[7:-5] for p in glob.glob(os.path.join(out_dir, "timing-*.json")))
+        envs = 0
+        for rel in ran:
+            with open(os.path.join(out_dir, f"timing-{rel}.json")) as f:
+                envs += json.load(f).get("env_s", 0)
+        run = {"total_s": total_s, "env_s": envs, "releases": ran}
+        data["last_full_run" if set(ran) >= {r["release"] for r in rows} else "last_partial_run"] = run
     with open(json_path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")
