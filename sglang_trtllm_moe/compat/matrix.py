@@ -417,7 +417,11 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
             counts = {}
             for r in tests.values():
                 counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-            new.update(tests=tests, counts=counts, capabilities=capability_cells(tests, rel))
+            # per test "outcome" or "outcome: reason #i" (reasons listed once per release): small enough to diff
+            reasons = sorted({r["reason"] for r in tests.values() if r["reason"]})
+            compact = {n: r["outcome"] + (f" #{reasons.index(r['reason'])}" if r["reason"] else "")
+                       for n, r in sorted(tests.items())}
+            new.update(tests=compact, reasons=reasons, counts=counts, capabilities=capability_cells(tests, rel))
         rows.append(new)
     previous = data
     data = {"generated_by": "ci/matrix", "capabilities": [{"key": k, "title": t} for k, t, _ in CAPABILITIES],
@@ -434,7 +438,7 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
         run = {"total_s": total_s, "env_s": envs, "releases": ran}
         data["last_full_run" if set(ran) >= {r["release"] for r in rows} else "last_partial_run"] = run
     with open(json_path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        json.dump(data, f, indent=0, sort_keys=True)
         f.write("\n")
     table = render_markdown(data)
     with open(md_path, "w") as f:
