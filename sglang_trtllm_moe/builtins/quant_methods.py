@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import hookimpl, weights
+from .. import hookimpl, runner, weights
 from ..formats.nvfp4 import NVFP4
 from ..targets import HookTarget
 
@@ -221,6 +221,31 @@ def ct_nvfp4_process_weights_after_loading(original, scheme, layer, *args, **kwa
     prepare_layer(CT_NVFP4, scheme, layer, _sglang_side_attrs_ct_nvfp4)
 
 
+def ct_nvfp4_apply_weights(original, scheme, layer, dispatch_output, *args, **kwargs):
+    """Before 0.5.17 the compressed-tensors NVFP4 scheme calls flashinfer itself in apply_weights (no MoeRunner),
+    reading TopKOutput.topk_config (only the bypassed output has it: CPU TopK and the routed path give a
+    StandardTopKOutput) and ignoring the separate up-half scale the plugin keeps. Every trtllm layer runs on the
+    plugin runner with the QuantInfo 0.5.17+ builds from the same layer attributes, as it does there (the FP4 leaf
+    is replaced for all layers, prepared by the plugin or by SGLang)."""
+    if not getattr(scheme, "use_flashinfer_trtllm", False):
+        return original(scheme, layer, dispatch_output, *args, **kwargs)
+    from types import SimpleNamespace
+
+    quant_info = SimpleNamespace(
+        w13_weight=layer.w13_weight, w2_weight=layer.w2_weight,
+        w13_weight_scale=layer.w13_weight_scale, w2_weight_scale=layer.w2_weight_scale,
+        g1_scale_c=layer.g1_scale_c, g1_alphas=layer.g1_alphas, g2_alphas=layer.g2_alphas,
+        w13_input_scale_quant=layer.w13_input_scale_quant[:1],
+        global_num_experts=layer.num_experts,
+        local_expert_offset=layer.moe_ep_rank * layer.num_local_experts,
+        local_num_experts=layer.num_local_experts,
+        intermediate_size_per_partition=layer.intermediate_size_per_partition,
+        routing_method_type=layer.routing_method_type,
+        use_per_token_activation=False,
+    )
+    return runner.fused_experts_fp4(dispatch_output, quant_info, scheme.moe_runner_config)
+
+
 # ---- FP8 per-tensor (ModelOpt FP8, Fp8MoEMethod static) and FP8 128x128 block (Fp8MoEMethod DeepSeek) ---------
 
 FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
@@ -331,6 +356,12 @@ def register_sglang_hooks(register, release):
         f"{CT_NVFP4_SCHEME}.process_weights_after_loading", ct_nvfp4_process_weights_after_loading, "around",
         releases=">=0.5.11", capability="ct-nvfp4-prep",
         why="compressed-tensors NVFP4 layers on flashinfer_trtllm are prepared in place, per dirty expert",
+    ))
+    register(HookTarget(
+        f"{CT_NVFP4_SCHEME}.apply_weights", ct_nvfp4_apply_weights, "around", releases=">=0.5.11,<0.5.17",
+        capability="ct-nvfp4-prep",
+        why="before 0.5.17 the scheme calls flashinfer itself (reads topk_config; drops the up-half scale): "
+            "trtllm layers run on the plugin runner as they do from 0.5.17",
     ))
     # FP8 per-tensor and FP8 128x128 block
     register(HookTarget(
