@@ -47,9 +47,9 @@ def clone_params(layer):
 
 
 def weight_checker(model):
-    from sglang.srt.utils.weight_checker import WeightChecker
+    from sglang_trtllm_moe.compat.runtime import weight_checker
 
-    return WeightChecker(get_model=lambda: model)
+    return weight_checker(model)
 
 
 def test_every_checker_hook_landed_on_this_release():

@@ -92,17 +92,6 @@ class KnownBug:
 
 
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug("tests/test_checker.py::test_flipped_byte_through_sglang_weight_checker", ">=0.5.16,<0.5.21",
-             "test harness: builds WeightChecker(get_model=...) as 0.5.21+ does; 0.5.16-0.5.20 also require `ps`"),
-    KnownBug("tests/test_checker.py::test_snapshot_reset_update_compare", ">=0.5.16,<0.5.21",
-             "test harness: builds WeightChecker(get_model=...) as 0.5.21+ does; 0.5.16-0.5.20 also require `ps`"),
-    KnownBug("tests/test_checker.py::test_snapshot_with_an_expert_mid_update", ">=0.5.16,<0.5.21",
-             "test harness: builds WeightChecker(get_model=...) as 0.5.21+ does; 0.5.16-0.5.20 also require `ps`"),
-    KnownBug("tests/test_checker.py::test_layout_aware_tolerance_one_grid_step", ">=0.5.16,<0.5.21",
-             "test harness: builds WeightChecker(get_model=...) as 0.5.21+ does; 0.5.16-0.5.20 also require `ps`"),
-    KnownBug("tests/test_checker.py::test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang[c",
-             ">=0.5.16,<0.5.21",
-             "test harness: builds WeightChecker(get_model=...) as 0.5.21+ does; 0.5.16-0.5.20 also require `ps`"),
 )
 
 #: fixtures that stand for a capability (every test using one needs it)

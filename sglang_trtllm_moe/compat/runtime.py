@@ -36,6 +36,7 @@ MOE_CONFIG_TAKES_ARGS = SpecifierSet("<0.5.19")
 SWIZZLE_MOVES_TO_CUDA = SpecifierSet("<0.5.20")
 WEIGHT_UPDATER = SpecifierSet(">=0.5.16")
 WEIGHT_CACHE_CHECK = SpecifierSet(">=0.5.17,<0.5.21")
+WEIGHT_CHECKER_TAKES_PS = SpecifierSet("<0.5.21")
 
 #: the platform predicates releases before 0.5.19 ask (sglang.srt.utils.common), and what a B200 answers
 _LEGACY_PLATFORM_FACTS = {"is_sm100_supported": True, "is_blackwell_supported": True, "is_blackwell": True,
@@ -216,7 +217,38 @@ def weight_updater(model, model_config):
     return runner
 
 
-__all__ = ["weight_updater", "fake_blackwell", "fake_blackwell_legacy", "init_single_process", "keep_swizzle_on_cpu", "release"]
+def weight_checker(model):
+    """SGLang's WeightChecker around `model`, as the ModelRunner of this release builds it, callable the 0.5.21+ way.
+    Before 0.5.21 it also takes the runner's ParallelState (`ps`, read for the checksum's parallelism info; one CPU
+    process is SGLang's own `ParallelState.trivial()`), `handle()` has no keyword-only `role` (the checksum role
+    arrived with it), and `_snapshot` takes `param.data.detach().cpu()`: a host copy of GPU weights, but on a CPU
+    box the same storage, so the snapshot would follow every later write and no corruption could ever be seen.
+    A subclass drops `role` and gives the snapshot its own storage (attributes the plugin's hook set kept); every
+    action still runs SGLang's own code."""
+    from sglang.srt.utils.weight_checker import WeightChecker
+
+    if release() not in WEIGHT_CHECKER_TAKES_PS:
+        return WeightChecker(get_model=lambda: model)
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+    class _RoleAccepted(WeightChecker):
+        def handle(self, action, *args, role=None, **kwargs):
+            return super().handle(action, *args, **kwargs)
+
+        def _snapshot(self):
+            out = super()._snapshot()
+            copies = {}
+            for name, t in self._snapshot_tensors.items():
+                c = t.clone()
+                c.__dict__.update(t.__dict__)
+                copies[name] = c
+            self._snapshot_tensors = copies
+            return out
+
+    return _RoleAccepted(get_model=lambda: model, ps=ParallelState.trivial())
+
+
+__all__ = ["weight_checker", "weight_updater", "fake_blackwell", "fake_blackwell_legacy", "init_single_process", "keep_swizzle_on_cpu", "release"]
 
 
 def init_rank(rank: int, world_size: int, tp_size: int, ep_size: int, port: int,
