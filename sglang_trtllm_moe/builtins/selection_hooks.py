@@ -11,8 +11,11 @@ that resolves the MoE runner from quantization. Why there and not elsewhere:
   `load_plugins()`; `register_model_override` would not see explicit-vs-derived "auto" or the a2a/EPLB fields
   the same way, and per-arch providers would have to be registered for every architecture.
 The choice is written with `declare_resolution` (SGLang's own provenance stash), never by mutating the record.
-Older releases resolve elsewhere (<= 0.5.18: `ServerArgs.__post_init__` / `_handle_model_specific_adjustments`;
-0.5.16-0.5.18: `arg_groups.overrides`); they get no target here yet, so `doctor` shows none for them.
+That is 0.5.19+. On 0.5.15-0.5.18 the same step is the method `ServerArgs._handle_moe_kernel_config` inside
+`__post_init__` (same position: after the model overrides, before SGLang's own quantization rules and asserts), and
+the choice goes into the declaration stash the way SGLang's post-process passes write. The per-release difference
+(step, write-back, platform fake) is the table `compat.platform.ADAPTERS`; `decide` is one function for all.
+<= 0.5.14 writes fields directly in `_handle_model_specific_adjustments`: no target there yet.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ DECISIONS: list[dict] = []
 
 
 def _problem(server_args: Any, draft: bool = False):
-    from sglang.srt.arg_groups.overrides import model_config_of, resolved_view
+    from ..compat.platform import model_config_of, resolved_view
 
     view = resolved_view(server_args)
     model_config = model_config_of(server_args)
@@ -51,9 +54,7 @@ def _problem(server_args: Any, draft: bool = False):
 
 def decide(server_args: Any) -> Resolution | None:
     """Look at the half-resolved ServerArgs, declare the plugin's choice, return the report (None: not MoE)."""
-    from sglang.srt.arg_groups.overrides import declare_resolution
-
-    from ..compat.platform import device_from_sglang
+    from ..compat.platform import declare_choice, device_from_sglang
 
     problem, view = _problem(server_args)
     if problem is None:
@@ -68,7 +69,7 @@ def decide(server_args: Any) -> Resolution | None:
 
     if res.code != Code.AUTO_SELECTED or res.winner == upstream:
         return res  # explicit, switched off, not SM 10.x, SGLang's own rule, or nothing eligible: SGLang's answer
-    declare_resolution(server_args, SOURCE, moe_runner_backend=res.winner)
+    declare_choice(server_args, SOURCE, moe_runner_backend=res.winner)
     # The draft inherits the target's runner by default (_speculative_moe_runner_default); pin it to what it
     # would have inherited without us, so only the target moves.
     if view.speculative_algorithm is not None and view.speculative_moe_runner_backend is None:
@@ -76,7 +77,7 @@ def decide(server_args: Any) -> Resolution | None:
         dres = resolve(draft, device, requested="auto", upstream=upstream)
         log_decision(dres, draft, what="speculative draft MoE")
         DECISIONS.append({"what": "draft", "problem": draft, **dres.to_dict()})
-        declare_resolution(server_args, SOURCE, speculative_moe_runner_backend=dres.winner)
+        declare_choice(server_args, SOURCE, speculative_moe_runner_backend=dres.winner)
     return res
 
 
@@ -92,16 +93,19 @@ def before_handle_moe_kernel_config(server_args, *args, **kwargs):
 
 @hookimpl
 def register_sglang_hooks(register, release):
-    register(
-        HookTarget(
-            target=TARGET,
-            hook=before_handle_moe_kernel_config,
-            hook_type="before",
-            releases=">=0.5.23",
-            capability="auto-select",
-            why="on SM 10.x with --moe-runner-backend auto, pick flashinfer_trtllm(_routed) wherever eligible",
+    from ..compat.platform import ADAPTERS
+
+    for a in ADAPTERS:  # one resolution step per release range; the decision is the same everywhere
+        register(
+            HookTarget(
+                target=a.hook_target,
+                hook=before_handle_moe_kernel_config,
+                hook_type="before",
+                releases=a.releases,
+                capability="auto-select",
+                why="on SM 10.x with --moe-runner-backend auto, pick flashinfer_trtllm(_routed) wherever eligible",
+            )
         )
-    )
 
 
 __all__ = ["DECISIONS", "SOURCE", "TARGET", "before_handle_moe_kernel_config", "decide", "BACKENDS", "Code"]

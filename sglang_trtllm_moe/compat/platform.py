@@ -1,21 +1,26 @@
-"""How each SGLang release says what GPU this is, how to fake one, and how to read a resolved ServerArgs.
+"""How each SGLang release says what GPU this is, how to fake one, and how a resolution choice is written and read.
 
 The selection hook asks "is this SM 10.x?" the way SGLang itself asks it, so a platform faked for tests (or a
-platform plugin) gives the plugin and SGLang the same answer. One adapter per release range:
+platform plugin) gives the plugin and SGLang the same answer. The decision itself is release-independent
+(`selection.resolve`); only where SGLang resolves `--moe-runner-backend` and how a choice is declared differ,
+and that difference lives in `ADAPTERS` (one row per release range):
 
-* >= 0.5.23: `sglang.srt.runtime_context.get_platform()` / `override_platform(**facts)`; ServerArgs resolves in
-  `resolve_once()` and the answer is `resolved_dict()["moe_runner_backend"]` (the raw field stays as given).
-* 0.5.16 – 0.5.18 (not built here): resolution runs in `ServerArgs.__post_init__` through
-  `sglang.srt.arg_groups.overrides`, which imports `is_sm100_supported` by name — fake by monkeypatching
-  `arg_groups.overrides.is_sm100_supported` and `server_args.is_sm100_supported`; read
-  `arg_groups.overrides.resolved_view(sa).moe_runner_backend`.
-* <= 0.5.14 (not built here): `ServerArgs._handle_model_specific_adjustments` in `__post_init__`; monkeypatch
-  `sglang.srt.server_args.is_sm100_supported`; read `sa.moe_runner_backend`.
+* >= 0.5.19 ("pipeline"): `ServerArgs.resolve_once()` runs `arg_groups.pipeline`; the step is
+  `arg_groups.moe_hook.handle_moe_kernel_config`; a choice is declared with `overrides.declare_resolution`; the
+  platform is `runtime_context.get_platform()` / `override_platform(**facts)` (each release knows its own fact
+  names: 0.5.19-0.5.21 have no `is_sm110`); the answer is `resolved_dict()["moe_runner_backend"]`.
+* 0.5.15 – 0.5.18 ("stash"): resolution runs in `ServerArgs.__post_init__`; the step is the method
+  `ServerArgs._handle_moe_kernel_config`, which already reads `overrides.resolved_view`; a choice is declared the
+  way SGLang's own post-process passes declare theirs (`overrides.run_post_process_pass`: the `_resolved_overrides`
+  stash, materialized at the end of `__post_init__`); the platform is the `lru_cache`d `is_sm*_supported` probes,
+  imported by name into many modules — faked by rebinding every loaded reference; the answer is the field.
+* <= 0.5.14: `_handle_model_specific_adjustments` writes the fields directly; no adapter yet.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from packaging.specifiers import SpecifierSet
@@ -52,27 +57,144 @@ def _release() -> Version:
     return Version(v.base_version)
 
 
-def _supported_here(what: str) -> None:
-    if _release() not in SpecifierSet(">=0.5.23"):
-        raise NotImplementedError(
-            f"{what} for sglang {_release()} is not implemented (only >= 0.5.23); see compat/platform.py for "
-            "what older releases need"
-        )
+@dataclass(frozen=True)
+class ReleaseAdapter:
+    """Where one release range resolves the MoE runner, and how the plugin's choice goes back into it."""
+
+    releases: str
+    #: "pipeline" | "stash" (see the module docstring)
+    kind: str
+    #: the resolution step the selection hook runs BEFORE (SGLang's own step then validates our choice)
+    hook_target: str
+
+
+ADAPTERS: tuple[ReleaseAdapter, ...] = (
+    ReleaseAdapter(">=0.5.19", "pipeline", "sglang.srt.arg_groups.moe_hook.handle_moe_kernel_config"),
+    ReleaseAdapter(">=0.5.15,<0.5.19", "stash", "sglang.srt.server_args.ServerArgs._handle_moe_kernel_config"),
+)
+
+
+def adapter(release: Version | None = None) -> ReleaseAdapter:
+    release = _release() if release is None else Version(release.base_version)
+    for a in ADAPTERS:
+        if release in SpecifierSet(a.releases):
+            return a
+    raise NotImplementedError(
+        f"sglang {release}: no resolution adapter (auto-select serves {', '.join(a.releases for a in ADAPTERS)}); "
+        "<= 0.5.14 resolves in ServerArgs._handle_model_specific_adjustments by direct field writes"
+    )
+
+
+# --- reading and writing the resolving ServerArgs ------------------------------------------------------------
+
+
+def resolved_view(server_args: Any):
+    """SGLang's read-only view of the half-resolved config (declarations overlaid)."""
+    from sglang.srt.arg_groups import overrides
+
+    return overrides.resolved_view(server_args)
+
+
+def model_config_of(server_args: Any):
+    from sglang.srt.arg_groups import overrides
+
+    if hasattr(overrides, "model_config_of"):
+        return overrides.model_config_of(server_args)
+    return server_args.get_model_config()
+
+
+def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
+    """Write the plugin's choice the way this release's own resolution rules write theirs."""
+    from sglang.srt.arg_groups import overrides
+
+    if adapter().kind == "pipeline":
+        overrides.declare_resolution(server_args, source, **fields)
+        return
+
+    # 0.5.15-0.5.18: a post-process pass declares into the `_resolved_overrides` stash under its __qualname__
+    # (validated there, materialized at the end of __post_init__); ours declares exactly `fields`.
+    def declare(view):
+        return dict(fields)
+
+    declare.__qualname__ = source
+    overrides.run_post_process_pass(server_args, declare)
+
+
+# --- the platform -------------------------------------------------------------------------------------------------
+
+#: 0.5.15-0.5.18 probes (module-level `lru_cache`d functions in sglang.srt.utils.common, imported by name).
+_PROBES = ("is_sm90_supported", "is_sm100_supported", "is_sm120_supported", "is_blackwell_supported", "is_blackwell",
+           "get_device_sm", "get_device_capability")
+
+
+def _probe_values(sm: int) -> dict:
+    f = platform_facts(sm)
+    return {"is_sm90_supported": f["is_sm90"], "is_sm100_supported": f["is_sm100"],
+            "is_sm120_supported": f["is_sm120"], "is_blackwell_supported": f["is_blackwell"],
+            "is_blackwell": f["is_blackwell"], "get_device_sm": f["device_sm"],
+            "get_device_capability": f["device_capability"]}
+
+
+@contextlib.contextmanager
+def _rebind_probes(sm: int) -> Iterator[None]:
+    """Every loaded sglang module that holds one of the probe functions gets a constant in its place, and its
+    original back on exit: those releases import the probes by name (`from ...common import is_sm100_supported`)."""
+    import sys
+
+    from sglang.srt.utils import common
+
+    values = _probe_values(sm)
+    originals = {name: getattr(common, name) for name in values if hasattr(common, name)}
+    swapped = []
+    for mod in list(sys.modules.values()):
+        if not getattr(mod, "__name__", "").startswith("sglang"):
+            continue
+        for name, orig in originals.items():
+            if getattr(mod, name, None) is orig:
+                value = values[name]
+                setattr(mod, name, lambda *a, _v=value, **k: _v)
+                swapped.append((mod, name, orig))
+    try:
+        yield
+    finally:
+        for mod, name, orig in swapped:
+            setattr(mod, name, orig)
 
 
 @contextlib.contextmanager
 def fake_platform(sm: int) -> Iterator[None]:
     """SGLang sees an SM `sm` GPU inside the block (CPU tests, `explain --sm`)."""
-    _supported_here("faking the platform")
-    from sglang.srt.runtime_context import override_platform
+    if adapter().kind == "stash":
+        with _rebind_probes(sm):
+            yield
+        return
+    from sglang.srt import runtime_context as rc
 
-    with override_platform(**platform_facts(sm)):
+    # Each release knows its own set of facts (0.5.19-0.5.21 have no is_sm110) and rejects unknown ones; a fact
+    # the release does not know is one nothing in it reads, so it is dropped rather than faked.
+    known = set(getattr(rc, "_PLATFORM_PROBES", {})) | set(getattr(rc, "_PLATFORM_VALUES", {}))
+    facts = {k: v for k, v in platform_facts(sm).items() if not known or k in known}
+    with rc.override_platform(**facts):
         yield
 
 
+def _sm_from_probes() -> int | None:
+    from sglang.srt.utils import common
+
+    for flag, fam in (("is_sm100_supported", 10), ("is_sm120_supported", 12), ("is_sm90_supported", 9)):
+        try:
+            if getattr(common, flag)():
+                sm = common.get_device_sm()
+                return sm if sm and sm // 10 == fam else fam * 10
+        except Exception:  # noqa: BLE001 - no device: try the next probe
+            continue
+    return None
+
+
 def device_from_sglang() -> DeviceInfo:
-    """The device as SGLang's platform facts describe it (honours `override_platform`)."""
-    _supported_here("reading the platform")
+    """The device as SGLang's platform facts describe it (honours `override_platform` / the rebound probes)."""
+    if adapter().kind == "stash":
+        return DeviceInfo(sm=_sm_from_probes(), flashinfer_version=flashinfer_version(), source="sglang-probes")
     from sglang.srt.runtime_context import get_platform
 
     p = get_platform()
@@ -89,7 +211,7 @@ def device_from_sglang() -> DeviceInfo:
             if getattr(p, flag):
                 sm = fam * 10 + (minor if major == fam else 0)
                 break
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a fact this release does not know
             continue
     if sm is None and major is not None:
         sm = major * 10 + minor
@@ -98,7 +220,10 @@ def device_from_sglang() -> DeviceInfo:
 
 def resolve_server_args(server_args: Any) -> dict:
     """Run SGLang's own resolution on `server_args` and return the resolved fields."""
-    _supported_here("resolving ServerArgs")
+    if adapter().kind == "stash":  # resolved in __post_init__ already; the fields carry the answer
+        import dataclasses
+
+        return {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
     server_args.resolve_once()
     return server_args.resolved_dict()
 
@@ -107,4 +232,5 @@ def resolved_moe_runner_backend(server_args: Any) -> str:
     return resolve_server_args(server_args)["moe_runner_backend"]
 
 
-__all__ = ["device_from_sglang", "fake_platform", "platform_facts", "resolve_server_args", "resolved_moe_runner_backend"]
+__all__ = ["ADAPTERS", "ReleaseAdapter", "adapter", "declare_choice", "device_from_sglang", "fake_platform",
+           "model_config_of", "platform_facts", "resolve_server_args", "resolved_moe_runner_backend", "resolved_view"]
