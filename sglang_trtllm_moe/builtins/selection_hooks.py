@@ -11,11 +11,12 @@ that resolves the MoE runner from quantization. Why there and not elsewhere:
   `load_plugins()`; `register_model_override` would not see explicit-vs-derived "auto" or the a2a/EPLB fields
   the same way, and per-arch providers would have to be registered for every architecture.
 The choice is written with `declare_resolution` (SGLang's own provenance stash), never by mutating the record.
-That is 0.5.19+. On 0.5.15-0.5.18 the same step is the method `ServerArgs._handle_moe_kernel_config` inside
+That is 0.5.19+. On 0.5.16-0.5.18 the same step is the method `ServerArgs._handle_moe_kernel_config` inside
 `__post_init__` (same position: after the model overrides, before SGLang's own quantization rules and asserts), and
 the choice goes into the declaration stash the way SGLang's post-process passes write. The per-release difference
 (step, write-back, platform fake) is the table `compat.platform.ADAPTERS`; `decide` is one function for all.
-<= 0.5.14 writes fields directly in `_handle_model_specific_adjustments`: no target there yet.
+<= 0.5.15: no target (see `compat/platform.py`: flashinfer is not importable on CPU there, so no choice could be
+checked against SGLang's resolution).
 """
 
 from __future__ import annotations

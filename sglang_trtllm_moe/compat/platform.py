@@ -9,12 +9,16 @@ and that difference lives in `ADAPTERS` (one row per release range):
   `arg_groups.moe_hook.handle_moe_kernel_config`; a choice is declared with `overrides.declare_resolution`; the
   platform is `runtime_context.get_platform()` / `override_platform(**facts)` (each release knows its own fact
   names: 0.5.19-0.5.21 have no `is_sm110`); the answer is `resolved_dict()["moe_runner_backend"]`.
-* 0.5.15 – 0.5.18 ("stash"): resolution runs in `ServerArgs.__post_init__`; the step is the method
+* 0.5.16 – 0.5.18 ("stash"; 0.5.15 resolves the same way but has no CPU-importable flashinfer, so the plugin's
+  choice cannot be checked there and it gets no row): resolution runs in `ServerArgs.__post_init__`; the step is the method
   `ServerArgs._handle_moe_kernel_config`, which already reads `overrides.resolved_view`; a choice is declared the
   way SGLang's own post-process passes declare theirs (`overrides.run_post_process_pass`: the `_resolved_overrides`
   stash, materialized at the end of `__post_init__`); the platform is the `lru_cache`d `is_sm*_supported` probes,
   imported by name into many modules — faked by rebinding every loaded reference; the answer is the field.
-* <= 0.5.14: `_handle_model_specific_adjustments` writes the fields directly; no adapter yet.
+* <= 0.5.14: `__post_init__` too, but every rule assigns the fields in place (no declarations, no view), and the
+  model rules overwrite `moe_runner_backend` before `_handle_moe_kernel_config` (so the user's own value would have
+  to be recorded earlier); no adapter: flashinfer (0.6.8-0.6.12) cannot be imported on CPU there, so nothing the
+  plugin would choose can be checked against SGLang's resolution.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ class ReleaseAdapter:
 
 ADAPTERS: tuple[ReleaseAdapter, ...] = (
     ReleaseAdapter(">=0.5.19", "pipeline", "sglang.srt.arg_groups.moe_hook.handle_moe_kernel_config"),
-    ReleaseAdapter(">=0.5.15,<0.5.19", "stash", "sglang.srt.server_args.ServerArgs._handle_moe_kernel_config"),
+    ReleaseAdapter(">=0.5.16,<0.5.19", "stash", "sglang.srt.server_args.ServerArgs._handle_moe_kernel_config"),
 )
 
 
@@ -145,20 +149,22 @@ def _rebind_probes(sm: int) -> Iterator[None]:
 
     values = _probe_values(sm)
     originals = {name: getattr(common, name) for name in values if hasattr(common, name)}
-    swapped = []
-    for mod in list(sys.modules.values()):
-        if not getattr(mod, "__name__", "").startswith("sglang"):
-            continue
-        for name, orig in originals.items():
-            if getattr(mod, name, None) is orig:
-                value = values[name]
-                setattr(mod, name, lambda *a, _v=value, **k: _v)
-                swapped.append((mod, name, orig))
+    fakes = {name: (lambda *a, _v=values[name], **k: _v) for name in originals}
+
+    def rebind(table_from, table_to):
+        for mod in list(sys.modules.values()):
+            if not getattr(mod, "__name__", "").startswith("sglang"):
+                continue
+            for name in originals:
+                if getattr(mod, name, None) is table_from[name]:
+                    setattr(mod, name, table_to[name])
+
+    rebind(originals, fakes)
     try:
         yield
     finally:
-        for mod, name, orig in swapped:
-            setattr(mod, name, orig)
+        # also the modules first imported inside the block: they copied the fakes by name and must not keep them
+        rebind(fakes, originals)
 
 
 @contextlib.contextmanager
