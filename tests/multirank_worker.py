@@ -39,7 +39,8 @@ def forward(layer, spec, x, logits, bypass=False):
 
     topk = TopK(top_k=spec.top_k, renormalize=True, layer_id=0)
     if bypass:
-        topk.bind_runner_backend(layer.runner_backend, routing_method_type=layer.routing_method_type)
+        if hasattr(topk, "bind_runner_backend"):  # 0.5.23+; before, forward_cuda reads the global backend
+            topk.bind_runner_backend(layer.runner_backend, routing_method_type=layer.routing_method_type)
         return layer(x, topk.forward_cuda(x, logits))
     return layer(x, topk(x, logits))
 

@@ -122,9 +122,12 @@ def test_per_tensor_bytes_and_scalars_match_flashinfer_prepare(gated):
     w1 = (torch.randn(E, M, H, generator=g) * 0.03).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, generator=g) * 0.03).to(torch.bfloat16)
     q_in, q_int = 70.0, 200.0
+    kw = {}
+    if hasattr(api, "SwiGLU"):  # flashinfer >= 0.7 (SGLang 0.5.22+); 0.6.x's prepare is gated SwiGLU only
+        kw["activation"] = api.SwiGLU() if gated else api.ReLU2()
     fi = prepare.prepare_trtllm_fp8_per_tensor_weights(
         w1, w2, hidden_states_scale_global=q_in, intermediate_scale_global=q_int, num_local_experts=E,
-        hidden_size=H, intermediate_size=I, activation=api.SwiGLU() if gated else api.ReLU2())
+        hidden_size=H, intermediate_size=I, **kw)
     cache = {}
     p1 = _maybe_get_cached_w3_w1_permute_indices(cache, fi["gemm1_weights"][0].view(torch.uint8), 128, is_gated_act_gemm=gated)
     p2 = get_w2_permute_indices_with_cache(cache, fi["gemm2_weights"][0].view(torch.uint8), 128)
@@ -167,9 +170,12 @@ def _fi_block_checkpoint_and_prepare(spec, seed=3):
     gate[:, :I] = torch.randn(E, I, H, generator=g) * 0.02
     down[:, :, :I] = torch.randn(E, H, I, generator=g) * 0.03
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    if hasattr(api, "QuantFormat"):  # flashinfer >= 0.7 (SGLang 0.5.22+)
+        variant = dict(quant=api.QuantConfig(weight=api.QuantFormat.DeepSeekFp8, activation=api.QuantFormat.DeepSeekFp8))
+    else:  # flashinfer 0.6.x: same function, the format named by QuantVariant
+        variant = dict(variant=api.QuantVariant.DeepSeekFp8)
     fi = prepare.prepare_trtllm_fp8_block_weights(
-        bf(torch.cat([up, gate], 1)), bf(down), num_local_experts=E, hidden_size=H, intermediate_size=ip,
-        quant=api.QuantConfig(weight=api.QuantFormat.DeepSeekFp8, activation=api.QuantFormat.DeepSeekFp8))
+        bf(torch.cat([up, gate], 1)), bf(down), num_local_experts=E, hidden_size=H, intermediate_size=ip, **variant)
     ck = {}
     for proj, w in ((UP, up), (GATE, gate), (DOWN, down)):
         q, s = prepare._deepseek_fp8_quantize_weights(bf(w))
@@ -249,7 +255,8 @@ def _forward(layer, x, logits, bypass):
     if bypass:  # routing in the kernel from logits (the only routing ModelOptFp8MoEMethod's trtllm apply accepts).
         # SGLang builds the bypassed output in forward_cuda (a CPU box dispatches TopK to forward_native, which
         # always materializes); on CPU tensors it is the same code a Blackwell server runs.
-        topk.bind_runner_backend(layer.runner_backend, routing_method_type=layer.routing_method_type)
+        if hasattr(topk, "bind_runner_backend"):  # 0.5.23+; before, forward_cuda reads the global backend
+            topk.bind_runner_backend(layer.runner_backend, routing_method_type=layer.routing_method_type)
         out = topk.forward_cuda(x, logits)
         assert type(out).__name__ == "BypassedTopKOutput"
         return layer(x, out)

@@ -302,7 +302,11 @@ def _sglang_side_attrs_modelopt_fp8(method, layer) -> None:
 
 def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
     backend = getattr(method, "_moe_runner_backend", None)
-    if backend is None or not backend.is_flashinfer_trtllm() or not method.quant_config.is_checkpoint_fp8_serialized:
+    if backend is None:  # < 0.5.23: the method has no per-instance backend and reads the global one
+        from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+        backend = get_moe_runner_backend()
+    if not backend.is_flashinfer_trtllm() or not method.quant_config.is_checkpoint_fp8_serialized:
         return original(method, layer, *args, **kwargs)
     from ..formats.fp8_tensor import FP8_TENSOR_MODELOPT
 
@@ -366,11 +370,11 @@ def register_sglang_hooks(register, release):
     # FP8 per-tensor and FP8 128x128 block
     register(HookTarget(
         f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading", modelopt_fp8_process_weights_after_loading,
-        "around", releases=">=0.5.23", capability="fp8-prep",
+        "around", releases=">=0.5.21", capability="fp8-prep",
         why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
     ))
     register(HookTarget(
         f"{FP8_METHOD}.process_weights_after_loading", fp8_process_weights_after_loading, "around",
-        releases=">=0.5.23", capability="fp8-prep",
+        releases=">=0.5.21", capability="fp8-prep",
         why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert",
     ))
