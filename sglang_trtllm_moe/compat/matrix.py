@@ -78,11 +78,11 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "SGLang's weight-checker comparator (utils.weight_checker_comparator, _build_quantized_set) is "
                 "absent upstream before 0.5.16, and the plugin's checker hooks attach to it"),
     Requirement("tests/test_selection.py::test_activation_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (>=0.5.23): e.g. "
-                "_SUPPORTED_*_ACTIVATIONS sets and the ('flashinfer', 'flashinfer_trtllm') fused func (0.5.20+)"),
+                "the selection tables describe the releases the auto-select hook serves (>=0.5.16, "
+                "compat/platform.py ADAPTERS): <= 0.5.15 has no CPU-importable flashinfer to check a choice against"),
     Requirement("tests/test_selection.py::test_a2a_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (>=0.5.23): "
-                "FusedOpPool has ('flashinfer', 'flashinfer_trtllm') only from 0.5.20"),
+                "the selection tables describe the releases the auto-select hook serves (>=0.5.16, "
+                "compat/platform.py ADAPTERS); FusedOpPool has ('flashinfer', 'flashinfer_trtllm') only from 0.5.19"),
 )
 
 @dataclass(frozen=True)
@@ -100,8 +100,9 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
 #: fixtures that stand for a capability (every test using one needs it)
 FIXTURE_REQUIREMENTS = {
     "sglang_runs": ("capability:auto-select",
-                    "the plugin's auto-select hook (arg_groups.moe_hook.handle_moe_kernel_config) is not provided on "
-                    "this release yet: SGLang resolves the backend in ServerArgs.__post_init__ there"),
+                    "the plugin's auto-select hook (compat/platform.py ADAPTERS: 0.5.16+) is not provided on this "
+                    "release: flashinfer cannot be imported on CPU here (ci/releases.tsv), so no choice can be checked "
+                    "against SGLang's resolution, and <= 0.5.14 resolves by direct field writes"),
 }
 
 
