@@ -370,11 +370,11 @@ def register_sglang_hooks(register, release):
     # FP8 per-tensor and FP8 128x128 block
     register(HookTarget(
         f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading", modelopt_fp8_process_weights_after_loading,
-        "around", releases=">=0.5.21", capability="fp8-prep",
+        "around", releases=">=0.5.19", capability="fp8-prep",
         why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
     ))
     register(HookTarget(
         f"{FP8_METHOD}.process_weights_after_loading", fp8_process_weights_after_loading, "around",
-        releases=">=0.5.21", capability="fp8-prep",
+        releases=">=0.5.19", capability="fp8-prep",
         why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert",
     ))

@@ -31,6 +31,6 @@ def register_sglang_hooks(register, release):
     ))
     register(HookTarget(
         f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp8", fp8_leaf, "around",
-        releases=">=0.5.21", capability="runner",
+        releases=">=0.5.19", capability="runner",
         why="FP8 per-tensor / DeepSeek block leaf for plugin-prepared layers (MXFP8 stays on SGLang's leaf)",
     ))

@@ -66,13 +66,13 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
                 "flashinfer 0.6.x this release pins"),
     Requirement("tests/test_checker.py::test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang[fp8",
-                "capability:fp8-prep", "the plugin's FP8 preparation hooks are declared for >=0.5.21 only; SGLang's own "
+                "capability:fp8-prep", "the plugin's FP8 preparation hooks are declared for >=0.5.19 only; SGLang's own "
                 "FP8 per-tensor path needs sgl_kernel's sgl_per_tensor_quant_fp8 (no CPU build) before 0.5.23"),
     Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare[relu2]", ">=0.5.22",
                 "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, takes an activation (non-gated "
                 "ReLU2) from flashinfer 0.7; the 0.6.x this release pins prepares gated SwiGLU weights only"),
     Requirement("tests/test_fp8_layer.py", "capability:fp8-prep",
-                "the plugin's FP8 (per-tensor / block) preparation hooks are declared for >=0.5.21 only "
+                "the plugin's FP8 (per-tensor / block) preparation hooks are declared for >=0.5.19 only "
                 "(builtins/quant_methods.py releases=); on older releases SGLang prepares FP8 itself"),
     Requirement("tests/test_checker.py", "capability:weight-check",
                 "SGLang's weight-checker comparator (utils.weight_checker_comparator, _build_quantized_set) is "
