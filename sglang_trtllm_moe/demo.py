@@ -159,9 +159,9 @@ def run(out=sys.stdout) -> int:
             f"one-expert update prepared {st.experts_prepared_total - before} expert groups")
 
     d.say("6/7 SGLang's WeightChecker: snapshot, reset, the same updates again, compare")
-    from sglang.srt.utils.weight_checker import WeightChecker
+    from .compat.runtime import weight_checker
 
-    wc = WeightChecker(get_model=lambda: model)
+    wc = weight_checker(model)  # SGLang's WeightChecker, built as this release's ModelRunner builds it
 
     def replay(tensors_c):
         updater(dir_b).update_weights_from_disk(dir_b, "auto")
