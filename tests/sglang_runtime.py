@@ -68,3 +68,12 @@ def prepared_model(spec, tensors):
     model.load_weights(cpu_layers.checkpoint_names(tensors).items())
     model.experts.quant_method.process_weights_after_loading(model.experts)
     return model
+
+
+def forward(layer, x, logits):
+    """A forward through SGLang's own TopK (softmax, renormalize) and FusedMoE layer; returns (output, topk)."""
+    from sglang.srt.layers.moe.topk import TopK
+
+    topk = TopK(top_k=2, renormalize=True, layer_id=0)
+    out = topk(x, logits)
+    return layer(x, out), out

@@ -139,12 +139,7 @@ def modelopt_names(tensors):
     return out
 
 
-def _forward(layer, x, logits):
-    from sglang.srt.layers.moe.topk import TopK
-
-    topk = TopK(top_k=2, renormalize=True, layer_id=0)
-    out = topk(x, logits)
-    return layer(x, out), out
+_forward = sglang_runtime.forward
 
 
 def rel(a, b):
