@@ -280,12 +280,19 @@ class _Scratch:
         return out
 
 
+def _plan(u8: torch.Tensor, t: torch.Tensor, row_map, experts, chunk) -> tuple[list[tuple[int, int]], _Scratch]:
+    """Every in-place transform starts alike: check the row map (if any), cut the experts into chunks, take one
+    scratch sized for the largest chunk."""
+    if row_map is not None:
+        row_map = _check_row_map(row_map, u8.shape[1], t)
+    runs = _expert_runs(u8.shape[0], experts, chunk if chunk is not None else _default_chunk(u8))
+    return runs, _Scratch(u8, runs, row_map)
+
+
 def permute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
     """In place: t[e] = t[e][row_map] for each selected expert; storage and shape unchanged."""
     u8 = _bytes3d(t)
-    row_map = _check_row_map(row_map, u8.shape[1], t)
-    runs = _expert_runs(u8.shape[0], experts, chunk if chunk is not None else _default_chunk(u8))
-    scratch = _Scratch(u8, runs, row_map)
+    runs, scratch = _plan(u8, t, row_map, experts, chunk)
     for start, stop in runs:
         u8[start:stop].copy_(scratch.load(start, stop))
     return t
@@ -363,10 +370,7 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
 def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
     e, r, c = _check_inplace_sf(sf)
     u8 = _bytes3d(sf, "sf")
-    if row_map is not None:
-        row_map = _check_row_map(row_map, r, sf)
-    runs = _expert_runs(e, experts, chunk if chunk is not None else _default_chunk(u8))
-    scratch = _Scratch(u8, runs, row_map)
+    runs, scratch = _plan(u8, sf, row_map, experts, chunk)
     for s, t in runs:
         k = t - s
         # The 128x4 swizzle moves 4-byte groups (4 scales of one row), so it is an int32 permutation: copying
@@ -440,10 +444,7 @@ def _block_inplace(t, block_k_bytes, experts, chunk, row_map=None, inverse=False
     e, m, kb = _block_dims(t, block_k_bytes)
     u8 = _bytes3d(t)
     nb, bk = kb // block_k_bytes, block_k_bytes
-    if row_map is not None:
-        row_map = _check_row_map(row_map, m, t)
-    runs = _expert_runs(e, experts, chunk if chunk is not None else _default_chunk(u8))
-    scratch = _Scratch(u8, runs, row_map)
+    runs, scratch = _plan(u8, t, row_map, experts, chunk)
     for s, stop in runs:
         k = stop - s
         tmp = scratch.load(s, stop)

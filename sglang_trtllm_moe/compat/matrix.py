@@ -178,8 +178,7 @@ if pytest is not None:
             return flashinfer_missing_reason(installed_release())
         return None
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(item):
+    def _skip_where_flashinfer_cannot_load(item):
         try:
             return (yield)
         except ModuleNotFoundError as e:
@@ -188,15 +187,9 @@ if pytest is not None:
                 pytest.skip(reason)
             raise
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(item):
-        try:
-            return (yield)
-        except ModuleNotFoundError as e:
-            reason = _flashinfer_absent(e)
-            if reason:
-                pytest.skip(reason)
-            raise
+    # the same wrapper for a test's set-up and its call
+    pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_skip_where_flashinfer_cannot_load)
+    pytest_runtest_call = pytest.hookimpl(wrapper=True)(_skip_where_flashinfer_cannot_load)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(collector):
