@@ -97,8 +97,9 @@ def live_side(layer, name: str) -> ParamSide:
         raise ValueError(f"{layer_name(layer)} is not managed by sglang-trtllm-moe: no TRT-LLM layout to undo")
     if st.fmt.group_of(name) is None:
         raise ValueError(f"{layer_name(layer)}: {name} is not a laid-out parameter of {st.fmt.name}")
-    tensors = {n: getattr(layer, n).data for n in group_names(st.fmt, name)}
-    return ParamSide(layer, st.fmt, name, tensors, st.prepared[st.fmt.group_of(name)].clone())
+    with st.lock:  # the mask and the bytes it describes, as one writer-free moment
+        tensors = {n: getattr(layer, n).data for n in group_names(st.fmt, name)}
+        return ParamSide(layer, st.fmt, name, tensors, st.prepared[st.fmt.group_of(name)].clone())
 
 
 def snapshot_side(layer, name: str, tensors: dict[str, torch.Tensor], prepared: torch.Tensor | None = None,

@@ -18,6 +18,7 @@ Formulas: flashinfer 0.7.2 `get_reorder_rows_for_gated_act_gemm_row_indices`, `g
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -56,6 +57,9 @@ def padded_intermediate(i: int, gated: bool) -> int:
 # key -> map; id(map) -> (map, inverse). Holding `map` in the second dict keeps its id() from being reused.
 _MAPS: dict[tuple, torch.Tensor] = {}
 _INVERSES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+#: loaders run on thread pools (DeepSeek) and `clear_caches` runs at every update entry point: the two dicts
+#: change together, never while another thread iterates them
+_CACHE_LOCK = threading.RLock()
 
 
 def _norm_device(device) -> torch.device:
@@ -68,8 +72,9 @@ def _norm_device(device) -> torch.device:
 
 def clear_caches() -> None:
     """Drop every cached index map on every device: call on weight reload / engine resume (sglang#28676)."""
-    _MAPS.clear()
-    _INVERSES.clear()
+    with _CACHE_LOCK:
+        _MAPS.clear()
+        _INVERSES.clear()
 
 
 def cache_size() -> int:
@@ -78,11 +83,12 @@ def cache_size() -> int:
 
 
 def _cached(key: tuple, build) -> torch.Tensor:
-    idx = _MAPS.get(key)
-    if idx is None:
-        idx = build().to(key[-1])
-        _MAPS[key] = idx
-    return idx
+    with _CACHE_LOCK:
+        idx = _MAPS.get(key)
+        if idx is None:
+            idx = build().to(key[-1])
+            _MAPS[key] = idx
+        return idx
 
 
 def shuffle_block_size(epilogue_tile_m: int = 128) -> int:
@@ -146,15 +152,16 @@ def w2_row_map(m: int, device=None, epilogue_tile_m: int = 128) -> torch.Tensor:
 
 def invert_map(idx: torch.Tensor) -> torch.Tensor:
     """inv with in[r] = out[inv[r]] for out = in[idx]. Cached for maps that come from this module's cache."""
-    hit = _INVERSES.get(id(idx))
-    if hit is not None and hit[0] is idx:
-        return hit[1]
-    # scatter == argsort for a permutation, in O(M)
-    inv = torch.empty_like(idx)
-    inv[idx] = torch.arange(idx.numel(), dtype=idx.dtype, device=idx.device)
-    if any(v is idx for v in _MAPS.values()):
-        _INVERSES[id(idx)] = (idx, inv)
-    return inv
+    with _CACHE_LOCK:
+        hit = _INVERSES.get(id(idx))
+        if hit is not None and hit[0] is idx:
+            return hit[1]
+        # scatter == argsort for a permutation, in O(M)
+        inv = torch.empty_like(idx)
+        inv[idx] = torch.arange(idx.numel(), dtype=idx.dtype, device=idx.device)
+        if any(v is idx for v in _MAPS.values()):
+            _INVERSES[id(idx)] = (idx, inv)
+        return inv
 
 
 # ----------------------------------------------------------------------------------------------------------------

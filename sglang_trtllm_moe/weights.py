@@ -12,11 +12,20 @@ a one-expert update). Here each (group, expert) is either "prepared" or "checkpo
   Nothing is prepared twice and nothing is left unprepared; a failure leaves the unfinished experts dirty (retried
   at the next flush) and raises an error naming the layer.
 Storage never moves: every step is in place on the parameters SGLang allocated.
+
+Concurrency: SGLang's loaders call `weight_loader` from thread pools (DeepSeek's loader submits one task per CPU
+tensor, so shards of the same expert are written concurrently), and RL frameworks may load from several threads.
+Un-preparing an expert is a read-modify-write of its whole group (the gated row interleave mixes w1 and w3), so
+the check of the layout state, the in-place inverse and the write of a shard are one step per layer: every
+writer and every flush of a layer holds that layer's lock (`LayerState.lock`, re-entrant); different layers load
+in parallel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -29,6 +38,8 @@ logger = logging.getLogger("sglang_trtllm_moe")
 
 STATE_ATTR = "_trtllm_moe_state"
 _LAYERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+#: guards `_LAYERS` and the creation of a layer's state (two threads must never attach two states to one layer)
+_REGISTRY_LOCK = threading.Lock()
 
 
 def layer_name(layer) -> str:
@@ -52,6 +63,8 @@ class LayerState:
     scalars_dirty: bool = True
     flushes: int = 0
     experts_prepared_total: int = 0
+    #: held by every writer and every flush of the layer: state check, in-place inverse and write are one step
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def dirty_experts(self) -> dict[str, list[int]]:
         return {g: (~m).nonzero().flatten().tolist() for g, m in self.prepared.items() if not bool(m.all())}
@@ -67,18 +80,34 @@ def state_of(layer) -> LayerState | None:
 
 def attach(layer, fmt: WeightFormat) -> LayerState:
     """Start managing a freshly loaded layer: everything is in checkpoint layout, everything is dirty."""
-    st = state_of(layer)
-    if st is not None:
+    with _REGISTRY_LOCK:
+        st = state_of(layer)
+        if st is not None:
+            return st
+        e = getattr(layer, fmt.params[0].name).shape[0]
+        st = LayerState(fmt=fmt, num_experts=e, prepared={g: torch.zeros(e, dtype=torch.bool) for g in fmt.groups()})
+        if isinstance(layer, torch.nn.Module):
+            object.__setattr__(layer, STATE_ATTR, st)
+        else:
+            setattr(layer, STATE_ATTR, st)
+        _LAYERS.add(layer)
         return st
-    e = getattr(layer, fmt.params[0].name).shape[0]
-    st = LayerState(fmt=fmt, num_experts=e, prepared={g: torch.zeros(e, dtype=torch.bool) for g in fmt.groups()})
-    object.__setattr__(layer, STATE_ATTR, st) if isinstance(layer, torch.nn.Module) else setattr(layer, STATE_ATTR, st)
-    _LAYERS.add(layer)
-    return st
 
 
 def managed_layers() -> list:
-    return list(_LAYERS)
+    with _REGISTRY_LOCK:
+        return list(_LAYERS)
+
+
+@contextlib.contextmanager
+def locked(layer):
+    """Hold `layer`'s lock (a no-op for layers the plugin does not manage): no write or flush of it meanwhile."""
+    st = state_of(layer)
+    if st is None:
+        yield None
+        return
+    with st.lock:
+        yield st
 
 
 def before_write(layer, param_name: str, expert_id: int | None) -> None:
@@ -86,6 +115,11 @@ def before_write(layer, param_name: str, expert_id: int | None) -> None:
     st = state_of(layer)
     if st is None:
         return
+    with st.lock:
+        _before_write(layer, st, param_name, expert_id)
+
+
+def _before_write(layer, st: LayerState, param_name: str, expert_id: int | None) -> None:
     group = st.fmt.group_of(param_name)
     if group is None:
         if param_name in st.fmt.scalar_params:
@@ -112,6 +146,11 @@ def flush(layer, chunk: int | None = None) -> int:
     st = state_of(layer)
     if st is None:
         return 0
+    with st.lock:
+        return _flush(layer, st, chunk)
+
+
+def _flush(layer, st: LayerState, chunk: int | None) -> int:
     done = 0
     chunk = chunk or max(1, st.num_experts // 8)
     for group, ids in st.dirty_experts().items():
@@ -168,8 +207,9 @@ def unprepare_all() -> None:
     SESSION["open"] = True
     for layer in managed_layers():
         st = state_of(layer)
-        for p in st.fmt.params:
-            before_write(layer, p.name, None)
+        with st.lock:
+            for p in st.fmt.params:
+                _before_write(layer, st, p.name, None)
 
 
 def on_reload_start() -> None:

@@ -12,8 +12,9 @@ into comparables, `compare_weights(expect, actual)` compares pairs. Our hooks, o
   and the layout state of the side that holds them);
 * `compare_weights` (AROUND): two of ours are compared by `checker.compare` (raw or layout-aware, locating the
   first mismatches in checkpoint coordinates); anything else goes to SGLang;
-* `WeightChecker._snapshot` (AFTER): remembers which experts each snapshot tensor held prepared, so a snapshot
-  taken in another layout (before the plugin prepared the layer, or mid-update) is undone correctly;
+* `WeightChecker._snapshot` (AROUND): remembers which experts each snapshot tensor held prepared, so a snapshot
+  taken in another layout (before the plugin prepared the layer, or mid-update) is undone correctly; the copy and
+  the record happen with every managed layer's lock held, so no concurrent writer changes a layout in between;
 * `RawComparable.iter_chunks` (AROUND): SGLang moves every chunk with `.cuda()`; on a host without CUDA (the
   emulator, CPU tests) the chunks stay where they are. With CUDA it is SGLang's own code.
 """
@@ -133,20 +134,29 @@ def compare_weights(original, expect, actual, *args, **kwargs):
         return original(expect, actual, *args, **kwargs)
     from sglang.srt.utils.weight_checker_comparator import CompareResult
 
-    rep = checker.compare_comparables(expect, actual)
+    with weights.locked(actual.side.layer):  # the live side is read chunk by chunk: no writer in between
+        rep = checker.compare_comparables(expect, actual)
     return CompareResult(rep.equal, rep.max_abs_err, rep.mean_abs_err, rep.num_exceed)
 
 
-def record_snapshot_state(result, self, *args, **kwargs):
-    snap = getattr(self, "_snapshot_tensors", None) or {}
-    for mname, layer in _managed(self._get_model()):
-        st = weights.state_of(layer)
-        prefix = f"{mname}." if mname else ""
-        for p in st.fmt.params:
-            t = snap.get(prefix + p.name)
-            if t is not None:
-                setattr(t, SNAPSHOT_STATE_ATTR, st.prepared[p.group].clone())
-    return None
+def record_snapshot_state(original, self, *args, **kwargs):
+    import contextlib
+
+    managed = _managed(self._get_model())
+    with contextlib.ExitStack() as held:
+        # every layer's lock, in one global order (writers hold one lock at a time: no deadlock)
+        for _, layer in sorted(managed, key=lambda m: id(m[1])):
+            held.enter_context(weights.state_of(layer).lock)
+        result = original(self, *args, **kwargs)
+        snap = getattr(self, "_snapshot_tensors", None) or {}
+        for mname, layer in managed:
+            st = weights.state_of(layer)
+            prefix = f"{mname}." if mname else ""
+            for p in st.fmt.params:
+                t = snap.get(prefix + p.name)
+                if t is not None:
+                    setattr(t, SNAPSHOT_STATE_ATTR, st.prepared[p.group].clone())
+    return result
 
 
 def raw_iter_chunks(original, self, *args, **kwargs):
@@ -172,7 +182,7 @@ def register_sglang_hooks(register, release):
                         capability="weight-check", why=why + " (our comparable per laid-out weight)"))
     register(HookTarget(f"{CMP}.compare_weights", compare_weights, "around", releases=RELEASES,
                         capability="weight-check", why=why + " (our compare, with expert/row/col)"))
-    register(HookTarget(f"{WC}.WeightChecker._snapshot", record_snapshot_state, "after", releases=RELEASES,
+    register(HookTarget(f"{WC}.WeightChecker._snapshot", record_snapshot_state, "around", releases=RELEASES,
                         capability="weight-check", why="remember the layout each snapshot tensor was taken in"))
     register(HookTarget(f"{CMP}.RawComparable.iter_chunks", raw_iter_chunks, "around", releases=RELEASES,
                         capability="weight-check", why="SGLang's raw comparator calls .cuda(); keep chunks on a "

@@ -81,9 +81,13 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
     if st is None:
         return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
     name = weights.param_name(layer, param) or weight_name
-    weights.validate_shard(layer, name, param, loaded_weight, shard_id, expert_id)
-    weights.before_write(layer, name, None if expert_id is None else int(expert_id))
-    return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    # One step under the layer's lock (SGLang's DeepSeek loader writes shards of one expert from a thread pool):
+    # a concurrent writer of the same expert must neither see it half un-prepared nor have its rows overwritten
+    # by this writer's in-place inverse.
+    with st.lock:
+        weights.validate_shard(layer, name, param, loaded_weight, shard_id, expert_id)
+        weights.before_write(layer, name, None if expert_id is None else int(expert_id))
+        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
 
 
 def remember_prefix(result, layer, *args, **kwargs):
