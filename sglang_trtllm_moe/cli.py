@@ -49,13 +49,13 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from . import demo
+    from .testing import demo
 
     return demo.run()
 
 
 def _cmd_bench(args) -> int:
-    from . import bench
+    from .testing import bench
 
     return bench.main(args)
 

@@ -29,7 +29,7 @@ def _sm100_reason():
 
 def pytest_configure(config):
     # release ranges / capabilities per test, and why a test does not apply here (the compat matrix)
-    from sglang_trtllm_moe.compat import matrix
+    from tests.support import matrix
 
     config.pluginmanager.register(matrix, "sglang_trtllm_moe_compat_matrix")
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import cpu_layers, layouts, weights
+from sglang_trtllm_moe import layouts, weights
+from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
 
-from . import sglang_runtime
+from .support import sglang_runtime
 
 CASES = [
     pytest.param(cpu_layers.MoeSpec(intermediate=128, fmt="bf16"), id="gated-I128"),

@@ -13,9 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_trtllm_moe import checker, cpu_layers, plugin, weights
+from sglang_trtllm_moe import checker, plugin, weights
+from sglang_trtllm_moe.testing import layers as cpu_layers
 
-from . import sglang_runtime
+from .support import sglang_runtime
 from .test_rl_updates import from_tensor
 
 SPEC = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128)
@@ -47,7 +48,7 @@ def clone_params(layer):
 
 
 def weight_checker(model):
-    from sglang_trtllm_moe.compat.runtime import weight_checker
+    from sglang_trtllm_moe.testing.runtime import weight_checker
 
     return weight_checker(model)
 

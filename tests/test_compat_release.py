@@ -9,7 +9,7 @@ import json
 
 from sglang_trtllm_moe.compat.releases import installed_version
 
-from .helpers import last_json, run_python
+from .support.helpers import last_json, run_python
 
 #: not-applicable targets whose dotted path still resolves on the releases they are left out of, and why
 SUPERSEDED = {
@@ -75,7 +75,7 @@ def test_plugin_loads_through_sglang_and_every_target_lands_or_is_absent_upstrea
 def test_every_capability_has_a_landed_target_where_the_plugin_claims_it():
     from packaging.version import Version
 
-    from sglang_trtllm_moe.compat.matrix import plugin_capabilities
+    from tests.support.matrix import plugin_capabilities
 
     release = Version(installed_version().base_version)
     claimed = plugin_capabilities(release)
@@ -88,8 +88,9 @@ RUNTIME = """
     import json, torch
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang_trtllm_moe.compat.runtime import init_single_process
-    from sglang_trtllm_moe import cpu_layers, weights
+    from sglang_trtllm_moe.testing.runtime import init_single_process
+    from sglang_trtllm_moe import weights
+    from sglang_trtllm_moe.testing import layers as cpu_layers
     init_single_process("flashinfer_trtllm")
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
     from sglang.srt.distributed import parallel_state
@@ -113,7 +114,7 @@ RUNTIME = """
 def test_single_process_runtime_builds_and_prepares_a_real_nvfp4_layer():
     """SGLang's own getters say what a scheduler process would: world of one, flashinfer_trtllm chosen, and the
     NVFP4 quant method (which refuses non-Blackwell platforms) took the TRT-LLM path."""
-    from sglang_trtllm_moe.compat.runtime import _free_port
+    from sglang_trtllm_moe.testing.runtime import _free_port
 
     # its own rendezvous port: this pytest process may hold one already (in-process SGLang tests), and children
     # inherit MASTER_PORT from it
@@ -135,7 +136,7 @@ def test_matrix_skip_reasons_name_the_release():
     """A test that does not apply says which release and why (the contract ci/matrix relies on)."""
     from packaging.version import Version
 
-    from sglang_trtllm_moe.compat import matrix
+    from tests.support import matrix
 
     release = Version(installed_version().base_version)
     caps = matrix.plugin_capabilities(release)

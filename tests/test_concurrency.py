@@ -16,9 +16,10 @@ import threading
 import pytest
 import torch
 
-from sglang_trtllm_moe import cpu_layers, layouts, weights
+from sglang_trtllm_moe import layouts, weights
+from sglang_trtllm_moe.testing import layers as cpu_layers
 
-from . import sglang_runtime
+from .support import sglang_runtime
 
 ROUNDS = 6
 WRITERS = 8

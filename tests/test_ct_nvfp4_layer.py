@@ -3,8 +3,8 @@ own CompressedTensorsConfig) on CPU, prepared in place by the plugin.
 
 Oracles: SGLang 0.5.23's own trtllm preparation of this scheme (`process_weights_after_loading.__wrapped__`, with
 flashinfer's CUDA-only scale interleave replaced by SGLang's pure-torch `swizzle_blockscale`, as
-tests/sglang_runtime.py does), SGLang's `prepare_static_weights_for_trtllm_fp4_moe` where the scheme itself cannot
-serve the layer (non-gated), and a float MoE from flashinfer's own CPU NVFP4 dequant (tests/moe_reference.py).
+tests/support/sglang_runtime.py does), SGLang's `prepare_static_weights_for_trtllm_fp4_moe` where the scheme itself cannot
+serve the layer (non-gated), and a float MoE from flashinfer's own CPU NVFP4 dequant (tests/support/moe_reference.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import cpu_layers, weights
+from sglang_trtllm_moe import weights
+from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
 
-from . import sglang_runtime
+from .support import sglang_runtime
 
 CASES = [
     pytest.param(cpu_layers.MoeSpec(intermediate=128, fmt="ct_nvfp4"), id="gated-I128"),
@@ -125,7 +126,7 @@ def test_non_gated_gemm1_is_allocated_at_kernel_shape():
 
 
 def modelopt_names(tensors):
-    """The same checkpoint under ModelOpt's names and scale convention, for tests/moe_reference.py."""
+    """The same checkpoint under ModelOpt's names and scale convention, for tests/support/moe_reference.py."""
     out = {}
     for k, v in tensors.items():
         if k.endswith("weight_packed"):
@@ -153,7 +154,7 @@ def _inputs(spec):
 
 @pytest.mark.parametrize("spec", CASES)
 def test_forward_through_sglang_layer_with_emulator_matches_dequantized_reference(spec, monkeypatch):
-    from .moe_reference import reference_moe
+    from .support.moe_reference import reference_moe
 
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     tensors = ckpt(spec)
@@ -174,7 +175,7 @@ def test_different_gate_and_up_global_scales_are_kept(monkeypatch):
     """SGLang uses the gate's global scale for both halves (warning "Accuracy may be affected"); the kernel takes
     the up scale separately (output1_scale_scalar), so the plugin does not lose it. Up weights quantized with a
     global scale 4x the gate's: ours matches the reference, SGLang's own prep (same emulator) does not."""
-    from .moe_reference import reference_moe
+    from .support.moe_reference import reference_moe
 
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     spec = cpu_layers.MoeSpec(intermediate=128, fmt="ct_nvfp4")

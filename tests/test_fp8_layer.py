@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import cpu_layers, weights
+from sglang_trtllm_moe import weights
+from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
-from sglang_trtllm_moe.cpu_layers import DOWN, GATE, UP, MoeSpec
+from sglang_trtllm_moe.testing.layers import DOWN, GATE, UP, MoeSpec
 
-from . import sglang_runtime
+from .support import sglang_runtime
 
 SCALARS = ("output1_scales_scalar", "output1_scales_gate_scalar", "output2_scales_scalar")
 TENSOR_WEIGHTS = ("w13_weight", "w2_weight")

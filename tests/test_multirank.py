@@ -4,7 +4,7 @@ the FULL checkpoint through SGLang's own weight_loader, is prepared by the plugi
 reduces with SGLang's own all-reduce. The oracle is the same layer at TP=1 in this process (SGLang + plugin, one
 rank), and for the loaded bytes the checkpoint itself, sliced the way tensor parallelism defines.
 
-One process group per world size runs every scenario (tests/multirank_worker.py); starting processes that import
+One process group per world size runs every scenario (tests/support/multirank_worker.py); starting processes that import
 SGLang is what costs time here.
 """
 
@@ -18,11 +18,12 @@ import sys
 import pytest
 import torch
 
-from sglang_trtllm_moe import cpu_layers, selection
+from sglang_trtllm_moe import selection
+from sglang_trtllm_moe.testing import layers as cpu_layers
 
-from . import sglang_runtime
-from .helpers import REPO
-from .multirank_worker import checkpoint, forward
+from .support import sglang_runtime
+from .support.helpers import REPO
+from .support.multirank_worker import checkpoint, forward
 
 E, H = 8, 128
 
@@ -72,7 +73,7 @@ def _launch(world: int, scenarios: list, tmp) -> list[subprocess.Popen]:
     port = _free_port()
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.multirank_worker", str(job), str(r), str(world), str(port), str(tmp)],
+            [sys.executable, "-m", "tests.support.multirank_worker", str(job), str(r), str(world), str(port), str(tmp)],
             cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for r in range(world)

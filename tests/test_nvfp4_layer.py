@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import cpu_layers, weights
+from sglang_trtllm_moe import weights
+from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
 from sglang_trtllm_moe.formats.nvfp4 import w13_scales_up_first
 
-from . import sglang_runtime
+from .support import sglang_runtime
 
 WEIGHTS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SCALARS = ("g1_alphas", "g1_alphas_up", "g2_alphas", "w13_input_scale_quant", "w2_input_scale_quant", "g1_scale_c")
@@ -98,7 +99,7 @@ _forward = sglang_runtime.forward
 
 @pytest.mark.parametrize("spec", CASES)
 def test_forward_through_sglang_layer_with_emulator_matches_dequantized_reference(spec, monkeypatch):
-    from .moe_reference import reference_moe
+    from .support.moe_reference import reference_moe
 
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     layer = loaded_layer(spec)

@@ -12,7 +12,7 @@ import pytest
 from sglang_trtllm_moe import plugin
 from sglang_trtllm_moe.compat import check_release
 
-from .helpers import last_json, make_distribution, run_python
+from .support.helpers import last_json, make_distribution, run_python
 
 LOAD_AND_REPORT = """
     import json

@@ -9,10 +9,11 @@ import tempfile
 import pytest
 import torch
 
-from sglang_trtllm_moe import cpu_layers, weights
+from sglang_trtllm_moe import weights
+from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.formats.nvfp4 import NvFp4
 
-from . import sglang_runtime
+from .support import sglang_runtime
 
 SPEC = cpu_layers.MoeSpec(intermediate=96)  # gated, padded 96 -> 128 per half
 PREPARED = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")

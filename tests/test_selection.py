@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from sglang_trtllm_moe import selection as sel
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement, resolve
 
-from .helpers import last_json, run_python
+from .support.helpers import last_json, run_python
 
 SM100 = DeviceInfo(sm=100, flashinfer_version="0.7.2.post1", source="test")
 

@@ -8,7 +8,7 @@ on the same random NVFP4 checkpoint tensors and checks that the prepared bytes a
 flashinfer's CUDA-JIT-only `nvfp4_block_scale_interleave` swapped (where that function imports it, the `flashinfer`
 module attribute) for SGLang's own pure-torch `swizzle_blockscale`, so it runs on CPU and without SM100 on CUDA.
 
-Run: `python -m sglang_trtllm_moe.bench_layouts [--experts 32] [--hidden 7168] [--intermediate 2048] [--device cpu]`.
+Run: `python benchmarks/layouts_cpu.py [--experts 32] [--hidden 7168] [--intermediate 2048] [--device cpu]`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from . import layouts as L
+from sglang_trtllm_moe import layouts as L
 
 #: DeepSeek-V3 / R1 routed experts per layer; used only to label a scaled-down run honestly.
 DEEPSEEK_V3_EXPERTS = 256

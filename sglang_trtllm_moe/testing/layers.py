@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quant
+from .. import quant
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 

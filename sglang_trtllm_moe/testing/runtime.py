@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 
 def release() -> Version:
-    from .releases import installed_version
+    from ..compat.releases import installed_version
 
     v = installed_version()
     if v is None:

@@ -91,7 +91,8 @@ def _expert_shards(layer, e: int) -> list[tuple]:
 
 
 def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
-    from . import cpu_layers, layouts, weights
+    from .. import layouts, weights
+    from . import layers as cpu_layers
 
     real_e, h, i = SHAPES[model]
     spec = cpu_layers.MoeSpec(num_experts=experts, hidden=h, intermediate=i)
@@ -165,7 +166,7 @@ def bench_load_plugins(repeats: int = 3) -> dict:
 def _one_model_in_this_process(model: str, experts: int, repeats: int, threads: int | None) -> list[dict]:
     from sglang.srt.plugins import load_plugins
 
-    from .compat.runtime import init_single_process
+    from .runtime import init_single_process
 
     if threads:
         torch.set_num_threads(threads)
@@ -178,7 +179,7 @@ def run(models=("DeepSeek-V3", "Qwen3-MoE-235B"), experts: int = 32, repeats: in
     """Each model runs in a fresh process, so its peak-RSS figures start from that layer alone."""
     rows = []
     for m in models:
-        code = ("import json, sys; from sglang_trtllm_moe import bench; "
+        code = ("import json, sys; from sglang_trtllm_moe.testing import bench; "
                 f"print(json.dumps(bench._one_model_in_this_process({m!r}, {experts}, {repeats}, {threads!r})))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if out.returncode:

@@ -66,7 +66,7 @@ def run(out=sys.stdout) -> int:
     d.say("1/7 SGLang loads the plugin through its entry points")
     from sglang.srt.plugins import load_plugins
 
-    from . import doctor
+    from .. import doctor
 
     load_plugins()
     r = doctor.report(load=False)
@@ -77,7 +77,8 @@ def run(out=sys.stdout) -> int:
 
     import torch
 
-    from . import cpu_layers, reference, weights
+    from .. import weights
+    from . import layers as cpu_layers, reference
 
     spec = cpu_layers.MoeSpec(**SPEC_KW)
     model_dir = os.path.join(work, "ckpt-a")
@@ -86,7 +87,7 @@ def run(out=sys.stdout) -> int:
 
     d.say("2/7 explain: which MoE backend a DeepSeek-style NVFP4 model gets on SM100, and why")
     try:
-        from .builtins.selection_hooks import explain_model
+        from ..builtins.selection_hooks import explain_model
 
         rep = explain_model(model_dir, sm=100)
         rejected = [c for c in rep.get("candidates", []) if not c.get("eligible")]
@@ -96,7 +97,7 @@ def run(out=sys.stdout) -> int:
         d.check("explain on faked SM100", False, f"{type(e).__name__}: {e}")
 
     d.say("3/7 a FusedMoE NVFP4 layer, loaded from a safetensors checkpoint, prepared in place")
-    from .compat.runtime import init_single_process
+    from .runtime import init_single_process
 
     init_single_process("flashinfer_trtllm")
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
@@ -159,7 +160,7 @@ def run(out=sys.stdout) -> int:
             f"one-expert update prepared {st.experts_prepared_total - before} expert groups")
 
     d.say("6/7 SGLang's WeightChecker: snapshot, reset, the same updates again, compare")
-    from .compat.runtime import weight_checker
+    from .runtime import weight_checker
 
     wc = weight_checker(model)  # SGLang's WeightChecker, built as this release's ModelRunner builds it
 

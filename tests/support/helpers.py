@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_python(code: str, env: dict | None = None, pythonpath: list[str] | None = None, timeout: int = 240):

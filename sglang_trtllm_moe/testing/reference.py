@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
-from .cpu_layers import DOWN, GATE, UP, MoeSpec
+from .. import quant
+from .layers import DOWN, GATE, UP, MoeSpec
 
 
 def dequant_projection(ck: dict, expert: int, proj: str) -> torch.Tensor:

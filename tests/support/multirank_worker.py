@@ -1,4 +1,4 @@
-"""One rank of a multi-process CPU "server": run by tests/test_multirank.py as `python -m tests.multirank_worker`.
+"""One rank of a multi-process CPU "server": run by tests/test_multirank.py as `python -m tests.support.multirank_worker`.
 
 Why a separate process per rank: SGLang's parallel state (gloo world, published ServerArgs, model-parallel groups)
 is per process, and TP/EP bugs only show when every rank builds its own FusedMoE, loads the FULL checkpoint through
@@ -6,7 +6,7 @@ SGLang's own weight_loader (keeping only its shard / its experts), is prepared b
 output with SGLang's own all-reduce. Process start-up (importing SGLang) dominates the cost on CPU, so one process
 group runs a whole list of scenarios, re-initialising the model-parallel groups when (tp, ep) changes.
 
-Usage: python -m tests.multirank_worker JOB_FILE RANK WORLD_SIZE PORT OUT_DIR
+Usage: python -m tests.support.multirank_worker JOB_FILE RANK WORLD_SIZE PORT OUT_DIR
 JOB_FILE (torch.save) holds {"scenarios": [...]}; each scenario is a dict with name, tp, ep, spec (MoeSpec fields),
 seed, x, logits and optionally rl_update = {"experts": [...], "seed": int}. Results go to OUT_DIR/rank{R}.pt as
 {name: {...}} (an "error" entry when SGLang or the plugin refused the scenario on this rank).
@@ -18,7 +18,7 @@ import os
 import sys
 import traceback
 
-from . import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
+from .. import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
 
 import torch  # noqa: E402
 
@@ -46,7 +46,7 @@ def forward(layer, spec, x, logits, bypass=False):
 
 
 def _build_loaded(spec, tensors):
-    from sglang_trtllm_moe import cpu_layers
+    from sglang_trtllm_moe.testing import layers as cpu_layers
 
     layer = cpu_layers.build_layer(spec)
     # SGLang's model code reduces the MoE output across ranks (FusedMoE's own all-reduce when built with
@@ -57,7 +57,7 @@ def _build_loaded(spec, tensors):
 
 
 def checkpoint(spec, seed, experts=None):
-    from sglang_trtllm_moe import cpu_layers
+    from sglang_trtllm_moe.testing import layers as cpu_layers
 
     if spec.fmt == "nvfp4":
         return cpu_layers.random_nvfp4_checkpoint(spec, seed=seed, experts=experts)
@@ -73,7 +73,8 @@ def _as_bytes(t):
 
 
 def run_scenario(sc: dict) -> dict:
-    from sglang_trtllm_moe import cpu_layers, weights
+    from sglang_trtllm_moe import weights
+    from sglang_trtllm_moe.testing import layers as cpu_layers
 
     spec = cpu_layers.MoeSpec(**sc["spec"])
     tensors = checkpoint(spec, sc["seed"])
@@ -100,7 +101,7 @@ def run_scenario(sc: dict) -> dict:
 def _rl_update(layer, spec, tensors, sc, upd) -> dict:
     """An RL step that only changes some experts: every rank receives the same named tensors (as SGLang's
     update_weights_from_tensor broadcasts them); ranks that do not own an expert drop it in SGLang's loader."""
-    from sglang_trtllm_moe import cpu_layers
+    from sglang_trtllm_moe.testing import layers as cpu_layers
 
     new = checkpoint(spec, upd["seed"], experts=upd["experts"])
     before = {n: _as_bytes(getattr(layer, n)) for n in PREPARED}
@@ -133,7 +134,7 @@ def _updater(model, spec):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from sglang_trtllm_moe import cpu_layers
+    from sglang_trtllm_moe.testing import layers as cpu_layers
 
     if "d" not in _CFG_DIR:  # from_tensor never reads the directory, but ModelConfig needs a config.json
         _CFG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-mr-cfg-")
@@ -174,7 +175,7 @@ def main(argv):
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo collectives crawl
     from sglang.srt.plugins import load_plugins
 
-    from sglang_trtllm_moe.compat.runtime import init_rank
+    from sglang_trtllm_moe.testing.runtime import init_rank
 
     load_plugins()  # SGLang's own entry-point discovery runs our register(), as in every scheduler process
     _record_kernel_calls()
