@@ -2,7 +2,12 @@
 
 The JSON form is a stable contract (tests and CI read it): keys `enabled` (bool), `status`, `reason`,
 `plugin_version`, `sglang_version`, `release_status`, `versions`, `device`, `targets` (list of
-{target, state in landed|missing|not_applicable, reason, capability, hook_type, source}), `extensions`, `errors`.
+{target, state in landed|missing|not_applicable|not_imported, reason, capability, hook_type, source, module}),
+`extensions`, `errors`.
+
+Hooks are applied when their module is imported (installer.py), so a fresh process holds most of them as
+`not_imported`; `doctor` imports every hooked module first (as a scheduler building a MoE model would), so its
+report shows each target `landed` or `missing` — proof after the fact, not a promise.
 """
 
 from __future__ import annotations
@@ -47,11 +52,14 @@ def load_into_this_process() -> None:
     load_plugins()
 
 
-def report(load: bool = True) -> dict:
-    from . import plugin
+def report(load: bool = True, import_targets: bool | None = None) -> dict:
+    """`load`: run SGLang's plugin loading first. `import_targets` (default: same as `load`): import every hooked
+    module so each target reports landed / missing instead of not_imported."""
+    from . import installer, plugin
 
     if load:
         load_into_this_process()
+    import_errors = installer.import_all() if (load if import_targets is None else import_targets) else []
     st = plugin.state()
     rel = st.release
     if rel is None:
@@ -70,7 +78,7 @@ def report(load: bool = True) -> dict:
         "device": _device(),
         "targets": st.target_report() if st.enabled else [],
         "extensions": [e.__dict__ for e in st.extensions],
-        "errors": list(st.errors),
+        "errors": list(st.errors) + [f"could not import hooked module {e}" for e in import_errors],
     }
 
 

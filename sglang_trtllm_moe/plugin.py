@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from . import PROJECT_NAME, hookspecs
+from . import PROJECT_NAME, hookspecs, installer
 from .compat import ReleaseStatus, check_release
-from .targets import LANDED, MISSING, NOT_APPLICABLE, HookTarget, target_state
+from .targets import LANDED, MISSING, NOT_APPLICABLE, NOT_IMPORTED, HookTarget, target_state
 
 logger = logging.getLogger(PROJECT_NAME)
 
@@ -76,6 +76,7 @@ class PluginState:
 def _row(t: HookTarget, state: str, reason: str) -> dict:
     return {
         "target": t.target,
+        "module": t.module,
         "state": state,
         "reason": reason,
         "capability": t.capability,
@@ -169,8 +170,6 @@ def register() -> None:
         if st.release.status == "untested":
             logger.warning("sglang-trtllm-moe: %s", st.release.message)
 
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
         pm = pluggy.PluginManager(PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
         for mod in BUILTIN_MODULES:
@@ -179,11 +178,12 @@ def register() -> None:
         targets = _collect_targets(pm, st.release.version, st)
 
         for t in targets:
-            if not t.applies_to(st.release.version):
-                st.not_applicable.append(t)
-                continue
-            HookRegistry.register(t.target, t.hook, HookType(t.hook_type))
-            st.targets.append(t)
+            (st.targets if t.applies_to(st.release.version) else st.not_applicable).append(t)
+        # Each target goes to SGLang's HookRegistry when its module is imported (start-up stays free in processes
+        # that never build a MoE layer); SGLang's source for this plugin is kept for its logs.
+        from sglang.srt.plugins.hook_registry import _current_plugin_source
+
+        installer.install(st.targets, source=_current_plugin_source.get())
         st.status = "enabled"
         _PM = pm
         logger.info(
@@ -204,6 +204,7 @@ def _reset_for_tests() -> None:
     """Forget registration state (tests only; SGLang's HookRegistry has its own reset())."""
     global _STATE, _PM
     _STATE, _PM = PluginState(), None
+    installer._reset_for_tests()
 
 
-__all__ = ["register", "state", "plugin_manager", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE"]
+__all__ = ["register", "state", "plugin_manager", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]

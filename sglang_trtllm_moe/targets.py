@@ -18,6 +18,19 @@ from packaging.version import Version
 LANDED = "landed"
 MISSING = "missing"
 NOT_APPLICABLE = "not_applicable"
+#: the target's module was never imported in this process, so the hook waits for it (installer.py)
+NOT_IMPORTED = "not_imported"
+STATES = (LANDED, MISSING, NOT_APPLICABLE, NOT_IMPORTED)
+
+
+def module_of(target: str) -> str:
+    """The module that defines a dotted target: everything before its first CamelCase part (a class), else all
+    but the last part. SGLang's module names are lower case (checked for every built-in target by the tests)."""
+    parts = target.split(".")
+    for i, p in enumerate(parts[1:], start=1):
+        if p[:1].isupper():
+            return ".".join(parts[:i])
+    return ".".join(parts[:-1])
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,12 @@ class HookTarget:
     capability: str = "core"
     why: str = ""
     source: str = field(default="", compare=False)
+    #: the module that defines the target (derived from the path); the hook is applied when it is imported
+    module: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.module:
+            object.__setattr__(self, "module", module_of(self.target))
 
     def applies_to(self, release: Version) -> bool:
         return not self.releases or SpecifierSet(self.releases).contains(Version(release.base_version), prereleases=True)
@@ -65,6 +84,11 @@ def _chain_holds(fn, hook) -> bool:
 
 def target_state(t: HookTarget) -> tuple[str, str]:
     """(state, reason) for a registered target, checked against what is installed right now."""
+    from . import installer
+
+    if installer.pending(t):
+        return NOT_IMPORTED, (f"{t.module} is not imported in this process: the hook is applied when it is "
+                              "(`sglang-trtllm-moe doctor` imports it to prove that)")
     try:
         current = _resolve_attr(t.target)
     except Exception as e:  # noqa: BLE001 - any resolution failure means the hook is not there

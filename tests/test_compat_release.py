@@ -32,7 +32,7 @@ REPORT = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang_trtllm_moe import doctor
-    r = doctor.report(load=False)
+    r = doctor.report(load=False, import_targets=True)
     def resolves(path):
         obj, attr = path.rsplit(".", 1)
         try:

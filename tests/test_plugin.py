@@ -20,7 +20,7 @@ LOAD_AND_REPORT = """
     load_plugins()
     from sglang_trtllm_moe import doctor
     from sglang.srt.plugins.hook_registry import HookRegistry
-    r = doctor.report(load=False)
+    r = doctor.report(load=False, import_targets=True)
     r["registry_targets"] = sorted(HookRegistry._hooks)
     print(json.dumps(r))
 """
@@ -201,7 +201,7 @@ def test_unsupported_release_stands_down(tmp_path):
         from sglang_trtllm_moe import plugin, doctor
         from sglang.srt.plugins.hook_registry import HookRegistry
         plugin.register()
-        r = doctor.report(load=False)
+        r = doctor.report(load=False, import_targets=True)
         r["registry_targets"] = sorted(HookRegistry._hooks)
         print(json.dumps(r))
     """, pythonpath=[tmp_path])
@@ -237,6 +237,9 @@ def test_register_is_idempotent_and_never_raises(monkeypatch):
         plugin.register()
         plugin.register()
         assert plugin.state().enabled
+        from sglang_trtllm_moe import installer
+
+        assert installer.import_all() == []  # every deferred target reaches HookRegistry once its module is in
         for t in plugin.state().targets:
             same = [h for ht, h, _src in HookRegistry._hooks[t.target] if h is t.hook and ht.value == t.hook_type]
             assert len(same) == 1, t.target  # registered once, although register() ran twice
@@ -261,3 +264,49 @@ def test_doctor_cli_json_after_sglang_loaded_plugins():
             assert set(t) >= {"target", "state"} and t["state"] in ("landed", "missing", "not_applicable")
     text = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "doctor"], capture_output=True, text=True, timeout=240)
     assert text.returncode == 0 and "enabled" in text.stdout and "[        landed]" in text.stdout
+
+
+LAZY = """
+    import json, sys
+    before = set(sys.modules)
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_trtllm_moe import plugin
+    added = sorted(set(sys.modules) - before)
+    def states():
+        return {t["target"]: t["state"] for t in plugin.state().target_report()}
+    out = {"added": [m for m in added if m.startswith(("sglang.", "torch", "sglang_trtllm_moe"))],
+           "modules": {t.target: t.module for t in plugin.state().targets}, "after_load": states()}
+    import sglang.srt.layers.moe.fused_moe_triton.layer  # what a scheduler building a MoE model imports first
+    out["after_fused_moe"] = states()
+    print(json.dumps(out))
+"""
+
+
+def test_load_plugins_imports_no_hooked_module_and_no_harness_and_hooks_land_on_import():
+    """Start-up is free (issue: +2.7-4.0 s and +138 MiB in every launcher/detokenizer): SGLang's load_plugins()
+    with the plugin imports none of the modules it hooks and nothing of the CPU harness; a hook lands when its
+    module is imported, before anything can use it."""
+    proc = run_python(LAZY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = last_json(proc)
+    hooked = set(r["modules"].values())
+    assert not hooked & set(r["added"]), sorted(hooked & set(r["added"]))
+    assert not [m for m in r["added"] if m.startswith("sglang_trtllm_moe.testing")]
+    assert set(r["after_load"].values()) <= {"not_imported", "landed", "not_applicable"}, r["after_load"]
+    fused = [t for t, m in r["modules"].items() if m == "sglang.srt.layers.moe.fused_moe_triton.layer"]
+    assert fused and all(r["after_load"][t] == "not_imported" for t in fused)
+    assert all(r["after_fused_moe"][t] == "landed" for t in fused), {t: r["after_fused_moe"][t] for t in fused}
+    # importing FusedMoE's module pulls in the quant methods it needs; whatever came in is hooked, nothing missing
+    assert "missing" not in r["after_fused_moe"].values()
+
+
+@pytest.mark.parametrize("target,module", [
+    ("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader", "sglang.srt.layers.moe.fused_moe_triton.layer"),
+    ("sglang.srt.layers.moe.utils.initialize_moe_config", "sglang.srt.layers.moe.utils"),
+    ("sglang.srt.server_args.ServerArgs._handle_moe_kernel_config", "sglang.srt.server_args"),
+])
+def test_module_of_a_target(target, module):
+    from sglang_trtllm_moe.targets import module_of
+
+    assert module_of(target) == module

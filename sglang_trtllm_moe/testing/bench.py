@@ -145,22 +145,60 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
     return rows
 
 
-def bench_load_plugins(repeats: int = 3) -> dict:
-    code = ("import time; import sglang.srt.plugins as p; t = time.perf_counter(); p.load_plugins(); "
-            "print(time.perf_counter() - t)")
+#: what each SGLang process has imported before it calls load_plugins(): the launcher (`sglang serve`,
+#: `python -m sglang.launch_server`) has `sglang.launch_server`; a scheduler then builds the model, which imports
+#: the MoE layer, the quant methods and the weight-update components (the modules the plugin hooks)
+_PROCESS_KINDS = {
+    "launcher": ("import sglang.launch_server", ""),
+    "scheduler": ("import sglang.launch_server",
+                  "import importlib\n"
+                  "for m in ('sglang.srt.layers.quantization.fp8', 'sglang.srt.layers.moe.fused_moe_triton.layer',\n"
+                  "          'sglang.srt.layers.quantization.modelopt_quant', 'sglang.srt.layers.quantization.unquant',\n"
+                  "          'sglang.srt.utils.weight_checker', 'sglang.srt.layers.moe.moe_runner.flashinfer_trtllm'):\n"
+                  "    importlib.import_module(m)\n"),
+}
 
-    def once(disabled: bool) -> float:
+_MEASURE = """
+import json, resource, time
+{before}
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+{after}
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({{"cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
+                  "peak_rss_added_mib": (r1.ru_maxrss - r0.ru_maxrss) / 1024}}))
+"""
+
+
+def bench_load_plugins(repeats: int = 3) -> list[dict]:
+    """CPU time and peak RSS that `load_plugins()` (and, for a scheduler, the model's own imports after it) add to
+    a process, with the plugin and with SGLANG_TRTLLM_MOE_DISABLE=1, in fresh processes alternated A/B."""
+
+    def once(kind: str, disabled: bool) -> dict:
         env = dict(os.environ)
         env.pop("SGLANG_TRTLLM_MOE_DISABLE", None)
         if disabled:
             env["SGLANG_TRTLLM_MOE_DISABLE"] = "1"
+        before, after = _PROCESS_KINDS[kind]
+        code = _MEASURE.format(before=before, after=after)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        return float(out.stdout.strip().splitlines()[-1])
+        return json.loads(out.stdout.strip().splitlines()[-1])
 
-    with_p = statistics.median(once(False) for _ in range(repeats))
-    without = statistics.median(once(True) for _ in range(repeats))
-    return dict(name="SGLang load_plugins() (plugin enabled vs disabled; includes importing the hooked modules)",
-                plugin_s=with_p, upstream_s=without, ratio=without / with_p, added_s=with_p - without)
+    rows = []
+    for kind in _PROCESS_KINDS:
+        runs = {False: [], True: []}
+        for _ in range(repeats):
+            for disabled in (False, True):
+                runs[disabled].append(once(kind, disabled))
+        med = {d: {k: statistics.median(r[k] for r in runs[d]) for k in ("cpu_s", "peak_rss_added_mib")} for d in runs}
+        rows.append(dict(
+            name=f"SGLang load_plugins() in a {kind}-like process (plugin vs SGLANG_TRTLLM_MOE_DISABLE=1; CPU s)",
+            plugin_s=med[False]["cpu_s"], upstream_s=med[True]["cpu_s"],
+            ratio=med[True]["cpu_s"] / max(med[False]["cpu_s"], 1e-9), added_s=med[False]["cpu_s"] - med[True]["cpu_s"],
+            added_peak_rss_mib=med[False]["peak_rss_added_mib"] - med[True]["peak_rss_added_mib"],
+            repeats=repeats))
+    return rows
 
 
 def _one_model_in_this_process(model: str, experts: int, repeats: int, threads: int | None) -> list[dict]:
@@ -185,7 +223,7 @@ def run(models=("DeepSeek-V3", "Qwen3-MoE-235B"), experts: int = 32, repeats: in
         if out.returncode:
             raise RuntimeError(f"bench for {m} failed:\n{out.stderr[-3000:]}")
         rows.extend(json.loads(out.stdout.strip().splitlines()[-1]))
-    rows.append(bench_load_plugins(repeats))
+    rows.extend(bench_load_plugins(repeats))
     env = dict(torch_threads=threads or torch.get_num_threads(), torch=torch.__version__, device="cpu")
     for r in rows:
         r.update(env)
@@ -201,7 +239,8 @@ def format_rows(rows: list[dict]) -> str:
             notes.append(f"{r['plugin_gbps']:.1f} GB/s, same bytes: {r['same_bytes']}, peak extra "
                          f"{r['plugin_peak_extra_bytes'] / 2**20:.0f} MiB vs {r['upstream_peak_extra_bytes'] / 2**20:.0f} MiB")
         if "added_s" in r:
-            notes.append(f"plugin adds {r['added_s'] * 1000:.0f} ms")
+            notes.append(f"plugin adds {r['added_s'] * 1000:.0f} ms CPU"
+                         + (f", {r['added_peak_rss_mib']:.0f} MiB peak RSS" if "added_peak_rss_mib" in r else ""))
         lines.append(f"{r['name']:<{w}}  {r['plugin_s']:9.4f}  {r['upstream_s']:10.4f}  {r['ratio']:6.1f}  {'; '.join(notes)}")
     return "\n".join(lines)
 

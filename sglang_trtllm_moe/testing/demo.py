@@ -69,7 +69,7 @@ def run(out=sys.stdout) -> int:
     from .. import doctor
 
     load_plugins()
-    r = doctor.report(load=False)
+    r = doctor.report(load=False, import_targets=True)
     states = [t["state"] for t in r["targets"]]
     d.check("plugin loaded by SGLang", r["enabled"] and "missing" not in states,
             f"sglang {r['sglang_version']}, {states.count('landed')} hook targets landed, "
