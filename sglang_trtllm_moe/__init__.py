@@ -6,6 +6,8 @@ The import is kept cheap (no torch, no sglang): SGLang imports this package in e
 
 import pluggy
 
+from .errors import KernelUnavailableError, TrtllmLayerError, WeightPrepError, WeightUpdateRefused
+
 __version__ = "0.1.0"
 
 PROJECT_NAME = "sglang_trtllm_moe"
@@ -13,4 +15,5 @@ PROJECT_NAME = "sglang_trtllm_moe"
 #: Marker for implementations of the plugin's own hook specifications (see `hookspecs`).
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-__all__ = ["__version__", "PROJECT_NAME", "hookimpl"]
+__all__ = ["__version__", "PROJECT_NAME", "hookimpl", "TrtllmLayerError", "WeightUpdateRefused", "WeightPrepError",
+           "KernelUnavailableError"]

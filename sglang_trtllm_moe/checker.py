@@ -90,7 +90,7 @@ def group_names(fmt: WeightFormat, name: str) -> tuple[str, ...]:
 
 def live_side(layer, name: str) -> ParamSide:
     """The layer's own parameters and layout state right now."""
-    from .weights import layer_name, state_of
+    from .layer_state import layer_name, state_of
 
     st = state_of(layer)
     if st is None:

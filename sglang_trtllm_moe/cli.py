@@ -17,7 +17,7 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from .builtins.selection_hooks import explain_model
+    from .explain import explain_model
     from .selection import format_report, Resolution, Eligibility
 
     r = explain_model(args.model, sm=args.sm, tp_size=args.tp, ep_size=args.ep, quantization=args.quantization,

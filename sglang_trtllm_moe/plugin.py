@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from . import PROJECT_NAME, hookspecs, installer
+from . import hookspecs, installer, PROJECT_NAME
 from .compat import ReleaseStatus, check_release
 from .targets import LANDED, MISSING, NOT_APPLICABLE, NOT_IMPORTED, HookTarget, target_state
 
@@ -29,7 +29,10 @@ EXTENSION_GROUP = PROJECT_NAME
 
 #: Built-in capabilities, registered the same way as extensions (one module per capability).
 BUILTIN_MODULES = (
-    "sglang_trtllm_moe.builtins.quant_methods",
+    "sglang_trtllm_moe.builtins.loader_hooks",
+    "sglang_trtllm_moe.builtins.nvfp4_hooks",
+    "sglang_trtllm_moe.builtins.fp8_hooks",
+    "sglang_trtllm_moe.builtins.bf16_hooks",
     "sglang_trtllm_moe.builtins.runner_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
     "sglang_trtllm_moe.builtins.selection_hooks",

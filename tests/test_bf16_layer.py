@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import layouts, weights
+from sglang_trtllm_moe import layer_state, layouts
 from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
+from sglang_trtllm_moe import TrtllmLayerError
 
 from .support import sglang_runtime
 
@@ -82,7 +82,7 @@ def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, m
     ours = loaded_layer(spec)
     before = {n: (p, p.data_ptr(), tuple(p.shape)) for n, p in ours.named_parameters()}
     ours.quant_method.process_weights_after_loading(ours)
-    assert weights.state_of(ours) is not None and weights.state_of(ours).clean, "the plugin did not take over"
+    assert layer_state.state_of(ours) is not None and layer_state.state_of(ours).clean, "the plugin did not take over"
     for n, (obj, ptr, shape) in before.items():  # in place: same Parameter, storage and shape
         p = getattr(ours, n)
         assert p is obj and p.data_ptr() == ptr and tuple(p.shape) == shape, n
@@ -145,7 +145,7 @@ def test_forward_through_sglang_layer_with_emulator_matches_reference(spec, monk
     # weights and gives ~100 %.
     assert rel(out, ref) < 0.02, rel(out, ref)
 
-    weights.state_of(layer).fmt.unprepare_(layer, "w13", list(range(spec.num_experts)))  # bytes not in kernel layout
+    layer_state.state_of(layer).fmt.unprepare_(layer, "w13", list(range(spec.num_experts)))  # bytes not in kernel layout
     bad, _ = _forward(layer, x, logits)
     assert rel(bad, ref) > 0.5
 
@@ -200,7 +200,7 @@ def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec):
     msg = str(e.value)
     assert "model.layers.0.mlp.experts" in msg and "Fix:" in msg
     assert ("'gelu'" in msg) if spec.activation == "gelu" else ("w13_weight" in msg and "multiple of 64" in msg)
-    assert weights.state_of(layer) is None
+    assert layer_state.state_of(layer) is None
     for n, p in layer.named_parameters():
         assert torch.equal(as_bytes(p), as_bytes(before[n])), f"{n} was modified by a refused prep"
 
@@ -229,7 +229,7 @@ def test_partial_update_from_tensor_is_exact_and_storage_stable():
     base, new = ckpt(RL_SPEC, 0), ckpt(RL_SPEC, 7)
     model = prepared_model(base)
     ptrs = pointers(model)
-    st = weights.state_of(model.experts)
+    st = layer_state.state_of(model.experts)
     before = st.experts_prepared_total
     one = {k: v for k, v in new.items() if k.startswith("experts.5.")}
     ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(one).items()))

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_trtllm_moe import checker, plugin, weights
+from sglang_trtllm_moe import checker, layer_state, plugin
 from sglang_trtllm_moe.testing import layers as cpu_layers
 
 from .support import sglang_runtime
@@ -54,6 +54,8 @@ def weight_checker(model):
 
 
 def test_every_checker_hook_landed_on_this_release():
+    import sglang.srt.utils.weight_checker  # noqa: F401 - what a server running the checker has imported
+
     rows = [r for r in plugin.state().target_report() if r["capability"] == "weight-check"]
     assert len(rows) == 5
     assert all(r["state"] == "landed" for r in rows), rows
@@ -68,7 +70,7 @@ def test_layout_aware_dequant_equals_flashinfer_on_sglang_checkpoint_layout(spec
     model = loaded(spec)
     ckpt = clone_params(model.experts)
     model.experts.quant_method.process_weights_after_loading(model.experts)
-    assert weights.state_of(model.experts).clean
+    assert layer_state.state_of(model.experts).clean
     for name in WEIGHTS:
         side = checker.live_side(model.experts, name)
         assert not torch.equal(side.tensors[name], ckpt[name])  # really prepared
@@ -224,19 +226,19 @@ def test_snapshot_with_an_expert_mid_update_is_undone_with_the_layout_it_was_tak
     layer = model.experts
     one = {k: v for k, v in tensors.items() if k.startswith("experts.1.")}
     cpu_layers.load_checkpoint(layer, one, SPEC.num_experts)  # same bytes again, through SGLang's loader
-    assert weights.state_of(layer).dirty_experts() == {"w13": [1], "w2": [1]}
+    assert layer_state.state_of(layer).dirty_experts() == {"w13": [1], "w2": [1]}
     wc = weight_checker(model)
     wc.handle("snapshot", role="target")
-    weights.flush_all()
+    layer_state.flush_all()
     wc.handle("compare", role="target")
 
     wc.handle("snapshot", role="target")
-    weights.before_write(layer, "w13_weight", 1)  # snapshot prepared; the live expert 1 back in checkpoint layout
+    layer_state.before_write(layer, "w13_weight", 1)  # snapshot prepared; the live expert 1 back in checkpoint layout
     monkeypatch.setenv(checker.ENV_MODE, "raw")
     with pytest.raises(Exception) as err:
         wc.handle("compare", role="target")
     assert "in experts [1]" in str(err.value)
-    weights.flush_all()
+    layer_state.flush_all()
 
 
 # ---- tolerance: layout-aware compare follows SGLang's allow_quant_error rule ----------------------------------------
@@ -244,11 +246,11 @@ def test_snapshot_with_an_expert_mid_update_is_undone_with_the_layout_it_was_tak
 
 def _nudge_code(layer, e, r, new_code, old_code):
     """Rewrite one FP4 code (low nibble) of a prepared w13 expert row, via checkpoint layout (whole group)."""
-    weights.before_write(layer, "w13_weight", e)
+    layer_state.before_write(layer, "w13_weight", e)
     b = layer.w13_weight.data[e, r, 0].item()
     assert b & 0x0F == old_code
     layer.w13_weight.data[e, r, 0] = (b & 0xF0) | new_code
-    weights.flush(layer)
+    layer_state.flush(layer)
 
 
 def test_layout_aware_tolerance_one_grid_step_passes_only_with_allow_quant_error(monkeypatch):
@@ -307,7 +309,7 @@ def test_bf16_prepared_vs_checkpoint_and_a_changed_element_located_through_flash
     ck = {n: getattr(model.experts, n).data.clone() for n in WEIGHTS}
     model.experts.quant_method.process_weights_after_loading(model.experts)
     layer = model.experts
-    assert weights.state_of(layer).fmt.name == "bf16"
+    assert layer_state.state_of(layer).fmt.name == "bf16"
     fi = flashinfer_bf16(spec, ck["w13_weight"], ck["w2_weight"])
     g = torch.Generator().manual_seed(0)
     for name in WEIGHTS:
@@ -361,7 +363,7 @@ def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_throu
     layer = model.experts
     ck = {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}
     layer.quant_method.process_weights_after_loading(layer)
-    st = weights.state_of(layer)
+    st = layer_state.state_of(layer)
     assert st is not None and st.clean, f"{fmt}: the plugin did not take the layer"
     laid_out = [p.name for p in st.fmt.params]
     names = [n for n in laid_out if st.fmt.scale_of(n) is not None or "scale" not in n]
@@ -398,7 +400,7 @@ def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_throu
     wc = weight_checker(model)
     wc.handle("snapshot", role="target")
     cpu_layers.load_checkpoint(layer, {key: bad[key]}, spec.num_experts)
-    weights.flush_all()
+    layer_state.flush_all()
     with pytest.raises(Exception) as err:
         wc.handle("compare", role="target")
     msg = str(err.value)

@@ -89,7 +89,7 @@ RUNTIME = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang_trtllm_moe.testing.runtime import init_single_process
-    from sglang_trtllm_moe import weights
+    from sglang_trtllm_moe import layer_state
     from sglang_trtllm_moe.testing import layers as cpu_layers
     init_single_process("flashinfer_trtllm")
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
@@ -98,7 +98,7 @@ RUNTIME = """
     layer = cpu_layers.build_layer(spec)
     calls = cpu_layers.load_checkpoint(layer, cpu_layers.random_nvfp4_checkpoint(spec), spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)
-    st = weights.state_of(layer)
+    st = layer_state.state_of(layer)
     print(json.dumps({
         "backend": get_moe_runner_backend().value,
         "world": torch.distributed.get_world_size(),

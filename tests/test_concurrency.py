@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from sglang_trtllm_moe import layouts, weights
+from sglang_trtllm_moe import layer_state, layouts
 from sglang_trtllm_moe.testing import layers as cpu_layers
 
 from .support import sglang_runtime
@@ -59,7 +59,7 @@ def _race_round(spec, make, names, seed: int, flusher: bool) -> list[str]:
         try:
             barrier.wait()
             while not done.is_set():
-                weights.flush(layer)
+                layer_state.flush(layer)
                 layouts.clear_caches()
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
@@ -75,7 +75,7 @@ def _race_round(spec, make, names, seed: int, flusher: bool) -> list[str]:
     for t in threads[WRITERS:]:
         t.join()
     assert not errors, errors[0]
-    weights.flush(layer)
+    layer_state.flush(layer)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs, "storage moved"
     fresh = sglang_runtime.prepared_model(spec, make(spec, seed=101)).experts
     return [n for n in names
@@ -89,4 +89,4 @@ def test_concurrent_shard_writes_equal_a_fresh_load(fmt, flusher):
     make, names = FORMATS[fmt]
     wrong = {r: bad for r in range(ROUNDS) if (bad := _race_round(spec, make, names, r, flusher))}
     assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"
-    assert weights.state_of(sglang_runtime.prepared_model(spec, make(spec, seed=1)).experts).clean
+    assert layer_state.state_of(sglang_runtime.prepared_model(spec, make(spec, seed=1)).experts).clean

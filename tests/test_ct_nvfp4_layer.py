@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import weights
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
+from sglang_trtllm_moe import TrtllmLayerError
 
 from .support import sglang_runtime
 
@@ -75,7 +75,7 @@ def test_prepared_bytes_equal_sglang_own_preparation_in_place(spec, monkeypatch)
     ours = loaded_layer(spec, tensors)
     before = {n: (p, p.data_ptr(), tuple(p.shape)) for n, p in ours.named_parameters()}
     ours.quant_method.process_weights_after_loading(ours)
-    assert weights.state_of(ours) is not None and weights.state_of(ours).clean, "the plugin did not take over"
+    assert layer_state.state_of(ours) is not None and layer_state.state_of(ours).clean, "the plugin did not take over"
     for n, (obj, ptr, shape) in before.items():  # same Parameter objects, storage and shapes
         p = getattr(ours, n)
         assert p is obj and p.data_ptr() == ptr and tuple(p.shape) == shape, n
@@ -166,7 +166,7 @@ def test_forward_through_sglang_layer_with_emulator_matches_dequantized_referenc
     # The kernel quantizes the activations and the GEMM1 output to NVFP4 (e2m1: 1 mantissa bit, ~12 % worst case
     # per element): ~10 % of the output norm against a float reference; a wrong layout or scale gives ~100 %.
     assert rel(out, ref) < 0.2, rel(out, ref)
-    weights.state_of(layer).fmt.unprepare_(layer, "w13", list(range(spec.num_experts)))
+    layer_state.state_of(layer).fmt.unprepare_(layer, "w13", list(range(spec.num_experts)))
     bad, _ = _forward(layer, x, logits)
     assert rel(bad, ref) > 0.5
 
@@ -206,7 +206,7 @@ def test_unservable_layer_on_explicit_trtllm_is_one_clear_error():
             layer.quant_method.process_weights_after_loading(layer)
         msg = str(e.value)
         assert "model.layers.0.mlp.experts" in msg and "Fix:" in msg and all(w in msg for w in words), msg
-        assert weights.state_of(layer) is None
+        assert layer_state.state_of(layer) is None
         for n, p in layer.named_parameters():
             assert torch.equal(as_bytes(p), before[n]), f"{n} was modified by a refused prep"
 
@@ -225,7 +225,7 @@ def test_partial_update_from_tensor_is_exact_and_storage_stable():
     base, new = ckpt(RL_SPEC, 0), ckpt(RL_SPEC, 7)
     model = prepared_model(base)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    st = weights.state_of(model.experts)
+    st = layer_state.state_of(model.experts)
     before = st.experts_prepared_total
     one = {k: v for k, v in new.items() if k.startswith("experts.5.")}
     # by checkpoint name (weight_packed, ...): upstream deletes those Parameters in its prep, so this has nowhere to go

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import emulator, layouts, quant
-from sglang_trtllm_moe.routing import pack_topk, route
+from sglang_trtllm_moe.emulator.routing import pack_topk, route
 
 import flashinfer.fused_moe.api as fi_api
 import flashinfer.fused_moe.core as fi_core

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import weights
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
+from sglang_trtllm_moe import TrtllmLayerError
 from sglang_trtllm_moe.testing.layers import DOWN, GATE, UP, MoeSpec
 
 from .support import sglang_runtime
@@ -79,7 +79,7 @@ def prepared(spec, **kw):
     layer = loaded_layer(spec, **kw)
     ptrs = {n: (p, p.data_ptr(), tuple(p.shape)) for n, p in layer.named_parameters()}
     layer.quant_method.process_weights_after_loading(layer)
-    st = weights.state_of(layer)
+    st = layer_state.state_of(layer)
     assert st is not None and st.clean, "the plugin did not take over preparation"
     for n, (obj, ptr, shape) in ptrs.items():  # (c) in place: same objects, storage and shapes
         p = getattr(layer, n)
@@ -194,7 +194,7 @@ def test_block_bytes_equal_flashinfer_prepare_and_sglang_own_preparation(spec, m
     ptrs = {n: p.data_ptr() for n, p in ours.named_parameters()}
     cpu_layers.load_checkpoint(ours, ck, spec.num_experts)
     ours.quant_method.process_weights_after_loading(ours)
-    assert weights.state_of(ours).clean
+    assert layer_state.state_of(ours).clean
     assert {n: p.data_ptr() for n, p in ours.named_parameters()} == ptrs
     for n, k in zip(BLOCK_WEIGHTS, ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights", "gemm2_weights_scale")):
         assert torch.equal(as_bytes(getattr(ours, n)), as_bytes(fi[k])), f"{n} differs from flashinfer's {k}"
@@ -314,7 +314,7 @@ def test_forward_through_sglang_layer_with_emulator_matches_dequantized_referenc
     assert rel < 0.1, rel
     # The same check fails on bytes not in kernel layout: per-tensor, w13 back in checkpoint layout; block, the
     # [gate; up] order SGLang's loader would have left without its w1/w3 swap.
-    fmt = weights.state_of(layer).fmt
+    fmt = layer_state.state_of(layer).fmt
     if spec.fmt == "fp8_block":
         for n in ("w13_weight", "w13_weight_scale_inv"):
             t = getattr(layer, n).data
@@ -341,7 +341,7 @@ _model = sglang_runtime.prepared_model
 def test_partial_update_from_tensor_equals_fresh_load_and_keeps_storage(spec):
     model = _model(spec, cpu_layers.random_fp8_checkpoint(spec, seed=0))
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    st = weights.state_of(model.experts)
+    st = layer_state.state_of(model.experts)
     before = st.experts_prepared_total
     new = cpu_layers.random_fp8_checkpoint(spec, seed=5, experts=[3])
     ok, msg = _updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(new).items()))
@@ -391,7 +391,7 @@ def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec, reason):
         layer.quant_method.process_weights_after_loading(layer)
     msg = str(e.value)
     assert "model.layers.0.mlp.experts" in msg and reason in msg and "Fix:" in msg, msg
-    assert weights.state_of(layer) is None
+    assert layer_state.state_of(layer) is None
     for n, b in before.items():
         assert torch.equal(as_bytes(getattr(layer, n)), b), f"{n} was modified by a refused prep"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import weights
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.builtins.quant_methods import TrtllmLayerError
-from sglang_trtllm_moe.formats.nvfp4 import w13_scales_up_first
+from sglang_trtllm_moe import TrtllmLayerError
+from sglang_trtllm_moe.compat import features
 
 from .support import sglang_runtime
 
@@ -44,7 +44,7 @@ def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
     ours = loaded_layer(spec)
     ptrs = {n: (p.data_ptr(), tuple(p.shape), p) for n, p in ours.named_parameters()}
     ours.quant_method.process_weights_after_loading(ours)
-    st = weights.state_of(ours)
+    st = layer_state.state_of(ours)
     assert st is not None and st.clean, "the plugin did not take over preparation"
 
     # in place: same Parameter objects, same storage, same shapes
@@ -60,7 +60,7 @@ def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
         assert torch.equal(as_bytes(a), as_bytes(b)), f"{n} differs from SGLang's own trtllm preparation"
     # <= 0.5.22 SGLang stores the per-tensor w13 scales [Up, Gate] for trtllm and then reads them as [Gate, Up]:
     # its gate/up alphas are swapped; the plugin reads them as stored (formats/nvfp4.w13_scales_up_first).
-    swapped = spec.gated and w13_scales_up_first()
+    swapped = spec.gated and features.NVFP4_W13_SCALE_2_UP_GATE.present()
     expected = {n: getattr(upstream, n).data for n in SCALARS}
     if swapped:
         expected["g1_alphas"], expected["g1_alphas_up"] = expected["g1_alphas_up"], expected["g1_alphas"]
@@ -89,7 +89,7 @@ def test_unservable_layer_on_explicit_trtllm_is_a_clear_error():
         layer.quant_method.process_weights_after_loading(layer)
     msg = str(e.value)
     assert "model.layers.0.mlp.experts" in msg and "w2_weight_scale" in msg and "Fix:" in msg
-    assert weights.state_of(layer) is None
+    assert layer_state.state_of(layer) is None
     for n in WEIGHTS[:3]:
         assert torch.equal(as_bytes(getattr(layer, n)), as_bytes(before[n])), f"{n} was modified by a refused prep"
 
@@ -121,7 +121,7 @@ def test_forward_through_sglang_layer_with_emulator_matches_dequantized_referenc
     assert rel_tight < 0.02, float(rel_tight)
 
     # The same check must fail when the bytes are not in kernel layout (proves the bound can catch a layout bug).
-    NVFP4 = weights.state_of(layer).fmt
+    NVFP4 = layer_state.state_of(layer).fmt
     NVFP4.unprepare_(layer, "w13", list(range(spec.num_experts)))
     bad, _ = _forward(layer, x, logits)
     assert (bad.float() - ref).norm() / ref.norm() > 0.5

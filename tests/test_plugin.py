@@ -162,8 +162,8 @@ def test_broken_extensions_break_neither_sglang_nor_builtins(tmp_path):
     by_source = {}
     for t in r["targets"]:
         by_source.setdefault(t["source"], []).append(t)
-    assert all(t["state"] in ("landed", "not_applicable") for t in by_source["sglang_trtllm_moe.builtins.quant_methods"])
-    assert any(t["state"] == "landed" for t in by_source["sglang_trtllm_moe.builtins.quant_methods"])
+    assert all(t["state"] in ("landed", "not_applicable") for t in by_source["sglang_trtllm_moe.builtins.nvfp4_hooks"])
+    assert any(t["state"] == "landed" for t in by_source["sglang_trtllm_moe.builtins.nvfp4_hooks"])
     (bad,) = by_source["ext:bad_target"]
     assert bad["state"] == "missing" and "this_function_does_not_exist" in bad["reason"]
 
@@ -198,7 +198,7 @@ def test_unsupported_release_stands_down(tmp_path):
     make_distribution(tmp_path, "sglang", "0.5.10")
     proc = run_python("""
         import json
-        from sglang_trtllm_moe import plugin, doctor
+        from sglang_trtllm_moe import doctor, plugin
         from sglang.srt.plugins.hook_registry import HookRegistry
         plugin.register()
         r = doctor.report(load=False, import_targets=True)

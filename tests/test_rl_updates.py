@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from sglang_trtllm_moe import weights
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.formats.nvfp4 import NvFp4
 
@@ -84,14 +84,14 @@ def test_update_from_tensor_is_prepared_at_the_end_of_the_entry_point():
     model = prepared_model(ckpt(0))
     ptrs = pointers(model)
     from_tensor(model, ckpt(2))
-    assert weights.state_of(model.experts).clean  # no forward needed: the entry point flushed
+    assert layer_state.state_of(model.experts).clean  # no forward needed: the entry point flushed
     assert_same_as_fresh(model, ckpt(2))
     assert pointers(model) == ptrs
 
 
 def test_partial_update_of_one_expert_prepares_only_that_expert():
     model = prepared_model(ckpt(0))
-    st = weights.state_of(model.experts)
+    st = layer_state.state_of(model.experts)
     before = st.experts_prepared_total
     one = {k: v for k, v in ckpt(3).items() if k.startswith("experts.5.")}
     from_disk(model, one)
@@ -101,7 +101,7 @@ def test_partial_update_of_one_expert_prepares_only_that_expert():
 
 def test_w2_only_update_leaves_w13_untouched():
     model = prepared_model(ckpt(0))
-    st = weights.state_of(model.experts)
+    st = layer_state.state_of(model.experts)
     w13_before = model.experts.w13_weight.data.clone()
     before = st.experts_prepared_total
     down = {k: v for k, v in ckpt(4).items() if ".down_proj." in k}
@@ -152,12 +152,12 @@ def test_refused_bad_update_leaves_every_byte(bad):
     assert "model.layers.0.mlp.experts" in str(e.value) or bad == "expert"
     for n, p in model.named_parameters():
         assert torch.equal(p.data.reshape(-1).view(torch.uint8), snapshot[n].reshape(-1).view(torch.uint8)), f"{n} changed"
-    assert weights.state_of(layer).clean
+    assert layer_state.state_of(layer).clean
 
 
 def test_failure_while_preparing_is_raised_naming_the_layer_and_retried(monkeypatch):
     model = prepared_model(ckpt(0))
-    st = weights.state_of(model.experts)
+    st = layer_state.state_of(model.experts)
     real = NvFp4.prepare_
     calls = {"n": 0}
 
@@ -168,12 +168,12 @@ def test_failure_while_preparing_is_raised_naming_the_layer_and_retried(monkeypa
         return real(self, layer, group, experts)
 
     monkeypatch.setattr(NvFp4, "prepare_", flaky)
-    with pytest.raises(weights.WeightPrepError) as e:
+    with pytest.raises(layer_state.WeightPrepError) as e:
         from_tensor(model, ckpt(6))
     assert "model.layers.0.mlp.experts" in str(e.value) and "injected failure" in str(e.value)
     assert not st.clean and st.dirty_experts(), "the failure must leave the unfinished experts marked dirty"
     monkeypatch.setattr(NvFp4, "prepare_", real)
-    weights.flush_all()  # the next flush point retries exactly what is left
+    layer_state.flush_all()  # the next flush point retries exactly what is left
     assert st.clean
     assert_same_as_fresh(model, ckpt(6))
 
@@ -189,13 +189,13 @@ def test_begin_end_session_with_direct_writes_into_parameters():
     ptrs = pointers(model)
     u = updater(model)
     u.begin_weight_update()
-    assert weights.state_of(model.experts).dirty_experts(), "begin must return the layer to checkpoint layout"
+    assert layer_state.state_of(model.experts).dirty_experts(), "begin must return the layer to checkpoint layout"
     # two writes in one session: nothing may be prepared between them, or the second lands on kernel layout
     for part in (direct[: len(direct) // 2], direct[len(direct) // 2:]):
         ok, msg = u.update_weights_from_tensor(part, load_format="direct")
         assert ok, msg
-        assert not weights.state_of(model.experts).clean, "prepared inside an open begin/end session"
+        assert not layer_state.state_of(model.experts).clean, "prepared inside an open begin/end session"
     u.end_weight_update(run_post_load=False)
-    assert weights.state_of(model.experts).clean
+    assert layer_state.state_of(model.experts).clean
     assert_same_as_fresh(model, ckpt(7))
     assert pointers(model) == ptrs

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_trtllm_moe.routing import RoutingMethodType, pack_topk, route, split_routed_input, unpack_topk
+from sglang_trtllm_moe.emulator.routing import pack_topk, route, split_routed_input, unpack_topk
+from sglang_trtllm_moe.kernel_api import RoutingMethodType
 
 
 def _sig(x):

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_trtllm_moe import selection as sel
+from sglang_trtllm_moe.formats import FORMATS
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement, resolve
 
 from .support.helpers import last_json, run_python
@@ -178,7 +179,8 @@ RESOLVE_SCRIPT = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.server_args import ServerArgs
-    from sglang_trtllm_moe.compat.platform import fake_platform, model_config_of, resolve_server_args
+    from sglang_trtllm_moe.compat.platform import model_config_of, resolve_server_args
+    from sglang_trtllm_moe.testing.platform import fake_platform
     from sglang_trtllm_moe import doctor
     spec = json.loads(os.environ["SEL_SPEC"])
     decisions = None
@@ -316,7 +318,8 @@ def test_backend_quantization_table_matches_sglang_asserts(sglang_runs):
     got = sglang_runs["upstream"]["asserts"]
     for b, q in ASSERT_CASES:
         accepted = not got[f"{b}|{q}"].startswith("AssertionError")
-        assert accepted == (SGLANG_QUANT_NAME[q] in sel.BACKEND_QUANTS[b]), (b, q, got[f"{b}|{q}"])
+        served = any(SGLANG_QUANT_NAME[q] in f.quantizations.get(b, ()) for f in FORMATS)
+        assert accepted == served, (b, q, got[f"{b}|{q}"])
         if accepted:
             assert got[f"{b}|{q}"] == b  # an explicit backend survives resolution untouched
 
@@ -356,9 +359,10 @@ def test_activation_table_matches_sglang_and_flashinfer():
         name: set(re.findall(r'"(\w+)"', re.search(rf"_SUPPORTED_{name}_ACTIVATIONS = \{{([^}}]*)\}}", src).group(1)))
         for name in ("FP4", "FP8", "BF16")
     }
-    per_format = {"nvfp4": "FP4", "fp8_tensor": "FP8", "fp8_block": "FP8", "bf16": "BF16"}
-    for fmt, (gated, plain) in sel.ACTIVATIONS.items():
-        assert gated | plain <= runner_sets[per_format[fmt]], fmt
+    per_kernel = {"fp4_block_scale": "FP4", "fp8_per_tensor_scale": "FP8", "fp8_block_scale": "FP8", "bf16": "BF16"}
+    for fmt in FORMATS:
+        gated, plain = fmt.gated_activations, fmt.non_gated_activations
+        assert gated | plain <= runner_sets[per_kernel[fmt.kernel]], fmt.name
         for act in gated:
             fit.get_activation_type(act, is_gated=True)
         for act in plain:
@@ -507,14 +511,14 @@ def test_problem_from_config_reads_sizes_and_gating():
     assert sel.problem_from_hf_config(dict(BASE, architectures=["LlamaForCausalLM"], intermediate_size=512)) is None
 
 
-FORMATS = st.sampled_from([("modelopt_fp4", None, None), ("modelopt_fp8", None, None), ("fp8", (128, 128), None),
+CHECKPOINTS = st.sampled_from([("modelopt_fp4", None, None), ("modelopt_fp8", None, None), ("fp8", (128, 128), None),
                            ("fp8", None, None), ("compressed-tensors", None, "nvfp4"), (None, None, None),
                            ("compressed-tensors", None, "int4"), ("awq", None, None)])
 
 
 @st.composite
 def problems(draw):
-    quant, block, scheme = draw(FORMATS)
+    quant, block, scheme = draw(CHECKPOINTS)
     gated = draw(st.booleans())
     tp = draw(st.sampled_from([1, 2, 4, 8]))
     return MoeProblem(

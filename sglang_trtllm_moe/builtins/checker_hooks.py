@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import checker, hookimpl, weights
+from .. import checker, hookimpl, layer_state
 from ..targets import HookTarget
 
 WC = "sglang.srt.utils.weight_checker"
@@ -56,7 +56,7 @@ class PluginQuantizedSet(dict):
         """Names compared inside a plugin entry (the rest of each weight's group), not on their own."""
         out = set()
         for full, ref in self.trtllm_moe.items():
-            fmt = weights.state_of(ref.layer).fmt
+            fmt = layer_state.state_of(ref.layer).fmt
             scale = fmt.scale_of(ref.name)
             if scale is not None:
                 out.add(ref.full(scale))
@@ -64,7 +64,7 @@ class PluginQuantizedSet(dict):
 
 
 def _managed(model) -> list[tuple[str, object]]:
-    return [(name, m) for name, m in model.named_modules() if weights.state_of(m) is not None]
+    return [(name, m) for name, m in model.named_modules() if layer_state.state_of(m) is not None]
 
 
 class _WithoutManaged:
@@ -93,7 +93,7 @@ def build_quantized_set(original, model, *args, **kwargs):
     out.trtllm_moe = {}
     for mname, layer in managed:
         prefix = f"{mname}." if mname else ""
-        for name in _weight_names(weights.state_of(layer).fmt):
+        for name in _weight_names(layer_state.state_of(layer).fmt):
             out.trtllm_moe[prefix + name] = _Ref(layer, prefix, name)
     return out
 
@@ -134,7 +134,7 @@ def compare_weights(original, expect, actual, *args, **kwargs):
         return original(expect, actual, *args, **kwargs)
     from sglang.srt.utils.weight_checker_comparator import CompareResult
 
-    with weights.locked(actual.side.layer):  # the live side is read chunk by chunk: no writer in between
+    with layer_state.locked(actual.side.layer):  # the live side is read chunk by chunk: no writer in between
         rep = checker.compare_comparables(expect, actual)
     return CompareResult(rep.equal, rep.max_abs_err, rep.mean_abs_err, rep.num_exceed)
 
@@ -146,11 +146,11 @@ def record_snapshot_state(original, self, *args, **kwargs):
     with contextlib.ExitStack() as held:
         # every layer's lock, in one global order (writers hold one lock at a time: no deadlock)
         for _, layer in sorted(managed, key=lambda m: id(m[1])):
-            held.enter_context(weights.state_of(layer).lock)
+            held.enter_context(layer_state.state_of(layer).lock)
         result = original(self, *args, **kwargs)
         snap = getattr(self, "_snapshot_tensors", None) or {}
         for mname, layer in managed:
-            st = weights.state_of(layer)
+            st = layer_state.state_of(layer)
             prefix = f"{mname}." if mname else ""
             for p in st.fmt.params:
                 t = snap.get(prefix + p.name)

@@ -8,7 +8,7 @@ Every entry point also drops the cached index maps first (sglang#28676).
 
 from __future__ import annotations
 
-from .. import hookimpl, weights
+from .. import hookimpl, layer_state
 from ..targets import HookTarget
 
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
@@ -16,21 +16,21 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 
 
 def drop_caches_before(*args, **kwargs):
-    weights.on_reload_start()
+    layer_state.on_reload_start()
 
 
 def unprepare_all_before(*args, **kwargs):
-    weights.on_reload_start()
-    weights.unprepare_all()
+    layer_state.on_reload_start()
+    layer_state.unprepare_all()
 
 
 def flush_after(result, *args, **kwargs):
-    weights.flush_all()
+    layer_state.flush_all()
     return None
 
 
 def end_session_after(result, *args, **kwargs):
-    weights.flush_all(end_session=True)
+    layer_state.flush_all(end_session=True)
     return None
 
 

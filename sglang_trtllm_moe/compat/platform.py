@@ -23,36 +23,14 @@ and that difference lives in `ADAPTERS` (one row per release range):
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..selection import DeviceInfo, flashinfer_version
 from .releases import installed_version
-
-#: Platform facts SGLang 0.5.23 reads (`runtime_context._PLATFORM_PROBES`), per faked SM. Every flag is given
-#: explicitly so a faked SM90 on a real Blackwell box still reads as SM90.
-_FLAGS = ("is_sm90", "is_sm100", "is_sm100_or_sm110", "is_sm110", "is_sm120", "is_blackwell", "is_hopper_with_cuda_12_3")
-
-
-def platform_facts(sm: int) -> dict:
-    major, minor = divmod(int(sm), 10)
-    facts = {f: False for f in _FLAGS}
-    if major == 10:
-        facts.update(is_sm100=True, is_sm100_or_sm110=True, is_blackwell=True)
-    elif major == 11:
-        facts.update(is_sm110=True, is_sm100_or_sm110=True, is_blackwell=True)
-    elif major == 12:
-        facts.update(is_sm120=True, is_blackwell=True)
-    elif major == 9:
-        facts.update(is_sm90=True)
-    facts["device_capability"] = (major, minor)
-    facts["device_sm"] = int(sm)
-    return facts
-
 
 def _release() -> Version:
     v = installed_version()
@@ -107,6 +85,14 @@ def model_config_of(server_args: Any):
     return server_args.get_model_config()
 
 
+def requested_field(server_args: Any, field: str) -> Any:
+    """What the caller asked for in `field`, before any resolution rule ran. 0.5.19+: the pipeline's `_raw_input`
+    snapshot (taken before any handler runs; SGLang's own `overrides` reads it the same way). 0.5.16-0.5.18: the
+    field itself — those releases' rules declare into the stash and materialize only at the end of __post_init__."""
+    raw = getattr(server_args, "_raw_input", None) or {}
+    return raw.get(field, getattr(server_args, field, None))
+
+
 def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
     """Write the plugin's choice the way this release's own resolution rules write theirs."""
     from sglang.srt.arg_groups import overrides
@@ -124,65 +110,7 @@ def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
     overrides.run_post_process_pass(server_args, declare)
 
 
-# --- the platform -------------------------------------------------------------------------------------------------
-
-#: 0.5.15-0.5.18 probes (module-level `lru_cache`d functions in sglang.srt.utils.common, imported by name).
-_PROBES = ("is_sm90_supported", "is_sm100_supported", "is_sm120_supported", "is_blackwell_supported", "is_blackwell",
-           "get_device_sm", "get_device_capability")
-
-
-def _probe_values(sm: int) -> dict:
-    f = platform_facts(sm)
-    return {"is_sm90_supported": f["is_sm90"], "is_sm100_supported": f["is_sm100"],
-            "is_sm120_supported": f["is_sm120"], "is_blackwell_supported": f["is_blackwell"],
-            "is_blackwell": f["is_blackwell"], "get_device_sm": f["device_sm"],
-            "get_device_capability": f["device_capability"]}
-
-
-@contextlib.contextmanager
-def _rebind_probes(sm: int) -> Iterator[None]:
-    """Every loaded sglang module that holds one of the probe functions gets a constant in its place, and its
-    original back on exit: those releases import the probes by name (`from ...common import is_sm100_supported`)."""
-    import sys
-
-    from sglang.srt.utils import common
-
-    values = _probe_values(sm)
-    originals = {name: getattr(common, name) for name in values if hasattr(common, name)}
-    fakes = {name: (lambda *a, _v=values[name], **k: _v) for name in originals}
-
-    def rebind(table_from, table_to):
-        for mod in list(sys.modules.values()):
-            if not getattr(mod, "__name__", "").startswith("sglang"):
-                continue
-            for name in originals:
-                if getattr(mod, name, None) is table_from[name]:
-                    setattr(mod, name, table_to[name])
-
-    rebind(originals, fakes)
-    try:
-        yield
-    finally:
-        # also the modules first imported inside the block: they copied the fakes by name and must not keep them
-        rebind(fakes, originals)
-
-
-@contextlib.contextmanager
-def fake_platform(sm: int) -> Iterator[None]:
-    """SGLang sees an SM `sm` GPU inside the block (CPU tests, `explain --sm`)."""
-    if adapter().kind == "stash":
-        with _rebind_probes(sm):
-            yield
-        return
-    from sglang.srt import runtime_context as rc
-
-    # Each release knows its own set of facts (0.5.19-0.5.21 have no is_sm110) and rejects unknown ones; a fact
-    # the release does not know is one nothing in it reads, so it is dropped rather than faked.
-    known = set(getattr(rc, "_PLATFORM_PROBES", {})) | set(getattr(rc, "_PLATFORM_VALUES", {}))
-    facts = {k: v for k, v in platform_facts(sm).items() if not known or k in known}
-    with rc.override_platform(**facts):
-        yield
-
+# --- the platform as SGLang describes it ---------------------------------------------------------------------
 
 def _sm_from_probes() -> int | None:
     from sglang.srt.utils import common
@@ -238,5 +166,5 @@ def resolved_moe_runner_backend(server_args: Any) -> str:
     return resolve_server_args(server_args)["moe_runner_backend"]
 
 
-__all__ = ["ADAPTERS", "ReleaseAdapter", "adapter", "declare_choice", "device_from_sglang", "fake_platform",
-           "model_config_of", "platform_facts", "resolve_server_args", "resolved_moe_runner_backend", "resolved_view"]
+__all__ = ["ADAPTERS", "ReleaseAdapter", "adapter", "declare_choice", "device_from_sglang", "model_config_of",
+           "requested_field", "resolve_server_args", "resolved_moe_runner_backend", "resolved_view"]

@@ -1,9 +1,46 @@
-"""One module per weight format: which parameters it has, how each is laid out for the kernel, its scalars.
+"""The format registry: one module per weight format, each declaring what it serves and how it is laid out.
 
-Like vLLM's per-quant "oracle" modules: every rule of a format lives in its file, and the generic machinery
-(`base.py`, `weights.py`) never asks "which format is this?".
+Like vLLM's per-quantization "oracle" modules: every rule of a format lives in its file (`base.WeightFormat` says
+what each MUST and MAY define), and selection, explain, the quant-method hooks and the runner ask the registry —
+the generic machinery (`layer_state`, `runner`, `selection`) never asks "which format is this?".
 """
 
-from .base import ParamLayout, WeightFormat
+from __future__ import annotations
 
-__all__ = ["ParamLayout", "WeightFormat"]
+from .base import BACKENDS, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .bf16 import BF16
+from .ct_nvfp4 import CT_NVFP4
+from .fp8_block import FP8_BLOCK
+from .fp8_tensor import FP8_TENSOR, FP8_TENSOR_MODELOPT
+from .nvfp4 import NVFP4
+
+#: every format the plugin prepares, in the order a checkpoint is matched against them
+FORMATS: tuple[WeightFormat, ...] = (NVFP4, CT_NVFP4, FP8_TENSOR_MODELOPT, FP8_TENSOR, FP8_BLOCK, BF16)
+
+
+def by_name(name: str) -> WeightFormat:
+    for f in FORMATS:
+        if f.name == name:
+            return f
+    raise KeyError(f"no weight format {name!r}; known: {[f.name for f in FORMATS]}")
+
+
+def for_checkpoint(checkpoint: Checkpoint) -> tuple[WeightFormat | None, str]:
+    """(the format holding such a checkpoint's experts on the TRT-LLM-Gen path, its title) — or (None, why not)."""
+    for f in FORMATS:
+        if f.describes(checkpoint):
+            return f, f.title
+    q = checkpoint.quantization
+    if q == "compressed-tensors":
+        return None, f"compressed-tensors scheme {checkpoint.quant_scheme or 'unknown'!r} is not NVFP4"
+    if q == "fp8":
+        if checkpoint.weight_block_size is not None:
+            return None, f"fp8 with weight_block_size {list(checkpoint.weight_block_size)} (only [128, 128] is served)"
+        return None, (f"fp8 per-tensor with {checkpoint.activation_scheme or 'unstated'} activation scales: the "
+                      "TRT-LLM per-tensor kernel takes one static input scale")
+    return None, f"quantization {q!r} is not a format the plugin prepares"
+
+
+__all__ = ["BACKENDS", "TRTLLM", "TRTLLM_ROUTED", "Checkpoint", "KernelCall", "ParamLayout", "WeightFormat",
+           "FORMATS", "by_name", "for_checkpoint", "NVFP4", "CT_NVFP4", "FP8_TENSOR", "FP8_TENSOR_MODELOPT",
+           "FP8_BLOCK", "BF16"]

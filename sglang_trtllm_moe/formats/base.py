@@ -1,20 +1,30 @@
-"""What every weight format shares: per-parameter layout rules applied in place, per group of experts.
+"""What every weight format shares, and what each one MUST and MAY declare.
 
-A format declares its parameters as `ParamLayout`s. Parameters of one `group` ("w13" or "w2") share a row map
-and are prepared / un-prepared together for an expert: the gated row interleave mixes the w1 and w3 halves, so
-a loader writing one half of one expert must first return the whole group of that expert to checkpoint layout.
-Everything else (scalars, input scales) is recomputed from the parameters after every flush.
+A format is the one place for everything the plugin knows about a weight format: what it serves (the quantization
+names SGLang gives such checkpoints, per runner backend; activations per gating; alignment), how its parameters are
+laid out for the kernel and prepared in place per expert (with exact inverses), its kernel scalars, the arguments of
+its kernel family, and how the checker dequantizes it. Selection, explain, the hooks and the runner derive from the
+registry (`formats/__init__.py`); no format name appears outside `formats/`.
+
+Parameters of one `group` ("w13" or "w2") share a row map and are prepared / un-prepared together for an expert:
+the gated row interleave mixes the w1 and w3 halves, so a loader writing one half of one expert must first return
+the whole group of that expert to checkpoint layout. Scalars are recomputed from the parameters after every flush.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from .. import layouts
+
+#: the runner backends the formats serve (SGLang's --moe-runner-backend names)
+TRTLLM = "flashinfer_trtllm"
+TRTLLM_ROUTED = "flashinfer_trtllm_routed"
+BACKENDS = (TRTLLM, TRTLLM_ROUTED)
 
 
 @dataclass(frozen=True)
@@ -30,13 +40,88 @@ class ParamLayout:
     permute_rows: bool = True
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a model's config says about its MoE weights, as SGLang names it (selection/hf_config.py reads it)."""
+
+    #: SGLang's quantization name (modelopt_fp4, modelopt_fp8, fp8, compressed-tensors, ...); None = unquantized
+    quantization: str | None = None
+    #: fp8: the checkpoint's weight_block_size, e.g. (128, 128); None = per-tensor
+    weight_block_size: tuple[int, ...] | None = None
+    #: compressed-tensors: the scheme ("nvfp4", "w8a8_fp8", "int4", ...)
+    quant_scheme: str | None = None
+    #: fp8: "static" | "dynamic" activation scales (None = not said)
+    activation_scheme: str | None = None
+
+
+@dataclass
+class KernelCall:
+    """One call of SGLang's fused MoE leaf for a layer: what a format needs to build its kernel arguments."""
+
+    layer: Any
+    #: SGLang's QuantInfo for the layer (the fields SGLang's own leaf reads)
+    quant_info: Any
+    runner_config: Any
+    #: the layer's input activations (bf16)
+    hidden: torch.Tensor
+    #: True for flashinfer's kernels (SGLang's CUDA quantizers), False for the emulator (pure-torch quantizers)
+    on_kernel: bool
+
+
 class WeightFormat:
-    """Base class; subclasses set `name` and `params` and implement the scalar rules."""
+    """Base of every format. Subclasses MUST define:
+
+    * `name` (unique), `params` (a ParamLayout per laid-out parameter);
+    * `kernel` — the flashinfer kernel family (`kernel_api.FAMILIES`) and `kernel_args(call, routing, routed)`;
+    * `quantizations` — {runner backend: SGLang quantization names} this format serves, and `describes(checkpoint)`;
+    * `gated_activations` / `non_gated_activations` — what the kernel family computes for this format on every
+      flashinfer the supported releases pin (checked against SGLang's runner sets and `kernel_api`);
+    * `intermediate_align` — (gated, non-gated) per-rank intermediate alignment as SGLang allocates the layer.
+
+    MAY define: `hidden_align` (default 128), `scalar_params` + `compute_scalars` (kernel scalars recomputed at every
+    flush), `check_layout` (extra shape rules; call super), `row_map` (a format-specific half order),
+    `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept)."""
 
     name: ClassVar[str] = "base"
     params: ClassVar[tuple[ParamLayout, ...]] = ()
     #: parameters whose writes only change scalars (recomputed at every flush)
     scalar_params: ClassVar[tuple[str, ...]] = ()
+    kernel: ClassVar[str] = ""
+    quantizations: ClassVar[Mapping[str, frozenset]] = {}
+    gated_activations: ClassVar[frozenset[str]] = frozenset()
+    non_gated_activations: ClassVar[frozenset[str]] = frozenset()
+    intermediate_align: ClassVar[tuple[int, int]] = (128, 128)
+    #: w2's rows are the hidden dim and go through the same 128-row scale/shuffle tiling
+    hidden_align: ClassVar[int] = 128
+    #: a sentence naming the format in reports ("NVFP4 (modelopt_fp4)")
+    title: ClassVar[str] = ""
+    #: why the activation sets are what they are, added to a refusal (e.g. a kernel that only implements SwiGLU)
+    activation_note: ClassVar[str] = ""
+
+    # ---- what it serves ---------------------------------------------------------------------------------------
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        """True when a checkpoint of this kind is held in this format on the TRT-LLM-Gen path."""
+        return False
+
+    def serves(self, backend: str, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization in self.quantizations.get(backend, ())
+
+    def activations(self, gated: bool) -> frozenset[str]:
+        return self.gated_activations if gated else self.non_gated_activations
+
+    def activation_problem(self, activation: str, gated: bool) -> str | None:
+        """None when the kernel computes (activation, gating) for this format, else a sentence saying why not."""
+        allowed = self.activations(gated)
+        if activation in allowed:
+            return None
+        kind = "gated" if gated else "non-gated"
+        note = f"; {self.activation_note}" if self.activation_note else ""
+        return (f"{kind} {activation!r} is not computed by the TRT-LLM-Gen {self.title or self.name} kernel "
+                f"(supported {kind}: {sorted(allowed) or 'none'}{note})")
+
+    def padded_intermediate(self, per_rank: int, gated: bool) -> int:
+        align = self.intermediate_align[0 if gated else 1]
+        return -(-per_rank // align) * align
 
     # ---- geometry -------------------------------------------------------------------------------------------
     @staticmethod
@@ -59,7 +144,12 @@ class WeightFormat:
         return layouts.w2_row_map(m, device=t.device)
 
     def check_layout(self, layer) -> str | None:
-        """None when every parameter can be laid out in place; else a sentence naming the problem."""
+        """None when every parameter can be laid out in place and the kernel computes the layer's activation;
+        else a sentence naming the problem."""
+        cfg = layer.moe_runner_config
+        problem = self.activation_problem(cfg.activation, bool(cfg.is_gated))
+        if problem:
+            return problem
         for p in self.params:
             t = getattr(layer, p.name, None)
             if t is None:
@@ -148,6 +238,16 @@ class WeightFormat:
     # ---- scalars --------------------------------------------------------------------------------------------
     def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
         return {}
+
+    # ---- the kernel -------------------------------------------------------------------------------------------
+    def routing_method(self, call: KernelCall) -> int | None:
+        """The layer's routing method (SGLang's QuantInfo carries it for the quantized leaves)."""
+        return call.quant_info.routing_method_type
+
+    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
+        """Every argument of `trtllm_<kernel>[_routed]_moe` except `activation_type` and `do_finalize` (the runner's),
+        given the routing arguments (which a format may adjust)."""
+        raise NotImplementedError(f"format {self.name} has no kernel arguments")
 
 
 def set_scalar_(layer, name: str, value: torch.Tensor) -> None:

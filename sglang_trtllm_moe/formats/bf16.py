@@ -15,15 +15,26 @@ loader zero-fills the pad), so there is nothing to re-allocate.
 
 from __future__ import annotations
 
-from .base import ParamLayout, WeightFormat
+from .. import layouts
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
 
-#: activations SGLang 0.5.23 lets through to the BF16 kernel (flashinfer_trtllm.py `_SUPPORTED_BF16_ACTIVATIONS`)
-SUPPORTED_ACTIVATIONS = ("silu", "relu2")
 BLOCK_K_BYTES = 128
 
 
 class Bf16(WeightFormat):
     name = "bf16"
+    title = "BF16 (unquantized)"
+    kernel = "bf16"
+    quantizations = {TRTLLM: frozenset({None}), TRTLLM_ROUTED: frozenset({None})}
+    #: SGLang's BF16 trtllm path (`_SUPPORTED_BF16_ACTIVATIONS`, get_activation_type): gated SwiGLU, non-gated silu
+    #: and relu2
+    gated_activations = frozenset({"silu"})
+    non_gated_activations = frozenset({"silu", "relu2"})
+    #: SGLang's FusedMoE rounds to 128 on the trtllm path; the kernel alone would take 64 gated (w2's 128-byte blocks)
+    intermediate_align = (128, 128)
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization is None
     params = (
         ParamLayout("w13_weight", "w13", block_major_k=True),
         ParamLayout("w2_weight", "w2", block_major_k=True),
@@ -31,9 +42,6 @@ class Bf16(WeightFormat):
 
     def check_layout(self, layer) -> str | None:
         cfg = layer.moe_runner_config
-        if cfg.activation not in SUPPORTED_ACTIVATIONS:
-            return (f"activation {cfg.activation!r} is not served by the TRT-LLM-Gen BF16 MoE kernel "
-                    f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
         if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None:
             return ("SwiGLU-OAI parameters (gemm1_alpha / gemm1_clamp_limit) are not passed to the BF16 kernel by "
                     "SGLang's flashinfer_trtllm path, so the layer would compute a different activation")
@@ -50,6 +58,30 @@ class Bf16(WeightFormat):
                 return (f"{p.name} rows are {t.shape[2]} elements; BlockMajorK needs a multiple of "
                         f"{BLOCK_K_BYTES // t.element_size()} (pad the {'hidden' if p.group == 'w13' else 'intermediate'} size)")
         return None
+
+    def routing_method(self, call: KernelCall) -> int | None:
+        """SGLang's BF16 QuantInfo carries no routing method; its leaf reads the runner config's."""
+        return call.runner_config.routing_method_type
+
+    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
+        """The weights stay [E, M, K] Parameters whose bytes are block-major; the kernel is given the 4-D BlockMajorK
+        view of the same storage. routed_scaling_factor reaches the kernel on the logits path (vllm#43769 lost it for
+        BF16); on the routed path SGLang's TopK has already folded it into the weights."""
+        qi, cfg = call.quant_info, call.runner_config
+        if routed:
+            routing.pop("routing_bias", None)  # trtllm_bf16_routed_moe takes no bias: the top-k is already chosen
+        return dict(
+            hidden_states=call.hidden,
+            gemm1_weights=layouts.block_major_k_view(qi.gemm1_weights.data),
+            gemm2_weights=layouts.block_major_k_view(qi.gemm2_weights.data),
+            num_experts=qi.global_num_experts,
+            intermediate_size=cfg.intermediate_size_per_partition,
+            local_expert_offset=qi.local_expert_offset,
+            local_num_experts=cfg.num_local_experts,
+            use_shuffled_weight=True,
+            weight_layout=2,  # WeightLayout.BlockMajorK
+            **routing,
+        )
 
 
 BF16 = Bf16()

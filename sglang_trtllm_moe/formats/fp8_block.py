@@ -8,18 +8,39 @@ FusedMoE._weight_loader_impl swaps shard ids w1<->w3 for Fp8MoEMethod on flashin
 w13 and its block scales are already [up; gate] per (padded) half: the kernel layout *is* the loaded layout.
 The format still owns the layer (per-expert state, validation, scalars-free flush, runner) so RL updates follow the
 same path as every other format; preparing is the identity.
-Only SwiGLU: flashinfer's launcher refuses any other activation for DeepSeekFp8.
+Only SwiGLU: flashinfer's launcher refuses any other activation for DeepSeekFp8 (0.6.x: `TVM_FFI_ICHECK(activation_type
+== ActivationType::Swiglu)`; 0.7.x takes an `activation_type` but throws NotImplementedError "DeepSeekFp8 only
+supports ActivationType::Swiglu" for anything else, trtllm_fused_moe_kernel_launcher.cu).
 """
 
 from __future__ import annotations
 
-from .base import ParamLayout, WeightFormat
+from ..compat import features
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
 
 BLOCK = 128
 
 
+def _swiglu_limits(quant_info) -> dict:
+    names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+    if not features.FP8_QUANT_INFO_SWIGLU.present():
+        return dict.fromkeys(names)
+    return {n: getattr(quant_info, n) for n in names}
+
+
 class Fp8Block(WeightFormat):
     name = "fp8_block"
+    title = "FP8 128x128 block (fp8)"
+    kernel = "fp8_block_scale"
+    quantizations = {TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})}
+    gated_activations = frozenset({"silu"})
+    non_gated_activations = frozenset()
+    activation_note = "flashinfer's DeepSeekFp8 block-scale kernel only implements SwiGLU (gated silu)"
+    #: cannot be padded past its scale blocks: the per-rank intermediate must already be a multiple of 128
+    intermediate_align = (BLOCK, BLOCK)
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization == "fp8" and tuple(checkpoint.weight_block_size or ()) == (BLOCK, BLOCK)
     params = (
         ParamLayout("w13_weight", "w13", permute_rows=False),
         ParamLayout("w13_weight_scale_inv", "w13", permute_rows=False),
@@ -28,10 +49,6 @@ class Fp8Block(WeightFormat):
     )
 
     def check_layout(self, layer) -> str | None:
-        cfg = layer.moe_runner_config
-        if cfg.activation != "silu" or not cfg.is_gated:
-            return (f"activation {cfg.activation!r} ({'gated' if cfg.is_gated else 'non-gated'}) is not supported by the "
-                    "DeepSeek FP8 block-scale kernel, which only implements SwiGLU (gated silu)")
         problem = super().check_layout(layer)
         if problem:
             return problem
@@ -46,6 +63,36 @@ class Fp8Block(WeightFormat):
             return (f"block scales {tuple(layer.w13_weight_scale_inv.shape)} / {tuple(layer.w2_weight_scale_inv.shape)} "
                     f"are not one per 128x128 block ({want13} / {want2})")
         return None
+
+
+    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
+        """Activations per token and 128 columns, scales handed over transposed [H/128, T] as the kernel reads them;
+        weights MajorK unshuffled; DeepSeekFp8."""
+        layer, qi = call.layer, call.quant_info
+        if routing.get("routed_scaling_factor") is None:
+            routing["routed_scaling_factor"] = 1.0
+        if call.on_kernel:
+            from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import per_token_group_quant_fp8
+
+            hs, sf = per_token_group_quant_fp8(call.hidden, BLOCK, column_major_scales=True)
+            sf_t = sf.t()
+        else:
+            from ..quant import fp8_group_quantize
+
+            hs, sf = fp8_group_quantize(call.hidden, BLOCK)
+            sf_t = sf.t().contiguous()
+        return dict(
+            hidden_states=hs, hidden_states_scale=sf_t,
+            gemm1_weights=layer.w13_weight, gemm1_weights_scale=layer.w13_weight_scale_inv,
+            gemm2_weights=layer.w2_weight, gemm2_weights_scale=layer.w2_weight_scale_inv,
+            **_swiglu_limits(qi),
+            num_experts=qi.global_num_experts,
+            intermediate_size=int(layer.w2_weight.shape[2]),
+            local_expert_offset=qi.local_expert_offset,
+            local_num_experts=qi.local_num_experts,
+            use_shuffled_weight=False, weight_layout=0, fp8_quantization_type=1,  # MajorK, DeepSeekFp8
+            **routing,
+        )
 
 
 FP8_BLOCK = Fp8Block()

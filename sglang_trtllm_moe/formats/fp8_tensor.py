@@ -23,10 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import layouts
-from .base import ParamLayout, WeightFormat
-
-#: (activation, gated) pairs SGLang's FP8 trtllm path accepts (flashinfer_trtllm.py `_SUPPORTED_FP8_ACTIVATIONS`)
-SUPPORTED_ACTIVATIONS = {("silu", True), ("silu", False), ("relu2", False)}
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
 
 
 def _swap_halves_map(m: int) -> torch.Tensor:
@@ -36,11 +33,27 @@ def _swap_halves_map(m: int) -> torch.Tensor:
 class Fp8PerTensor(WeightFormat):
     params = (ParamLayout("w13_weight", "w13"), ParamLayout("w2_weight", "w2"))
     scalar_params = ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale")
+    kernel = "fp8_per_tensor_scale"
+    #: SGLang's FP8 trtllm path (flashinfer_trtllm.py `_SUPPORTED_FP8_ACTIVATIONS` and get_activation_type): gated
+    #: SwiGLU, non-gated silu / relu2; flashinfer's per-tensor launcher takes any of them from 0.6.8
+    gated_activations = frozenset({"silu"})
+    non_gated_activations = frozenset({"silu", "relu2"})
+    #: SGLang's FusedMoE rounds the per-rank intermediate up to 128 on the trtllm path (per half for gated w13),
+    #: although the kernel alone would accept 16 (measured by the multi-rank tests)
+    intermediate_align = (128, 128)
 
-    def __init__(self, name: str, gate_first: bool):
+    def __init__(self, name: str, title: str, gate_first: bool, quantizations: dict, checkpoint: Checkpoint):
         self.name = name
+        self.title = title
         #: True when the loader stores w13 as [gate; up] (ModelOpt), False for [up; gate] (Fp8MoEMethod)
         self.gate_first = gate_first
+        self.quantizations = quantizations
+        self._checkpoint = checkpoint
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        want = self._checkpoint
+        return (checkpoint.quantization == want.quantization and checkpoint.weight_block_size is None
+                and (want.activation_scheme is None or checkpoint.activation_scheme == want.activation_scheme))
 
     def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         base = super().row_map(layer, p, t)
@@ -52,9 +65,6 @@ class Fp8PerTensor(WeightFormat):
 
     def check_layout(self, layer) -> str | None:
         cfg = layer.moe_runner_config
-        if (cfg.activation, bool(cfg.is_gated)) not in SUPPORTED_ACTIVATIONS:
-            return (f"activation {cfg.activation!r} ({'gated' if cfg.is_gated else 'non-gated'}) is not served by the "
-                    "TRT-LLM FP8 per-tensor kernel path (supported: gated silu, non-gated silu/relu2)")
         for knob in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit", "swiglu_limit"):
             if getattr(cfg, knob, None) is not None:
                 return f"{knob} is set, but the FP8 per-tensor kernel has no SwiGLU alpha/beta/clamp"
@@ -83,5 +93,45 @@ class Fp8PerTensor(WeightFormat):
         }
 
 
-FP8_TENSOR_MODELOPT = Fp8PerTensor("fp8_tensor_modelopt", gate_first=True)
-FP8_TENSOR = Fp8PerTensor("fp8_tensor", gate_first=False)
+    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
+        """Activations e4m3 with the layer's static a1 (= max input scale, the scalar the flush keeps) and the three
+        per-expert scalars (separate gate and up dequant). The kernel reads bf16 logits (SGLang casts them too)."""
+        layer, qi = call.layer, call.quant_info
+        if routing.get("routed_scaling_factor") is None:
+            routing["routed_scaling_factor"] = 1.0
+        if not routed:
+            routing["routing_logits"] = routing["routing_logits"].to(torch.bfloat16)
+        a1 = layer.w13_input_scale_max
+        if call.on_kernel:
+            from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import scaled_fp8_quant
+
+            hs, _ = scaled_fp8_quant(call.hidden, a1)
+        else:
+            from ..quant import fp8_quantize
+
+            hs = fp8_quantize(call.hidden, a1)
+        return dict(
+            hidden_states=hs,
+            gemm1_weights=layer.w13_weight,
+            gemm2_weights=layer.w2_weight,
+            output1_scales_scalar=layer.output1_scales_scalar,
+            output1_scales_gate_scalar=layer.output1_scales_gate_scalar,
+            output2_scales_scalar=layer.output2_scales_scalar,
+            num_experts=qi.global_num_experts,
+            intermediate_size=int(layer.w2_weight.shape[2]),
+            local_expert_offset=qi.local_expert_offset,
+            local_num_experts=qi.local_num_experts,
+            use_routing_scales_on_input=False,
+            **routing,
+        )
+
+
+#: ModelOpt FP8: no routed path in SGLang for it (handle_moe_kernel_config asserts)
+FP8_TENSOR_MODELOPT = Fp8PerTensor(
+    "fp8_tensor_modelopt", "FP8 per-tensor (modelopt_fp8)", gate_first=True,
+    quantizations={TRTLLM: frozenset({"modelopt_fp8"})}, checkpoint=Checkpoint("modelopt_fp8"))
+#: SGLang `fp8` with static activation scales and no weight_block_size
+FP8_TENSOR = Fp8PerTensor(
+    "fp8_tensor", "FP8 per-tensor (fp8, static activation scales)", gate_first=False,
+    quantizations={TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})},
+    checkpoint=Checkpoint("fp8", activation_scheme="static"))

@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import torch
 
-from .base import ParamLayout, WeightFormat
-
-
-def w13_scales_up_first() -> bool:
-    """True where SGLang's trtllm weight loader stores the per-tensor w13 scales [Up, Gate] (0.5.11-0.5.22)."""
-    from ..compat.releases import installed_version
-
-    v = installed_version()
-    return v is not None and v.release[:3] < (0, 5, 23)
+from ..compat import features
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
 
 
 class NvFp4(WeightFormat):
     name = "nvfp4"
+    title = "NVFP4 (modelopt_fp4)"
+    kernel = "fp4_block_scale"
+    quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
+    #: flashinfer's FP4 launcher takes Swiglu / Geglu gated and Silu / Gelu / Relu2 non-gated from the first release
+    #: SGLang 0.5.11 pins (activation_type); "situ" needs clamp parameters the plugin does not prepare
+    gated_activations = frozenset({"silu", "gelu"})
+    non_gated_activations = frozenset({"silu", "gelu", "relu2"})
+    #: gated: 64 per rank, because the scale-row permutation asserts 2*Ip % 128 == 0 (flashinfer#3206, vllm#46880) and
+    #: SGLang's NVFP4 create_weights pads to exactly that; non-gated: 128 (the layer's own rounding on trtllm)
+    intermediate_align = (64, 128)
     params = (
         ParamLayout("w13_weight", "w13"),
         ParamLayout("w13_weight_scale", "w13", sf_swizzle=True),
@@ -33,6 +36,9 @@ class NvFp4(WeightFormat):
         ParamLayout("w2_weight_scale", "w2", sf_swizzle=True),
     )
     scalar_params = ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization == "modelopt_fp4"
 
     def dequantize_param(self, name, weight, scale):
         """Packed e2m1 `[E, M, K/2]` x linear e4m3 `[E, M, K/16]` -> `[E, M, K]` (global scale_2 excluded: it is a
@@ -56,11 +62,8 @@ class NvFp4(WeightFormat):
             a1 = torch.ones_like(a1)
             a2 = torch.ones_like(a2)
         s2 = layer.w13_weight_scale_2.data
-        if gated and s2.dim() == 2 and s2.shape[1] >= 2:
-            # <= 0.5.22 FusedMoE's loader swaps the w1/w3 shard ids for flashinfer_trtllm ("w31") for the per-tensor
-            # scales too, so scale_2 is stored [Up, Gate]; SGLang's own prep there still reads [:, 0] as the gate
-            # (gate/up alphas swapped whenever the two scales differ). 0.5.23 keeps them [Gate, Up].
-            gate, up = (s2[:, 1], s2[:, 0]) if w13_scales_up_first() else (s2[:, 0], s2[:, 1])
+        if gated and s2.dim() == 2 and s2.shape[1] >= 2:  # stored order: features.NVFP4_W13_SCALE_2_UP_GATE
+            gate, up = (s2[:, 1], s2[:, 0]) if features.NVFP4_W13_SCALE_2_UP_GATE.present() else (s2[:, 0], s2[:, 1])
         else:
             gate = up = s2.reshape(s2.shape[0])
         g1 = (a1 * gate).to(torch.float32)
@@ -82,82 +85,42 @@ class NvFp4(WeightFormat):
         }
 
 
+
+    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
+        """SGLang's FP4 QuantInfo as its own leaf reads it; activations quantized to NVFP4 with the layer's 1/a1."""
+        qi = call.quant_info
+        if getattr(qi, "use_per_token_activation", False):
+            raise NotImplementedError("per-token NVFP4 activations are not supported by the plugin runner yet")
+        if call.on_kernel:
+            from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import quantize_hidden_states_fp4
+
+            hs, hs_sf = quantize_hidden_states_fp4(call.hidden, qi.w13_input_scale_quant)
+        else:
+            from ..quant import nvfp4_quantize
+
+            hs, hs_sf = nvfp4_quantize(call.hidden, qi.w13_input_scale_quant)
+        swiglu = features.FP4_QUANT_INFO_SWIGLU.present()
+        return dict(
+            hidden_states=hs,
+            hidden_states_scale=hs_sf.view(torch.float8_e4m3fn).reshape(hs.shape[0], -1),
+            gemm1_weights=qi.w13_weight,
+            gemm1_weights_scale=qi.w13_weight_scale.view(torch.float8_e4m3fn),
+            gemm1_bias=None,
+            gemm1_alpha=qi.gemm1_alpha if swiglu else None,
+            gemm1_beta=qi.gemm1_beta if swiglu else None,
+            gemm1_clamp_limit=qi.gemm1_clamp_limit if swiglu else None,
+            gemm2_weights=qi.w2_weight,
+            gemm2_weights_scale=qi.w2_weight_scale.view(torch.float8_e4m3fn),
+            gemm2_bias=None,
+            output1_scale_scalar=qi.g1_scale_c,
+            output1_scale_gate_scalar=qi.g1_alphas,
+            output2_scale_scalar=qi.g2_alphas,
+            num_experts=qi.global_num_experts,
+            intermediate_size=qi.intermediate_size_per_partition,
+            local_expert_offset=qi.local_expert_offset,
+            local_num_experts=qi.local_num_experts,
+            **routing,
+        )
+
+
 NVFP4 = NvFp4()
-
-
-class CtNvFp4(NvFp4):
-    """Compressed-tensors NVFP4 (`CompressedTensorsW4A4Nvfp4MoE`): same bytes as ModelOpt, different bookkeeping.
-
-    * Parameters are `w13_weight_packed` / `w2_weight_packed` (SGLang renames them to `w13_weight` / `w2_weight` in
-      its prep and deletes the originals, so a later reload by checkpoint name has nowhere to go; the plugin keeps
-      them and registers the kernel names as aliases of the same Parameter).
-    * On flashinfer_trtllm the loader puts w13 in checkpoint order [gate; up] (`load_up_proj_weight_first` is False)
-      and SGLang swaps the halves afterwards (`reorder_w1w3_to_w3w1`); here the swap is folded into the w13 row map.
-    * Global scales are *quantize* scales (llm-compressor): weight_global_scale = 1 / ModelOpt weight_scale_2,
-      input_global_scale = 1 / input_scale. SGLang's trtllm path takes the min input_global_scale (= max input
-      scale), as ModelOpt takes the max input_scale. SGLang uses the gate's weight global scale for both halves
-      (warning that accuracy "may be affected" when they differ); the kernel takes the up scale separately through
-      output1_scale_scalar, so ours keeps it: identical scalars when gate and up share a global scale (what
-      llm-compressor writes), exact ones when they do not. Non-gated (relu2): g1_scale_c = 1/a2 as for ModelOpt
-      (SGLang multiplies in g1_alphas a second time there).
-    """
-
-    name = "ct_nvfp4"
-    params = (
-        ParamLayout("w13_weight_packed", "w13"),
-        ParamLayout("w13_weight_scale", "w13", sf_swizzle=True),
-        ParamLayout("w2_weight_packed", "w2"),
-        ParamLayout("w2_weight_scale", "w2", sf_swizzle=True),
-    )
-    scalar_params = ("w13_weight_global_scale", "w2_weight_global_scale", "w13_input_global_scale",
-                     "w2_input_global_scale")
-    #: kernel-side names SGLang's apply reads -> the loaded Parameter they alias
-    aliases = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}
-
-    def row_map(self, layer, p, t):
-        rmap = super().row_map(layer, p, t)
-        if p.group == "w13" and self.is_gated(layer):
-            m = t.shape[1]
-            swap = (torch.arange(m, device=rmap.device) + m // 2) % m  # checkpoint [gate; up] -> [up; gate]
-            rmap = swap[rmap]
-        return rmap
-
-    def check_layout(self, layer):
-        from ..runner import _GATED_ACT, _NON_GATED_ACT
-
-        cfg = layer.moe_runner_config
-        table = _GATED_ACT if cfg.is_gated else _NON_GATED_ACT
-        if cfg.activation not in table:
-            return (f"activation {cfg.activation!r} ({'gated' if cfg.is_gated else 'non-gated'}) is not served by the "
-                    f"TRT-LLM-Gen NVFP4 MoE kernel (supported: {', '.join(sorted(table))})")
-        return super().check_layout(layer)
-
-    def scale_of(self, name):
-        if name.endswith("_weight_packed"):
-            return name[: -len("_packed")] + "_scale"
-        return super().scale_of(name) if hasattr(super(), "scale_of") else None
-
-    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
-        gated = self.is_gated(layer)
-        e = layer.w13_weight_packed.shape[0]
-        # exactly SGLang's expressions (compressed_tensors_w4a4_nvfp4_moe.py), so the bits match
-        a1_q = layer.w13_input_global_scale.data.min().to(torch.float32).expand(e)
-        a2_q = layer.w2_input_global_scale.data.min().to(torch.float32).expand(e)
-        wgs = layer.w13_weight_global_scale.data
-        s_gate = 1 / wgs[:, 0]
-        s_up = 1 / wgs[:, 1] if (gated and wgs.dim() == 2 and wgs.shape[1] >= 2) else s_gate
-        g1 = (1 / a1_q) * s_gate
-        g1_up = (1 / a1_q) * s_up
-        g2 = ((1 / a2_q) * (1 / layer.w2_weight_global_scale.data)).to(torch.float32)
-        scale_c = (a2_q * g1_up).to(torch.float32) if gated else a2_q.contiguous()
-        return {
-            "g1_alphas": g1.to(torch.float32),
-            "g1_alphas_up": g1_up.to(torch.float32),
-            "g2_alphas": g2,
-            "w13_input_scale_quant": a1_q.contiguous(),
-            "w2_input_scale_quant": a2_q.contiguous(),
-            "g1_scale_c": scale_c,
-        }
-
-
-CT_NVFP4 = CtNvFp4()

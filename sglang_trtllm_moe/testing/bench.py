@@ -91,7 +91,7 @@ def _expert_shards(layer, e: int) -> list[tuple]:
 
 
 def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
-    from .. import layouts, weights
+    from .. import layer_state, layouts
     from . import layers as cpu_layers
 
     real_e, h, i = SHAPES[model]
@@ -127,7 +127,7 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
         for e in expert_ids:
             for p, t, name, shard, eid in _expert_shards_cache[e]:
                 p.weight_loader(p, t, name, shard_id=shard, expert_id=eid)
-        weights.flush(ours)
+        layer_state.flush(ours)
 
     def upstream_update(expert_ids):
         # Upstream's flow: the loader writes, then the whole layer is re-prepared (re-shuffling untouched experts).

@@ -77,7 +77,7 @@ def run(out=sys.stdout) -> int:
 
     import torch
 
-    from .. import weights
+    from .. import layer_state
     from . import layers as cpu_layers, reference
 
     spec = cpu_layers.MoeSpec(**SPEC_KW)
@@ -87,7 +87,7 @@ def run(out=sys.stdout) -> int:
 
     d.say("2/7 explain: which MoE backend a DeepSeek-style NVFP4 model gets on SM100, and why")
     try:
-        from ..builtins.selection_hooks import explain_model
+        from ..explain import explain_model
 
         rep = explain_model(model_dir, sm=100)
         rejected = [c for c in rep.get("candidates", []) if not c.get("eligible")]
@@ -107,7 +107,7 @@ def run(out=sys.stdout) -> int:
     model.load_weights(safetensors_weights_iterator([os.path.join(model_dir, "model.safetensors")]))
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     layer.quant_method.process_weights_after_loading(layer)
-    st = weights.state_of(layer)
+    st = layer_state.state_of(layer)
     kept = all(p.data_ptr() == ptrs[n] for n, p in model.named_parameters() if n in ptrs)
     d.check("prepared in place", st is not None and st.clean and kept,
             f"{st.experts_prepared_total if st else 0} expert groups in TRT-LLM layout, every data_ptr kept: {kept}")

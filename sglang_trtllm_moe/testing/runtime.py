@@ -3,9 +3,8 @@
 SGLang's FusedMoE and quant methods read a published ServerArgs, model-parallel groups and the platform. A test,
 the demo or the benchmark needs that state in one process without a GPU: gloo world of size 1, a faked Blackwell
 platform (the quant methods refuse NVFP4 elsewhere), and the MoE config initialised from the chosen backend.
-How each step is spelled changed between releases, so each step is one small table keyed by release range
-(read from the wheels; cpu-test-environment.md §3 only covers 0.5.14/0.5.18/0.5.23 and is wrong that there is no
-`runtime_context` before 0.5.23 — it exists from 0.5.14, `override_platform` from 0.5.19, `SpawnRanks` from 0.5.21):
+How each step is spelled changed between releases (read from the wheels: `runtime_context` exists from 0.5.14,
+`override_platform` from 0.5.19, `SpawnRanks` from 0.5.21), so each step asks a flag of compat/features.py:
 
 | step | < 0.5.19 | 0.5.19 – 0.5.20 | >= 0.5.21 |
 |---|---|---|---|
@@ -24,23 +23,13 @@ from __future__ import annotations
 import os
 import sys
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from ..compat import features
 
 _INITIALISED: dict = {}
 
-#: release ranges of each spelling (see the table above)
-PLATFORM_OVERRIDE = SpecifierSet(">=0.5.19")
-PUBLISH_WITH_RANKS = SpecifierSet(">=0.5.21")
-MOE_CONFIG_TAKES_ARGS = SpecifierSet("<0.5.19")
-SWIZZLE_MOVES_TO_CUDA = SpecifierSet("<0.5.20")
-WEIGHT_UPDATER = SpecifierSet(">=0.5.16")
-WEIGHT_CACHE_CHECK = SpecifierSet(">=0.5.17,<0.5.21")
-WEIGHT_CHECKER_TAKES_PS = SpecifierSet("<0.5.21")
 
-#: the platform predicates releases before 0.5.19 ask (sglang.srt.utils.common), and what a B200 answers
-_LEGACY_PLATFORM_FACTS = {"is_sm100_supported": True, "is_blackwell_supported": True, "is_blackwell": True,
-                          "is_sm90_supported": False, "is_sm120_supported": False}
 
 
 def _free_port() -> int:
@@ -58,44 +47,6 @@ def release() -> Version:
     if v is None:
         raise RuntimeError("sglang is not installed")
     return Version(v.base_version)
-
-
-def _answer(value: bool):
-    def fact(*args, **kwargs) -> bool:
-        return value
-
-    fact.cache_clear = lambda: None  # callers of the lru-cached originals may clear them
-    return fact
-
-
-def fake_blackwell_legacy(facts: dict | None = None) -> None:
-    """Releases < 0.5.19 ask `is_sm100_supported()` etc., lru-cached functions each module imports by name.
-    Rebind them in `sglang.srt.utils.common` (so modules imported later bind the fake) and in every loaded
-    sglang module that holds the original (what HookRegistry's `_propagate_patch` does for its hooks)."""
-    from sglang.srt.utils import common
-
-    for name, value in (facts or _LEGACY_PLATFORM_FACTS).items():
-        original = getattr(common, name, None)
-        if original is None:
-            continue
-        fake = _answer(value)
-        for mod in list(sys.modules.values()):
-            if getattr(mod, "__name__", "").startswith("sglang") and getattr(mod, name, None) is original:
-                setattr(mod, name, fake)
-
-
-def fake_blackwell() -> None:
-    if release() in PLATFORM_OVERRIDE:
-        from sglang.srt.runtime_context import override_platform
-
-        override_platform(is_blackwell=True, is_sm100=True).install()
-    else:
-        # the modules whose import-time platform checks matter, loaded before the facts are rebound
-        import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
-        import sglang.srt.layers.quantization.fp8  # noqa: F401  (0.5.14: flashinfer_trtllm is circular alone)
-        import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401
-
-        fake_blackwell_legacy()
 
 
 def _rebind_everywhere(module, name: str, new) -> None:
@@ -132,7 +83,7 @@ def keep_swizzle_on_cpu() -> None:
 def _publish(server_args) -> None:
     from sglang.srt.distributed import parallel_state
 
-    if release() in PUBLISH_WITH_RANKS:
+    if features.PUBLISH_WITH_RANKS.present():
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
 
         reset_context()
@@ -166,8 +117,10 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
     from sglang.srt.server_args import ServerArgs
 
     if not _INITIALISED.get("platform"):
+        from .platform import fake_blackwell
+
         fake_blackwell()
-        if release() in SWIZZLE_MOVES_TO_CUDA and not torch.cuda.is_available():
+        if features.SWIZZLE_MOVES_TO_CUDA.present() and not torch.cuda.is_available():
             import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401  (binds the name first)
 
             keep_swizzle_on_cpu()
@@ -180,7 +133,7 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
     _publish(sa)
     if not model_parallel_is_initialized():
         initialize_model_parallel(backend="gloo")
-    if release() in MOE_CONFIG_TAKES_ARGS:
+    if features.MOE_CONFIG_TAKES_ARGS.present():
         initialize_moe_config(sa)
     else:
         initialize_moe_config()
@@ -195,12 +148,12 @@ def weight_updater(model, model_config):
     __init__: that would load a model and allocate KV caches) carries exactly the fields they read."""
     from types import SimpleNamespace
 
-    if release() in WEIGHT_UPDATER:
+    if features.WEIGHT_UPDATER.present():
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
         # 0.5.17-0.5.20 refuse updates unless the runner's --weight-cache-mode is "off"; later releases do not ask
         runner = None
-        if release() in WEIGHT_CACHE_CHECK:
+        if features.WEIGHT_CACHE_CHECK.present():
             runner = SimpleNamespace(server_args=SimpleNamespace(weight_cache_mode="off"))
         return WeightUpdater(
             tp_rank=0, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
@@ -227,7 +180,7 @@ def weight_checker(model):
     action still runs SGLang's own code."""
     from sglang.srt.utils.weight_checker import WeightChecker
 
-    if release() not in WEIGHT_CHECKER_TAKES_PS:
+    if not features.WEIGHT_CHECKER_TAKES_PS.present():
         return WeightChecker(get_model=lambda: model)
     from sglang.srt.distributed.parallel_state_wrapper import ParallelState
 
@@ -248,7 +201,7 @@ def weight_checker(model):
     return _RoleAccepted(get_model=lambda: model, ps=ParallelState.trivial())
 
 
-__all__ = ["weight_checker", "weight_updater", "fake_blackwell", "fake_blackwell_legacy", "init_single_process", "keep_swizzle_on_cpu", "release"]
+__all__ = ["weight_checker", "weight_updater", "init_single_process", "keep_swizzle_on_cpu", "release"]
 
 
 def init_rank(rank: int, world_size: int, tp_size: int, ep_size: int, port: int,

@@ -73,7 +73,7 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "ReLU2) from flashinfer 0.7; the 0.6.x this release pins prepares gated SwiGLU weights only"),
     Requirement("tests/test_fp8_layer.py", "capability:fp8-prep",
                 "the plugin's FP8 (per-tensor / block) preparation hooks are declared for >=0.5.19 only "
-                "(builtins/quant_methods.py releases=); on older releases SGLang prepares FP8 itself"),
+                "(builtins/fp8_hooks.py releases=); on older releases SGLang prepares FP8 itself"),
     Requirement("tests/test_checker.py", "capability:weight-check",
                 "SGLang's weight-checker comparator (utils.weight_checker_comparator, _build_quantized_set) is "
                 "absent upstream before 0.5.16, and the plugin's checker hooks attach to it"),

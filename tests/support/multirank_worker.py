@@ -73,7 +73,7 @@ def _as_bytes(t):
 
 
 def run_scenario(sc: dict) -> dict:
-    from sglang_trtllm_moe import weights
+    from sglang_trtllm_moe import layer_state
     from sglang_trtllm_moe.testing import layers as cpu_layers
 
     spec = cpu_layers.MoeSpec(**sc["spec"])
@@ -87,7 +87,7 @@ def run_scenario(sc: dict) -> dict:
     )
     res["loaded"] = _raw_params(layer)  # checkpoint layout, as SGLang's loader left it
     layer.quant_method.process_weights_after_loading(layer)
-    st = weights.state_of(layer)
+    st = layer_state.state_of(layer)
     res["plugin_prepared"] = st is not None and st.clean
     res["out"] = forward(layer, spec, sc["x"], sc["logits"], sc.get("bypass", False))
     res["runner_ep"] = dict(_LAST_CALL)

@@ -2,8 +2,8 @@
 
 Why: RL frameworks write new weights into a live SGLang model (from disk, from tensors, one expert at a time).
 Upstream either writes checkpoint-layout bytes into kernel-layout storage (silent garbage) or re-prepares the
-whole layer, re-shuffling experts that were never reloaded (measured-upstream.md: ~86 % of w13 bytes wrong after
-a one-expert update). Here each (group, expert) is either "prepared" or "checkpoint":
+whole layer, re-shuffling experts that were never reloaded (measured on SGLang 0.5.23: about 86 % of the w13 bytes
+of the other experts wrong after a one-expert NVFP4 update; `sglang-trtllm-moe bench` re-measures it). Here each (group, expert) is either "prepared" or "checkpoint":
 
 * before SGLang's loader writes into a prepared expert, that expert's group is returned to checkpoint layout in
   place (exact inverse layouts) and marked dirty;
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import layouts
+from .errors import WeightPrepError
 from .formats.base import WeightFormat, set_scalar_
 
 logger = logging.getLogger("sglang_trtllm_moe")
@@ -48,10 +49,6 @@ def layer_name(layer) -> str:
         return str(prefix)
     lid = getattr(layer, "layer_id", None)
     return f"{type(layer).__name__}(layer_id={lid})" if lid is not None else type(layer).__name__
-
-
-class WeightPrepError(RuntimeError):
-    """Preparing a layer's weights failed; the message names the layer and what is left to do."""
 
 
 @dataclass
@@ -215,62 +212,3 @@ def unprepare_all() -> None:
 def on_reload_start() -> None:
     """Index maps are rebuilt on demand: drop them so no stale device copy survives a pause/resume (sglang#28676)."""
     layouts.clear_caches()
-
-
-# ---- validation before a byte is written -------------------------------------------------------------------------
-
-_SHARDS = ("w1", "w2", "w3")
-
-
-def param_name(layer, param) -> str | None:
-    for name, p in layer.named_parameters(recurse=False):
-        if p is param:
-            return name
-    return None
-
-
-def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expert_id) -> None:
-    """Refuse a write that SGLang's loader would turn into wrong bytes, before anything changes.
-
-    SGLang's loader narrows by TP rank and `copy_`s, which silently converts dtypes and broadcasts shapes; an
-    RL framework sending a float32 tensor into packed-FP4 storage, or a w2 shard labelled w1, would corrupt the
-    expert without an error. Checked here: shard id, expert id, dtype of byte-packed storage, and every dimension
-    that the TP split does not touch.
-    """
-    st = state_of(layer)
-    if st is None:
-        return
-    where = f"{layer_name(layer)}: refused weight update of {name} (shard {shard_id!r}, expert {expert_id})"
-    if shard_id not in _SHARDS:
-        raise ValueError(f"{where}: shard id must be one of {_SHARDS}; nothing was written")
-    # Params SGLang keeps for every expert of the model (input scales, `_sglang_require_global_experts`) reach the
-    # loader with the GLOBAL expert id; under EP that id is >= the local count on every rank but the first.
-    n_ids = int(param.shape[0]) if getattr(param, "_sglang_require_global_experts", False) else st.num_experts
-    if expert_id is not None and not (0 <= int(expert_id) < n_ids):
-        raise ValueError(f"{where}: expert id out of range [0, {n_ids}); nothing was written")
-    if param.dtype.itemsize == 1 and loaded.dtype != param.dtype:
-        raise ValueError(
-            f"{where}: dtype {loaded.dtype} cannot be written into {param.dtype} storage (it would be value-converted, "
-            f"not copied); send the checkpoint's {param.dtype} tensor; nothing was written"
-        )
-    group = st.fmt.group_of(name)
-    if group is None:
-        if name in st.fmt.scalar_params and loaded.numel() != 1 and expert_id is not None:
-            raise ValueError(f"{where}: expected one scale per expert and shard, got shape {tuple(loaded.shape)}; nothing was written")
-        return
-    tp = int(getattr(layer, "moe_tp_size", 1) or 1)
-    gated = st.fmt.is_gated(layer)
-    rows, cols = param.shape[1], param.shape[2]
-    if group == "w13":
-        if shard_id == "w2" or (not gated and shard_id == "w3"):
-            raise ValueError(f"{where}: {name} takes shard {'w1/w3' if gated else 'w1'}, not {shard_id!r}; nothing was written")
-        half = rows // 2 if gated else rows
-        ok = loaded.dim() == 2 and loaded.shape[1] == cols and 0 < loaded.shape[0] <= half * tp
-        want = f"[<= {half * tp}, {cols}]"
-    else:
-        if shard_id != "w2":
-            raise ValueError(f"{where}: {name} takes shard 'w2', not {shard_id!r}; nothing was written")
-        ok = loaded.dim() == 2 and loaded.shape[0] == rows and 0 < loaded.shape[1] <= cols * tp
-        want = f"[{rows}, <= {cols * tp}]"
-    if not ok:
-        raise ValueError(f"{where}: shape {tuple(loaded.shape)} does not fit, expected {want}; nothing was written")

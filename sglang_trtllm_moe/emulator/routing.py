@@ -11,28 +11,13 @@ packs (value, ~index)); `_topk` reproduces that with a stable sort.
 
 from __future__ import annotations
 
-import enum
 from typing import Optional, Tuple, Union
 
 import torch
 
+from ..kernel_api import RoutingMethodType
+
 _SUM_EPS = 1e-20  # mSumEpsilon of the DeepSeekV3 / MiniMax2 ScaledSumNormalize, and SumNormalize's floor
-
-
-class RoutingMethodType(enum.IntEnum):
-    """Same values as `flashinfer.tllm_enums.RoutingMethodType` (checked by tests), without importing flashinfer."""
-
-    Default = 0  # softmax over all experts -> top-k (weights not renormalized)
-    Renormalize = 1  # top-k of logits -> softmax over the k
-    DeepSeekV3 = 2  # sigmoid (+bias for selection) -> group top-2 sum -> top groups -> top-k; sigma*rsf/sum
-    Llama4 = 3  # top-1 -> sigmoid
-    RenormalizeNaive = 4  # softmax -> top-k -> renormalize (same kernel and result as Renormalize)
-    TopK = 5  # top-k of raw logits, raw weights
-    SigmoidRenorm = 6  # sigmoid -> top-k -> divide by sum (if norm_topk_prob)
-    MiniMax2 = 7  # sigmoid + bias for selection -> top-k -> sigma*rsf/(sum+eps)
-    Sigmoid = 8  # sigmoid -> top-k, no renormalization
-    TopKSigmoid = 9  # top-k of raw logits -> sigmoid
-    Unspecified = 10
 
 
 def _topk(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +49,7 @@ def _group_limited_selection(biased: torch.Tensor, n_group: int, topk_group: int
 
 
 def route(
-    method: Union[int, enum.IntEnum],
+    method: Union[int, RoutingMethodType],
     logits: torch.Tensor,
     top_k: int,
     *,

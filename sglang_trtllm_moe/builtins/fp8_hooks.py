@@ -1,0 +1,94 @@
+"""FP8 layers on flashinfer_trtllm, prepared in place: per-tensor (ModelOpt FP8, `fp8` with static activation
+scales) and DeepSeek 128x128 block.
+
+SGLang's own per-tensor prep dequantizes w1/w3 and re-quantizes them to one scale (lossy) and replaces the
+Parameters (the next RL update then has no weight_loader); the plugin keeps the bytes as loaded and passes separate
+gate and up scalars to the kernel (formats/fp8_tensor.py). MXFP8 and FP4-expert checkpoints stay SGLang's.
+"""
+
+from __future__ import annotations
+
+from .. import hookimpl, layer_state
+from ..compat import features
+from ..errors import TrtllmLayerError
+from ..formats import FP8_BLOCK, FP8_TENSOR, FP8_TENSOR_MODELOPT
+from ..targets import HookTarget
+from ._prepare import prepare_layer
+
+MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
+FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
+
+
+def _on_trtllm(backend) -> bool:
+    return backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed()
+
+
+def _fp8_method_format(method):
+    """(format, None) for an Fp8MoEMethod layer the plugin prepares; (None, why) to leave it to SGLang."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    if not _on_trtllm(get_moe_runner_backend()):
+        return None, "not on the flashinfer_trtllm backend"
+    qc = method.quant_config
+    if getattr(method, "use_mxfp8", False) or getattr(method, "is_fp4_expert", False):
+        return None, "MXFP8 / FP4-expert checkpoints keep SGLang's own preparation"
+    if not qc.is_checkpoint_fp8_serialized:
+        return None, "the checkpoint is not FP8 (SGLang quantizes it at load time)"
+    if method.block_quant:
+        if list(qc.weight_block_size or ()) != [128, 128]:
+            return None, f"weight_block_size {qc.weight_block_size} is not the DeepSeek 128x128 recipe"
+        return FP8_BLOCK, None
+    return FP8_TENSOR, None
+
+
+def _fp8_side_attrs(method, layer) -> None:
+    """What SGLang's Fp8MoEMethod post-load leaves for its apply(): the optional SwiGLU tensors it reads as
+    layer._flashinfer_trtllm_gemm1_*, and the dispatcher's wire format."""
+    if features.FP8_TRTLLM_ACTIVATION_PARAMS.present() and method._owns_moe_runner:
+        method._prepare_flashinfer_trtllm_activation_params(layer)
+    if hasattr(layer, "dispatcher"):
+        layer.dispatcher.set_quant_config({"weight_dtype": layer.w13_weight.dtype, "use_mxfp8": False})
+
+
+def fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    fmt, _ = _fp8_method_format(method)
+    if fmt is None:
+        return original(method, layer, *args, **kwargs)
+    if fmt is FP8_TENSOR and method.quant_config.activation_scheme != "static":
+        raise TrtllmLayerError(
+            f"{layer_state.layer_name(layer)}: --moe-runner-backend flashinfer_trtllm cannot serve this FP8 per-tensor "
+            "layer: its activation scales are dynamic and the TRT-LLM per-tensor kernel takes one static input scale. "
+            "Fix: use a checkpoint with static input scales, or choose another --moe-runner-backend"
+        )
+    prepare_layer(fmt, method, layer, _fp8_side_attrs)
+
+
+def _no_side_attrs(method, layer) -> None:
+    """ModelOptFp8MoEMethod.apply reads output1_scales_scalar / output1_scales_gate_scalar / output2_scales_scalar
+    (set as kernel scalars by the flush) and the weights; nothing else."""
+
+
+def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    if features.MODELOPT_FP8_OWN_BACKEND.present():
+        backend = method._moe_runner_backend
+    else:
+        from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+        backend = get_moe_runner_backend()
+    if not backend.is_flashinfer_trtllm() or not method.quant_config.is_checkpoint_fp8_serialized:
+        return original(method, layer, *args, **kwargs)
+    prepare_layer(FP8_TENSOR_MODELOPT, method, layer, _no_side_attrs)
+
+
+@hookimpl
+def register_sglang_hooks(register, release):
+    register(HookTarget(
+        f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading", modelopt_fp8_process_weights_after_loading,
+        "around", releases=">=0.5.19", capability="fp8-prep",
+        why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
+    ))
+    register(HookTarget(
+        f"{FP8_METHOD}.process_weights_after_loading", fp8_process_weights_after_loading, "around",
+        releases=">=0.5.19", capability="fp8-prep",
+        why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert",
+    ))

@@ -1,0 +1,144 @@
+"""Every difference between SGLang releases that the plugin acts on: one named flag each, its range, and why.
+
+Code asks a flag (`features.NVFP4_W13_SCALE_2_UP_GATE.present()`) instead of comparing versions or probing for an
+attribute, so a new release is a matter of widening or closing ranges here (docs/ARCHITECTURE.md, "add an SGLang
+release"), and `tests/test_compat_features.py` checks each flag against the installed SGLang's code.
+Hook targets carry their own `releases=` (the table of what exists where); this module holds the facts that change
+what a hook must do once it runs. The CPU harness's facts (how to stand a process up) are here too, grouped last:
+they are facts about SGLang releases as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from .releases import installed_version
+
+
+@lru_cache(maxsize=None)
+def _running() -> Version | None:
+    v = installed_version()
+    return None if v is None else Version(v.base_version)
+
+
+@dataclass(frozen=True)
+class Feature:
+    #: PEP 440 specifier on the SGLang release (".post" and dev builds count as their base release)
+    releases: str
+    #: one line: what differs and why the plugin cares
+    why: str
+
+    def present(self, release: Version | str | None = None) -> bool:
+        """On `release` (default: the installed SGLang; False when none is installed)."""
+        if release is None:
+            release = _running()
+            if release is None:
+                return False
+        v = Version(Version(str(release)).base_version)
+        return SpecifierSet(self.releases).contains(v, prereleases=True)
+
+
+# ---- what the runtime hooks act on -------------------------------------------------------------------------------
+
+NVFP4_W13_SCALE_2_UP_GATE = Feature(
+    "<0.5.23",
+    "FusedMoE's trtllm loader swaps the w1/w3 shard ids for the per-tensor scales too, so w13_weight_scale_2 is "
+    "stored [Up, Gate] (0.5.23 keeps [Gate, Up]); SGLang's own prep there still reads column 0 as the gate",
+)
+FP4_QUANT_INFO_SWIGLU = Feature(
+    ">=0.5.17",
+    "FlashInferTrtllmFp4MoeQuantInfo carries gemm1_alpha / gemm1_beta / gemm1_clamp_limit (SGLang passes None before)",
+)
+FP8_QUANT_INFO_SWIGLU = Feature(
+    ">=0.5.18",
+    "FlashInferTrtllmFp8MoeQuantInfo carries gemm1_alpha / gemm1_beta / gemm1_clamp_limit (the DeepSeek FP8 "
+    "activation kernel's SwiGLU limits; None before)",
+)
+MOE_RUNNER_CONFIG_LAYER = Feature(
+    ">=0.5.16",
+    "MoeRunnerConfig has a `layer` field; before, the plugin sets it so its runner finds the layer being run",
+)
+NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS = Feature(
+    "<0.5.13",
+    "the trtllm NVFP4 layer registers w13/w2_blockscale_swizzled as placeholder Parameters (None from 0.5.13); "
+    "kept, so every registered parameter stays the same object",
+)
+NVFP4_MEGAMOE_LAYOUT = Feature(
+    ">=0.5.22",
+    "ModelOptNvFp4FusedMoEMethod.use_flashinfer_trtllm_weight_layout is False under MegaMoE, which consumes the "
+    "canonical layout: such layers stay SGLang's",
+)
+NVFP4_W13_INTERLEAVED_CHECKPOINTS = Feature(
+    ">=0.5.16",
+    "layer.inference_moe_w13_interleaved marks checkpoints that store w13 interleaved; SGLang de-interleaves them "
+    "itself, so such layers stay SGLang's",
+)
+MODELOPT_FP8_OWN_BACKEND = Feature(
+    ">=0.5.23",
+    "ModelOptFp8MoEMethod keeps its own `_moe_runner_backend`; before, it reads the global get_moe_runner_backend()",
+)
+FP8_TRTLLM_ACTIVATION_PARAMS = Feature(
+    ">=0.5.19",
+    "Fp8MoEMethod._prepare_flashinfer_trtllm_activation_params(layer) sets the SwiGLU tensors its apply reads as "
+    "layer._flashinfer_trtllm_gemm1_* (when the method owns its MoeRunner)",
+)
+CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
+    "<0.5.17",
+    "CompressedTensorsW4A4Nvfp4MoE.apply_weights calls flashinfer itself (no MoeRunner), reading TopKOutput.topk_config "
+    "and dropping the up-half scale; the plugin runs such layers on its runner with 0.5.17's QuantInfo",
+)
+WEIGHT_UPDATER = Feature(
+    ">=0.5.16",
+    "weight updates live in model_runner_components.weight_updater.WeightUpdater (ModelRunner methods before)",
+)
+DISTRIBUTED_UPDATE_RENAMED = Feature(
+    ">=0.5.21",
+    "WeightUpdater.update_weights_from_distributed is renamed load_weights_from_distributed",
+)
+UPDATE_SESSIONS = Feature(
+    ">=0.5.21",
+    "WeightUpdater.begin_weight_update / end_weight_update sessions and restore_weights_before_loading exist",
+)
+WEIGHT_CHECKER_COMPARATOR = Feature(
+    ">=0.5.16",
+    "utils.weight_checker_comparator (select_comparable_weight / compare_weights) and "
+    "weight_checker._build_quantized_set, which the plugin's checker hooks attach to",
+)
+
+# ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
+
+PLATFORM_OVERRIDE = Feature(
+    ">=0.5.19",
+    "runtime_context.override_platform fakes the platform; before, lru-cached is_sm100_supported()-style functions "
+    "imported by name into many modules are rebound",
+)
+PUBLISH_WITH_RANKS = Feature(
+    ">=0.5.21",
+    "ServerArgs are published with runtime_context.publish(ranks=SpawnRanks); before with "
+    "set_global_server_args_for_scheduler",
+)
+MOE_CONFIG_TAKES_ARGS = Feature("<0.5.19", "initialize_moe_config(server_args) takes the ServerArgs")
+SWIZZLE_MOVES_TO_CUDA = Feature(
+    "<0.5.20",
+    "quantization.utils.swizzle_blockscale ends in .cuda(), so NVFP4 create_weights cannot run without a GPU",
+)
+WEIGHT_CACHE_CHECK = Feature(
+    ">=0.5.17,<0.5.21",
+    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off' (it reads get_model_runner())",
+)
+WEIGHT_CHECKER_TAKES_PS = Feature(
+    "<0.5.21",
+    "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
+)
+SPAWN_RANKS = Feature(">=0.5.22", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
+
+
+def all_features() -> dict[str, Feature]:
+    return {name: f for name, f in globals().items() if isinstance(f, Feature)}
+
+
+__all__ = ["Feature", "all_features", *all_features()]

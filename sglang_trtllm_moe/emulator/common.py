@@ -1,0 +1,219 @@
+"""What FlashInfer's TRT-LLM-Gen fused MoE kernels compute, in torch, from the same prepared bytes the kernels read.
+
+Why: the kernels only run on Blackwell (SM100). To prove on CPU (or any GPU) that the plugin's prepared weights are
+right, the emulator takes the *prepared* tensors exactly as the kernel would (shuffled rows, gated interleave, 128x4
+swizzled scales, block-major K), undoes the layouts with `layouts`' inverses, and runs the per-format math of the
+kernels in float32 (notes: ../shared/reference/flashinfer-trtllm-moe.md §1-§4; CUDA sources shipped in the wheel).
+The public functions have flashinfer 0.7.2's exact signatures, so `runner` can swap one for the other.
+
+Structure shared by every format:
+  route -> group the (token, slot) pairs by local expert -> per expert that received tokens: dequantize its weights,
+  GEMM1 (fp32), activation (+ the format's scalars), re-quantize the intermediate like the kernel, GEMM2 (fp32),
+  round to bf16 (the GEMM2 output dtype) -> finalize: out[t] = sum_k w[t,k] * y[t,k] in fp32, in slot order, to bf16.
+Slots routed to experts outside [local_expert_offset, local_expert_offset + local_num_experts) contribute nothing.
+
+Not bit-exact by design: the kernels' fused epilogues live in cubins (reciprocal approximations, accumulation order);
+expect FP4/FP8-level agreement, see tests/test_emulator.py for the tolerances. Options the emulator does not model
+raise NotImplementedError naming the option, never silently compute something else.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import layouts
+from ..kernel_api import ActivationType
+from .routing import route
+
+GATED_ACTIVATIONS = {ActivationType.Swiglu, ActivationType.Geglu, ActivationType.GegluTanh}
+NON_GATED_ACTIVATIONS = {ActivationType.Gelu, ActivationType.Relu, ActivationType.Silu, ActivationType.Relu2,
+                         ActivationType.Identity}
+_FLT_MIN = float(torch.finfo(torch.float32).tiny)
+
+
+def is_gated(activation_type: int) -> bool:
+    """Gated activations read GEMM1 as two halves [up; gate] (the kernel's x1 = first half, x2 = second half)."""
+    a = int(activation_type)
+    if a in GATED_ACTIVATIONS:
+        return True
+    if a in NON_GATED_ACTIVATIONS:
+        return False
+    raise NotImplementedError(f"activation_type={a} ({_act_name(a)}) is not emulated; supported: "
+                              f"{sorted(x.name for x in GATED_ACTIVATIONS | NON_GATED_ACTIVATIONS)}")
+
+
+def _act_name(a: int) -> str:
+    try:
+        return ActivationType(a).name
+    except ValueError:
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Activation (the FC1 epilogue / DeepSeek activation kernel)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _scalar(t: Optional[torch.Tensor], e: int, default: float) -> float:
+    return default if t is None else float(t.reshape(-1)[e])
+
+
+def _gelu(x: torch.Tensor, tanh: bool = False) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh" if tanh else "none")
+
+
+def _activate(a1: torch.Tensor, act: int, gate_scale: float = 1.0, out_scale: float = 1.0, *,
+              alpha: Optional[float] = None, beta: Optional[float] = None, limit: Optional[float] = None,
+              valid_intermediate: Optional[int] = None) -> torch.Tensor:
+    """GEMM1 output (raw accumulator units) -> activation, as the kernels' epilogue computes it.
+
+    Gated: x1 = up = first half, x2 = gate = second half (dev_kernel.cu gatedSilu(xLinear=x1, xGlu=x2)). The OAI
+    controls act on raw accumulator units (clamp limit and beta are passed divided by the dequant scale, SGLang
+    modelopt_quant.py), then `gate_scale` (output1_scale_gate_scalar) dequantizes the gate and `out_scale`
+    (output1_scale_scalar) scales the product:
+        h = act(min(x2, L) * gate_scale) * (clamp(x1, -L, L) + beta) * out_scale,
+    with act(g) = g / (1 + exp(-alpha g)) for Swiglu (gatedSilu's exact expression).
+    Non-gated: h = act(A1 * gate_scale) * out_scale (SGLang and flashinfer's own prepare put the dequant scale in
+    the gate scalar and only the re-quantization factor in output1_scale_scalar for Relu2).
+    """
+    if is_gated(act):
+        ip = a1.shape[-1] // 2
+        up, gate = a1[..., :ip], a1[..., ip:]
+        if limit is not None:
+            gate = gate.clamp(max=limit)
+            up = up.clamp(-limit, limit)
+        g = gate * gate_scale
+        if act == ActivationType.Swiglu:
+            a = 1.0 if alpha is None else alpha
+            h = g / (1.0 + torch.exp(-a * g))
+        elif alpha is not None or beta is not None or limit is not None:
+            raise NotImplementedError(f"gemm1_alpha/beta/clamp_limit with activation_type={_act_name(act)}")
+        else:
+            h = _gelu(g, tanh=(act == ActivationType.GegluTanh))
+        h = h * (up + (0.0 if beta is None else beta)) * out_scale
+        if valid_intermediate is not None and valid_intermediate < ip:
+            h[..., valid_intermediate:] = 0
+        return h
+    if alpha is not None or beta is not None or limit is not None:
+        raise NotImplementedError(f"gemm1_alpha/beta/clamp_limit with non-gated activation {_act_name(act)}")
+    x = a1 * gate_scale
+    if act == ActivationType.Relu2:
+        h = torch.relu(x).square()
+    elif act == ActivationType.Relu:
+        h = torch.relu(x)
+    elif act == ActivationType.Silu:
+        h = x / (1.0 + torch.exp(-x))
+    elif act == ActivationType.Gelu:
+        h = _gelu(x)
+    else:  # Identity
+        h = x
+    h = h * out_scale
+    if valid_intermediate is not None and valid_intermediate < h.shape[-1]:
+        h[..., valid_intermediate:] = 0
+    return h
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared driver: routing, grouping by expert, finalize
+# ----------------------------------------------------------------------------------------------------------------
+
+ExpertFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _groups(ids: torch.Tensor, offset: int, n_local: int):
+    """Yield (local expert, flat slot indices) for each local expert that received slots; flat slot = t * K + k."""
+    flat = ids.reshape(-1).long() - int(offset)
+    slots = ((flat >= 0) & (flat < int(n_local))).nonzero().squeeze(1)
+    experts = flat[slots]
+    order = torch.argsort(experts, stable=True)
+    slots, experts = slots[order], experts[order]
+    if slots.numel() == 0:
+        return
+    uniq, counts = torch.unique_consecutive(experts, return_counts=True)
+    for e, s in zip(uniq.tolist(), torch.split(slots, counts.tolist())):
+        yield e, s
+
+
+def _run(x: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor], offset: int, n_local: int,
+         expert_fn: ExpertFn, hidden_out: int, output: Optional[torch.Tensor],
+         routing_replay_out: Optional[torch.Tensor] = None, weights_on_input: bool = False) -> torch.Tensor:
+    """x [T, H] float32 (dequantized activations); expert_fn(e, rows, slot_weights) -> bf16-valued [n, hidden_out]."""
+    T, K = ids.shape
+    if routing_replay_out is not None:
+        routing_replay_out[:T].copy_(ids.to(routing_replay_out.dtype))
+    y = torch.zeros(T * K, hidden_out, dtype=torch.float32, device=x.device)
+    w_flat = None if weights is None else weights.reshape(-1).float()
+    for e, s in _groups(ids, offset, n_local):
+        y[s] = expert_fn(e, x[s // K], None if w_flat is None else w_flat[s])
+    y = y.view(T, K, hidden_out)
+    acc = torch.zeros(T, hidden_out, dtype=torch.float32, device=x.device)
+    for k in range(K):  # finalize: fp32 sum in slot order (finalize kernel), weight in its own dtype
+        if weights_on_input or weights is None:
+            acc = acc + y[:, k]
+        else:
+            acc = acc + weights[:, k].float().unsqueeze(1) * y[:, k]
+    out = acc.to(torch.bfloat16)
+    if output is not None:
+        output.copy_(out)
+        return output
+    return out
+
+
+def routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
+             routing_method_type, norm_topk_prob):
+    return route(routing_method_type, routing_logits, top_k, bias=routing_bias, n_group=n_group,
+                 topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob)
+
+
+def unsupported(**opts) -> None:
+    """Raise NotImplementedError for the first option that is set to something the emulator does not model."""
+    for name, (value, ok) in opts.items():
+        if not ok:
+            raise NotImplementedError(f"the TRT-LLM-Gen MoE emulator does not model {name}={value!r}")
+
+
+def common_unsupported(do_finalize, num_fused_shared_experts=None, gemm1_bias=None, gemm2_bias=None,
+                        gemm1_lora_delta=None):
+    unsupported(
+        do_finalize=(do_finalize, bool(do_finalize)),
+        num_fused_shared_experts=(num_fused_shared_experts, not num_fused_shared_experts),
+        gemm1_bias=("<tensor>", gemm1_bias is None),
+        gemm2_bias=("<tensor>", gemm2_bias is None),
+        gemm1_lora_delta=("<tensor>", gemm1_lora_delta is None),
+    )
+
+
+def _check_local(name: str, w: torch.Tensor, local_num_experts: int) -> None:
+    if w.shape[0] != local_num_experts:
+        raise ValueError(f"{name} has {w.shape[0]} experts but local_num_experts={local_num_experts}: "
+                         "weights hold only this rank's experts")
+
+
+def _gemm1_rows(intermediate_size: int, act: int) -> int:
+    return 2 * intermediate_size if is_gated(act) else intermediate_size
+
+
+def _unshuffle_rows(w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Rows of one expert's prepared matrix back to logical order (row permutation on the byte view)."""
+    return w.view(torch.uint8).index_select(0, inv).view(w.dtype)
+
+
+def _sf_numel(n_experts: int, rows: int, cols: int) -> int:
+    return n_experts * (-(-rows // 128) * 128) * (-(-cols // 4) * 4)
+
+
+def _expert_sf(sf: torch.Tensor, e: int, n_experts: int, rows: int, cols: int) -> torch.Tensor:
+    """Expert e's 128x4-swizzled scales -> linear [rows, cols] uint8, accepting [E, R, C], [E, Rp, Cp] or flat."""
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    flat = sf.reshape(-1).view(torch.uint8) if sf.is_contiguous() else sf.contiguous().reshape(-1).view(torch.uint8)
+    if flat.numel() != n_experts * rp * cp:
+        raise ValueError(f"scale tensor of shape {tuple(sf.shape)} does not hold {n_experts} experts of "
+                         f"{rows}x{cols} scales swizzled to {rp}x{cp}")
+    return layouts.unswizzle_sf_128x4(flat[e * rp * cp:(e + 1) * rp * cp].view(rp, cp), rows, cols)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+

@@ -1,0 +1,159 @@
+"""FP8 block scale (DeepSeek: e4m3 with 128x128 weight scales, 1x128 activation scales): flashinfer `trtllm_fp8_block_scale_moe` / `_routed_moe`."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from .. import layouts, quant
+from ..kernel_api import ActivationType, Fp8QuantizationType, WeightLayout
+from .common import (
+    _FLT_MIN, _activate, _act_name, _bf16, _check_local, _run, _scalar, common_unsupported, routing, unsupported,
+)
+from .routing import split_routed_input
+
+
+def _block_requant(x: torch.Tensor) -> torch.Tensor:
+    """Per (row, 128-column block) e4m3 with scale max(amax/448, FLT_MIN), dequantized back (activation kernel)."""
+    q, s = quant.fp8_group_quantize(x, 128, min_scale=_FLT_MIN)
+    return quant.fp8_group_dequantize(q, s, 128)
+
+
+def _fp8_block_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
+                    gemm2_weights, gemm2_weights_scale, intermediate_size, local_expert_offset, local_num_experts,
+                    use_shuffled_weight, weight_layout, fp8_quantization_type, activation_type, gemm1_alpha,
+                    gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size, valid_intermediate_size,
+                    routing_replay_out):
+    act = int(activation_type)
+    unsupported(fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) == 1),
+                 use_shuffled_weight=(use_shuffled_weight, not use_shuffled_weight),
+                 weight_layout=(weight_layout, int(weight_layout) in (0, 2)),
+                 activation_type=(_act_name(act), act == ActivationType.Swiglu))
+    if hidden_states.dtype != torch.float8_e4m3fn:
+        raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (only e4m3 activations are emulated)")
+    T, H = hidden_states.shape
+    M, I = 2 * intermediate_size, intermediate_size
+    if H % 128 or I % 128:
+        raise ValueError(f"DeepSeek FP8 needs hidden ({H}) and intermediate ({I}) sizes that are multiples of 128")
+    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    if int(weight_layout) == WeightLayout.BlockMajorK:
+        w1_all, w2_all = layouts.from_block_major_k(gemm1_weights), layouts.from_block_major_k(gemm2_weights)
+    else:
+        w1_all, w2_all = gemm1_weights, gemm2_weights
+    if tuple(w1_all.shape[1:]) != (M, H) or tuple(w2_all.shape[1:]) != (H, I):
+        raise ValueError(f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
+                         f"[E, {M}, {H}]/[E, {H}, {I}] in layout {int(weight_layout)}")
+    x = quant.fp8_group_dequantize(hidden_states, hidden_states_scale.t().reshape(T, H // 128), 128)
+
+    def expert(e, rows, _w):
+        w1 = quant.fp8_block_dequantize(w1_all[e], gemm1_weights_scale[e])
+        w2 = quant.fp8_block_dequantize(w2_all[e], gemm2_weights_scale[e])
+        a1 = _block_requant(rows @ w1.t())  # GEMM1 writes e4m3 + per-128-column dequant scales
+        h = _activate(a1, act, alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
+                      beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
+                      limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+                      valid_intermediate=valid_intermediate_size)
+        return _bf16(_block_requant(h) @ w2.t())
+
+    out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
+    if valid_hidden_size is not None:
+        out = out[:, :valid_hidden_size]
+    if output is not None:
+        output.copy_(out)
+        out = output
+    return out
+
+
+def trtllm_fp8_block_scale_moe(
+    routing_logits: torch.Tensor,
+    routing_bias: Optional[torch.Tensor],
+    hidden_states: torch.Tensor,
+    hidden_states_scale: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    intermediate_size: int,
+    local_expert_offset: int,
+    local_num_experts: int,
+    routed_scaling_factor: Optional[float],
+    routing_method_type: int = 0,
+    use_shuffled_weight: bool = False,
+    weight_layout: int = 0,
+    do_finalize: bool = True,
+    enable_pdl: Optional[bool] = None,
+    tune_max_num_tokens: int = 8192,
+    fp8_quantization_type: Fp8QuantizationType = Fp8QuantizationType.DeepSeekFp8,
+    num_fused_shared_experts: Optional[int] = None,
+    activation_type: int = ActivationType.Swiglu.value,
+    norm_topk_prob: bool = True,
+    routing_replay_out: Optional[torch.Tensor] = None,
+    gemm1_alpha: Optional[torch.Tensor] = None,
+    gemm1_beta: Optional[torch.Tensor] = None,
+    gemm1_clamp_limit: Optional[torch.Tensor] = None,
+    output: Optional[torch.Tensor] = None,
+    valid_hidden_size: Optional[int] = None,
+    valid_intermediate_size: Optional[int] = None,
+    *,
+    gemm1_bias: Optional[torch.Tensor] = None,
+    gemm2_bias: Optional[torch.Tensor] = None,
+) -> Union[List[torch.Tensor], torch.Tensor]:
+    """Emulates flashinfer `trtllm_fp8_block_scale_moe` (DeepSeekFp8, MajorK or BlockMajorK, unshuffled)."""
+    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias)
+    ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                      routing_method_type, norm_topk_prob)
+    return _fp8_block_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
+                           gemm2_weights, gemm2_weights_scale, intermediate_size, local_expert_offset,
+                           local_num_experts, use_shuffled_weight, weight_layout, fp8_quantization_type,
+                           activation_type, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size,
+                           valid_intermediate_size, routing_replay_out)
+
+
+def trtllm_fp8_block_scale_routed_moe(
+    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+    routing_bias: Optional[torch.Tensor],
+    hidden_states: torch.Tensor,
+    hidden_states_scale: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    intermediate_size: int,
+    local_expert_offset: int,
+    local_num_experts: int,
+    routed_scaling_factor: Optional[float],
+    routing_method_type: int = 0,
+    use_shuffled_weight: bool = False,
+    weight_layout: int = 0,
+    do_finalize: bool = True,
+    enable_pdl: Optional[bool] = None,
+    gemm1_lora_delta: Optional[torch.Tensor] = None,
+    output: Optional[torch.Tensor] = None,
+    tune_max_num_tokens: int = 8192,
+    fp8_quantization_type: Fp8QuantizationType = Fp8QuantizationType.DeepSeekFp8,
+    activation_type: int = ActivationType.Swiglu.value,
+    gemm1_alpha: Optional[torch.Tensor] = None,
+    gemm1_beta: Optional[torch.Tensor] = None,
+    gemm1_clamp_limit: Optional[torch.Tensor] = None,
+    valid_hidden_size: Optional[int] = None,
+    valid_intermediate_size: Optional[int] = None,
+) -> Union[List[torch.Tensor], torch.Tensor]:
+    """Emulates flashinfer `trtllm_fp8_block_scale_routed_moe`."""
+    common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)
+    ids, w = split_routed_input(topk_ids)
+    return _fp8_block_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
+                           gemm2_weights, gemm2_weights_scale, intermediate_size, local_expert_offset,
+                           local_num_experts, use_shuffled_weight, weight_layout, fp8_quantization_type,
+                           activation_type, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size,
+                           valid_intermediate_size, None)
+

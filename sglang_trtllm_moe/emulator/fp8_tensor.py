@@ -1,0 +1,121 @@
+"""FP8 per-tensor (e4m3 weights and activations, per-expert scalars): flashinfer `trtllm_fp8_per_tensor_scale_moe` / `_routed_moe`."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from .. import layouts, quant
+from ..kernel_api import ActivationType
+from .common import (
+    _activate, _bf16, _check_local, _gemm1_rows, _run, _scalar, _unshuffle_rows, common_unsupported, is_gated, routing, unsupported,
+)
+from .routing import split_routed_input
+
+
+def _fp8_tensor_impl(ids, weights, hidden_states, gemm1_weights, output1_scales_scalar, output1_scales_gate_scalar,
+                     gemm2_weights, output2_scales_scalar, intermediate_size, local_expert_offset, local_num_experts,
+                     use_routing_scales_on_input, activation_type, output, gemm1_clamp_limit, routing_replay_out):
+    act = int(activation_type)
+    unsupported(gemm1_clamp_limit=("<tensor>", gemm1_clamp_limit is None))
+    if hidden_states.dtype != torch.float8_e4m3fn:
+        raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (only e4m3 activations are emulated)")
+    T, H = hidden_states.shape
+    M, I = _gemm1_rows(intermediate_size, act), intermediate_size
+    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, I):
+        raise ValueError(f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} != [E, {M}, {H}]/"
+                         f"[E, {H}, {I}]")
+    dev = hidden_states.device
+    inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
+    inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
+
+    def expert(e, rows, slot_w):
+        w1 = _unshuffle_rows(gemm1_weights[e], inv1).float()
+        w2 = _unshuffle_rows(gemm2_weights[e], inv2).float()
+        a1 = rows @ w1.t()
+        if use_routing_scales_on_input:  # Llama4: routing weight scales GEMM1 (per-token scale), not the output
+            a1 = a1 * slot_w.unsqueeze(1)
+        h = _activate(a1, act, _scalar(output1_scales_gate_scalar, e, 1.0), _scalar(output1_scales_scalar, e, 1.0))
+        hq = quant.fp8_quantize(h, 1.0)  # re-quantized to e4m3 with scale 1 (output1 scale already holds 1/a2)
+        return _bf16((hq.float() @ w2.t()) * _scalar(output2_scales_scalar, e, 1.0))
+
+    return _run(hidden_states.float(), ids, weights, local_expert_offset, local_num_experts, expert, H, output,
+                routing_replay_out, weights_on_input=bool(use_routing_scales_on_input))
+
+
+def trtllm_fp8_per_tensor_scale_moe(
+    routing_logits: torch.Tensor,
+    routing_bias: Optional[torch.Tensor],
+    hidden_states: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    output1_scales_scalar: torch.Tensor,
+    output1_scales_gate_scalar: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    output2_scales_scalar: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    intermediate_size: int,
+    local_expert_offset: int,
+    local_num_experts: int,
+    routed_scaling_factor: Optional[float],
+    use_routing_scales_on_input: bool,
+    routing_method_type: int = 0,
+    do_finalize: bool = True,
+    enable_pdl: Optional[bool] = None,
+    tune_max_num_tokens: int = 8192,
+    activation_type: int = ActivationType.Swiglu.value,
+    norm_topk_prob: bool = True,
+    routing_replay_out: Optional[torch.Tensor] = None,
+    output: Optional[torch.Tensor] = None,
+    gemm1_clamp_limit: Optional[torch.Tensor] = None,
+) -> Union[List[torch.Tensor], torch.Tensor]:
+    """Emulates flashinfer `trtllm_fp8_per_tensor_scale_moe`; returns the output tensor (do_finalize=True)."""
+    common_unsupported(do_finalize)
+    ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                      routing_method_type, norm_topk_prob)
+    return _fp8_tensor_impl(ids, w, hidden_states, gemm1_weights, output1_scales_scalar, output1_scales_gate_scalar,
+                            gemm2_weights, output2_scales_scalar, intermediate_size, local_expert_offset,
+                            local_num_experts, use_routing_scales_on_input, activation_type, output,
+                            gemm1_clamp_limit, routing_replay_out)
+
+
+def trtllm_fp8_per_tensor_scale_routed_moe(
+    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+    routing_bias: Optional[torch.Tensor],
+    hidden_states: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    output1_scales_scalar: torch.Tensor,
+    output1_scales_gate_scalar: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    output2_scales_scalar: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    intermediate_size: int,
+    local_expert_offset: int,
+    local_num_experts: int,
+    routed_scaling_factor: Optional[float],
+    use_routing_scales_on_input: bool,
+    routing_method_type: int = 0,
+    do_finalize: bool = True,
+    enable_pdl: Optional[bool] = None,
+    tune_max_num_tokens: int = 8192,
+    activation_type: int = ActivationType.Swiglu.value,
+    routing_replay_out: Optional[torch.Tensor] = None,
+    output: Optional[torch.Tensor] = None,
+    gemm1_clamp_limit: Optional[torch.Tensor] = None,
+) -> Union[List[torch.Tensor], torch.Tensor]:
+    """Emulates flashinfer `trtllm_fp8_per_tensor_scale_routed_moe`."""
+    common_unsupported(do_finalize)
+    ids, w = split_routed_input(topk_ids)
+    return _fp8_tensor_impl(ids, w, hidden_states, gemm1_weights, output1_scales_scalar, output1_scales_gate_scalar,
+                            gemm2_weights, output2_scales_scalar, intermediate_size, local_expert_offset,
+                            local_num_experts, use_routing_scales_on_input, activation_type, output,
+                            gemm1_clamp_limit, routing_replay_out)
+

@@ -1,0 +1,175 @@
+"""NVFP4 weights and activations (e2m1 + e4m3 scales per 16): flashinfer `trtllm_fp4_block_scale_moe` / `_routed_moe`."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from .. import layouts, quant
+from ..kernel_api import ActivationType
+from .common import (
+    _activate, _act_name, _bf16, _check_local, _expert_sf, _gemm1_rows, _run, _scalar, _sf_numel, _unshuffle_rows, common_unsupported, is_gated, routing, unsupported,
+)
+from .routing import split_routed_input
+
+
+def _fp4_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
+              gemm1_alpha, gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale,
+              output1_scale_scalar, output1_scale_gate_scalar, output2_scale_scalar, intermediate_size,
+              local_expert_offset, local_num_experts, activation_type, output, valid_hidden_size,
+              valid_intermediate_size, routing_replay_out):
+    act = int(activation_type)
+    if hidden_states.dtype != torch.uint8:
+        raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} with FP4 weights (only NVFP4 "
+                                  "activations, packed uint8, are emulated; MXFP8/BF16 activations are not)")
+    T = hidden_states.shape[0]
+    H = hidden_states.shape[1] * 2
+    if hidden_states_scale is None:
+        raise ValueError("NVFP4 hidden_states need hidden_states_scale (linear e4m3 [T, H/16])")
+    M = _gemm1_rows(intermediate_size, act)
+    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    if tuple(gemm1_weights.shape[1:]) != (M, H // 2):
+        raise ValueError(f"gemm1_weights shape {tuple(gemm1_weights.shape)} != [E, {M}, {H // 2}] for "
+                         f"intermediate_size={intermediate_size}, activation {_act_name(act)}, hidden {H}")
+    I = intermediate_size
+    if tuple(gemm2_weights.shape[1:]) != (H, I // 2):
+        raise ValueError(f"gemm2_weights shape {tuple(gemm2_weights.shape)} != [E, {H}, {I // 2}]")
+    n_sf = gemm1_weights_scale.numel()
+    if n_sf != _sf_numel(local_num_experts, M, H // 16) and n_sf == _sf_numel(local_num_experts, M, H // 32):
+        raise NotImplementedError("MXFP4 weights (ue8m0 scales per 32) are not emulated; only NVFP4 weights")
+    dev = hidden_states.device
+    x = quant.nvfp4_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 16), 1.0)
+    inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
+    inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
+    E = local_num_experts
+
+    def expert(e, rows, _w):
+        w1 = _unshuffle_rows(gemm1_weights[e], inv1)
+        s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // 16).index_select(0, inv1)
+        w2 = _unshuffle_rows(gemm2_weights[e], inv2)
+        s2 = _expert_sf(gemm2_weights_scale, e, E, H, I // 16).index_select(0, inv2)
+        a1 = rows @ quant.nvfp4_dequantize(w1, s1, 1.0).t()
+        h = _activate(a1, act, _scalar(output1_scale_gate_scalar, e, 1.0), _scalar(output1_scale_scalar, e, 1.0),
+                      alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
+                      beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
+                      limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+                      valid_intermediate=valid_intermediate_size)
+        hq, hs = quant.nvfp4_quantize(h, 1.0)  # FC1 epilogue writes NVFP4 with global scale 1
+        a2 = quant.nvfp4_dequantize(hq, hs, 1.0) @ quant.nvfp4_dequantize(w2, s2, 1.0).t()
+        return _bf16(a2 * _scalar(output2_scale_scalar, e, 1.0))
+
+    out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
+    if valid_hidden_size is not None:
+        out = out[:, :valid_hidden_size]
+    if output is not None:
+        output.copy_(out)
+        out = output
+    return [out]
+
+
+def _fp4unsupported(per_token_scale, hidden_states_scale_layout) -> None:
+    linear = hidden_states_scale_layout is None or int(hidden_states_scale_layout) == 2  # SfLayout.layout_linear
+    unsupported(per_token_scale=("<tensor>", per_token_scale is None),
+                 hidden_states_scale_layout=(hidden_states_scale_layout, linear))
+
+
+def trtllm_fp4_block_scale_moe(
+    routing_logits: torch.Tensor,
+    routing_bias: Optional[torch.Tensor],
+    hidden_states: torch.Tensor,
+    hidden_states_scale: Optional[torch.Tensor],
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm1_bias: Optional[torch.Tensor],
+    gemm1_alpha: Optional[torch.Tensor],
+    gemm1_beta: Optional[torch.Tensor],
+    gemm1_clamp_limit: Optional[torch.Tensor],
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    gemm2_bias: Optional[torch.Tensor],
+    output1_scale_scalar: Optional[torch.Tensor],
+    output1_scale_gate_scalar: Optional[torch.Tensor],
+    output2_scale_scalar: Optional[torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    intermediate_size: int,
+    local_expert_offset: int,
+    local_num_experts: int,
+    routed_scaling_factor: Optional[float],
+    routing_method_type: int = 0,
+    do_finalize: bool = True,
+    enable_pdl: Optional[bool] = None,
+    activation_type: int = ActivationType.Swiglu.value,
+    per_token_scale: Optional[torch.Tensor] = None,
+    output: Optional[torch.Tensor] = None,
+    tune_max_num_tokens: int = 8192,
+    norm_topk_prob: bool = True,
+    routing_replay_out: Optional[torch.Tensor] = None,
+    num_fused_shared_experts: Optional[int] = None,
+    valid_hidden_size: Optional[int] = None,
+    valid_intermediate_size: Optional[int] = None,
+    hidden_states_scale_layout=None,
+) -> List[torch.Tensor]:
+    """Emulates flashinfer `trtllm_fp4_block_scale_moe` (NVFP4 weights + NVFP4 activations); returns [output]."""
+    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias)
+    _fp4unsupported(per_token_scale, hidden_states_scale_layout)
+    ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                      routing_method_type, norm_topk_prob)
+    return _fp4_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm1_alpha,
+                     gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale, output1_scale_scalar,
+                     output1_scale_gate_scalar, output2_scale_scalar, intermediate_size, local_expert_offset,
+                     local_num_experts, activation_type, output, valid_hidden_size, valid_intermediate_size,
+                     routing_replay_out)
+
+
+def trtllm_fp4_block_scale_routed_moe(
+    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+    routing_bias: Optional[torch.Tensor],
+    hidden_states: torch.Tensor,
+    hidden_states_scale: Optional[torch.Tensor],
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm1_bias: Optional[torch.Tensor],
+    gemm1_alpha: Optional[torch.Tensor],
+    gemm1_beta: Optional[torch.Tensor],
+    gemm1_clamp_limit: Optional[torch.Tensor],
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    gemm2_bias: Optional[torch.Tensor],
+    output1_scale_scalar: Optional[torch.Tensor],
+    output1_scale_gate_scalar: Optional[torch.Tensor],
+    output2_scale_scalar: Optional[torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    intermediate_size: int,
+    local_expert_offset: int,
+    local_num_experts: int,
+    routed_scaling_factor: Optional[float],
+    routing_method_type: int = 0,
+    do_finalize: bool = True,
+    enable_pdl: Optional[bool] = None,
+    activation_type: int = ActivationType.Swiglu.value,
+    per_token_scale: Optional[torch.Tensor] = None,
+    output: Optional[torch.Tensor] = None,
+    tune_max_num_tokens: int = 8192,
+    gemm1_lora_delta: Optional[torch.Tensor] = None,
+    valid_hidden_size: Optional[int] = None,
+    valid_intermediate_size: Optional[int] = None,
+    num_fused_shared_experts: Optional[int] = None,
+    hidden_states_scale_layout=None,
+) -> List[torch.Tensor]:
+    """Emulates flashinfer `trtllm_fp4_block_scale_routed_moe` (precomputed top-k, packed or (ids, weights))."""
+    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias, gemm1_lora_delta)
+    _fp4unsupported(per_token_scale, hidden_states_scale_layout)
+    ids, w = split_routed_input(topk_ids)
+    return _fp4_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm1_alpha,
+                     gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale, output1_scale_scalar,
+                     output1_scale_gate_scalar, output2_scale_scalar, intermediate_size, local_expert_offset,
+                     local_num_experts, activation_type, output, valid_hidden_size, valid_intermediate_size, None)
+

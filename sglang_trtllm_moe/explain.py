@@ -1,0 +1,94 @@
+"""`explain`: which MoE runner backend a model directory gets, and why, without a GPU.
+
+The same rules as the resolution hook (selection/), offline from config.json, plus — when SGLang is installed —
+SGLang's own resolution of the same model with and without the plugin (device="cpu", platform faked to the asked SM:
+`testing.platform`, the one place that fakes a platform).
+"""
+
+from __future__ import annotations
+
+
+def _sglang_resolutions(model_path: str, sm: int | None, server_kwargs: dict) -> dict:
+    """moe_runner_backend from SGLang's real resolution (device="cpu", platform faked to `sm`): upstream alone
+    (our hook present but switched off through SGLANG_TRTLLM_MOE_AUTO=0) and with the plugin."""
+    import contextlib
+    import os
+
+    from .compat.platform import resolved_moe_runner_backend
+    from .doctor import load_into_this_process
+    from .plugin import state
+    from .selection import ENV_AUTO
+    from .testing.platform import fake_platform
+
+    load_into_this_process()
+    from sglang.srt.server_args import ServerArgs
+
+    out: dict = {"plugin_status": state().status}
+    saved = os.environ.get(ENV_AUTO)
+    try:
+        for key, auto in (("upstream_alone", "0"), ("with_plugin", saved if saved is not None else "1")):
+            os.environ[ENV_AUTO] = auto
+            scope = fake_platform(sm) if sm is not None else contextlib.nullcontext()
+            try:
+                with scope:
+                    out[key] = resolved_moe_runner_backend(ServerArgs(model_path=model_path, device="cpu", **server_kwargs))
+            except Exception as e:  # noqa: BLE001 - SGLang rejecting the configuration is an answer too
+                out[key] = None
+                out[f"{key}_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_AUTO, None)
+        else:
+            os.environ[ENV_AUTO] = saved
+    return out
+
+
+def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, ep_size: int = 1,
+                  quantization: str | None = None, a2a_backend: str = "none", enable_eplb: bool = False,
+                  moe_runner_backend: str = "auto", run_sglang: bool = True) -> dict:
+    """The resolution report for a model directory (config.json only), without a GPU."""
+    import json
+    import os
+    from dataclasses import asdict
+
+    from .selection import DeviceInfo, flashinfer_version, problem_from_hf_config, resolve
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    problem = problem_from_hf_config(config, quantization=quantization, tp_size=tp_size,
+                                     ep_size=tp_size if a2a_backend != "none" else ep_size,
+                                     a2a_backend=a2a_backend, enable_eplb=enable_eplb)
+    if sm is not None:
+        device = DeviceInfo(sm=sm, flashinfer_version=flashinfer_version(), source="cli --sm")
+    else:
+        device = _local_device()
+    sglang: dict = {}
+    if run_sglang:
+        kwargs = dict(tp_size=tp_size, ep_size=ep_size, moe_runner_backend=moe_runner_backend,
+                      moe_a2a_backend=a2a_backend, enable_eplb=enable_eplb)
+        if quantization is not None:
+            kwargs["quantization"] = quantization
+        try:
+            sglang = _sglang_resolutions(model_path, device.sm, kwargs)
+        except Exception as e:  # noqa: BLE001 - no SGLang (or an older one): the plugin's rules still answer
+            sglang = {"error": f"{type(e).__name__}: {e}"}
+    if problem is None:
+        return {"winner": sglang.get("with_plugin") or moe_runner_backend, "code": "NOT_MOE",
+                "reason": "the model has no routed experts (no num_experts / n_routed_experts in config.json)",
+                "candidates": [], "problem": None, "sglang": sglang}
+    res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
+    return {**res.to_dict(), "problem": asdict(problem), "sglang": sglang}
+
+
+def _local_device():
+    from .selection import DeviceInfo, flashinfer_version
+
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return DeviceInfo(sm=major * 10 + minor, flashinfer_version=flashinfer_version(), source="torch.cuda")
+    except Exception:  # noqa: BLE001
+        pass
+    return DeviceInfo(sm=None, flashinfer_version=flashinfer_version(), source="no CUDA device")

@@ -1,0 +1,80 @@
+"""Compressed-tensors NVFP4 (`CompressedTensorsW4A4Nvfp4MoE`, llm-compressor): NVFP4 bytes, other bookkeeping.
+
+* Parameters are `w13_weight_packed` / `w2_weight_packed` (SGLang renames them to `w13_weight` / `w2_weight` in
+  its prep and deletes the originals, so a later reload by checkpoint name has nowhere to go; the plugin keeps
+  them and registers the kernel names as aliases of the same Parameter).
+* On flashinfer_trtllm the loader puts w13 in checkpoint order [gate; up] (`load_up_proj_weight_first` is False)
+  and SGLang swaps the halves afterwards (`reorder_w1w3_to_w3w1`); here the swap is folded into the w13 row map.
+* Global scales are *quantize* scales: weight_global_scale = 1 / ModelOpt weight_scale_2, input_global_scale =
+  1 / input_scale. SGLang's trtllm path takes the min input_global_scale (= max input scale), as ModelOpt takes the
+  max input_scale. SGLang uses the gate's weight global scale for both halves (warning that accuracy "may be
+  affected" when they differ); the kernel takes the up scale separately through output1_scale_scalar, so ours keeps
+  it: identical scalars when gate and up share a global scale (what llm-compressor writes), exact ones when they do
+  not. Non-gated (relu2): g1_scale_c = 1/a2 as for ModelOpt (SGLang multiplies in g1_alphas a second time there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import TRTLLM, Checkpoint, ParamLayout
+from .nvfp4 import NvFp4
+
+
+class CtNvFp4(NvFp4):
+
+    name = "ct_nvfp4"
+    title = "NVFP4 (compressed-tensors nvfp4)"
+    #: SGLang has no routed path for compressed-tensors (handle_moe_kernel_config asserts)
+    quantizations = {TRTLLM: frozenset({"compressed-tensors"})}
+    params = (
+        ParamLayout("w13_weight_packed", "w13"),
+        ParamLayout("w13_weight_scale", "w13", sf_swizzle=True),
+        ParamLayout("w2_weight_packed", "w2"),
+        ParamLayout("w2_weight_scale", "w2", sf_swizzle=True),
+    )
+    scalar_params = ("w13_weight_global_scale", "w2_weight_global_scale", "w13_input_global_scale",
+                     "w2_input_global_scale")
+    #: kernel-side names SGLang's apply reads -> the loaded Parameter they alias
+    aliases = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}
+
+    def row_map(self, layer, p, t):
+        rmap = super().row_map(layer, p, t)
+        if p.group == "w13" and self.is_gated(layer):
+            m = t.shape[1]
+            swap = (torch.arange(m, device=rmap.device) + m // 2) % m  # checkpoint [gate; up] -> [up; gate]
+            rmap = swap[rmap]
+        return rmap
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization == "compressed-tensors" and checkpoint.quant_scheme == "nvfp4"
+
+    def scale_of(self, name):
+        if name.endswith("_weight_packed"):
+            return name[: -len("_packed")] + "_scale"
+        return super().scale_of(name)
+
+    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+        gated = self.is_gated(layer)
+        e = layer.w13_weight_packed.shape[0]
+        # exactly SGLang's expressions (compressed_tensors_w4a4_nvfp4_moe.py), so the bits match
+        a1_q = layer.w13_input_global_scale.data.min().to(torch.float32).expand(e)
+        a2_q = layer.w2_input_global_scale.data.min().to(torch.float32).expand(e)
+        wgs = layer.w13_weight_global_scale.data
+        s_gate = 1 / wgs[:, 0]
+        s_up = 1 / wgs[:, 1] if (gated and wgs.dim() == 2 and wgs.shape[1] >= 2) else s_gate
+        g1 = (1 / a1_q) * s_gate
+        g1_up = (1 / a1_q) * s_up
+        g2 = ((1 / a2_q) * (1 / layer.w2_weight_global_scale.data)).to(torch.float32)
+        scale_c = (a2_q * g1_up).to(torch.float32) if gated else a2_q.contiguous()
+        return {
+            "g1_alphas": g1.to(torch.float32),
+            "g1_alphas_up": g1_up.to(torch.float32),
+            "g2_alphas": g2,
+            "w13_input_scale_quant": a1_q.contiguous(),
+            "w2_input_scale_quant": a2_q.contiguous(),
+            "g1_scale_c": scale_c,
+        }
+
+
+CT_NVFP4 = CtNvFp4()

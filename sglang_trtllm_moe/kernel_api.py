@@ -1,0 +1,94 @@
+"""The contract of FlashInfer's TRT-LLM-Gen fused MoE entry points, without importing flashinfer.
+
+Why one module: the runner calls these entry points (on SM100) or the emulator's (anywhere) with the same
+arguments, the formats declare which activations their kernel computes, and the emulator mirrors the enums; all of
+them must agree with flashinfer's `tllm_enums` and SGLang's `get_activation_type` (tests compare against both), and
+importing flashinfer on a CPU box is slow or impossible (0.6.8-0.6.12 assert libcudart at import).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ActivationType(enum.IntEnum):
+    """Same values as `flashinfer.tllm_enums.ActivationType` (checked by tests), without importing flashinfer."""
+
+    Gelu = 0
+    Relu = 1
+    Silu = 2
+    Swiglu = 3
+    Geglu = 4
+    SwigluBias = 5
+    Relu2 = 6
+    SwigluStep = 7
+    GegluTanh = 8
+    Identity = 9
+    Situ = 10
+    InvalidType = 11
+    ClampedRelu2 = 12
+
+
+class WeightLayout(enum.IntEnum):
+    MajorK = 0
+    MajorMn = 1
+    BlockMajorK = 2
+
+
+class Fp8QuantizationType(enum.IntEnum):
+    NoneFp8 = 0
+    DeepSeekFp8 = 1
+    MxFp8 = 2
+    PerTensorFp8 = 3
+    PerChannelFp8 = 4
+
+
+
+class RoutingMethodType(enum.IntEnum):
+    """Same values as `flashinfer.tllm_enums.RoutingMethodType` (checked by tests), without importing flashinfer."""
+
+    Default = 0  # softmax over all experts -> top-k (weights not renormalized)
+    Renormalize = 1  # top-k of logits -> softmax over the k
+    DeepSeekV3 = 2  # sigmoid (+bias for selection) -> group top-2 sum -> top groups -> top-k; sigma*rsf/sum
+    Llama4 = 3  # top-1 -> sigmoid
+    RenormalizeNaive = 4  # softmax -> top-k -> renormalize (same kernel and result as Renormalize)
+    TopK = 5  # top-k of raw logits, raw weights
+    SigmoidRenorm = 6  # sigmoid -> top-k -> divide by sum (if norm_topk_prob)
+    MiniMax2 = 7  # sigmoid + bias for selection -> top-k -> sigma*rsf/(sum+eps)
+    Sigmoid = 8  # sigmoid -> top-k, no renormalization
+    TopKSigmoid = 9  # top-k of raw logits -> sigmoid
+    Unspecified = 10
+
+
+#: SGLang's activation names -> the kernels' ActivationType, per gating (SGLang flashinfer_trtllm.py
+#: `get_activation_type`); gated activations read GEMM1 as two halves [up; gate]
+GATED = {"silu": ActivationType.Swiglu, "gelu": ActivationType.Geglu, "situ": ActivationType.Situ}
+NON_GATED = {"silu": ActivationType.Silu, "gelu": ActivationType.Gelu, "relu2": ActivationType.Relu2}
+
+
+def activation_type(activation: str, gated: bool) -> int:
+    """The kernels' `activation_type` for SGLang's (activation, is_gated)."""
+    table = GATED if gated else NON_GATED
+    if activation not in table:
+        raise ValueError(
+            f"activation {activation!r} ({'gated' if gated else 'non-gated'}) is not served by the TRT-LLM-Gen MoE "
+            f"kernels; supported: {sorted(table)}"
+        )
+    return int(table[activation])
+
+
+#: kernel families: flashinfer.fused_moe.trtllm_<family>_moe and trtllm_<family>_routed_moe
+FAMILIES = ("fp4_block_scale", "fp8_block_scale", "fp8_per_tensor_scale", "bf16")
+
+
+def kernel_function(family: str, routed: bool) -> str:
+    """The entry point's name: logits routed inside the kernel, or precomputed top-k (`_routed`)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown TRT-LLM-Gen MoE kernel family {family!r}; known: {FAMILIES}")
+    return f"trtllm_{family}_{'routed_' if routed else ''}moe"
+
+
+KERNEL_FUNCTIONS = tuple(kernel_function(f, r) for f in FAMILIES for r in (False, True))
+
+__all__ = ["ActivationType", "WeightLayout", "Fp8QuantizationType", "RoutingMethodType", "GATED", "NON_GATED",
+           "activation_type", "FAMILIES", "kernel_function", "KERNEL_FUNCTIONS"]

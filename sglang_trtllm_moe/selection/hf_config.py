@@ -1,0 +1,101 @@
+"""A MoeProblem from a HuggingFace config.json, naming the quantization the way SGLang's ModelConfig does."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .problem import MoeProblem
+
+#: Architectures whose MoE experts are non-gated (a single up projection), and the config key of their activation.
+NON_GATED_ARCHS = {
+    "NemotronHForCausalLM": "mlp_hidden_act",
+    "NemotronHPuzzleForCausalLM": "mlp_hidden_act",
+    "NemotronH_Omni_Reasoning_V3": "mlp_hidden_act",
+}
+
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+_ACT_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu", "gelu_tanh": "gelu"}
+
+
+def detect_quantization(quant_cfg: Mapping | None) -> tuple[str | None, tuple[int, int] | None, str | None]:
+    """(SGLang quantization name, fp8 weight_block_size, compressed-tensors scheme) from `quantization_config`.
+
+    Mirrors how SGLang's ModelConfig names the checkpoint's method (tests compare against it)."""
+    if not quant_cfg:
+        return None, None, None
+    method = str(_get(quant_cfg, "quant_method", "") or "").lower()
+    if method == "modelopt":
+        algo = str(_get(quant_cfg, "quant_algo", "") or "").upper()
+        if not algo and isinstance(_get(quant_cfg, "quantization"), Mapping):
+            algo = str(_get(quant_cfg, "quantization").get("quant_algo", "")).upper()
+        if algo == "NVFP4":
+            return "modelopt_fp4", None, None
+        if algo == "FP8":
+            return "modelopt_fp8", None, None
+        if algo == "MIXED_PRECISION":
+            return "modelopt_mixed", None, None
+        return "modelopt", None, None
+    if method == "fp8":
+        wbs = _get(quant_cfg, "weight_block_size")
+        return "fp8", (tuple(int(x) for x in wbs) if wbs else None), None
+    if method == "compressed-tensors":
+        scheme = None
+        for group in (_get(quant_cfg, "config_groups") or {}).values():
+            w = (group or {}).get("weights") or {}
+            bits, typ, gs = w.get("num_bits"), w.get("type"), w.get("group_size")
+            if bits == 4 and typ == "float" and gs == 16:
+                scheme = "nvfp4"
+            elif bits == 8 and typ == "float":
+                scheme = "w8a8_fp8"
+            elif typ == "int":
+                scheme = f"int{bits}"
+            break
+        return "compressed-tensors", None, scheme
+    return method or None, None, None
+
+
+def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **parallel: Any) -> MoeProblem | None:
+    """A MoeProblem from a HuggingFace config (dict or PretrainedConfig); None for a model without routed experts.
+
+    `quantization` overrides the checkpoint's (as `--quantization` does); `parallel` takes the MoeProblem
+    fields tp_size, ep_size, a2a_backend, enable_eplb, num_redundant_experts, init_expert_location,
+    speculative_draft."""
+    text = _get(cfg, "text_config") or cfg
+    archs = _get(cfg, "architectures") or _get(text, "architectures") or [""]
+    arch = archs[0]
+    experts = next((_get(text, k) for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+                    if _get(text, k)), None)
+    inter = _get(text, "moe_intermediate_size") or _get(text, "intermediate_size")
+    hidden = _get(text, "hidden_size")
+    if not experts or not inter or not hidden:
+        return None
+    if arch in NON_GATED_ARCHS:
+        gated, act = False, _get(text, NON_GATED_ARCHS[arch]) or "relu2"
+    else:
+        act = _get(text, "hidden_act") or _get(text, "hidden_activation") or "silu"
+        gated = act != "relu2"
+    act = _ACT_ALIASES.get(str(act), str(act))
+    quant_cfg = _get(cfg, "quantization_config") or _get(text, "quantization_config")
+    detected, block, scheme = detect_quantization(quant_cfg)
+    act_scheme = _get(quant_cfg, "activation_scheme") if quant_cfg else None
+    quant = quantization if quantization is not None else detected
+    if quant == "modelopt" and detected and detected.startswith("modelopt_"):
+        quant = detected
+    return MoeProblem(
+        hidden_size=int(hidden), intermediate_size=int(inter), num_experts=int(experts),
+        top_k=int(_get(text, "num_experts_per_tok") or _get(text, "moe_topk") or 1),
+        quantization=quant, weight_block_size=block if quant == "fp8" else None,
+        quant_scheme=scheme if quant == "compressed-tensors" else None,
+        activation_scheme=str(act_scheme) if quant == "fp8" and act_scheme else None,
+        activation=act, gated=gated, architecture=arch, **parallel,
+    )
+
+
+__all__ = ["NON_GATED_ARCHS", "detect_quantization", "problem_from_hf_config"]

@@ -1,0 +1,237 @@
+"""Which TRT-LLM-Gen MoE backend can serve a MoE problem, and why not — one pure function per question.
+
+Modelled on TensorRT-LLM's `can_implement(problem, deployment) -> MoEEligibility` / `MoEResolutionReport`:
+"degradation is allowed, silence is not". `can_implement` answers for one backend with a reason code and a
+sentence; `resolve` walks the candidates in preference order and keeps SGLang's own answer when none fits. What a
+format serves (quantizations per backend, activations, alignment) is the format's own declaration (formats/); what
+is here is about the deployment:
+* the kernels are built for SM 10.x only on the trtllm-gen path SGLang uses (SM12x has other kernels, SM90 none);
+* the routed variant takes precomputed top-k, so it is the one that works when experts are remapped (EPLB,
+  redundant experts) or when an A2A dispatch has already routed the tokens;
+* only the `none` and `flashinfer` A2A backends have a fused func for these runners (sglang#24502: deepep has none).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+
+from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
+from .problem import DeviceInfo, MoeProblem
+
+ENV_AUTO = "SGLANG_TRTLLM_MOE_AUTO"
+
+
+class Code:
+    """Reason codes (stable strings: logs, `explain --json` and tests match on them)."""
+
+    OK = "OK"
+    UNKNOWN_BACKEND = "UNKNOWN_BACKEND"
+    SM_UNSUPPORTED = "SM_UNSUPPORTED"
+    FLASHINFER_MISSING = "FLASHINFER_MISSING"
+    FLASHINFER_TOO_OLD = "FLASHINFER_TOO_OLD"
+    SPEC_DRAFT_KEEPS_UPSTREAM = "SPEC_DRAFT_KEEPS_UPSTREAM"
+    QUANT_UNSUPPORTED = "QUANT_UNSUPPORTED"
+    QUANT_UNSUPPORTED_BY_BACKEND = "QUANT_UNSUPPORTED_BY_BACKEND"
+    ACTIVATION_UNSUPPORTED = "ACTIVATION_UNSUPPORTED"
+    HIDDEN_ALIGNMENT = "HIDDEN_ALIGNMENT"
+    INTERMEDIATE_SPLIT = "INTERMEDIATE_SPLIT"
+    BLOCK_ALIGNMENT = "BLOCK_ALIGNMENT"
+    EXPERT_SPLIT = "EXPERT_SPLIT"
+    A2A_UNSUPPORTED = "A2A_UNSUPPORTED"
+    A2A_NEEDS_ROUTED = "A2A_NEEDS_ROUTED"
+    EXPERT_REMAP_NEEDS_ROUTED = "EXPERT_REMAP_NEEDS_ROUTED"
+    # resolution-level outcomes
+    AUTO_SELECTED = "AUTO_SELECTED"
+    UPSTREAM_AGREES = "UPSTREAM_AGREES"
+    EXPLICIT = "EXPLICIT"
+    AUTO_DISABLED = "AUTO_DISABLED"
+    NOT_SM100 = "NOT_SM100"
+    UPSTREAM_MODEL_RULE = "UPSTREAM_MODEL_RULE"
+    NO_ELIGIBLE_BACKEND = "NO_ELIGIBLE_BACKEND"
+
+
+
+#: A2A backends with a registered fused func for these runners (FusedOpPool keys in 0.5.23).
+A2A_OK = {"none", "flashinfer"}
+
+#: Non-gated activations need flashinfer's `activation_type` argument (first pinned by SGLang 0.5.11).
+MIN_FLASHINFER_NON_GATED = (0, 6, 8)
+
+SPEC_DRAFT_WHY = (
+    "speculative draft (NextN/MTP) MoE layers keep upstream's choice: they are usually unquantized BF16 with "
+    "their own shapes, and the trtllm BF16 batched GEMM on draft layers has an open illegal-memory-access bug "
+    "(sglang#30209; the default that would fix it, #30210, is not merged) — the plugin does not widen that exposure"
+)
+
+
+
+@dataclass(frozen=True)
+class Eligibility:
+    eligible: bool
+    code: str
+    reason: str
+    backend: str = ""
+
+
+@dataclass
+class Resolution:
+    #: the backend SGLang should use ("auto" = SGLang decides per layer, as upstream)
+    winner: str
+    candidates: list[Eligibility]
+    fingerprint: dict
+    code: str = ""
+    reason: str = ""
+    requested: str = "auto"
+    #: what SGLang had decided before the plugin looked (None when unknown, e.g. `explain` without SGLang)
+    upstream: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.upstream is not None and self.winner != self.upstream
+
+    def to_dict(self) -> dict:
+        return {
+            "winner": self.winner,
+            "code": self.code,
+            "reason": self.reason,
+            "requested": self.requested,
+            "upstream": self.upstream,
+            "changed": self.changed,
+            "candidates": [asdict(c) for c in self.candidates],
+            "fingerprint": self.fingerprint,
+        }
+
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    """Release numbers only ("0.7.2.post1" -> (0, 7, 2), "0.6.8rc1" -> (0, 6, 8)); no packaging import needed."""
+    m = re.match(r"\d+(?:\.\d+)*", v.strip())
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Eligibility:
+    """Can `backend` serve `problem` on `device`, with the plugin's weight preparation? First failing rule wins."""
+
+    def no(code: str, reason: str) -> Eligibility:
+        return Eligibility(False, code, reason, backend)
+
+    p = problem
+    if backend not in BACKENDS:
+        return no(Code.UNKNOWN_BACKEND, f"{backend!r} is not a TRT-LLM-Gen MoE backend ({', '.join(BACKENDS)})")
+    if not device.sm100_family:
+        where = f"SM{device.sm}" if device.sm is not None else "no CUDA GPU"
+        extra = " (SM12x has its own kernels, served by flashinfer_cutlass)" if device.sm and device.sm // 10 == 12 else ""
+        return no(Code.SM_UNSUPPORTED, f"TRT-LLM-Gen MoE kernels need an SM 10.x GPU; this is {where}{extra}")
+    if device.flashinfer_version is None:
+        return no(Code.FLASHINFER_MISSING, "flashinfer-python is not installed: the fused MoE kernels come from it")
+    if not p.gated and _version_tuple(device.flashinfer_version) < MIN_FLASHINFER_NON_GATED:
+        need = ".".join(map(str, MIN_FLASHINFER_NON_GATED))
+        return no(Code.FLASHINFER_TOO_OLD, f"non-gated {p.activation} needs flashinfer >= {need} "
+                                           f"(activation_type); installed {device.flashinfer_version}")
+    if p.speculative_draft:
+        return no(Code.SPEC_DRAFT_KEEPS_UPSTREAM, SPEC_DRAFT_WHY)
+
+    fmt, fmt_why = p.weight_format()
+    if fmt is None:
+        return no(Code.QUANT_UNSUPPORTED, fmt_why)
+    if not fmt.serves(backend, p.checkpoint):
+        return no(Code.QUANT_UNSUPPORTED_BY_BACKEND, f"{backend} has no {fmt_why} path in SGLang")
+    problem_act = fmt.activation_problem(p.activation, p.gated)
+    if problem_act:
+        return no(Code.ACTIVATION_UNSUPPORTED, problem_act)
+
+    if p.hidden_size % fmt.hidden_align:
+        return no(Code.HIDDEN_ALIGNMENT, f"hidden size {p.hidden_size} is not a multiple of {fmt.hidden_align}")
+    if p.intermediate_size % p.moe_tp_size:
+        return no(Code.INTERMEDIATE_SPLIT,
+                  f"intermediate {p.intermediate_size} does not split over MoE-TP {p.moe_tp_size} "
+                  f"(tp {p.tp_size} / ep {p.ep_size})")
+    ip = p.intermediate_per_rank
+    if fmt.kernel == "fp8_block_scale" and ip % fmt.intermediate_align[0]:
+        return no(Code.BLOCK_ALIGNMENT,
+                  f"intermediate per rank {ip} is not a multiple of the 128x128 FP8 scale block")
+    if p.num_experts % max(1, p.ep_size):
+        return no(Code.EXPERT_SPLIT, f"{p.num_experts} experts do not split over EP {p.ep_size}")
+
+    if p.a2a_backend not in A2A_OK:
+        return no(Code.A2A_UNSUPPORTED,
+                  f"A2A backend {p.a2a_backend!r} has no fused func for {backend} "
+                  f"(sglang#24502: 'FLASHINFER_TRTLLM requires a fused func for a2a backend deepep'); "
+                  f"use --moe-a2a-backend flashinfer with {TRTLLM_ROUTED}")
+    if backend == TRTLLM and p.a2a_backend == "flashinfer":
+        return no(Code.A2A_NEEDS_ROUTED,
+                  "the FlashInfer A2A dispatch delivers top-k ids and weights, so experts run through the routed "
+                  f"kernel ({TRTLLM_ROUTED}); SGLang itself switches to it once a dispatch type is set")
+    if backend == TRTLLM and p.expert_remap:
+        return no(Code.EXPERT_REMAP_NEEDS_ROUTED,
+                  f"{TRTLLM} routes inside the kernel and cannot apply the EPLB / redundant-expert remap "
+                  f"(as SGLang 0.5.23 does for Nemotron-H, use {TRTLLM_ROUTED})")
+
+    ipad = fmt.padded_intermediate(ip, p.gated)
+    align = fmt.intermediate_align[0 if p.gated else 1]
+    pad = f", padded to {ipad} (multiple of {align})" if ipad != ip else ""
+    act = f"{'gated' if p.gated else 'non-gated'} {p.activation}"
+    return Eligibility(True, Code.OK, f"{fmt_why}, {act}, H {p.hidden_size}, I/rank {ip}{pad}, "
+                                      f"{p.num_experts} experts / EP {p.ep_size}, a2a {p.a2a_backend}", backend)
+
+
+def candidate_order(problem: MoeProblem) -> tuple[str, ...]:
+    """Preference: the in-kernel-routing runner, unless tokens arrive already routed or experts are remapped."""
+    if problem.expert_remap or problem.a2a_backend == "flashinfer":
+        return (TRTLLM_ROUTED, TRTLLM)
+    return (TRTLLM, TRTLLM_ROUTED)
+
+
+def auto_enabled() -> bool:
+    return os.environ.get(ENV_AUTO, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", upstream: str | None = None) -> Resolution:
+    """The report for one MoE problem: every candidate's eligibility and the backend to use.
+
+    `requested` is what the user asked for (`--moe-runner-backend`); `upstream` is what SGLang decided on its own
+    before the plugin looked ("auto" when no rule of its own fired). Policy: an explicit choice is never
+    overridden; SGLang's own model rules that picked something other than a TRT-LLM runner are kept; otherwise,
+    on SM 10.x, the first eligible candidate wins, and SGLang's answer is kept when there is none.
+    """
+    from .report import env_fingerprint
+
+    cands = [can_implement(b, problem, device) for b in candidate_order(problem)]
+    eligible = [c for c in cands if c.eligible]
+    base = upstream if upstream is not None else requested
+
+    def done(winner: str, code: str, reason: str) -> Resolution:
+        return Resolution(winner, cands, env_fingerprint(device), code, reason, requested, upstream)
+
+    if requested != "auto":
+        return done(requested, Code.EXPLICIT, f"--moe-runner-backend {requested} was asked for explicitly: never overridden")
+    if not auto_enabled():
+        return done(base, Code.AUTO_DISABLED, f"{ENV_AUTO}=0: auto-selection is off, SGLang's choice ({base}) stands")
+    if problem.speculative_draft:
+        return done(base, Code.SPEC_DRAFT_KEEPS_UPSTREAM, SPEC_DRAFT_WHY)
+    if not device.sm100_family:
+        where = f"SM{device.sm}" if device.sm is not None else "no CUDA GPU"
+        return done(base, Code.NOT_SM100, f"{where} is not SM 10.x: SGLang's choice ({base}) stands")
+    if upstream is not None and upstream not in ("auto", *BACKENDS):
+        return done(upstream, Code.UPSTREAM_MODEL_RULE,
+                    f"SGLang's own rule for this model chose {upstream}: kept")
+    if not eligible:
+        first = cands[0]
+        return done(base, Code.NO_ELIGIBLE_BACKEND,
+                    f"no TRT-LLM-Gen backend can serve this layer ({first.code}: {first.reason}); "
+                    f"SGLang's choice ({base}) stands")
+    if upstream in BACKENDS and any(c.backend == upstream for c in eligible):
+        return done(upstream, Code.UPSTREAM_AGREES, f"SGLang already chose {upstream}, which is eligible")
+    winner = eligible[0]
+    why = f"{winner.backend} is eligible on SM{device.sm}: {winner.reason}"
+    if upstream in BACKENDS:
+        rejected = next(c for c in cands if c.backend == upstream)
+        why = f"SGLang chose {upstream}, which cannot work ({rejected.code}); {why}"
+    return done(winner.backend, Code.AUTO_SELECTED, why)
+
