@@ -25,7 +25,10 @@ NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 GROUPS = ("w13", "w2")
 
 
-def cuda_time(fn, repeats=5, warmup=1):
+def cuda_time(fn, repeats=5, warmup=1, hide_launch=False):
+    """Min over repeats of device time between events around fn(). Default: as a caller sees it, the CPU-side
+    launch cost included (the GPU idles while Python launches). hide_launch: the GPU is first kept busy
+    (torch.cuda._sleep) long enough for the CPU to queue fn() entirely, so the events time the GPU work alone."""
     for _ in range(warmup):
         fn()
     if not torch.cuda.is_available():  # a smoke run of this script on a CPU machine
@@ -36,15 +39,31 @@ def cuda_time(fn, repeats=5, warmup=1):
             times.append(time.perf_counter() - t0)
         return min(times)
     torch.cuda.synchronize()
+    sleep_cycles = 0
+    if hide_launch:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        sleep_cycles = int(min(0.2, 2 * (time.perf_counter() - t0) + 1e-3) * 2e9)
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         a.record()
         fn()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return min(times)
+
+
+def timed(fn, nb, copy_bw, repeats=5):
+    """Both views of one operation on nb bytes: wall (launch included) and GPU time (launch hidden)."""
+    s = cuda_time(fn, repeats=repeats)
+    g = cuda_time(fn, repeats=repeats, hide_launch=True)
+    return dict(s=s, gbps=2 * nb / s / 1e9, fraction_of_copy=2 * nb / s / 1e9 / copy_bw,
+                gpu_s=g, gpu_gbps=2 * nb / g / 1e9, gpu_fraction_of_copy=2 * nb / g / 1e9 / copy_bw)
 
 
 def nvfp4_layer(e, h, i, device, gated=True, seed=0):
@@ -145,7 +164,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--variants", action="store_true", help="also time the kernels' tile variants")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the kernels' tile variants (each row: the defaults updated with its config)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (use few --experts)")
     a = p.parse_args()
     dev = torch.device(a.device)
@@ -191,15 +211,15 @@ def main():
             prep(layer, allx)
 
         peak = with_path(fast, lambda: measure_peak(one))
-        t_prep = with_path(fast, lambda: cuda_time(one, repeats=5 if fast else 3))
-        t_unprep = with_path(fast, lambda: cuda_time(lambda: unprep(layer, allx), repeats=5 if fast else 3))
+        reps = 5 if fast else 3
+        prep_row = with_path(fast, lambda: timed(one, total, copy_bw, reps))
+        unprep_row = with_path(fast, lambda: timed(lambda: unprep(layer, allx), total, copy_bw, reps))
         comps = {}
         for n in NAMES:
-            comps[n] = dict(bytes=nbytes(getattr(layer, n)),
-                            prep=rate(nbytes(getattr(layer, n)), with_path(fast, lambda: cuda_time(param_fn(layer, n)))),
-                            unprep=rate(nbytes(getattr(layer, n)),
-                                        with_path(fast, lambda: cuda_time(param_fn(layer, n, inverse=True)))))
-        layer_rows[label] = dict(prep=rate(total, t_prep), unprep=rate(total, t_unprep), peak_extra_bytes=peak,
+            nb = nbytes(getattr(layer, n))
+            comps[n] = dict(bytes=nb, prep=with_path(fast, lambda: timed(param_fn(layer, n), nb, copy_bw)),
+                            unprep=with_path(fast, lambda: timed(param_fn(layer, n, inverse=True), nb, copy_bw)))
+        layer_rows[label] = dict(prep=prep_row, unprep=unprep_row, peak_extra_bytes=peak,
                                  peak_extra_fraction_of_layer=peak / total, components=comps)
     res["deepseek_layer"] = dict(experts=e, bytes=total, **layer_rows)
 
@@ -208,7 +228,9 @@ def main():
     r13 = layouts.w13_row_map(w13.shape[1], True, device=dev)
     flat_idx = (r13.unsqueeze(0) + torch.arange(0, e * w13.shape[1], w13.shape[1], device=dev).unsqueeze(1)).reshape(-1)
     out = torch.empty_like(w13)
-    t_oop = cuda_time(lambda: torch.index_select(w13.view(-1, w13.shape[2]), 0, flat_idx, out=out.view(-1, w13.shape[2])))
+    oop = timed(lambda: torch.index_select(w13.view(-1, w13.shape[2]), 0, flat_idx, out=out.view(-1, w13.shape[2])),
+                nbytes(w13), copy_bw)
+    t_oop = oop["s"]
     del out, flat_idx
     loop, loop_w13, outs = per_expert_loop(layer)
     t_loop = cuda_time(loop, repeats=3)
@@ -216,7 +238,7 @@ def main():
     loop_peak = measure_peak(lambda: per_expert_loop(layer)[0]())
     fast_prep = layer_rows["fast"]["prep"]["s"]
     res["same_run_references"] = dict(
-        w13_out_of_place_batched_gather=rate(nbytes(w13), t_oop),
+        w13_out_of_place_batched_gather=oop,
         per_expert_loop_whole_layer=dict(**rate(total, t_loop), peak_extra_bytes=loop_peak),
         per_expert_loop_w13_only=rate(nbytes(w13), t_loop_w13),
         fast_speedup_vs_per_expert_loop=t_loop / fast_prep,
@@ -234,13 +256,13 @@ def main():
     new = {n: torch.randint(0, 0x7F, getattr(layer, n).shape, dtype=torch.uint8, device=dev) for n in NAMES}
     with_path(True, lambda: prep(layer, allx))
     upd = {}
-    for k in (1, 8, 32, e):
-        ids = list(range(3, 3 + k)) if k < e else allx
-        idx = torch.tensor(ids, device=dev)
+    for k in sorted({kk for kk in (1, 8, 32, e) if kk <= e}):
+        lo = 3 if k + 3 <= e else 0
+        ids = list(range(lo, lo + k))
 
-        def write():
+        def write():  # what the loader does for these experts: copy their new bytes in
             for n in NAMES:
-                u8(getattr(layer, n)).index_copy_(0, idx, new[n].index_select(0, idx))
+                u8(getattr(layer, n))[lo:lo + k].copy_(new[n][lo:lo + k])
 
         def update():
             unprep(layer, ids)
@@ -252,6 +274,7 @@ def main():
             row[label] = dict(update_s=with_path(fast, lambda: cuda_time(update, repeats=5)),
                               layout_only_s=with_path(fast, lambda: cuda_time(lambda: (unprep(layer, ids),
                                                                                        prep(layer, ids)), repeats=5)))
+            row[label]["update_gpu_s"] = with_path(fast, lambda: cuda_time(update, repeats=5, hide_launch=True))
         row["write_only_s"] = cuda_time(write, repeats=5)
         upd[f"{k}_experts"] = row
     res["rl_update"] = upd
@@ -262,32 +285,34 @@ def main():
         base_cfg = dict(fastmod.CONFIG)
         var = []
         cfgs = [
-            ("w13_weight", dict(rows_tile_words=4096, rows_slice_words=32)),
-            ("w13_weight", dict(rows_tile_words=8192, rows_slice_words=64)),
-            ("w13_weight", dict(rows_tile_words=2048, rows_slice_words=16)),
-            ("w13_weight", dict(rows_tile_words=4096, rows_slice_words=128)),
-            ("w13_weight", dict(rows_tile_words=16384, rows_slice_words=4)),
-            ("w13_weight", dict(rows_tile_words=8192, rows_slice_words=8)),
-            ("w13_weight", dict(rows_tile_words=8192, rows_slice_words=64, num_warps=8)),
+            ("w13_weight", dict(programs_per_sm=8)),
+            ("w13_weight", dict(programs_per_sm=0)),
+            ("w13_weight", dict(programs_per_sm=4)),
+            ("w13_weight", dict(rows_tile_words=16384, rows_slice_words=64, programs_per_sm=0)),
             ("w13_weight", dict(rows_tile_words=4096, rows_slice_words=32, programs_per_sm=8)),
-            ("w13_weight", dict(rows_tile_words=4096, rows_slice_words=32, tickets=False)),
-            ("w2_weight", dict(rows_tile_words=4096)),
+            ("w13_weight", dict(tickets=False, programs_per_sm=0)),
             ("w2_weight", dict(rows_tile_words=8192)),
-            ("w2_weight", dict(rows_tile_words=2048)),
-            ("w13_weight_scale", dict(sf_cols=16)),
-            ("w13_weight_scale", dict(sf_cols=8)),
-            ("w13_weight_scale", dict(sf_cols=16, num_warps=8)),
-            ("w13_weight_scale", dict(sf_cols=16, programs_per_sm=8)),
-            ("w13_weight_scale", dict(sf_cols=16, tickets=False)),
-            ("w2_weight_scale", dict(num_warps=4)),
-            ("w2_weight_scale", dict(num_warps=8)),
+            ("w2_weight", dict(rows_tile_words=4096)),
+            ("w13_weight_scale", dict(sf_tiles=1, programs_per_sm=0)),
+            ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=0)),
+            ("w13_weight_scale", dict(sf_tiles=4, programs_per_sm=0)),
+            ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=8)),
+            ("w13_weight_scale", dict(sf_tiles=4, programs_per_sm=8)),
+            ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=4)),
+            ("w13_weight_scale", dict(sf_tiles=4, num_warps=8, programs_per_sm=0)),
+            ("w13_weight_scale", dict(sf_tiles=2, sf_cols=32, programs_per_sm=0)),
+            ("w13_weight_scale", dict(sf_tiles=2, tickets=False, programs_per_sm=0)),
+            ("w2_weight_scale", dict(sf_tiles=1)),
+            ("w2_weight_scale", dict(sf_tiles=2)),
+            ("w2_weight_scale", dict(sf_tiles=4)),
+            ("w2_weight_scale", dict(sf_tiles=1, num_warps=8)),
         ]
         for n, cfg in cfgs:
             fastmod.CONFIG.update(base_cfg)
             fastmod.CONFIG.update(cfg)
             try:
-                t_ = with_path(True, lambda: cuda_time(param_fn(layer, n), repeats=5))
-                var.append(dict(param=n, config=cfg, **rate(nbytes(getattr(layer, n)), t_)))
+                row_ = with_path(True, lambda: timed(param_fn(layer, n), nbytes(getattr(layer, n)), copy_bw))
+                var.append(dict(param=n, config=cfg, **row_, full_config=dict(fastmod.CONFIG)))
             except Exception as ex:  # a variant that does not compile is a row, not a failed run
                 var.append(dict(param=n, config=cfg, error=f"{type(ex).__name__}: {ex}"[:300]))
             print("variant", var[-1], flush=True)
@@ -327,14 +352,17 @@ def summary(res):
     for label in ("fast", "reference"):
         r = L_[label]
         print(f"{label:9s} layer prep {r['prep']['s'] * 1e3:.2f} ms {100 * r['prep']['fraction_of_copy']:.0f}% "
+              f"(gpu {r['prep']['gpu_s'] * 1e3:.2f} ms {100 * r['prep']['gpu_fraction_of_copy']:.0f}%) "
               f"unprep {r['unprep']['s'] * 1e3:.2f} ms peak {r['peak_extra_bytes'] / 2**20:.0f} MiB | " + " ".join(
-                  f"{n} {v['prep']['s'] * 1e3:.2f}ms {100 * v['prep']['fraction_of_copy']:.0f}%"
+                  f"{n} {v['prep']['s'] * 1e3:.3f}ms {100 * v['prep']['fraction_of_copy']:.0f}% "
+                  f"(gpu {v['prep']['gpu_s'] * 1e3:.3f} {100 * v['prep']['gpu_fraction_of_copy']:.0f}%)"
                   for n, v in r["components"].items()))
     s = res["same_run_references"]
     print(f"per-expert loop {s['per_expert_loop_whole_layer']['s'] * 1e3:.2f} ms, speedup {s['fast_speedup_vs_per_expert_loop']:.1f}x; "
           f"oop w13 gather {s['w13_out_of_place_batched_gather']['s'] * 1e3:.2f} ms")
     for k, v in res["rl_update"].items():
-        print(f"update {k}: fast {v['fast']['update_s'] * 1e3:.3f} ms (layout {v['fast']['layout_only_s'] * 1e3:.3f}) "
+        print(f"update {k}: fast {v['fast']['update_s'] * 1e3:.3f} ms (layout {v['fast']['layout_only_s'] * 1e3:.3f}, "
+              f"gpu {v['fast']['update_gpu_s'] * 1e3:.3f}) "
               f"ref {v['reference']['update_s'] * 1e3:.3f} ms write {v['write_only_s'] * 1e3:.3f} ms")
     print("checks", res["whole_layer_checks"], res["cuda_equals_cpu_bytes_and_in_place"])
 

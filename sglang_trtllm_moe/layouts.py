@@ -83,6 +83,7 @@ def clear_caches() -> None:
     with _CACHE_LOCK:
         _MAPS.clear()
         _DERIVED.clear()
+        _EIDS.clear()
 
 
 def cache_size() -> int:
@@ -165,7 +166,8 @@ def _derived(idx: torch.Tensor, what: str, build):
         if hit is not None and hit[0] is idx:
             return hit[1]
         value = build()
-        if any(v is idx for v in _MAPS.values()):
+        # maps of the cache, and maps derived from them (the inverse's closed block, its int32 copy)
+        if any(v is idx for v in _MAPS.values()) or any(d[1] is idx for d in _DERIVED.values()):
             _DERIVED[(id(idx), what)] = (idx, value)
         return value
 
@@ -257,9 +259,19 @@ def fast_path_for(t: torch.Tensor):
     return _triton_layouts()
 
 
+_EIDS: dict[tuple, torch.Tensor] = {}  # (ids, device) -> int32 ids on that device; a prep re-uses them per param
+
+
 def _expert_ids_tensor(num_experts: int, experts, device) -> torch.Tensor:
-    ids = _expert_ids(num_experts, experts)
-    return torch.tensor(list(ids), dtype=torch.int32, device=device)
+    ids = tuple(_expert_ids(num_experts, experts))
+    key = (ids if experts is not None else ("all", num_experts), _norm_device(device))
+    with _CACHE_LOCK:
+        hit = _EIDS.get(key)
+        if hit is None:
+            if len(_EIDS) >= 64:
+                _EIDS.clear()
+            hit = _EIDS[key] = torch.tensor(ids, dtype=torch.int32).to(key[1])
+        return hit
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ def _ref(fn, *args, **kw):
     dict(rows_tile_words=16384, rows_slice_words=4),  # one program holds a whole gated expert column slice (G = 1)
     dict(programs_per_sm=2, num_warps=8),  # persistent grid: programs loop over tickets
     dict(tickets=False),  # (set, part) from the program id
+    dict(sf_tiles=2, rows_tile_words=4096, rows_slice_words=32),  # scale programs of two 128-row tiles
+    dict(sf_tiles=4, sf_cols=32, programs_per_sm=1),
 ])
 def config(request):
     saved = dict(T.CONFIG)
@@ -63,8 +65,10 @@ ROW_CASES = [  # (E, M, row bytes, map): closed blocks 32 (w2), M (gated w13, po
 
 
 @pytest.mark.parametrize("e,m,c,mk", ROW_CASES)
-@pytest.mark.parametrize("experts", [None, [2, 0], [1]])
+@pytest.mark.parametrize("experts", [None, "first and last", [1]])
 def test_rows_fast_equals_reference(config, e, m, c, mk, experts):
+    if experts == "first and last":
+        experts = [e - 1, 0]
     assert L.fast_path_for(torch.empty((1, 32, 4), dtype=torch.uint8, device=DEV)) is T
     x = _rand((e, m, c), seed=e * m + c)
     rmap = mk(m)
