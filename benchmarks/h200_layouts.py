@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -171,6 +172,7 @@ def main():
     dev = torch.device(a.device)
     fastmod = layouts._triton_layouts()
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "code_commit": os.environ.get("CODE_COMMIT"),
            "triton": getattr(__import__("triton"), "__version__", None) if fastmod is not None else None,
            "fast_path_config": dict(fastmod.CONFIG) if fastmod is not None else None}
 

@@ -14,8 +14,10 @@ column). When one program holds a whole set it reads, syncs its threads and writ
 meet at a counter in device memory (arrive with release, spin with acquire, as torch inductor's grid barrier does)
 before any of them writes. Deadlock freedom does not rely on block scheduling order: programs take (set, part)
 tickets from an atomic counter in the order they start, so only the newest set can be incomplete and every other
-resident program finishes; the only requirement is that G programs fit on the GPU at once (G <= a few hundred here,
-each program holding 8-32 KiB).
+resident program finishes; the only requirement is that G programs fit on the GPU at once, checked before launch
+(`_fits`; a DeepSeek-V3 layer needs G = 32 for a 256-byte column slice of a gated w13 expert and G = 56 for an
+expert's w13 scales, each program holding 32 KiB; w2 and its scales have G = 1). Measured on an H200 (132 SMs):
+the whole NVFP4 layer at 90 % of the device copy bandwidth in GPU time; see docs/PERFORMANCE.md.
 
 Bit-identical to the pure-torch reference (tests/test_layouts_cuda.py on CUDA; tests/test_layouts.py checks the
 composed maps and, under TRITON_INTERPRET=1, these kernels on CPU when one program covers a set).
@@ -34,7 +36,7 @@ CONFIG = {
     "rows_tile_words": 8192,  # words one program of the row kernel holds (32 KiB)
     "rows_slice_words": 64,  # column slice width of a row-kernel set (256 bytes of each row)
     "sf_cols": 16,  # column words (4 scales each) per program of the scale kernel
-    "sf_tiles": 2,  # 128-row tiles per program of the scale kernel (2 x 128 rows x 16 words = 16 KiB)
+    "sf_tiles": 4,  # 128-row tiles per program of the scale kernel (4 x 128 rows x 16 words = 32 KiB)
     "num_warps": 4,
     "programs_per_sm": 8,  # sets of G > 1 programs: a persistent grid of this many per SM (0: one per item)
     "tickets": True,  # sets of G > 1 programs: (set, part) from an atomic counter in start order; False: program id
@@ -177,7 +179,7 @@ def _grid(total: int, g: int, device) -> int:
 def _fits(g: int, device) -> bool:
     """A set's G programs wait for each other, so all of them must be resident at once: allow 8 warps per SM (2
     programs of 4 warps fit even at 255 registers a thread, the most there is; 64K registers per SM). Larger sets
-    take the torch path; none in the models we know (DeepSeek-V3 w13 scales: 112 programs per expert at the default
+    take the torch path; none in the models we know (DeepSeek-V3 w13 scales: 56 programs per expert at the default
     tiles; 132 SMs allow 264)."""
     return g <= max(1, 8 // CONFIG["num_warps"]) * _sms(device)
 
