@@ -268,9 +268,9 @@ def _expert_ids_tensor(num_experts: int, experts, device) -> torch.Tensor:
     with _CACHE_LOCK:
         hit = _EIDS.get(key)
         if hit is None:
-            if len(_EIDS) >= 64:
-                _EIDS.clear()
-            hit = _EIDS[key] = torch.tensor(ids, dtype=torch.int32).to(key[1])
+            hit = torch.tensor(ids, dtype=torch.int32).to(key[1])
+            if len(_EIDS) < 64:  # kept until clear_caches (never freed under a kernel that may still read it)
+                _EIDS[key] = hit
         return hit
 
 
