@@ -11,6 +11,11 @@ keeps index caches alive across weight reloads (sglang#28676). Here every transf
   `chunk` experts' worth, and restricted to a subset of experts when only some were updated;
 * exactly invertible, so a weight checker can undo it.
 
+On CUDA (with Triton importable) the in-place transforms run as one-pass Triton kernels instead (_triton_layouts.py):
+each program gathers its piece of the destination through the composed index map (row map, and for block scales the
+128x4 swizzle) and writes it back once, with no scratch; the pure-torch code below stays the reference, the CPU path
+and the fallback, and the two give identical bytes (`set_fast_path(False)` forces the reference).
+
 Index maps are cached per (kind, m, gated, epilogue_tile_m, device); `clear_caches()` drops them all.
 Formulas: flashinfer 0.7.2 `get_reorder_rows_for_gated_act_gemm_row_indices`, `get_shuffle_matrix_a_row_indices`,
 `convert_to_block_layout`, and the TRT-LLM `get_sf_out_offset_128x4` swizzle (SGLang `swizzle_blockscale`).
@@ -18,6 +23,7 @@ Formulas: flashinfer 0.7.2 `get_reorder_rows_for_gated_act_gemm_row_indices`, `g
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Sequence
 
@@ -36,6 +42,7 @@ __all__ = [
     "permute_rows_and_swizzle_sf_", "to_block_major_k", "from_block_major_k", "to_block_major_k_",
     "from_block_major_k_", "block_major_k_view", "permute_rows_to_block_major_k_",
     "pad_gated_halves", "unpad_gated_halves", "scratch_peak_bytes", "reset_scratch_peak",
+    "unswizzle_sf_and_unpermute_rows_", "closed_block", "composed_sf_map", "set_fast_path", "fast_path_for",
 ]
 
 
@@ -54,9 +61,10 @@ def padded_intermediate(i: int, gated: bool) -> int:
 # Index maps and their cache
 # ----------------------------------------------------------------------------------------------------------------
 
-# key -> map; id(map) -> (map, inverse). Holding `map` in the second dict keeps its id() from being reused.
+# key -> map; (id(map), what) -> (map, derived value: its inverse, its closed block, its int32 copy). Holding `map`
+# in the second dict keeps its id() from being reused.
 _MAPS: dict[tuple, torch.Tensor] = {}
-_INVERSES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_DERIVED: dict[tuple[int, str], tuple[torch.Tensor, object]] = {}
 #: loaders run on thread pools (DeepSeek) and `clear_caches` runs at every update entry point: the two dicts
 #: change together, never while another thread iterates them
 _CACHE_LOCK = threading.RLock()
@@ -74,7 +82,8 @@ def clear_caches() -> None:
     """Drop every cached index map on every device: call on weight reload / engine resume (sglang#28676)."""
     with _CACHE_LOCK:
         _MAPS.clear()
-        _INVERSES.clear()
+        _DERIVED.clear()
+        _EIDS.clear()
 
 
 def cache_size() -> int:
@@ -150,18 +159,119 @@ def w2_row_map(m: int, device=None, epilogue_tile_m: int = 128) -> torch.Tensor:
     return shuffle_map(m, epilogue_tile_m, device)
 
 
-def invert_map(idx: torch.Tensor) -> torch.Tensor:
-    """inv with in[r] = out[inv[r]] for out = in[idx]. Cached for maps that come from this module's cache."""
+def _derived(idx: torch.Tensor, what: str, build):
+    """A value computed from a map, cached while the map itself is one of this module's cached maps."""
     with _CACHE_LOCK:
-        hit = _INVERSES.get(id(idx))
+        hit = _DERIVED.get((id(idx), what))
         if hit is not None and hit[0] is idx:
             return hit[1]
-        # scatter == argsort for a permutation, in O(M)
+        value = build()
+        # maps of the cache, and maps derived from them (the inverse's closed block, its int32 copy)
+        if any(v is idx for v in _MAPS.values()) or any(d[1] is idx for d in _DERIVED.values()):
+            _DERIVED[(id(idx), what)] = (idx, value)
+        return value
+
+
+def invert_map(idx: torch.Tensor) -> torch.Tensor:
+    """inv with in[r] = out[inv[r]] for out = in[idx]. Cached for maps that come from this module's cache."""
+
+    def build():  # scatter == argsort for a permutation, in O(M)
         inv = torch.empty_like(idx)
         inv[idx] = torch.arange(idx.numel(), dtype=idx.dtype, device=idx.device)
-        if any(v is idx for v in _MAPS.values()):
-            _INVERSES[id(idx)] = (idx, inv)
         return inv
+
+    return _derived(idx, "inverse", build)
+
+
+def closed_block(idx: torch.Tensor) -> int:
+    """Smallest B dividing M such that the row map keeps every B-row block to itself (idx[r] // B == r // B).
+
+    In place, a block is the unit that must be read completely before any of it is written: 32 for the w2 shuffle,
+    M for gated w13 (the halves interleave). Cached with the map."""
+
+    def build():
+        m = idx.numel()
+        rows = torch.arange(m)
+        src = idx.detach().to("cpu", torch.long)
+        for b in range(1, m + 1):
+            if m % b == 0 and torch.equal(src // b, rows // b):
+                return b
+        return m
+
+    return _derived(idx, "closed_block", build)
+
+
+def _map_i32(idx: torch.Tensor) -> torch.Tensor:
+    return _derived(idx, "int32", lambda: idx.to(torch.int32).contiguous())
+
+
+def composed_sf_map(row_map: torch.Tensor | None, m: int, c: int, device=None) -> torch.Tensor:
+    """The one gather behind `permute_rows_and_swizzle_sf_` on an [M, C] scale matrix (C % 4 == 0, M % 128 == 0):
+    flat 4-byte word w of the prepared expert = word composed[w] of the linear one.
+
+    This is the map the CUDA kernel applies (row map composed with the 128x4 swizzle, in 4-byte words); on CPU it
+    documents and tests the composition: `lin.view(int32).flatten()[composed].view(...)` equals the two-step path."""
+    if m % SF_ROW_TILE or c % SF_COL_TILE:
+        raise ValueError(f"composed scale map needs M % 128 == 0 and C % 4 == 0, got M={m} C={c}")
+    c4 = c // 4
+    rows = torch.arange(m, dtype=torch.long) if row_map is None else row_map.detach().to("cpu", torch.long)
+    w = torch.arange(m * c4, dtype=torch.long)
+    tile, rem = w // (SF_ROW_TILE * c4), w % (SF_ROW_TILE * c4)
+    col, r32, r4 = rem // SF_ROW_TILE, (rem % SF_ROW_TILE) // 4, rem % 4
+    r = tile * SF_ROW_TILE + r4 * 32 + r32
+    return (rows[r] * c4 + col).to(device if device is not None else "cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The CUDA fast path (Triton): chosen per call, same bytes as the reference
+# ----------------------------------------------------------------------------------------------------------------
+
+_FAST_PATH = {"enabled": True, "cpu_interpret": False}
+_TRITON: list = []  # [module or None] once tried
+
+
+def set_fast_path(enabled: bool) -> bool:
+    """Turn the Triton kernels on CUDA on or off (off: the pure-torch reference everywhere); returns the old value."""
+    old = _FAST_PATH["enabled"]
+    _FAST_PATH["enabled"] = bool(enabled)
+    return old
+
+
+def _triton_layouts():
+    with _CACHE_LOCK:
+        if not _TRITON:
+            try:
+                from . import _triton_layouts as mod
+            except Exception:  # no triton, or a triton that cannot build here: the torch path serves
+                mod = None
+            _TRITON.append(mod)
+        return _TRITON[0]
+
+
+def fast_path_for(t: torch.Tensor):
+    """The Triton module when `t` (its uint8 [E, M, C] view) can take the one-pass kernels, else None."""
+    if not _FAST_PATH["enabled"]:
+        return None
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and _FAST_PATH["cpu_interpret"]):
+        return None
+    if t.dim() != 3 or t.shape[2] % 4 or t.data_ptr() % 4:
+        return None
+    return _triton_layouts()
+
+
+_EIDS: dict[tuple, torch.Tensor] = {}  # (ids, device) -> int32 ids on that device; a prep re-uses them per param
+
+
+def _expert_ids_tensor(num_experts: int, experts, device) -> torch.Tensor:
+    ids = tuple(_expert_ids(num_experts, experts))
+    key = (ids if experts is not None else ("all", num_experts), _norm_device(device))
+    with _CACHE_LOCK:
+        hit = _EIDS.get(key)
+        if hit is None:
+            hit = torch.tensor(ids, dtype=torch.int32).to(key[1])
+            if len(_EIDS) < 64:  # kept until clear_caches (never freed under a kernel that may still read it)
+                _EIDS[key] = hit
+        return hit
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,19 +324,24 @@ def _default_chunk(u8: torch.Tensor) -> int:
     return max(1, min(u8.shape[0] // 8, cap // per_expert))
 
 
+def _expert_ids(num_experts: int, experts):
+    """Sorted, validated expert ids (a range when all)."""
+    if experts is None:
+        return range(num_experts)
+    ids = experts.tolist() if isinstance(experts, torch.Tensor) else list(experts)
+    ids = sorted(int(i) for i in ids)
+    if any(i < 0 or i >= num_experts for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"experts must be distinct ids in [0, {num_experts}), got {ids}")
+    return ids
+
+
 def _expert_runs(num_experts: int, experts, chunk) -> list[tuple[int, int]]:
     """[start, stop) expert slices: consecutive runs of the requested experts, cut to at most `chunk` experts."""
     if chunk is None:
         chunk = max(1, num_experts // 8)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 expert, got {chunk}")
-    if experts is None:
-        ids = range(num_experts)
-    else:
-        ids = experts.tolist() if isinstance(experts, torch.Tensor) else list(experts)
-        ids = sorted(int(i) for i in ids)
-        if any(i < 0 or i >= num_experts for i in ids) or len(set(ids)) != len(ids):
-            raise ValueError(f"experts must be distinct ids in [0, {num_experts}), got {ids}")
+    ids = _expert_ids(num_experts, experts)
     runs: list[tuple[int, int]] = []
     run_start = prev = None
     for i in ids:
@@ -297,8 +412,16 @@ def _plan(u8: torch.Tensor, t: torch.Tensor, row_map, experts, chunk) -> tuple[l
 
 
 def permute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
-    """In place: t[e] = t[e][row_map] for each selected expert; storage and shape unchanged."""
+    """In place: t[e] = t[e][row_map] for each selected expert; storage and shape unchanged.
+
+    On CUDA one Triton pass (no scratch, `chunk` unused); elsewhere gather a chunk of experts into scratch, copy back."""
     u8 = _bytes3d(t)
+    fast = fast_path_for(u8)
+    if fast is not None:
+        row_map = _check_row_map(row_map, u8.shape[1], t)
+        eids = _expert_ids_tensor(u8.shape[0], experts, u8.device)
+        if fast.permute_rows_(u8.view(torch.int32), _map_i32(row_map), eids, closed_block(row_map)):
+            return t
     runs, scratch = _plan(u8, t, row_map, experts, chunk)
     for start, stop in runs:
         u8[start:stop].copy_(scratch.load(start, stop))
@@ -374,8 +497,26 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
     return e, r, c
 
 
+def _sf_fast(sf, experts, row_map, forward: bool) -> bool:
+    """The one-pass kernel (CUDA): forward = rows by row_map then swizzle; else its exact inverse."""
+    u8 = _bytes3d(sf, "sf")
+    fast = fast_path_for(u8)
+    if fast is None:
+        return False
+    block = SF_ROW_TILE
+    if row_map is not None:
+        row_map = _check_row_map(row_map, u8.shape[1], sf)
+        b = closed_block(row_map)
+        block = b * SF_ROW_TILE // math.gcd(b, SF_ROW_TILE)
+    eids = _expert_ids_tensor(u8.shape[0], experts, u8.device)
+    return fast.sf_(u8.view(torch.int32), None if row_map is None else _map_i32(row_map), eids, block,
+                    inverse=not forward)
+
+
 def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
     e, r, c = _check_inplace_sf(sf)
+    if _sf_fast(sf, experts, row_map if swizzle else None, swizzle):
+        return sf
     u8 = _bytes3d(sf, "sf")
     runs, scratch = _plan(u8, sf, row_map, experts, chunk)
     for s, t in runs:
@@ -404,8 +545,19 @@ def unswizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None
 
 def permute_rows_and_swizzle_sf_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
                                  chunk: int | None = None) -> torch.Tensor:
-    """Scale prep in one pass: rows by `row_map`, then 128x4 swizzle, written straight back (one scratch copy)."""
+    """Scale prep in one pass: rows by `row_map`, then 128x4 swizzle, written straight back (one scratch copy;
+    on CUDA one gather through `composed_sf_map`, no scratch)."""
     return _sf_inplace(sf, experts, chunk, row_map, True)
+
+
+def unswizzle_sf_and_unpermute_rows_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
+                                     chunk: int | None = None) -> torch.Tensor:
+    """Exact inverse of `permute_rows_and_swizzle_sf_` with the same map (one pass on CUDA, two elsewhere)."""
+    _check_inplace_sf(sf)
+    if _sf_fast(sf, experts, row_map, False):
+        return sf
+    unswizzle_sf_128x4_(sf, experts, chunk)
+    return unpermute_rows_(sf, row_map, experts, chunk)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -208,6 +208,100 @@ def test_permute_rows_and_swizzle_sf_equals_sglang_steps(gated):
     assert _same(sf, orig)
 
 
+@pytest.mark.parametrize("m,c,gated", [(256, 20, True), (384, 8, False), (128, 448, True), (256, 4, True)])
+@pytest.mark.parametrize("with_map", [True, False])
+def test_composed_sf_map_is_rows_then_swizzle(m, c, gated, with_map):
+    """The single gather the CUDA kernel applies (row map composed with the 128x4 swizzle, in 4-byte words) gives
+    SGLang's swizzle_blockscale of the permuted rows, and the in-place reference path gives the same bytes."""
+    x = _rand((m, c), torch.float8_e4m3fn, seed=m + c)
+    rows = L.w13_row_map(m, gated) if with_map else None
+    comp = L.composed_sf_map(rows, m, c)
+    assert torch.equal(torch.sort(comp).values, torch.arange(m * c // 4))  # a permutation of the words
+    got = _bytes(x).view(torch.int32).flatten()[comp].view(torch.uint8).view(m, c)
+    assert torch.equal(got, _bytes(swizzle_blockscale(x if rows is None else x[rows])))
+    t = x.clone().unsqueeze(0)
+    L.permute_rows_and_swizzle_sf_(t, rows) if with_map else L.swizzle_sf_128x4_(t)
+    assert torch.equal(_bytes(t[0]), got)
+    with pytest.raises(ValueError, match="M % 128"):
+        L.composed_sf_map(None, 100, 8)
+
+
+def test_closed_block_of_each_map():
+    """The rows an in-place pass must read before it writes any: a 32-row shuffle block for w2 and relu2 w13, the
+    whole expert for gated w13 (its halves interleave), whatever M is."""
+    assert L.closed_block(L.w2_row_map(7168)) == 32
+    assert L.closed_block(L.shuffle_map(64, epilogue_tile_m=64)) == 16
+    assert L.closed_block(L.w13_row_map(256, False)) == 32
+    assert L.closed_block(L.w13_row_map(4096, True)) == 4096
+    assert L.closed_block(L.w13_row_map(3072, True)) == 3072
+    assert L.closed_block(torch.arange(96)) == 1
+    assert L.closed_block(torch.tensor([1, 0, 3, 2, 5, 4])) == 2
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("experts", [None, [2, 0]])
+def test_unswizzle_sf_and_unpermute_rows_inverts_the_prep(gated, experts):
+    orig = _rand((3, 256, 20), torch.float8_e4m3fn, seed=12)
+    sf = orig.clone()
+    rows = L.w13_row_map(256, gated)
+    L.permute_rows_and_swizzle_sf_(sf, rows, experts)
+    assert not _same(sf, orig)
+    L.unswizzle_sf_and_unpermute_rows_(sf, rows, experts, chunk=1)
+    assert _same(sf, orig)
+
+
+_INTERPRETED = r"""
+import torch
+from sglang_trtllm_moe import layouts as L
+L._FAST_PATH["cpu_interpret"] = True
+from sglang_trtllm_moe import _triton_layouts as T
+assert L.fast_path_for(torch.empty((1, 32, 4), dtype=torch.uint8)) is T
+
+def rnd(shape, seed):
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+def both(fn, x, *args):
+    L.set_fast_path(False); want = x.clone(); fn(want, *args)
+    L.set_fast_path(True); got = x.clone(); fn(got, *args)
+    assert torch.equal(got, want), (fn.__name__, tuple(x.shape))
+    return got
+
+for e, m, c, rows in [(3, 64, 40, L.w2_row_map(64)), (2, 128, 24, L.w13_row_map(128, True)),
+                      (3, 256, 8, L.w13_row_map(256, True))]:
+    for experts in (None, [0, 2] if e > 2 else [1]):
+        assert T.rows_plan(m, c // 4, L.closed_block(rows))[0] == 1  # one program per set: no cross-program wait
+        got = both(L.permute_rows_, rnd((e, m, c), m + c), rows, experts)
+        L.unpermute_rows_(got, rows, experts)
+        assert torch.equal(got, rnd((e, m, c), m + c))
+for e, m, c, rows in [(2, 256, 32, L.w2_row_map(256)), (2, 128, 20, L.w13_row_map(128, True)), (2, 256, 12, None)]:
+    for experts in (None, [1]):
+        x = rnd((e, m, c), m * c)
+        if rows is None:
+            got = both(L.swizzle_sf_128x4_, x, experts)
+            L.unswizzle_sf_128x4_(got, experts)
+        else:
+            got = both(L.permute_rows_and_swizzle_sf_, x, rows, experts)
+            L.unswizzle_sf_and_unpermute_rows_(got, rows, experts)
+        assert torch.equal(got, x)
+print("interpreted kernels ok")
+"""
+
+
+def test_triton_kernels_interpreted_on_cpu():
+    """The CUDA kernels' own code under Triton's CPU interpreter, on sets one program holds (the interpreter runs
+    programs one after another, so sets split over programs, which wait for each other, run only on a GPU:
+    tests/test_layouts_cuda.py)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (its CPU interpreter runs the layout kernels): not installed")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "interpreted kernels ok" in out.stdout, out.stdout + out.stderr
+
+
 # ------------------------------------------------------------------------------------------------- block-major K
 
 @FAST

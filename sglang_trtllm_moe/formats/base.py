@@ -191,6 +191,9 @@ class WeightFormat:
             if p.group != group:
                 continue
             t = getattr(layer, p.name).data
+            if p.sf_swizzle and p.permute_rows:
+                layouts.unswizzle_sf_and_unpermute_rows_(t, self.row_map(layer, p, t), experts=experts)
+                continue
             if p.sf_swizzle:
                 layouts.unswizzle_sf_128x4_(t, experts=experts)
             elif p.block_major_k:
