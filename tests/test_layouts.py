@@ -254,7 +254,7 @@ _INTERPRETED = r"""
 import torch
 from sglang_trtllm_moe import layouts as L
 L._FAST_PATH["cpu_interpret"] = True
-from sglang_trtllm_moe import _triton_layouts as T
+from sglang_trtllm_moe.layouts import _triton as T
 assert L.fast_path_for(torch.empty((1, 32, 4), dtype=torch.uint8)) is T
 
 def rnd(shape, seed):

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (the layout kernels are Triton kernels): not installed", allow_module_level=True)
 
-from sglang_trtllm_moe import _triton_layouts as T  # noqa: E402
+from sglang_trtllm_moe.layouts import _triton as T  # noqa: E402
 
 DEV = torch.device("cuda")
 

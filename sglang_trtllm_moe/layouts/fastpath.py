@@ -1,0 +1,41 @@
+"""The CUDA fast path: one-pass Triton kernels for the in-place transforms, chosen per call, same bytes as the
+pure-torch reference (`set_fast_path(False)` forces the reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from .maps import _CACHE_LOCK
+
+
+_FAST_PATH = {"enabled": True, "cpu_interpret": False}
+_TRITON: list = []  # [module or None] once tried
+
+
+def set_fast_path(enabled: bool) -> bool:
+    """Turn the Triton kernels on CUDA on or off (off: the pure-torch reference everywhere); returns the old value."""
+    old = _FAST_PATH["enabled"]
+    _FAST_PATH["enabled"] = bool(enabled)
+    return old
+
+
+def _triton_layouts():
+    with _CACHE_LOCK:
+        if not _TRITON:
+            try:
+                from . import _triton as mod
+            except Exception:  # no triton, or a triton that cannot build here: the torch path serves
+                mod = None
+            _TRITON.append(mod)
+        return _TRITON[0]
+
+
+def fast_path_for(t: torch.Tensor):
+    """The Triton module when `t` (its uint8 [E, M, C] view) can take the one-pass kernels, else None."""
+    if not _FAST_PATH["enabled"]:
+        return None
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and _FAST_PATH["cpu_interpret"]):
+        return None
+    if t.dim() != 3 or t.shape[2] % 4 or t.data_ptr() % 4:
+        return None
+    return _triton_layouts()

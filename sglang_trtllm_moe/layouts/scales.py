@@ -1,0 +1,136 @@
+"""The 128x4 scale-factor swizzle (NVFP4 / MXFP8 block scales), out of place and in place, fused with the row
+permutation in one pass, with its inverse."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .fastpath import fast_path_for
+from .inplace import _bytes3d, _check_row_map, _plan, unpermute_rows_
+from .maps import SF_COL_TILE, SF_ROW_TILE, _expert_ids_tensor, _map_i32, _round_up, closed_block
+
+
+def _sf_view_swizzled(x: torch.Tensor, k: int, rp: int, cp: int) -> torch.Tensor:
+    """Linear [k, Rp, Cp] seen in swizzled element order: [k, Rp/128, Cp/4, 32, 4(row group), 4(col)]."""
+    return x.view(k, rp // 128, 4, 32, cp // 4, 4).permute(0, 1, 4, 3, 2, 5)
+
+
+def _sf_view_linear(x: torch.Tensor, k: int, rp: int, cp: int) -> torch.Tensor:
+    """Swizzled [k, Rp, Cp] seen in linear element order: [k, Rp/128, 4, 32, Cp/4, 4] (the permute is an involution)."""
+    return x.view(k, rp // 128, cp // 4, 32, 4, 4).permute(0, 1, 4, 3, 2, 5)
+
+
+def _as3d(sf: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+    if sf.dim() == 2:
+        return sf.unsqueeze(0), True
+    if sf.dim() != 3:
+        raise ValueError(f"{name} must be [E, rows, cols] (or [rows, cols]), got shape {tuple(sf.shape)}")
+    return sf, False
+
+
+def swizzle_sf_128x4(sf: torch.Tensor) -> torch.Tensor:
+    """[E, R, C] -> [E, ceil128(R), ceil4(C)] zero padded; per expert the bytes of flashinfer block_scale_interleave.
+
+    Element-order permutation, so any dtype works; the kernels use 1-byte e4m3 / ue8m0.
+    """
+    x, squeeze = _as3d(sf, "sf")
+    e, r, c = x.shape
+    rp, cp = _round_up(r, SF_ROW_TILE), _round_up(c, SF_COL_TILE)
+    if (rp, cp) != (r, c):
+        padded = torch.zeros((e, rp, cp), dtype=x.dtype, device=x.device)
+        padded[:, :r, :c] = x
+        x = padded
+    out = _sf_view_swizzled(x.contiguous(), e, rp, cp).reshape(e, rp, cp)
+    return out[0] if squeeze else out
+
+
+def unswizzle_sf_128x4(swz: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[E, Rp, Cp] swizzled -> [E, rows, cols] linear, dropping the padding."""
+    x, squeeze = _as3d(swz, "swz")
+    e, rp, cp = x.shape
+    if rp % SF_ROW_TILE or cp % SF_COL_TILE or rows > rp or cols > cp:
+        raise ValueError(f"swizzled scales of shape {tuple(swz.shape)} cannot hold rows={rows} cols={cols}: "
+                         f"need rows <= Rp, cols <= Cp with Rp % 128 == 0 and Cp % 4 == 0")
+    out = _sf_view_linear(x.contiguous(), e, rp, cp).reshape(e, rp, cp)[:, :rows, :cols].contiguous()
+    return out[0] if squeeze else out
+
+
+def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
+    if sf.dim() != 3:
+        raise ValueError(f"in-place scale swizzle needs [E, R, C], got shape {tuple(sf.shape)}")
+    e, r, c = sf.shape
+    if r % SF_ROW_TILE or c % SF_COL_TILE:
+        raise ValueError(
+            f"cannot swizzle scales of shape {tuple(sf.shape)} in place: the 128x4 layout needs R % 128 == 0 and "
+            f"C % 4 == 0; allocate the scale parameter padded to [{e}, {_round_up(r, 128)}, {_round_up(c, 4)}] "
+            f"(pad I / H), or use the out-of-place swizzle_sf_128x4()")
+    if not sf.is_contiguous():
+        raise ValueError(f"scales of shape {tuple(sf.shape)} must be contiguous to be swizzled in place")
+    return e, r, c
+
+
+def _sf_fast(sf, experts, row_map, forward: bool) -> bool:
+    """The one-pass kernel (CUDA): forward = rows by row_map then swizzle; else its exact inverse."""
+    u8 = _bytes3d(sf, "sf")
+    fast = fast_path_for(u8)
+    if fast is None:
+        return False
+    block = SF_ROW_TILE
+    if row_map is not None:
+        row_map = _check_row_map(row_map, u8.shape[1], sf)
+        b = closed_block(row_map)
+        block = b * SF_ROW_TILE // math.gcd(b, SF_ROW_TILE)
+    eids = _expert_ids_tensor(u8.shape[0], experts, u8.device)
+    return fast.sf_(u8.view(torch.int32), None if row_map is None else _map_i32(row_map), eids, block,
+                    inverse=not forward)
+
+
+def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
+    e, r, c = _check_inplace_sf(sf)
+    if _sf_fast(sf, experts, row_map if swizzle else None, swizzle):
+        return sf
+    u8 = _bytes3d(sf, "sf")
+    runs, scratch = _plan(u8, sf, row_map, experts, chunk)
+    for s, t in runs:
+        k = t - s
+        # The 128x4 swizzle moves 4-byte groups (4 scales of one row), so it is an int32 permutation: copying
+        # 4x fewer, wider elements measured 2x faster on CPU than the uint8 6-D permute.
+        tmp = scratch.load(s, t).view(torch.int32).view(k, r // 128, 4, 32, c // 4)
+        dst = u8[s:t].view(torch.int32)
+        if swizzle:  # write the linear scratch straight into swizzled order: no second temporary
+            dst.view(k, r // 128, c // 4, 32, 4).copy_(tmp.permute(0, 1, 4, 3, 2))
+        else:
+            dst.view(k, r // 128, 4, 32, c // 4).copy_(
+                tmp.view(k, r // 128, c // 4, 32, 4).permute(0, 1, 4, 3, 2))
+    return sf
+
+
+def swizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+    """In place 128x4 swizzle (same storage); scratch is one chunk of experts."""
+    return _sf_inplace(sf, experts, chunk, None, True)
+
+
+def unswizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+    """In place inverse of `swizzle_sf_128x4_`."""
+    return _sf_inplace(sf, experts, chunk, None, False)
+
+
+def permute_rows_and_swizzle_sf_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
+                                 chunk: int | None = None) -> torch.Tensor:
+    """Scale prep in one pass: rows by `row_map`, then 128x4 swizzle, written straight back (one scratch copy;
+    on CUDA one gather through `composed_sf_map`, no scratch)."""
+    return _sf_inplace(sf, experts, chunk, row_map, True)
+
+
+def unswizzle_sf_and_unpermute_rows_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
+                                     chunk: int | None = None) -> torch.Tensor:
+    """Exact inverse of `permute_rows_and_swizzle_sf_` with the same map (one pass on CUDA, two elsewhere)."""
+    _check_inplace_sf(sf)
+    if _sf_fast(sf, experts, row_map, False):
+        return sf
+    unswizzle_sf_128x4_(sf, experts, chunk)
+    return unpermute_rows_(sf, row_map, experts, chunk)
+
+
