@@ -89,16 +89,10 @@ def _row(t: HookTarget, state: str, reason: str) -> dict:
 
 
 _STATE = PluginState()
-_PM: pluggy.PluginManager | None = None
 
 
 def state() -> PluginState:
     return _STATE
-
-
-def plugin_manager() -> pluggy.PluginManager | None:
-    """The PluginManager built by `register()` (None before, or when disabled / stood down)."""
-    return _PM
 
 
 def _allowlist() -> set[str] | None:
@@ -156,7 +150,7 @@ def _collect_targets(pm: pluggy.PluginManager, release, st: PluginState) -> list
 
 def register() -> None:
     """SGLang entry point. Idempotent, cheap, never raises."""
-    global _STATE, _PM
+    global _STATE
     if _STATE.status != "not_loaded":
         return
     st = PluginState()
@@ -188,7 +182,6 @@ def register() -> None:
 
         installer.install(st.targets, source=_current_plugin_source.get())
         st.status = "enabled"
-        _PM = pm
         logger.info(
             "sglang-trtllm-moe: enabled on sglang %s: %d hook targets registered, %d not applicable, %d extensions",
             st.release.version, len(st.targets), len(st.not_applicable),
@@ -205,9 +198,9 @@ def register() -> None:
 
 def _reset_for_tests() -> None:
     """Forget registration state (tests only; SGLang's HookRegistry has its own reset())."""
-    global _STATE, _PM
-    _STATE, _PM = PluginState(), None
+    global _STATE
+    _STATE = PluginState()
     installer._reset_for_tests()
 
 
-__all__ = ["register", "state", "plugin_manager", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]
+__all__ = ["register", "state", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]

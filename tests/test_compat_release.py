@@ -9,7 +9,7 @@ import json
 
 from sglang_trtllm_moe.compat.releases import installed_version
 
-from .support.helpers import last_json, run_python
+from .support.helpers import REPO, last_json, run_python
 
 #: not-applicable targets whose dotted path still resolves on the releases they are left out of, and why
 SUPERSEDED = {
@@ -142,8 +142,21 @@ def test_matrix_skip_reasons_name_the_release():
     caps = matrix.plugin_capabilities(release)
     for req in matrix.REQUIREMENTS:
         assert req.reason and (req.needs.startswith("capability:") or str(req.needs)[0] in "<>=!~")
-        assert matrix.unmet(req.needs, release, caps) in (True, False)
-    assert matrix.unmet(">=0.0.1", release, caps) is False
-    assert matrix.unmet("<0.0.1", release, caps) is True
-    assert matrix.unmet("capability:no-such-capability", release, caps) is True
+        why = matrix.skip_reason(req.needs, req.reason, release, caps)
+        if why is not None:  # does not apply here: the reason names the release, the kind and the requirement
+            assert why.startswith(f"sglang {release}: ") and req.reason in why and f"(needs {req.needs})" in why
+            kind = "not provided by the plugin" if req.needs.startswith("capability:") else "absent upstream"
+            assert kind in why
+    assert matrix.skip_reason(">=0.0.1", "x", release, caps) is None
+    assert "absent upstream: old" in matrix.skip_reason("<0.0.1", "old", release, caps)
+    assert "not provided by the plugin: nope" in matrix.skip_reason("capability:no-such-capability", "nope", release, caps)
     json.dumps([c[:2] for c in matrix.CAPABILITIES])
+
+
+def test_newest_tested_and_oldest_supported_are_the_matrix_ends():
+    """One constant each (compat/releases.py); ci/releases.tsv's first and last rows must agree with them."""
+    from sglang_trtllm_moe.compat import NEWEST_TESTED, OLDEST_SUPPORTED
+
+    rows = [line.split()[0] for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert (rows[0], rows[-1]) == (str(OLDEST_SUPPORTED), str(NEWEST_TESTED))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sglang_trtllm_moe import plugin
-from sglang_trtllm_moe.compat import check_release
+from sglang_trtllm_moe.compat import NEWEST_TESTED, OLDEST_SUPPORTED, check_release
 
 from .support.helpers import last_json, make_distribution, run_python
 
@@ -168,13 +168,17 @@ def test_broken_extensions_break_neither_sglang_nor_builtins(tmp_path):
     assert bad["state"] == "missing" and "this_function_does_not_exist" in bad["reason"]
 
 
+def _next_patch(v) -> str:
+    return ".".join(map(str, (*v.release[:2], v.release[2] + 1)))
+
+
 @pytest.mark.parametrize("version,status,runs", [
     ("0.5.10", "unsupported", False),
     ("0.5.4", "unsupported", False),
-    ("0.5.11", "tested", True),
-    ("0.5.23", "tested", True),
-    ("0.5.23.post1", "tested", True),
-    ("0.5.24", "untested", True),
+    (str(OLDEST_SUPPORTED), "tested", True),
+    (str(NEWEST_TESTED), "tested", True),
+    (f"{NEWEST_TESTED}.post1", "tested", True),
+    (_next_patch(NEWEST_TESTED), "untested", True),
 ])
 def test_release_gate(version, status, runs):
     r = check_release(version)
@@ -249,19 +253,20 @@ def test_register_is_idempotent_and_never_raises(monkeypatch):
         plugin._STATE = saved_state
 
 
-def test_doctor_cli_json_after_sglang_loaded_plugins():
-    # The issue's check: SGLang loads plugins in one process, doctor (a new process) reports them landed.
-    pre = run_python("from sglang.srt.plugins import load_plugins; load_plugins()")
-    assert pre.returncode == 0, pre.stderr[-2000:]
-    for argv in (["-m", "sglang_trtllm_moe", "doctor", "--json"],):
-        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        r = last_json(proc)
-        assert r["enabled"] is True
-        assert r["targets"] and not [t for t in r["targets"] if t["state"] == "missing"]
-        assert set(r) >= {"enabled", "sglang_version", "targets", "extensions"}
-        for t in r["targets"]:
-            assert set(t) >= {"target", "state"} and t["state"] in ("landed", "missing", "not_applicable")
+def test_doctor_cli_json_loads_the_plugin_through_sglang_and_proves_every_target():
+    """`doctor` (its own process) runs SGLang's load_plugins(), imports every hooked module and reports each target
+    landed (or absent on this release): proof after the fact, in the process that reports it."""
+    proc = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "doctor", "--json"], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = last_json(proc)
+    assert r["enabled"] is True and r["errors"] == []
+    assert set(r) >= {"enabled", "sglang_version", "targets", "extensions"}
+    states = {t["target"]: t["state"] for t in r["targets"]}
+    assert states and set(states.values()) <= {"landed", "not_applicable"}, states
+    assert "landed" in states.values()
+    for t in r["targets"]:
+        assert set(t) >= {"target", "state", "module", "capability", "hook_type", "source"}
     text = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "doctor"], capture_output=True, text=True, timeout=240)
     assert text.returncode == 0 and "enabled" in text.stdout and "[        landed]" in text.stdout
 

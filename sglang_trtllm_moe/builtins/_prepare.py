@@ -26,7 +26,7 @@ def kw(args, kwargs, i: int, name: str):
     return kwargs[name] if name in kwargs else args[i]
 
 
-def prepare_layer(fmt, method, layer, side_attrs) -> None:
+def prepare_layer(fmt, method, layer, side_attrs=None) -> None:
     """Take `layer` over in `fmt` (first call) or prepare what changed since (every later call)."""
     st = layer_state.state_of(layer)
     if st is None:
@@ -43,4 +43,5 @@ def prepare_layer(fmt, method, layer, side_attrs) -> None:
                     layer_state.layer_name(layer), fmt.name, n)
     else:
         layer_state.flush(layer)
-    side_attrs(method, layer)
+    if side_attrs is not None:
+        side_attrs(method, layer)

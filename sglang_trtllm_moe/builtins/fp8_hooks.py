@@ -63,11 +63,6 @@ def fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
     prepare_layer(fmt, method, layer, _fp8_side_attrs)
 
 
-def _no_side_attrs(method, layer) -> None:
-    """ModelOptFp8MoEMethod.apply reads output1_scales_scalar / output1_scales_gate_scalar / output2_scales_scalar
-    (set as kernel scalars by the flush) and the weights; nothing else."""
-
-
 def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
     if features.MODELOPT_FP8_OWN_BACKEND.present():
         backend = method._moe_runner_backend
@@ -77,7 +72,9 @@ def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, *
         backend = get_moe_runner_backend()
     if not backend.is_flashinfer_trtllm() or not method.quant_config.is_checkpoint_fp8_serialized:
         return original(method, layer, *args, **kwargs)
-    prepare_layer(FP8_TENSOR_MODELOPT, method, layer, _no_side_attrs)
+    # ModelOptFp8MoEMethod.apply reads the weights and the kernel scalars the flush sets (output1_scales_scalar,
+    # output1_scales_gate_scalar, output2_scales_scalar); nothing else of SGLang's post-load is needed
+    prepare_layer(FP8_TENSOR_MODELOPT, method, layer)
 
 
 @hookimpl

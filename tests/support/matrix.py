@@ -85,17 +85,6 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "compat/platform.py ADAPTERS); FusedOpPool has ('flashinfer', 'flashinfer_trtllm') only from 0.5.19"),
 )
 
-@dataclass(frozen=True)
-class KnownBug:
-    """A failure the matrix found and nobody fixed yet: expected to fail (xfail, not strict) on `releases`, so CI
-    stays green while the table says "bug" with this reason instead of hiding it."""
-    selector: str
-    releases: str
-    reason: str
-
-
-KNOWN_BUGS: tuple[KnownBug, ...] = (
-)
 
 #: fixtures that stand for a capability (every test using one needs it)
 FIXTURE_REQUIREMENTS = {
@@ -133,6 +122,15 @@ def unmet(needs: str, release: Version, caps: set[str]) -> bool:
     return not SpecifierSet(needs).contains(release, prereleases=True)
 
 
+def skip_reason(needs: str, reason: str, release: Version, caps: set[str]) -> str | None:
+    """None when the requirement holds on `release`; else the skip reason the matrix reports: the release, whether
+    the capability is absent upstream or not provided by the plugin there, why, and the requirement."""
+    if not unmet(needs, release, caps):
+        return None
+    what = "not provided by the plugin" if needs.startswith("capability:") else "absent upstream"
+    return f"sglang {release}: {what}: {reason} (needs {needs})"
+
+
 def flashinfer_missing_reason(release) -> str | None:
     if importlib.util.find_spec("flashinfer") is not None:
         return None
@@ -164,14 +162,10 @@ if pytest is not None:
             needs += [(r.needs, r.reason) for r in REQUIREMENTS if item.nodeid.startswith(r.selector)]
             needs += [FIXTURE_REQUIREMENTS[f] for f in getattr(item, "fixturenames", ()) if f in FIXTURE_REQUIREMENTS]
             for spec, reason in needs:
-                if unmet(spec, release, caps):
-                    what = "not provided by the plugin" if spec.startswith("capability:") else "absent upstream"
-                    item.add_marker(pytest.mark.skip(
-                        reason=f"sglang {release}: {what}: {reason} (needs {spec})"))
+                why = skip_reason(spec, reason, release, caps)
+                if why is not None:
+                    item.add_marker(pytest.mark.skip(reason=why))
                     break
-            for bug in KNOWN_BUGS:
-                if item.nodeid.startswith(bug.selector) and not unmet(bug.releases, release, caps):
-                    item.add_marker(pytest.mark.xfail(reason=f"sglang {release}: known bug: {bug.reason}", strict=False))
 
     def _flashinfer_absent(exc) -> str | None:
         if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "flashinfer":
@@ -469,4 +463,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["CAPABILITIES", "KNOWN_BUGS", "KnownBug", "REQUIREMENTS", "FIXTURE_REQUIREMENTS", "Requirement", "plugin_capabilities", "report", "unmet"]
+__all__ = ["CAPABILITIES", "REQUIREMENTS", "FIXTURE_REQUIREMENTS", "Requirement", "plugin_capabilities", "report", "skip_reason", "unmet"]
