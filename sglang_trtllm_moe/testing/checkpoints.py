@@ -499,7 +499,11 @@ def config(spec: TinySpec, with_quant: bool = True) -> dict:
                "routed_scaling_factor": 1.0,
                "q_lora_rank": Q_LORA, "kv_lora_rank": KV_LORA, "qk_nope_head_dim": QK_NOPE,
                "qk_rope_head_dim": QK_ROPE, "v_head_dim": V_HEAD, "num_key_value_heads": spec.heads,
-               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None, "hidden_act": "silu",
+               "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               # DeepSeek-V3's own YaRN recipe, scaled down (SGLang's CPU rope path only implements deepseek_yarn)
+               "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 1.0, "mscale_all_dim": 1.0}, "hidden_act": "silu",
                "attention_bias": False, "num_nextn_predict_layers": 0, "ep_size": 1}
     else:
         pattern = "".join({"attn": "*", "moe": "E", "dense": "-"}[k] for k in spec.layers)

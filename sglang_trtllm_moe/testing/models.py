@@ -40,6 +40,9 @@ DEFAULT_SERVER_ARGS = dict(
     # a faked SM100 otherwise picks the cutedsl BF16 GEMM, which imports cuda.bindings
     bf16_gemm_backend="torch", disable_cuda_graph=True, mem_fraction_static=0.5, max_total_tokens=4096,
     max_running_requests=16, chunked_prefill_size=-1, random_seed=0, log_level="error",
+    # bench_one_batch's flow allocates without the radix tree; for Nemotron-H it also avoids the Mamba cache
+    # snapshots the faked platform would promise (arg_groups/mamba_hook.py validate_mamba_extra_buffer)
+    disable_radix_cache=True,
 )
 
 
@@ -214,18 +217,21 @@ class TinyModel:
 
     # ---- RL entry points, as SGLang's scheduler calls the runner's WeightUpdater ----------------------------------
 
+    @torch.no_grad()
     def update_from_disk(self, path: str, load_format: str = "auto"):
         ok, msg = self.updater.update_weights_from_disk(path, load_format)
         if not ok:
             raise RuntimeError(msg)
         return msg
 
+    @torch.no_grad()
     def begin(self) -> None:
         if self._session is not None:
             raise RuntimeError("a weight-update session is already open")
         self.updater.begin_weight_update()
         self._session = {"loaded_weights": False}
 
+    @torch.no_grad()
     def end(self) -> None:
         if self._session is None:
             raise RuntimeError("no weight-update session is open")
@@ -255,25 +261,25 @@ class TinyModel:
                 self.end()
         return msg
 
+    @torch.no_grad()
     def update_from_tensor(self, named_tensors, load_format: str | None = None):
         """Engine.update_weights_from_tensor -> scheduler: serialized with MultiprocessingSerializer, deserialized for
         this rank, handed to WeightUpdater.update_weights_from_tensor (inside a session, opened here if none is).
         `load_format="flattened_bucket"`: `named_tensors` is grouped into one FlattenedTensorBucket (as RL
         frameworks send buckets)."""
-        from sglang.srt.utils import MultiprocessingSerializer
+        # The Engine serializes with MultiprocessingSerializer and the scheduler deserializes the same tensors; the
+        # round trip is skipped here: in one process SGLang's CUDA-only reduction patch (utils/patch_torch.py,
+        # applied by update_weights_from_tensor) would also apply to the Engine side and fails on CPU tensors.
+        payload = flattened_bucket(named_tensors) if load_format == "flattened_bucket" else list(named_tensors)
+        return self._in_session(lambda: self.updater.update_weights_from_tensor(payload, load_format=load_format))
 
-        if load_format == "flattened_bucket":
-            payload = flattened_bucket(named_tensors)
-        else:
-            payload = list(named_tensors)
-        received = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(payload))
-        return self._in_session(lambda: self.updater.update_weights_from_tensor(received, load_format=load_format))
-
+    @torch.no_grad()
     def load_distributed(self, named_tensors):
         """The load half of update_weights_from_distributed (what the scheduler passes after the receive)."""
         return self._in_session(lambda: self.updater.load_weights_from_distributed(list(named_tensors)))
 
     def weight_checker(self):
+        """SGLang's WeightChecker around this model; call `handle` under torch.no_grad() as the scheduler does."""
         from .runtime import weight_checker
 
         return weight_checker(self.model)

@@ -117,12 +117,33 @@ def topk_bypass_on_cpu() -> None:
     TopK.forward_native = forward_native
 
 
+def deepseek_mla_on_torch_native() -> None:
+    """DeepSeek's attention picks a forward method per attention backend (models/deepseek_common/
+    attention_backend_handler.py, AttentionBackendRegistry); `torch_native` has no entry, so it falls back to the
+    triton handler, which takes the MHA path for prefill. torch_native's extend reads K/V from the KV pool, and the
+    MLA pool holds the compressed latent (kv_lora_rank + rope wide), so that MHA prefill fails (width 96 vs 160).
+    The stand-in registers torch_native with SGLang's own MLA dispatch (`_dispatch_mla_subtype`, what the triton
+    handler returns for decode): the weight-absorbed MLA form of the same attention, which torch_native supports."""
+    try:
+        from sglang.srt.models.deepseek_common import attention_backend_handler as h
+    except ImportError:
+        return
+    if "torch_native" in h.AttentionBackendRegistry._handlers:
+        return
+
+    def handle_attention_torch_native(attn, forward_batch):
+        return h._dispatch_mla_subtype(attn, forward_batch)
+
+    h.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
+
+
 #: every stand-in, in the order apply() installs them: (name, function, needs sglang imported)
 STANDINS = (
     ("torchvision op schemas", torchvision_op_schemas, False),
     ("vllm._custom_ops import stub", vllm_custom_ops_import_stub, False),
     ("CPU aten::mm.dtype", cpu_mm_out_dtype, False),
     ("TopK bypassed routing on CPU", topk_bypass_on_cpu, True),
+    ("DeepSeek MLA on torch_native", deepseek_mla_on_torch_native, True),
 )
 
 
