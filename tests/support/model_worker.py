@@ -305,8 +305,55 @@ class Worker:
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
 
+    def check_threaded_disk_ab(self, m, runs: int = 10) -> dict:
+        """sglang#20: update_weights_from_disk A->B (and back) with SGLang's default loading. DeepSeek's loader
+        (models/deepseek_common/deepseek_weight_loader.py) submits one task per CPU tensor to a ThreadPoolExecutor
+        (`should_async_load`: True for every CPU tensor), so shards of one expert are written concurrently. Each
+        run must equal a fresh load byte for byte, storage kept; the threads that wrote are counted to prove the
+        pool was used."""
+        import threading
+
+        from sglang_trtllm_moe import weights
+
+        from sglang.srt.model_loader import utils as loader_utils
+
+        seen: dict = {}
+        real = weights.before_write
+
+        def spy(layer, name, expert_id):
+            seen[threading.get_ident()] = threading.current_thread().name
+            return real(layer, name, expert_id)
+
+        weights.before_write = spy
+        try:
+            a, b = self.write_full(0), self.write_full(1)
+            fresh = {0: m.fresh(a), 1: m.fresh(b)}
+            ptrs = m.pointers()
+            results = []
+            for r in range(runs):
+                for target, path in ((1, b), (0, a)):
+                    seen.clear()
+                    m.update_from_disk(path)
+                    diff = m.differences(fresh[target])
+                    moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
+                    writer_threads = sorted(set(seen.values()))
+                    if target == 1:
+                        results.append({"run": r, "differs": diff[:6], "n_differs": len(diff), "moved": moved[:4],
+                                        "writer_threads": len(writer_threads),
+                                        "pool_threads": sum(1 for t in writer_threads if t != "MainThread")})
+                    elif diff or moved:
+                        results.append({"run": r, "back_to_A_differs": diff[:6], "moved": moved[:4]})
+        finally:
+            weights.before_write = real
+        failed = [x for x in results if x.get("n_differs") or x.get("moved") or x.get("back_to_A_differs")]
+        pool = all(x.get("pool_threads", 1) > 0 for x in results)
+        return {"ok": not failed and pool, "runs": runs, "failed_runs": len(failed), "pool_used_every_run": pool,
+                "async_load_on_cpu": bool(loader_utils.should_async_load(torch.zeros(1))), "results": results}
+
+    ON_REQUEST = ("threaded_disk_ab",)
     ORDER = ("load", "forward", "disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket",
-             "tensor_split_shards", "session_direct", "distributed", "random_rounds", "weight_checker", "greedy")
+             "tensor_split_shards", "session_direct", "distributed", "random_rounds", "weight_checker", "greedy",
+             "threaded_disk_ab")
 
     def run(self, checks=None) -> dict:
         from sglang_trtllm_moe.testing import models
@@ -316,7 +363,7 @@ class Worker:
         self.intended = self.full(0)
         self.report["_load_s"] = time.perf_counter() - t0
         for name in self.ORDER:
-            if checks and name not in checks:
+            if (checks and name not in checks) or (not checks and name in self.ON_REQUEST):
                 continue
             t = time.perf_counter()
             try:
