@@ -60,6 +60,12 @@ def _cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def _cmd_tiny_checkpoint(args) -> int:
+    from .testing import checkpoints
+
+    return checkpoints.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglang-trtllm-moe", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -87,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     b.set_defaults(func=_cmd_bench)
+    t = sub.add_parser("tiny-checkpoint", help="write a tiny random, calibrated checkpoint of an SGLang MoE model "
+                                               "(config.json, safetensors, quant config, tokenizer)")
+    t.add_argument("--arch", required=True, help="qwen3_moe | deepseek_v3 | nemotron_h | mixtral")
+    t.add_argument("--quant", required=True, help="nvfp4 | ct_nvfp4 | fp8 | fp8_static | fp8_block | bf16")
+    t.add_argument("--out", required=True, help="model directory to write")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layers", default=None, help="only these MoE layers' experts, e.g. 1,2 (partial checkpoint)")
+    t.add_argument("--experts", default=None, help="only these experts, e.g. 0,3 (partial checkpoint)")
+    t.add_argument("--experts-only", action="store_true", help="leave out every non-expert tensor")
+    t.add_argument("--reference", action="store_true", help="also write OUT-reference: float32, experts dequantized")
+    t.add_argument("--force", action="store_true", help="write a combination SGLang does not build with FusedMoE")
+    t.set_defaults(func=_cmd_tiny_checkpoint)
     return p
 
 

@@ -1,0 +1,395 @@
+"""One whole SGLang model (one architecture x format) through every RL flow, in its own process.
+
+SGLang's process state (published ServerArgs resolved for one model, the parallel runtime, expert-location
+metadata) is built once per process and is specific to one model, so each (arch, quant) runs here, in a fresh
+interpreter, and prints one JSON report: {check: {"ok": bool, "detail": str, ...}}. tests/test_models.py asserts it.
+
+    python -m tests.support.model_worker ARCH QUANT [--checks a,b,...] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 260, 311, 7], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]
+
+
+class Worker:
+    def __init__(self, arch: str, quant: str, workdir: str):
+        from sglang_trtllm_moe.testing import checkpoints as ck
+
+        self.ck = ck
+        self.arch, self.quant, self.workdir = arch, quant, workdir
+        self.spec = ck.TinySpec(arch, quant, seed=0)
+        self.dirs: dict = {}
+        self.report: dict = {}
+        self._n = 0
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+
+    def spec_for(self, seed: int):
+        return self.spec.with_seed(seed)
+
+    def full(self, seed: int) -> dict:
+        return self.ck.checkpoint(self.spec_for(seed))
+
+    def write_full(self, seed: int) -> str:
+        if seed not in self.dirs:
+            self.dirs[seed] = self.ck.write(os.path.join(self.workdir, f"seed{seed}"), self.spec_for(seed))
+        return self.dirs[seed]
+
+    def write_tensors(self, tensors: dict) -> str:
+        self._n += 1
+        return self.ck.write_tensors(os.path.join(self.workdir, f"mix{self._n}"), self.spec, tensors)
+
+    def experts_of(self, seed: int, layers=None, experts=None, roles=None) -> dict:
+        return self.ck.quantized_experts(self.spec_for(seed), layers=layers, experts=experts, roles=roles)
+
+    # ---- comparisons ---------------------------------------------------------------------------------------------
+
+    def compare(self, m, intended: dict, ptrs: dict, tokens: bool = False) -> dict:
+        """The model vs a fresh get_model() of `intended`: every parameter/buffer byte, storage, layer state."""
+        from sglang_trtllm_moe import weights
+
+        fresh = m.fresh(self.write_tensors(intended))
+        diff = m.differences(fresh)
+        moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
+        unclean = [n for n, layer in m.moe_layers().items()
+                   if weights.state_of(layer) is None or not weights.state_of(layer).clean]
+        out = {"differs": diff[:8], "n_differs": len(diff), "moved": moved[:8], "unclean": unclean}
+        if tokens:
+            a, _ = m.generate(PROMPTS, 4)
+            b, _ = m.generate(PROMPTS, 4, model=fresh)
+            out["tokens"], out["fresh_tokens"] = a, b
+        out["ok"] = not diff and not moved and not unclean and (not tokens or out["tokens"] == out["fresh_tokens"])
+        del fresh
+        return out
+
+    # ---- checks --------------------------------------------------------------------------------------------------
+
+    def check_load(self, m) -> dict:
+        from sglang_trtllm_moe import weights
+
+        layers = m.moe_layers()
+        states = {n: (weights.state_of(layer) is not None, bool(weights.state_of(layer) and weights.state_of(layer).clean))
+                  for n, layer in layers.items()}
+        ok = len(layers) == len(self.spec.moe_layers) and all(a and b for a, b in states.values())
+        return {"ok": ok, "model_class": type(m.model).__name__, "moe_layers": sorted(layers), "states": states,
+                "methods": sorted({type(layer.quant_method).__name__ for layer in layers.values()})}
+
+    def check_forward(self, m) -> dict:
+        """Prefill next-token logits vs transformers' own model class on the float32 dequantized checkpoint."""
+        from transformers import AutoModelForCausalLM
+
+        ref_dir = self.ck.write_reference(os.path.join(self.workdir, "reference"), self.spec)
+        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+        ref.eval()
+        _, logits = m.generate(PROMPTS, 1)
+        with torch.no_grad():
+            want = torch.stack([ref(torch.tensor([p])).logits[0, -1] for p in PROMPTS]).float()
+        rel = float((logits - want).norm() / want.norm())
+        per = [float((logits[i] - want[i]).norm() / want[i].norm()) for i in range(len(PROMPTS))]
+        top1 = (logits.argmax(-1) == want.argmax(-1)).tolist()
+        return {"ok": True, "rel_err": rel, "rel_err_per_prompt": per, "top1_equal": top1,
+                "reference_class": type(ref).__name__}
+
+    def check_disk_full(self, m) -> dict:
+        ptrs = m.pointers()
+        m.update_from_disk(self.write_full(1))
+        self.intended = self.full(1)
+        return self.compare(m, self.intended, ptrs)
+
+    def check_disk_partial(self, m) -> dict:
+        """A checkpoint dir holding two experts of the last MoE layer only (experts-only, as a trainer writes it)."""
+        ptrs = m.pointers()
+        layer = self.spec.moe_layers[-1]
+        part = self.experts_of(2, layers=[layer], experts=[1, 5])
+        d = self.ck.write_tensors(os.path.join(self.workdir, "partial-disk"), self.spec, part)
+        m.update_from_disk(d)
+        self.intended = {**self.intended, **part}
+        return {**self.compare(m, self.intended, ptrs), "tensors": len(part)}
+
+    def _ordered_payload(self, tensors: dict) -> list:
+        """Checkpoint order, except that expert 0's GEMM1 halves of the first MoE layer go in the first and the
+        last call (one expert's w1 and w3 in different calls)."""
+        items = sorted(tensors.items())
+        first = self.ck.expert_base(self.spec, self.spec.moe_layers[0], 0, "gate" if self.spec.gated else "up")
+        last = self.ck.expert_base(self.spec, self.spec.moe_layers[0], 0, "up" if self.spec.gated else "down")
+        head = [kv for kv in items if kv[0].startswith(first + ".")]
+        tail = [kv for kv in items if kv[0].startswith(last + ".")]
+        rest = [kv for kv in items if kv not in head and kv not in tail]
+        return head + rest + tail
+
+    def _buckets_update(self, m, seed: int, load_format) -> dict:
+        from sglang_trtllm_moe.testing import models
+
+        ptrs = m.pointers()
+        new = self.full(seed)
+        payload = self._ordered_payload(new)
+        parts = models.buckets(payload, 3)  # 3 buckets: each MoE layer's tensors span two of them
+        with m.session():
+            for part in parts:
+                m.update_from_tensor(part, load_format=load_format)
+        self.intended = new
+        return {**self.compare(m, self.intended, ptrs), "buckets": [len(p) for p in parts]}
+
+    def check_tensor_buckets(self, m) -> dict:
+        return self._buckets_update(m, 3, None)
+
+    def check_tensor_flattened_bucket(self, m) -> dict:
+        return self._buckets_update(m, 4, "flattened_bucket")
+
+    def check_tensor_split_shards(self, m) -> dict:
+        """One expert's w1 and w3 in separate update_weights_from_tensor calls, each its own session (an entry point
+        ends in between, so the expert is prepared with one half new and the other old, then again)."""
+        ptrs = m.pointers()
+        layer = self.spec.moe_layers[0]
+        roles = ["gate", "up"] if self.spec.gated else ["up", "down"]
+        steps = []
+        for role in roles:
+            part = self.experts_of(5, layers=[layer], experts=[3], roles=[role])
+            m.update_from_tensor(sorted(part.items()))
+            self.intended = {**self.intended, **part}
+            steps.append(self.compare(m, self.intended, ptrs))
+        return {"ok": all(s["ok"] for s in steps), "steps": steps}
+
+    def check_session_direct(self, m) -> dict:
+        """begin_weight_update; whole parameters written with load_format="direct" (no loader, SGLang's
+        default_weight_loader) in two calls; end_weight_update. The payload is SGLang's own checkpoint layout of a
+        fresh model of seed 6 (its managed layers returned to checkpoint layout by the plugin's un-prepare)."""
+        from sglang_trtllm_moe import weights
+
+        ptrs = m.pointers()
+        target = self.full(6)
+        src = m.fresh(self.write_tensors(target))
+        managed = [layer for layer in m.moe_layers().values()]
+        weights.unprepare_all()  # every managed layer in the process: checkpoint layout (as begin_weight_update does)
+        payload = [(n, p.detach().clone()) for n, p in src.named_parameters()]
+        weights.flush_all(end_session=True)
+        del src
+        prepared_inside = False
+        with m.session():
+            open_dirty = all(bool(weights.state_of(layer).dirty_experts()) for layer in managed)
+            half = len(payload) // 2
+            for part in (payload[:half], payload[half:]):
+                m.update_from_tensor(part, load_format="direct")
+                prepared_inside |= any(weights.state_of(layer).clean for layer in managed)
+        if prepared_inside:
+            return {"ok": False, "detail": "a layer was prepared inside an open begin/end session"}
+        self.intended = target
+        out = self.compare(m, self.intended, ptrs)
+        out["ok"] = out["ok"] and open_dirty
+        out["unprepared_at_begin"] = open_dirty
+        return out
+
+    def check_distributed(self, m) -> dict:
+        """update_weights_from_distributed over gloo from a second process (the trainer: rank 0 of a 2-rank group
+        made by SGLang's init_custom_process_group on both sides), two broadcasts, inside a session. The buckets
+        are flattened (load_format="flattened_bucket", one uint8 broadcast each, as RL frameworks send them): gloo
+        cannot broadcast float8_e4m3fn tensors, and every quantized format here holds some (NVFP4 block scales)."""
+        import socket
+
+        ptrs = m.pointers()
+        new = self.full(7)
+        path = os.path.join(self.workdir, "trainer.pt")
+        # each bucket ordered by element size, so every tensor starts aligned in the flattened bytes
+        names = sorted(new, key=lambda n: (-new[n].element_size(), n))
+        torch.save(new, path)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        groups = [names[0::2], names[1::2]]
+        groups = [sorted(g, key=lambda n: (-new[n].element_size(), n)) for g in groups]
+        code = textwrap.dedent(f"""
+            import torch, torch.distributed as dist
+            from sglang.srt.utils.common import init_custom_process_group
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+            pg = init_custom_process_group(backend="gloo", init_method="tcp://127.0.0.1:{port}", world_size=2,
+                                           rank=0, group_name="rl")
+            t = torch.load({path!r})
+            for group in {groups!r}:
+                bucket = FlattenedTensorBucket(named_tensors=[(n, t[n]) for n in group])
+                dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+            print("trainer done")
+        """)
+        trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        try:
+            ok, msg = m.updater.init_weights_update_group("127.0.0.1", port, 1, 2, "rl", backend="gloo")
+            if not ok:
+                raise RuntimeError(msg)
+            with m.session():
+                for group in groups:
+                    received = m.updater.receive_weights_from_distributed(
+                        names=group, dtypes=[str(new[n].dtype).replace("torch.", "") for n in group],
+                        shapes=[list(new[n].shape) for n in group], group_name="rl", load_format="flattened_bucket")
+                    m.load_distributed(received)
+            m.updater.destroy_weights_update_group("rl")
+        finally:
+            try:
+                out, err = trainer.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                trainer.kill()
+                out, err = trainer.communicate()
+        if trainer.returncode != 0:
+            return {"ok": False, "detail": f"trainer failed (rc {trainer.returncode}): {err[-1500:]}"}
+        self.intended = new
+        return {**self.compare(m, self.intended, ptrs), "broadcasts": [len(g) for g in groups]}
+
+    def check_random_rounds(self, m, rounds: int = 6) -> dict:
+        """Random partial updates: random layers, experts and projections of a new seed each round, by disk or by
+        tensors in buckets; after each round the whole model equals a fresh load of what was intended."""
+        from sglang_trtllm_moe.testing import models
+
+        rng = random.Random(1234)
+        ptrs = m.pointers()
+        results = []
+        for r in range(rounds):
+            seed = 100 + r
+            layers = rng.sample(self.spec.moe_layers, rng.randint(1, len(self.spec.moe_layers)))
+            experts = rng.sample(range(self.spec.num_experts), rng.randint(1, self.spec.num_experts))
+            roles = list(self.ck.expert_proj_names(self.spec))
+            roles = rng.sample(roles, rng.randint(1, len(roles)))
+            part = self.experts_of(seed, layers=layers, experts=experts, roles=roles)
+            how = ("disk", "tensor", "flattened_bucket")[r % 3]
+            if how == "disk":
+                m.update_from_disk(self.ck.write_tensors(os.path.join(self.workdir, f"round{r}"), self.spec, part))
+            else:
+                items = list(part.items())
+                rng.shuffle(items)
+                with m.session():
+                    for b in models.buckets(items, rng.randint(1, 3)):
+                        m.update_from_tensor(b, load_format=None if how == "tensor" else "flattened_bucket")
+            self.intended = {**self.intended, **part}
+            res = self.compare(m, self.intended, ptrs, tokens=(r == rounds - 1))
+            res.update(how=how, layers=sorted(layers), experts=sorted(experts), roles=sorted(roles))
+            results.append(res)
+        return {"ok": all(x["ok"] for x in results), "rounds": results}
+
+    @torch.no_grad()
+    def check_weight_checker(self, m) -> dict:
+        """SGLang's WeightChecker: snapshot, reset_tensors, replay the final checkpoint from disk, compare passes;
+        one flipped byte in an expert weight is caught."""
+        wc = m.weight_checker()
+        final = self.write_tensors(self.intended)
+        wc.handle("snapshot", role="target")
+        wc.handle("reset_tensors", role="target")
+        m.update_from_disk(final)
+        wc.handle("compare", role="target")
+        wc.handle("snapshot", role="target")  # compare consumes the snapshot
+        layer_name, layer = sorted(m.moe_layers().items())[-1]
+        w = layer.w2_weight
+        flat = w.data.view(torch.uint8).reshape(-1)
+        pos = flat.numel() // 3
+        flat[pos] ^= 0x10
+        caught = ""
+        try:
+            wc.handle("compare", role="target")
+        except Exception as e:  # noqa: BLE001 - the check is that it raises
+            caught = f"{type(e).__name__}: {str(e)[:600]}"
+        flat[pos] ^= 0x10  # restored
+        named = f"{layer_name}.w2_weight".split("model.", 1)[-1] in caught
+        return {"ok": named, "caught": caught, "flipped": f"{layer_name}.w2_weight byte {pos}"}
+
+    def check_greedy(self, m) -> dict:
+        return self.compare(m, self.intended, m.pointers(), tokens=True)
+
+    def check_threaded_disk_ab(self, m, runs: int = 10) -> dict:
+        """sglang#20: update_weights_from_disk A->B (and back) with SGLang's default loading. DeepSeek's loader
+        (models/deepseek_common/deepseek_weight_loader.py) submits one task per CPU tensor to a ThreadPoolExecutor
+        (`should_async_load`: True for every CPU tensor), so shards of one expert are written concurrently. Each
+        run must equal a fresh load byte for byte, storage kept; the threads that wrote are counted to prove the
+        pool was used."""
+        import threading
+
+        from sglang_trtllm_moe import weights
+
+        from sglang.srt.model_loader import utils as loader_utils
+
+        seen: dict = {}
+        real = weights.before_write
+
+        def spy(layer, name, expert_id):
+            seen[threading.get_ident()] = threading.current_thread().name
+            return real(layer, name, expert_id)
+
+        weights.before_write = spy
+        try:
+            a, b = self.write_full(0), self.write_full(1)
+            fresh = {0: m.fresh(a), 1: m.fresh(b)}
+            ptrs = m.pointers()
+            results = []
+            for r in range(runs):
+                for target, path in ((1, b), (0, a)):
+                    seen.clear()
+                    m.update_from_disk(path)
+                    diff = m.differences(fresh[target])
+                    moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
+                    writer_threads = sorted(set(seen.values()))
+                    if target == 1:
+                        results.append({"run": r, "differs": diff[:6], "n_differs": len(diff), "moved": moved[:4],
+                                        "writer_threads": len(writer_threads),
+                                        "pool_threads": sum(1 for t in writer_threads if t != "MainThread")})
+                    elif diff or moved:
+                        results.append({"run": r, "back_to_A_differs": diff[:6], "moved": moved[:4]})
+        finally:
+            weights.before_write = real
+        failed = [x for x in results if x.get("n_differs") or x.get("moved") or x.get("back_to_A_differs")]
+        pool = all(x.get("pool_threads", 1) > 0 for x in results)
+        return {"ok": not failed and pool, "runs": runs, "failed_runs": len(failed), "pool_used_every_run": pool,
+                "async_load_on_cpu": bool(loader_utils.should_async_load(torch.zeros(1))), "results": results}
+
+    ON_REQUEST = ("threaded_disk_ab",)
+    ORDER = ("load", "forward", "disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket",
+             "tensor_split_shards", "session_direct", "distributed", "random_rounds", "weight_checker", "greedy",
+             "threaded_disk_ab")
+
+    def run(self, checks=None) -> dict:
+        from sglang_trtllm_moe.testing import models
+
+        t0 = time.perf_counter()
+        m = models.TinyModel(self.write_full(0))
+        self.intended = self.full(0)
+        self.report["_load_s"] = time.perf_counter() - t0
+        for name in self.ORDER:
+            if (checks and name not in checks) or (not checks and name in self.ON_REQUEST):
+                continue
+            t = time.perf_counter()
+            try:
+                res = getattr(self, f"check_{name}")(m)
+            except Exception as e:  # noqa: BLE001 - reported
+                res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}",
+                       "traceback": traceback.format_exc()[-2000:]}
+                if m._session is not None:
+                    m.end()
+            res["seconds"] = round(time.perf_counter() - t, 2)
+            self.report[name] = res
+        return self.report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("arch")
+    p.add_argument("quant")
+    p.add_argument("--checks", default=None)
+    p.add_argument("--workdir", default=None)
+    a = p.parse_args(argv)
+    workdir = a.workdir or tempfile.mkdtemp(prefix=f"trtllm-moe-model-{a.arch}-{a.quant}-")
+    report = Worker(a.arch, a.quant, workdir).run(a.checks.split(",") if a.checks else None)
+    print(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
