@@ -78,7 +78,7 @@ def init(model_dir: str, **server_args) -> None:
 
     load_plugins()
     standins.apply()
-    from .runtime import fake_blackwell
+    from .platform import fake_blackwell
 
     fake_blackwell()
     from sglang.benchmark import one_batch

@@ -60,13 +60,13 @@ class Worker:
 
     def compare(self, m, intended: dict, ptrs: dict, tokens: bool = False) -> dict:
         """The model vs a fresh get_model() of `intended`: every parameter/buffer byte, storage, layer state."""
-        from sglang_trtllm_moe import weights
+        from sglang_trtllm_moe import layer_state
 
         fresh = m.fresh(self.write_tensors(intended))
         diff = m.differences(fresh)
         moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
         unclean = [n for n, layer in m.moe_layers().items()
-                   if weights.state_of(layer) is None or not weights.state_of(layer).clean]
+                   if layer_state.state_of(layer) is None or not layer_state.state_of(layer).clean]
         out = {"differs": diff[:8], "n_differs": len(diff), "moved": moved[:8], "unclean": unclean}
         if tokens:
             a, _ = m.generate(PROMPTS, 4)
@@ -79,10 +79,10 @@ class Worker:
     # ---- checks --------------------------------------------------------------------------------------------------
 
     def check_load(self, m) -> dict:
-        from sglang_trtllm_moe import weights
+        from sglang_trtllm_moe import layer_state
 
         layers = m.moe_layers()
-        states = {n: (weights.state_of(layer) is not None, bool(weights.state_of(layer) and weights.state_of(layer).clean))
+        states = {n: (layer_state.state_of(layer) is not None, bool(layer_state.state_of(layer) and layer_state.state_of(layer).clean))
                   for n, layer in layers.items()}
         ok = len(layers) == len(self.spec.moe_layers) and all(a and b for a, b in states.values())
         return {"ok": ok, "model_class": type(m.model).__name__, "moe_layers": sorted(layers), "states": states,
@@ -168,7 +168,7 @@ class Worker:
         """begin_weight_update; whole parameters written with load_format="direct" (no loader, SGLang's
         default_weight_loader) in two calls; end_weight_update. The payload is SGLang's own checkpoint layout of a
         fresh model of seed 6 (its managed layers returned to checkpoint layout by the plugin's un-prepare)."""
-        from sglang_trtllm_moe import weights
+        from sglang_trtllm_moe import layer_state
 
         ptrs = m.pointers()
         target = self.full(6)
@@ -176,15 +176,15 @@ class Worker:
         managed = [layer for layer in m.moe_layers().values()]
         weights.unprepare_all()  # every managed layer in the process: checkpoint layout (as begin_weight_update does)
         payload = [(n, p.detach().clone()) for n, p in src.named_parameters()]
-        weights.flush_all(end_session=True)
+        layer_state.flush_all(end_session=True)
         del src
         prepared_inside = False
         with m.session():
-            open_dirty = all(bool(weights.state_of(layer).dirty_experts()) for layer in managed)
+            open_dirty = all(bool(layer_state.state_of(layer).dirty_experts()) for layer in managed)
             half = len(payload) // 2
             for part in (payload[:half], payload[half:]):
                 m.update_from_tensor(part, load_format="direct")
-                prepared_inside |= any(weights.state_of(layer).clean for layer in managed)
+                prepared_inside |= any(layer_state.state_of(layer).clean for layer in managed)
         if prepared_inside:
             return {"ok": False, "detail": "a layer was prepared inside an open begin/end session"}
         self.intended = target
@@ -313,7 +313,7 @@ class Worker:
         pool was used."""
         import threading
 
-        from sglang_trtllm_moe import weights
+        from sglang_trtllm_moe import layer_state
 
         from sglang.srt.model_loader import utils as loader_utils
 
