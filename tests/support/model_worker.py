@@ -174,7 +174,7 @@ class Worker:
         target = self.full(6)
         src = m.fresh(self.write_tensors(target))
         managed = [layer for layer in m.moe_layers().values()]
-        weights.unprepare_all()  # every managed layer in the process: checkpoint layout (as begin_weight_update does)
+        layer_state.unprepare_all()  # every managed layer in the process: checkpoint layout (as begin_weight_update does)
         payload = [(n, p.detach().clone()) for n, p in src.named_parameters()]
         layer_state.flush_all(end_session=True)
         del src
@@ -318,13 +318,13 @@ class Worker:
         from sglang.srt.model_loader import utils as loader_utils
 
         seen: dict = {}
-        real = weights.before_write
+        real = layer_state.before_write
 
         def spy(layer, name, expert_id):
             seen[threading.get_ident()] = threading.current_thread().name
             return real(layer, name, expert_id)
 
-        weights.before_write = spy
+        layer_state.before_write = spy
         try:
             a, b = self.write_full(0), self.write_full(1)
             fresh = {0: m.fresh(a), 1: m.fresh(b)}
@@ -344,7 +344,7 @@ class Worker:
                     elif diff or moved:
                         results.append({"run": r, "back_to_A_differs": diff[:6], "moved": moved[:4]})
         finally:
-            weights.before_write = real
+            layer_state.before_write = real
         failed = [x for x in results if x.get("n_differs") or x.get("moved") or x.get("back_to_A_differs")]
         pool = all(x.get("pool_threads", 1) > 0 for x in results)
         return {"ok": not failed and pool, "runs": runs, "failed_runs": len(failed), "pool_used_every_run": pool,
