@@ -41,3 +41,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "requires_sm100" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _no_weight_update_session_leaks():
+    """A test that fails inside a begin/end weight-update session must not leave the process-wide session open
+    (every later flush would be deferred)."""
+    yield
+    import sys
+
+    state = sys.modules.get("sglang_trtllm_moe.layer_state")
+    if state is not None:
+        state.SESSION["open"] = False

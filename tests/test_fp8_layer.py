@@ -44,6 +44,13 @@ def runtime():
     sglang_runtime.ensure("flashinfer_trtllm")
 
 
+@pytest.fixture(autouse=True)
+def plugin_prepares(monkeypatch):
+    """Where SGLang's own preparation is right the plugin defers (compat/defer.py); these tests prove the plugin's
+    own preparation, which serves the releases where it is not, on every release."""
+    sglang_runtime.plugin_prepares(monkeypatch, "fp8_block")
+
+
 def loaded_layer(spec, ck=None, seed=0, **kw):
     layer = cpu_layers.build_layer(spec)
     ck = cpu_layers.random_fp8_checkpoint(spec, seed=seed, **kw) if ck is None else ck

@@ -32,14 +32,28 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
 
 
 def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
-    if layer_state.state_of(layer) is not None and expert_id is not None:
+    st = layer_state.state_of(layer)
+    if st is None:
+        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    if expert_id is not None:
         total = int(getattr(layer, "num_experts", 0)) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
         if total and not 0 <= int(expert_id) < total:
             raise WeightUpdateRefused(
                 f"{layer_state.layer_name(layer)}: refused weight update of {weight_name}: expert id {expert_id} is "
                 f"not an expert of this model (0..{total - 1}); nothing was written"
             )
-    return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    group = st.fmt.group_of(validation.param_name(layer, param) or weight_name)
+    if group is None:
+        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    with st.lock:
+        # SGLang's loader narrows the parameter in its checkpoint shape: a format that shows prepared parameters in
+        # another shape (BF16's 4-D block layout) is seen 3-D for the load, and 4-D again if nothing was written
+        st.fmt.on_layout(layer, group, all_prepared=False)
+        try:
+            return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+        finally:
+            if bool(st.prepared[group].all()):
+                st.fmt.on_layout(layer, group, all_prepared=True)
 
 
 def remember_prefix(result, layer, *args, **kwargs):

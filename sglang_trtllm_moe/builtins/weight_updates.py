@@ -19,9 +19,10 @@ def drop_caches_before(*args, **kwargs):
     layer_state.on_reload_start()
 
 
-def unprepare_all_before(*args, **kwargs):
+def unprepare_all_before(updater, *args, **kwargs):
+    """begin_weight_update: the session's model (WeightUpdater.get_model) to checkpoint layout."""
     layer_state.on_reload_start()
-    layer_state.unprepare_all()
+    layer_state.unprepare_all(updater.get_model())
 
 
 def flush_after(result, *args, **kwargs):

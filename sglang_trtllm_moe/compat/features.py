@@ -109,6 +109,12 @@ WEIGHT_CHECKER_COMPARATOR = Feature(
     "weight_checker._build_quantized_set, which the plugin's checker hooks attach to",
 )
 
+PUBLISHED_SERVER_ARGS = Feature(
+    ">=0.5.15",
+    "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "
+    "server_args.get_global_server_args()",
+)
+
 # ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
 
 PLATFORM_OVERRIDE = Feature(
