@@ -134,7 +134,8 @@ SWIZZLE_MOVES_TO_CUDA = Feature(
 )
 WEIGHT_CACHE_CHECK = Feature(
     ">=0.5.17,<0.5.21",
-    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off' (it reads get_model_runner())",
+    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off', read through "
+    "get_model_runner().server_args (0.5.21+ reads the model config namespace instead)",
 )
 WEIGHT_CHECKER_TAKES_PS = Feature(
     "<0.5.21",
