@@ -335,6 +335,54 @@ class Worker:
         named = f"{layer_name}.w2_weight".split("model.", 1)[-1] in caught
         return {"ok": named, "caught": caught, "flipped": f"{layer_name}.w2_weight byte {pos}"}
 
+    def check_refused_updates(self, m) -> dict:
+        """Malformed updates of one expert's GEMM1 weight, by tensor (in a session) and by disk (a directory holding
+        just that tensor): each must be refused with the model untouched. Cases: a float32 tensor for byte storage
+        (quantized formats), one column too many, one row too few; and a request that holds well-formed tensors of
+        the same expert before the malformed one ("mixed", wrong dtype or extra column). Per case: whether SGLang's
+        entry point raised or returned (False, message), and which parameters changed. After each case the
+        intended checkpoint is loaded again; at the end the model is compared with a fresh load of it."""
+        layer = self.spec.moe_layers[0]
+        role = "gate" if self.spec.gated else "up"
+        part = self.experts_of(9, layers=[layer], experts=[3])
+        wname = f"{self.ck.expert_base(self.spec, layer, 3, role)}.{'weight_packed' if self.spec.quant == 'ct_nvfp4' else 'weight'}"
+        w = part[wname]
+        bad = {"extra_column": torch.cat([w, w[:, :1]], 1), "missing_row": w[:-1]}
+        if w.element_size() == 1:
+            bad["wrong_dtype"] = w.float()
+        cases = {k: {wname: t} for k, t in bad.items()}
+        mixed = "wrong_dtype" if "wrong_dtype" in bad else "extra_column"
+        cases["mixed"] = {**{n: t for n, t in part.items() if n != wname}, wname: bad[mixed]}  # good ones first
+        out: dict = {}
+        for case, payload in cases.items():
+            for how in ("tensor", "disk"):
+                before = m.state_bytes()
+                raised, returned = "", None
+                try:
+                    if how == "tensor":
+                        m.begin()
+                        try:
+                            items = sorted(payload.items(), key=lambda kv: kv[0] == wname)  # the malformed one last
+                            returned = m.updater.update_weights_from_tensor(items, load_format=None)
+                        finally:
+                            m.end()
+                    else:
+                        d = self.ck.write_tensors(os.path.join(self.workdir, f"bad-{case}"), self.spec, payload)
+                        returned = m.updater.update_weights_from_disk(d, "auto")
+                except Exception as e:  # noqa: BLE001 - recorded
+                    raised = f"{type(e).__name__}: {str(e)[:300]}"
+                after = m.state_bytes()
+                changed = [n for n in before if not torch.equal(before[n], after[n])]
+                out[f"{case}/{how}"] = {
+                    "refused": bool(raised) or (returned is not None and not returned[0]),
+                    "returned_failure": returned is not None and not returned[0], "raised": raised,
+                    "message": None if returned is None else str(returned[1])[:300], "changed": changed[:6],
+                    "tensors": len(payload)}
+                m.update_from_disk(self.write_tensors(self.intended))  # whatever happened: back to the intended
+        back = self.compare(m, self.intended, m.pointers())
+        return {"ok": all(c["refused"] and not c["changed"] for c in out.values()) and back["ok"], "cases": out,
+                "restored": back["ok"], "mixed_with": mixed}
+
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
 
@@ -386,7 +434,7 @@ class Worker:
     ON_REQUEST = ("threaded_disk_ab",)
     ORDER = ("load", "forward", "disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket",
              "tensor_split_shards", "session_direct", "distributed", "random_rounds", "weight_checker", "greedy",
-             "threaded_disk_ab", "explain")
+             "refused_updates", "threaded_disk_ab", "explain")
 
     def run(self, checks=None) -> dict:
         from sglang_trtllm_moe.testing import models
