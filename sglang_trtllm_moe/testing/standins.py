@@ -164,9 +164,23 @@ def apply(with_sglang: bool = True) -> list[str]:
     return done
 
 
+#: environment variable of the spawn-time distribution: the SM that processes SGLang spawns fake (testing.platform)
+ENV_FAKE_SM = "SGLANG_TRTLLM_MOE_TEST_FAKE_SM"
+
+
 def plugin_entry() -> None:
-    """`sglang.srt.plugins` entry point of the spawn-time distribution (see `spawn_path`)."""
+    """`sglang.srt.plugins` entry point of the spawn-time distribution (see `spawn_path`): the stand-ins, and —
+    when `SGLANG_TRTLLM_MOE_TEST_FAKE_SM` is set (sglang.Engine's scheduler of a CPU test) — the faked platform
+    the parent process runs with (testing.platform.fake_blackwell), so the scheduler builds the model for the
+    same GPU the parent resolved its ServerArgs for."""
     apply()
+    sm = os.environ.get(ENV_FAKE_SM)
+    if sm:
+        if int(sm) // 10 != 10:
+            raise ValueError(f"{ENV_FAKE_SM}={sm}: the spawned processes of the CPU harness fake an SM100 only")
+        from .platform import fake_blackwell
+
+        fake_blackwell()
 
 
 SPAWN_DIST = "sglang_trtllm_moe_cpu_standins"
