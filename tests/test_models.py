@@ -28,8 +28,10 @@ import pytest
 from .support.helpers import REPO, last_json
 from .support.model_worker import JOBS, job_key
 
-pytestmark = pytest.mark.sglang(">=0.5.23", reason="testing.models spells SGLang's runner set-up of 0.5.23 "
-                                                   "(bench_one_batch flow: bootstrap.init_parallel_runtime)")
+pytestmark = pytest.mark.sglang(">=0.5.21", reason="testing.models spells SGLang's runner set-up of 0.5.21+ "
+                                                   "(bench_one_batch flow: bootstrap.init_parallel_runtime, "
+                                                   "runtime_context.publish); older releases set up the process "
+                                                   "differently")
 
 #: models SGLang builds with FusedMoE layers, and the one it builds without
 FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4")]
@@ -47,6 +49,44 @@ FORWARD_BOUND = {
 
 FULL_FLOWS = ("disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket", "tensor_split_shards",
               "session_direct", "distributed", "random_rounds", "weight_checker", "greedy")
+
+#: what is known not to work on older releases, by cause: (release specifier, formats, checks, reason). A test of a
+#: listed (release, format, check) is a strict xfail: it must fail, so a fix shows up as a failure to remove here.
+_RUNNER_LAYER = ("plugin bug before 0.5.22: runner.format_for finds the plugin's layer through MoeRunnerConfig.layer, "
+                 "which FusedMoE sets only from 0.5.22 (layers/moe/fused_moe_triton/layer.py, MoeRunnerConfig(..., "
+                 "layer=self)); on 0.5.21 every prepared layer runs on SGLang's own leaf instead: FP8 per-tensor with "
+                 "the plugin's per-expert input scales (scaled_fp8_quant asserts a scalar scale), FP8 block through "
+                 "SGLang's triton quantizer, Nemotron-H NVFP4 (relu2) numerically off (rel. error 0.72) - on a GPU "
+                 "as on this box")
+_MIXTRAL_ROUTING = ("SGLang before 0.5.23: TopK is bypassed for flashinfer_trtllm and Fp8MoEMethod passes "
+                    "routing_method_type = layer.routing_method_type or DeepSeekV3 (quantization/fp8.py), so Mixtral "
+                    "(no routing method of its own) is routed by DeepSeekV3's sigmoid rule in the kernel (rel. error "
+                    "0.58); 0.5.23 keeps SGLang's own top-k for such layers. The plugin auto-selects flashinfer_trtllm "
+                    "for it there (flashinfer_trtllm_routed would take SGLang's top-k)")
+KNOWN = (
+    ("<0.5.22", {"qwen3_moe:fp8", "nemotron_h:fp8", "mixtral:fp8_static", "deepseek_v3:fp8_block"},
+     {"forward", "random_rounds", "greedy"}, _RUNNER_LAYER),
+    ("<0.5.22", {"nemotron_h:nvfp4"}, {"forward"}, _RUNNER_LAYER),
+    ("<0.5.23", {"mixtral:fp8_static"}, {"forward"}, _MIXTRAL_ROUTING),
+)
+
+
+def _release():
+    from packaging.version import Version
+
+    from sglang_trtllm_moe.compat.releases import installed_version
+
+    return Version(installed_version().base_version)
+
+
+def known(request, arch: str, quant: str, check: str) -> None:
+    """Mark this test a strict xfail where KNOWN lists (release, model, check)."""
+    from packaging.specifiers import SpecifierSet
+
+    for spec, jobs, checks, reason in KNOWN:
+        if _release() in SpecifierSet(spec) and job_key(arch, quant) in jobs and check in checks:
+            request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
 
 _REPORTS: dict = {}
 
@@ -84,14 +124,16 @@ def test_model_loads_with_every_moe_layer_managed(arch, quant):
 
 
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
-def test_model_forward_matches_transformers(arch, quant):
+def test_model_forward_matches_transformers(request, arch, quant):
+    known(request, arch, quant, "forward")
     res = _check(report(arch, quant), "forward")
     assert res["rel_err"] <= FORWARD_BOUND[(arch, quant)], res
 
 
 @pytest.mark.parametrize("flow", FULL_FLOWS)
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
-def test_model_rl_flow_equals_fresh_load(arch, quant, flow):
+def test_model_rl_flow_equals_fresh_load(request, arch, quant, flow):
+    known(request, arch, quant, flow)
     _check(report(arch, quant), flow)
 
 

@@ -31,7 +31,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 #: releases whose process / runner set-up this module spells (bootstrap.init_parallel_runtime, runtime_context.publish)
-SUPPORTED_RELEASES = SpecifierSet(">=0.5.23")
+SUPPORTED_RELEASES = SpecifierSet(">=0.5.21")
 
 _STATE: dict = {}
 
@@ -125,9 +125,27 @@ def init(model_dir: str, **server_args) -> None:
     sa = _server_args(model_dir, **server_args)
     port_args = PortArgs.init_new(sa)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-    one_batch._init_process_global_configs()
+    if hasattr(one_batch, "_init_process_global_configs"):  # 0.5.22+
+        one_batch._init_process_global_configs()
+    else:  # 0.5.21: the same initializers, called by its latency_test (correctness_test forgets the MoE one)
+        _init_global_configs_0_5_21()
     bootstrap.init_parallel_runtime(server_args=sa, device=get_device().device, dist_port=port_args.nccl_port)
     _STATE.update(init=True, server_args=sa, port_args=port_args, extra=dict(server_args))
+
+
+def _init_global_configs_0_5_21() -> None:
+    import importlib
+
+    from sglang.srt.layers.moe import initialize_moe_config
+
+    initialize_moe_config()
+    for mod, fn in (("sglang.srt.layers.quantization.fp8_utils", "initialize_fp8_gemm_config"),
+                    ("sglang.srt.layers.quantization.bf16_utils", "initialize_bf16_gemm_config"),
+                    ("sglang.srt.layers.quantization.fp4_utils", "initialize_fp4_gemm_config")):
+        try:
+            getattr(importlib.import_module(mod), fn)()
+        except (ImportError, AttributeError):
+            pass
 
 
 def build_only(model_dir: str):
@@ -236,7 +254,10 @@ class TinyModel:
                     sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
             r.full_untruncated_fill_ids = r.origin_input_ids
             r.logprob_start_len = -1
-            r.extend_end = len(r.origin_input_ids)
+            if hasattr(r, "set_extend_range"):  # 0.5.21 (bench_one_batch's prepare_inputs_for_correctness_test)
+                r.set_extend_range(len(r.prefix_indices), len(r.origin_input_ids))
+            else:
+                r.extend_end = len(r.origin_input_ids)
             reqs.append(r)
         return reqs
 

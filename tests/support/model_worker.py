@@ -484,11 +484,18 @@ class Worker:
 
 
 def _runner_backends(layers: dict) -> dict:
-    """The MoE runner backend each built FusedMoE layer got (FusedMoE.runner_backend, from its quant method)."""
+    """The MoE runner backend each built FusedMoE layer got: FusedMoE.runner_backend (0.5.23: asked of its quant
+    method); before, the quant method's own `_moe_runner_backend` where it keeps one, else the process-wide one:
+    what FusedMoE and the quant methods' trtllm fast paths read (ModelOpt FP8 on 0.5.22 builds a TRITON MoeRunner
+    as its fallback and still runs flashinfer_trtllm from `apply` when the backend says so)."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
     out = {}
     for n, layer in layers.items():
-        b = getattr(layer, "runner_backend", None)
-        out[n] = getattr(b, "value", None if b is None else str(b))
+        qm = layer.quant_method
+        b = (getattr(layer, "runner_backend", None) or getattr(qm, "_moe_runner_backend", None)
+             or get_moe_runner_backend())
+        out[n] = getattr(b, "value", str(b))
     return out
 
 
