@@ -43,7 +43,7 @@ def run() -> dict:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
         proc = subprocess.run([sys.executable, "-m", "tests.support.engine_worker", ",".join(MODELS)], cwd=str(REPO),
-                              capture_output=True, text=True, timeout=1200, env=env)
+                              capture_output=True, text=True, timeout=1200, env=env, check=False)
         _RUN.update(last_json(proc))
         _RUN["_stderr_tail"] = proc.stderr[-4000:]
     return _RUN

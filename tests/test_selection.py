@@ -349,7 +349,7 @@ def test_explain_says_when_sglang_builds_no_fused_moe(sglang_runs):
     check that SGLang really builds it so is tests/test_models.py)."""
     proc = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model",
                            sglang_runs["quant_mixtral_dir"], "--sm", "100", "--no-sglang"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no FusedMoE layer  [NO_FUSED_MOE]" in proc.stdout and "QuantMixtralForCausalLM" in proc.stdout
     assert "winner:" not in proc.stdout and "candidates:" in proc.stdout and "eligible" not in proc.stdout

@@ -27,7 +27,6 @@ import os
 from array import array
 
 import torch
-
 from packaging.specifiers import SpecifierSet
 
 #: releases whose process / runner set-up this module spells (bootstrap.init_parallel_runtime, runtime_context.publish)
@@ -152,10 +151,10 @@ def build_only(model_dir: str):
     """The model class SGLang builds for `model_dir`, constructed as DefaultModelLoader.load_model constructs it
     (quant config, dtype, device), without loading weights: for models SGLang cannot finish loading on a CPU box
     (QuantMixtralForCausalLM's ModelOpt FP4 linear layers move their scales with `.cuda()` after loading)."""
+    from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader import loader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.configs.load_config import LoadConfig
 
     mc = ModelConfig.from_server_args(_STATE["server_args"], model_path=model_dir)
     lc = LoadConfig(load_format=_STATE["server_args"].load_format)

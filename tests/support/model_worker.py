@@ -26,7 +26,7 @@ import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SGLANG_TRTLLM_MOE_TEST_THREADS", "1"))
 
-import torch  # noqa: E402
+import torch
 
 PROMPTS = [[5, 17, 42, 99, 260, 311, 7], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]
 
@@ -35,7 +35,6 @@ def _trainer(port: int, path: str, groups: list) -> None:
     """The trainer side of update_weights_from_distributed, in a process forked from the worker (SGLang is already
     imported there): rank 0 of SGLang's init_custom_process_group, one flattened-bucket broadcast per group."""
     import torch.distributed as dist
-
     from sglang.srt.utils.common import init_custom_process_group
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -394,9 +393,9 @@ class Worker:
         pool was used."""
         import threading
 
-        from sglang_trtllm_moe import layer_state
-
         from sglang.srt.model_loader import utils as loader_utils
+
+        from sglang_trtllm_moe import layer_state
 
         seen: dict = {}
         real = layer_state.before_write
