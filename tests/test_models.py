@@ -63,7 +63,24 @@ _MIXTRAL_ROUTING = ("SGLang before 0.5.23: TopK is bypassed for flashinfer_trtll
                     "(no routing method of its own) is routed by DeepSeekV3's sigmoid rule in the kernel (rel. error "
                     "0.58); 0.5.23 keeps SGLang's own top-k for such layers. The plugin auto-selects flashinfer_trtllm "
                     "for it there (flashinfer_trtllm_routed would take SGLang's top-k)")
+_OBSERVED_UNVALIDATED = ("plugin bug (since compat/defer.py): validation.validate_shard returns at once for a layer "
+                         "it does not prepare (`st = state_of(layer); if st is None: return`), so layers deferred "
+                         "to SGLang and only observed (layer_state.observe: 'still validates writes') are not "
+                         "validated: a float32 tensor is value-converted into DeepSeek's FP8 block storage")
+_BF16_DISK_RESTORE = ("SGLang prepares BF16 itself from 0.5.23 (compat/defer.py): a disk update restores every layer "
+                      "to checkpoint layout first (restore_weights_before_loading), the malformed tensor fails in "
+                      "SGLang's copy_ (the plugin does not validate observed layers), and the rollback re-reads the "
+                      "same failing path (weight_updater.py:193, :230-237), so no layer is prepared again: the model "
+                      "is left in checkpoint layout")
+_BLOCK_CHECKER_CPU = ("the weight checker on DeepSeek FP8 block, which SGLang prepares itself (compat/defer.py): "
+                      "SGLang's Fp8BlockComparable.iter_chunks moves every chunk with .cuda() "
+                      "(utils/weight_checker_comparator.py:105); the plugin keeps chunks on a CPU host only for "
+                      "RawComparable (builtins/checker_hooks.py raw_iter_chunks), so on a CPU host (the emulator) "
+                      "the checker cannot compare these layers")
 KNOWN = (
+    ("", {"deepseek_v3:fp8_block"}, {"weight_checker"}, _BLOCK_CHECKER_CPU),
+    ("", {"deepseek_v3:fp8_block"}, {"refused:wrong_dtype/tensor", "refused:wrong_dtype/disk"}, _OBSERVED_UNVALIDATED),
+    (">=0.5.23", {"mixtral:bf16"}, {"refused:extra_column/disk"}, _BF16_DISK_RESTORE),
     ("<0.5.22", {"qwen3_moe:fp8", "nemotron_h:fp8", "mixtral:fp8_static", "deepseek_v3:fp8_block"},
      {"forward", "random_rounds", "greedy"}, _RUNNER_LAYER),
     ("<0.5.22", {"nemotron_h:nvfp4"}, {"forward"}, _RUNNER_LAYER),
@@ -86,6 +103,7 @@ def known(request, arch: str, quant: str, check: str) -> None:
     for spec, jobs, checks, reason in KNOWN:
         if _release() in SpecifierSet(spec) and job_key(arch, quant) in jobs and check in checks:
             request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+            return
 
 
 _REPORTS: dict = {}
@@ -119,6 +137,7 @@ def _check(rep: dict, name: str) -> dict:
 
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
 def test_model_loads_with_every_moe_layer_managed(arch, quant):
+    """Every FusedMoE layer is prepared by the plugin, or (compat/defer.py) by SGLang and observed by the plugin."""
     res = _check(report(arch, quant), "load")
     assert res["moe_layers"], "no FusedMoE layer was built"
 
@@ -172,14 +191,17 @@ def _refused(arch, quant) -> dict:
     return res["cases"]
 
 
+@pytest.mark.parametrize("case", ("extra_column/tensor", "extra_column/disk", "wrong_dtype/tensor", "wrong_dtype/disk"))
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
-def test_malformed_update_is_refused_before_a_byte_changes(arch, quant):
+def test_malformed_update_is_refused_before_a_byte_changes(request, arch, quant, case):
     """A tensor the loader would value-convert (float32 into byte storage) or broadcast (one column too many) is
     refused, by tensor and by disk, and the model is untouched."""
     cases = _refused(arch, quant)
-    for key, c in cases.items():
-        if key.split("/")[0] in ("extra_column", "wrong_dtype"):
-            assert c["refused"] and not c["changed"], (key, c)
+    if case not in cases:
+        pytest.skip(f"{quant} weights are not byte storage: a float32 tensor is converted like a load")
+    known(request, arch, quant, f"refused:{case}")
+    c = cases[case]
+    assert c["refused"] and not c["changed"], c
 
 
 @pytest.mark.xfail(strict=True, reason="plugin bug: validation.validate_shard accepts any length up to the shard along "

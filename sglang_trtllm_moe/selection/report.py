@@ -62,9 +62,7 @@ def log_decision(res: Resolution, problem: MoeProblem, what: str = "MoE") -> Non
 
 
 def format_report(res: Resolution) -> str:
-    from .rules import Code
-
-    if res.code == Code.NO_FUSED_MOE:  # no layer runs a MoE runner: no winner to name
+    if res.code == "NO_FUSED_MOE":  # rules.Code.NO_FUSED_MOE (rules imports this module): no winner to name
         lines = [f"no FusedMoE layer  [{res.code}]", f"  {res.reason}"]
     else:
         lines = [f"winner: {res.winner}  [{res.code}]", f"  {res.reason}"]

@@ -87,8 +87,10 @@ class Worker:
         fresh = m.fresh(self.write_tensors(intended))
         diff = m.differences(fresh)
         moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
+        # layers the plugin prepares must be back in kernel layout; layers it defers to SGLang have no state
         unclean = [n for n, layer in m.moe_layers().items()
-                   if layer_state.state_of(layer) is None or not layer_state.state_of(layer).clean]
+                   if (layer_state.state_of(layer) is not None and not layer_state.state_of(layer).clean)
+                   or owner(layer) != expected_owner(layer)]
         out = {"differs": diff[:8], "n_differs": len(diff), "moved": moved[:8], "unclean": unclean}
         if tokens:
             a, _ = m.generate(PROMPTS, 4)
@@ -101,33 +103,37 @@ class Worker:
     # ---- checks --------------------------------------------------------------------------------------------------
 
     def check_load(self, m) -> dict:
+        """Every FusedMoE layer is built, and owned as compat/defer.py says for its format on this release: prepared
+        by the plugin (clean, in kernel layout) where SGLang's own preparation is wrong, observed (validated writes,
+        SGLang's own layout) where it is right."""
         from sglang_trtllm_moe import layer_state
 
         layers = m.moe_layers()
-        states = {n: (layer_state.state_of(layer) is not None, bool(layer_state.state_of(layer) and layer_state.state_of(layer).clean))
+        states = {n: {"owner": owner(layer), "expected": expected_owner(layer),
+                      "clean": bool(layer_state.state_of(layer) and layer_state.state_of(layer).clean)}
                   for n, layer in layers.items()}
-        ok = len(layers) == len(self.spec.moe_layers) and all(a and b for a, b in states.values())
+        ok = len(layers) == len(self.spec.moe_layers) and all(
+            st["owner"] == st["expected"] and (st["owner"] != "plugin" or st["clean"]) for st in states.values())
         return {"ok": ok, "model_class": type(m.model).__name__, "moe_layers": sorted(layers), "states": states,
                 "runner_backends": _runner_backends(layers),
                 "methods": sorted({type(layer.quant_method).__name__ for layer in layers.values()})}
 
     def check_explain(self, m) -> dict:
         """`explain` (the plugin's rules on config.json, plus SGLang's own resolution with the plugin, platform faked
-        to SM100) names the runner every FusedMoE layer of the built model really got, and the plugin manages each
-        of them. The model was built with moe_runner_backend="auto": the backend is SGLang's resolution with the
-        plugin's auto-selection, not a flag the test set."""
-        from sglang_trtllm_moe import layer_state
+        to SM100) names the runner every FusedMoE layer of the built model really got, and each is owned as
+        compat/defer.py says (prepared by the plugin, or SGLang's own preparation observed by it). The model was
+        built with moe_runner_backend="auto": the backend is SGLang's resolution with the plugin's auto-selection,
+        not a flag the test set."""
+        from sglang_trtllm_moe.compat.platform import resolved_moe_runner_backend
 
         rep = _explain(m.model_dir)
         layers = m.moe_layers()
         built = _runner_backends(layers)
-        managed = {n: layer_state.state_of(layer) is not None for n, layer in layers.items()}
-        from sglang_trtllm_moe.compat.platform import resolved_moe_runner_backend
-
+        managed = {n: owner(layer) for n, layer in layers.items()}
         resolved = resolved_moe_runner_backend(_STATE_ARGS())  # what this process's published ServerArgs resolved
         ok = (bool(layers) and rep["code"] not in ("NO_FUSED_MOE", "NOT_MOE", "NO_ELIGIBLE_BACKEND")
               and set(built.values()) == {rep["winner"]} and rep["sglang"].get("with_plugin") == rep["winner"]
-              and resolved == rep["winner"] and all(managed.values()))
+              and resolved == rep["winner"] and all(managed[n] == expected_owner(layer) for n, layer in layers.items()))
         return {"ok": ok, "explain": {k: rep[k] for k in ("winner", "code", "reason")}, "sglang": rep["sglang"],
                 "server_args_moe_runner_backend": resolved, "built": built, "managed": managed}
 
@@ -210,19 +216,25 @@ class Worker:
     def check_session_direct(self, m) -> dict:
         """begin_weight_update; whole parameters written with load_format="direct" (no loader, SGLang's
         default_weight_loader) in two calls; end_weight_update. The payload is SGLang's own checkpoint layout of a
-        fresh model of seed 6 (its managed layers returned to checkpoint layout by the plugin's un-prepare)."""
+        fresh model of seed 6 (its layers returned to checkpoint layout by the plugin's un-prepare, or by SGLang's own
+        restore where SGLang prepares the format: compat/defer.py)."""
         from sglang_trtllm_moe import layer_state
+        from sglang_trtllm_moe.testing import models
 
         ptrs = m.pointers()
         target = self.full(6)
         src = m.fresh(self.write_tensors(target))
-        managed = [layer for layer in m.moe_layers().values()]
+        managed = [layer for layer in m.moe_layers().values() if layer_state.state_of(layer) is not None]
         layer_state.unprepare_all()  # every managed layer in the process: checkpoint layout (as begin_weight_update does)
+        for layer in models.moe_layers(src).values():  # layers SGLang prepares itself: its own restore (begin does it)
+            if owner(layer) == "sglang":
+                layer.quant_method.restore_weights_before_loading(layer)
         payload = [(n, p.detach().clone()) for n, p in src.named_parameters()]
         layer_state.flush_all(end_session=True)
         del src
         prepared_inside = False
         with m.session():
+            # the plugin's layers are in checkpoint layout inside the session (vacuous where SGLang owns every layer)
             open_dirty = all(bool(layer_state.state_of(layer).dirty_experts()) for layer in managed)
             half = len(payload) // 2
             for part in (payload[:half], payload[half:]):
@@ -480,6 +492,29 @@ class Worker:
             "explain": {k: rep[k] for k in ("winner", "code", "reason")}, "sglang": rep["sglang"],
             "seconds": round(time.perf_counter() - t, 2)}
         return self.report
+
+
+def owner(layer) -> str:
+    """"plugin" (the plugin prepares the layer: layer_state), "sglang" (SGLang prepares it, the plugin observes:
+    compat/defer.py), or "none"."""
+    from sglang_trtllm_moe import layer_state
+
+    if layer_state.state_of(layer) is not None:
+        return "plugin"
+    return "sglang" if layer_state.observed(layer) is not None else "none"
+
+
+def expected_owner(layer) -> str:
+    """What compat/defer.py says for this layer's format on the installed release."""
+    from sglang_trtllm_moe import layer_state
+    from sglang_trtllm_moe.compat import defer
+
+    st = layer_state.state_of(layer)
+    fmt = st.fmt if st is not None else layer_state.observed(layer)
+    if fmt is None:
+        return "plugin or sglang"  # neither: never what is expected
+    v = defer.verdict(fmt.name)
+    return "sglang" if v is not None and v.upstream_correct else "plugin"
 
 
 def _runner_backends(layers: dict) -> dict:
