@@ -29,6 +29,7 @@ runs at the tensor / distributed update entry points over the whole list before 
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 
@@ -219,14 +220,22 @@ def _check_tensor(layer, rule: LoadRule, param, loaded, gated: bool, refuse, who
             refuse(f"shape {shape} does not fit {rule.name} {tuple(param.shape)}{note}", expected)
     rule_values = rule.value_rule(param.dtype)
     if rule_values is not None and loaded.numel():
-        v = loaded.detach()
-        if v.dtype != torch.float32 and v.dtype.itemsize < 4:
-            v = v.float()
-        ok = torch.isfinite(v) & ((v > 0) if rule_values == POSITIVE else (v >= 0))
-        if not bool(ok.all()):
-            bad = v[~ok].flatten()[0].item()
+        bad = _bad_value(loaded, rule_values == POSITIVE)
+        if bad is not None:
             want = "finite and > 0" if rule_values == POSITIVE else "finite and >= 0"
             refuse(f"{rule.name} value {bad!r} is not a valid {rule.kind.replace('_', ' ')}", f"every value {want}")
+
+
+def _bad_value(t: torch.Tensor, positive: bool):
+    """The first value that is not finite and > 0 (positive) / >= 0, or None."""
+    if t.numel() == 1:  # one scale per expert and shard: a Python float is cheaper than four tensor ops
+        x = float(t.detach().reshape(()))
+        return None if math.isfinite(x) and (x > 0 if positive else x >= 0) else x
+    v = t.detach()
+    if v.dtype.itemsize < 4:
+        v = v.float()
+    ok = torch.isfinite(v) & ((v > 0) if positive else (v >= 0))
+    return None if bool(ok.all()) else v[~ok].flatten()[0].item()
 
 
 # ---- the FusedMoE loader hooks: validated once per call ---------------------------------------------------------

@@ -252,6 +252,8 @@ def outcome(layer, w: Write, snap=None) -> tuple[str, str]:
         return ("refused" if not diff else "refused-after-write"), str(e)
     except Exception as e:  # noqa: BLE001 - classified
         diff = changed(layer, snap)
+        if isinstance(e, ValueError) and "refused weight update" in str(e):  # the plugin before WeightUpdateRefused
+            return ("refused" if not diff else "refused-after-write"), str(e)
         return ("error-after-write" if diff else "error"), f"{type(e).__name__}: {str(e)[:160]}"
     diff = changed(layer, snap)
     return ("silent-write", f"changed {diff}") if diff else ("dropped", "")
@@ -284,18 +286,76 @@ def run_catalogue(configs=COMPARED, prepare: bool = True) -> dict:
     return results
 
 
+OUTCOMES = ("refused", "silent-write", "error-after-write", "error", "dropped", "refused-after-write")
+
+
+def case_class(case: str) -> str:
+    """"w13_weight/weight:shard='w4'" -> "shard"."""
+    return case.split(":", 1)[1].split("=", 1)[0].split(" (", 1)[0]
+
+
+def compare_table(plugin: dict, upstream: dict) -> str:
+    """Markdown: per class of invalid update and per format, what SGLang alone does and what the plugin does."""
+    import collections
+
+    def count(results, key):
+        c = collections.Counter()
+        for config, cases in results.items():
+            for case, (o, _) in cases.items():
+                c[(key(config, case), o)] += 1
+        return c
+
+    lines = []
+    for title, key in (("kind of invalid update", lambda config, case: case_class(case)),
+                       ("format", lambda config, case: config)):
+        up = count(upstream, key)
+        pl = count(plugin, key)
+        rows = sorted({k for k, _ in up} | {k for k, _ in pl}, key=str)
+        lines.append(f"| {title} | cases | SGLang: silent write | SGLang: error after writing | SGLang: another "
+                     "exception, nothing written | SGLang: silently dropped | plugin: refused, nothing written |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|")
+        tot = collections.Counter()
+        for r in rows:
+            n = sum(v for (k, _), v in up.items() if k == r)
+            cells = [up[(r, "silent-write")], up[(r, "error-after-write")], up[(r, "error")], up[(r, "dropped")],
+                     pl[(r, "refused")]]
+            tot.update({"n": n, **{str(i): c for i, c in enumerate(cells)}})
+            lines.append(f"| {r} | {n} | " + " | ".join(map(str, cells)) + " |")
+        lines.append(f"| **all** | **{tot['n']}** | " + " | ".join(f"**{tot[str(i)]}**" for i in range(5)) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     import argparse
     import collections
     import json
     import os
-
-    import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
-    from tests.support import sglang_runtime
+    import subprocess
+    import sys
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="run the catalogue in this process, print JSON")
+    ap.add_argument("--compare", action="store_true",
+                    help="run it twice in fresh processes (plugin on, SGLANG_TRTLLM_MOE_DISABLE=1) and print the table")
     args = ap.parse_args(argv)
+    if args.compare:
+        runs = {}
+        for mode, extra in (("plugin", {}), ("upstream", {"SGLANG_TRTLLM_MOE_DISABLE": "1"})):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_TRTLLM_MOE_")}
+            env.update(extra, OMP_NUM_THREADS="1")
+            out = subprocess.run([sys.executable, "-m", "tests.support.bad_updates", "--json"], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            runs[mode] = json.loads(out.strip().splitlines()[-1])["results"]
+        print(compare_table(runs["plugin"], runs["upstream"]))
+        return 0
+
+    import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
+    import torch
+
+    from tests.support import sglang_runtime
+
+    torch.set_num_threads(1)
     sglang_runtime.ensure("flashinfer_trtllm")
     plugin = os.environ.get("SGLANG_TRTLLM_MOE_DISABLE") != "1"
     # upstream: SGLang's loader on a loaded layer (its own preparation needs CUDA kernels for some formats; the
@@ -305,8 +365,7 @@ def main(argv=None) -> int:
         print(json.dumps({"plugin": plugin, "results": results}))
         return 0
     for config, cases in results.items():
-        counts = collections.Counter(o for o, _ in cases.values())
-        print(config, dict(counts))
+        print(config, dict(collections.Counter(o for o, _ in cases.values())))
     return 0
 
 
