@@ -18,9 +18,9 @@ import time
 
 
 def main(argv=None) -> int:
-    import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
     import torch
 
+    import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
     from sglang_trtllm_moe import layer_state, validation
     from sglang_trtllm_moe.testing import layers as cpu_layers
     from tests.support import bad_updates, sglang_runtime
@@ -83,8 +83,12 @@ def main(argv=None) -> int:
     torch.nn.Module.__init__(model)
     model.experts = layer
     named = list(cpu_layers.checkpoint_names(tensors).items())
-    bucket = best(lambda: (lambda t: (validation.check_bucket(model, named), time.perf_counter() - t)[1])(
-        time.perf_counter()))
+    def bucket_check():
+        t = time.perf_counter()
+        validation.check_bucket(model, named)
+        return time.perf_counter() - t
+
+    bucket = best(bucket_check)
     print(json.dumps({
         "fmt": args.fmt, "experts": args.experts, "hidden": args.hidden, "intermediate": args.intermediate,
         "torch_threads": args.threads, "loader_calls": len(writes),

@@ -36,7 +36,7 @@ import threading
 import torch
 
 from .errors import WeightUpdateRefused
-from .formats.base import NONNEGATIVE, POSITIVE, LoadRule
+from .formats.base import POSITIVE, LoadRule
 from .layer_state import layer_name, state_of
 
 SHARDS = ("w1", "w2", "w3")

@@ -48,9 +48,9 @@ _LAYERS: dict = {}
 def layer_for(config: str):
     """A prepared layer per config, shared by the tests of this module; `state` = checkpoint seed per expert."""
     if config not in _LAYERS:
-        spec, tensors, layer = B.build(config)
-        _LAYERS[config] = dict(spec=spec, layer=layer, state=[0] * spec.num_experts,
-                               catalogue=B.catalogue(layer, spec))
+        spec, _, layer = B.build(config)
+        _LAYERS[config] = {"spec": spec, "layer": layer, "state": [0] * spec.num_experts,
+                           "catalogue": B.catalogue(layer, spec)}
     return _LAYERS[config]
 
 
@@ -91,14 +91,10 @@ def test_every_invalid_update_is_refused_naming_the_layer_and_changes_nothing(co
 
 
 def _write(config, param, **changes):
-    spec = CONFIGS_SPEC(config)
+    spec = B.CONFIGS[config]
     w = next(w for w in B.writes(spec, B.checkpoint(spec, seed=1, experts=[1])) if w.param == param)
     w.__dict__.update(changes)
     return w
-
-
-def CONFIGS_SPEC(config):  # noqa: N802 - reads like the table it indexes
-    return B.CONFIGS[config]
 
 
 @pytest.mark.parametrize("config,param,shard", [
@@ -155,6 +151,14 @@ def test_short_tensor_into_an_unpadded_layer_is_refused_and_the_padded_layer_tak
 _FRESH: dict = {}
 
 
+def _fp8_prepared() -> bool:
+    from sglang_trtllm_moe.testing.runtime import release
+
+    from .support import matrix
+
+    return "fp8-prep" in matrix.plugin_capabilities(release())
+
+
 def intended_tensors(config, state):
     spec = B.CONFIGS[config]
     out = B.checkpoint(spec, seed=0)
@@ -171,7 +175,7 @@ def fresh_bytes(config, state):
         layer = cpu_layers.build_layer(spec)
         B.load(layer, B.writes(spec, intended_tensors(config, state)))
         layer.quant_method.process_weights_after_loading(layer)
-        _FRESH[key] = B.snapshot(layer)
+        _FRESH[key] = B.snapshot(layer, only=B.compared(layer))
     return _FRESH[key]
 
 
@@ -196,8 +200,9 @@ def valid_variant(w: B.Write, data, scalar: bool) -> B.Write:
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(), config=st.sampled_from(sorted(B.CONFIGS)))
-@FP8
 def test_property_refused_updates_change_nothing_and_a_correct_one_equals_a_fresh_load(data, config):
+    if config.startswith("fp8") and not _fp8_prepared():
+        return  # the plugin prepares FP8 layers from 0.5.19 (the catalogue tests say so per config)
     try:
         _refused_then_correct(data, config)
     except BaseException:
@@ -212,7 +217,7 @@ def _refused_then_correct(data, config):
     snap = B.snapshot(layer)
     n_bad = data.draw(st.integers(0, 4), label="refused updates")
     for _ in range(n_bad):
-        case, w = data.draw(st.sampled_from(L["catalogue"]), label="bad update")
+        _case, w = data.draw(st.sampled_from(L["catalogue"]), label="bad update")
         assert_refused_unchanged(layer, w, snap)
     e = data.draw(st.integers(0, spec.num_experts - 1), label="expert")
     seed = data.draw(st.sampled_from([s for s in (0, 1, 2) if s != L["state"][e]]), label="seed")
@@ -260,7 +265,7 @@ def _bucket(config, seed=1):
 def _same_as_fresh(model, config, seed):
     spec = B.CONFIGS[config]
     fresh = sglang_runtime.prepared_model(spec, B.checkpoint(spec, seed=seed))
-    return B.changed(model.experts, B.snapshot(fresh.experts)) == []
+    return B.changed(model.experts, B.snapshot(fresh.experts, only=B.compared(fresh.experts))) == []
 
 
 BAD_BUCKET_ENTRIES = {

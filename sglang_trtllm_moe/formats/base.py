@@ -146,7 +146,7 @@ class WeightFormat:
     scalar_params: ClassVar[tuple[str, ...]] = ()
     #: LoadRule overrides for `scalar_params` (default: group from the "w13_"/"w2_" prefix, INPUT_SCALE when
     #: "input" is in the name else TENSOR_SCALE, values POSITIVE)
-    scalar_rules: ClassVar[Mapping[str, "LoadRule"]] = {}
+    scalar_rules: ClassVar[Mapping[str, LoadRule]] = {}
     kernel: ClassVar[str] = ""
     quantizations: ClassVar[Mapping[str, frozenset]] = {}
     gated_activations: ClassVar[frozenset[str]] = frozenset()

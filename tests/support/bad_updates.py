@@ -199,29 +199,40 @@ def catalogue(layer, spec: MoeSpec) -> list[tuple[str, Write]]:
 
 # ---- running a case ---------------------------------------------------------------------------------------------
 
-def _bytes(layer) -> tuple[list, torch.Tensor]:
+def compared(layer) -> set[str]:
+    """What a fresh load defines: the parameters the format loads and the kernel scalars the plugin computes (not
+    the never-written placeholders some releases register, e.g. NVFP4 `*_blockscale_swizzled` up to 0.5.1x)."""
+    from sglang_trtllm_moe import layer_state
+
+    fmt = layer_state.state_of(layer).fmt
+    return {n for n, _ in layer.named_parameters() if fmt.load_rule(n)} | set(fmt.compute_scalars(layer))
+
+
+def _bytes(layer, only=None) -> tuple[list, torch.Tensor]:
     names, parts = [], []
     for n, p in layer.named_parameters():
+        if only is not None and n not in only:
+            continue
         names.append((n, p.numel() * p.element_size()))
         parts.append(p.detach().reshape(-1).view(torch.uint8))
     return names, torch.cat(parts)
 
 
-def snapshot(layer) -> dict:
-    """Every byte of every parameter of `layer`, and its per-expert layout state."""
+def snapshot(layer, only=None) -> dict:
+    """Every byte of every parameter of `layer` (or of the parameters named in `only`), and its layout state."""
     from sglang_trtllm_moe import layer_state
 
-    names, data = _bytes(layer)
+    names, data = _bytes(layer, only)
     st = layer_state.state_of(layer)
     state = None if st is None else ({g: m.clone() for g, m in st.prepared.items()}, st.scalars_dirty)
-    return {"names": names, "bytes": data, "state": state}
+    return {"names": names, "bytes": data, "state": state, "only": only}
 
 
 def changed(layer, snap) -> list[str]:
     """The parameters whose bytes differ from `snap` ("__layout_state__" when the layout state does)."""
     from sglang_trtllm_moe import layer_state
 
-    names, data = _bytes(layer)
+    names, data = _bytes(layer, snap.get("only"))
     out = []
     if names != snap["names"]:
         out.append("__parameters__")
@@ -274,14 +285,14 @@ def run_catalogue(configs=COMPARED, prepare: bool = True) -> dict:
     (a silent write of one case must not leak into the next)."""
     results = {}
     for config in configs:
-        spec, tensors, layer = build(config, prepare)
+        spec, _, layer = build(config, prepare)
         snap = snapshot(layer)
         results[config] = {}
         for case, w in catalogue(layer, spec):
             o, detail = outcome(layer, w, snap)
             results[config][case] = [o, detail]
             if o not in ("refused", "error", "dropped"):
-                spec, tensors, layer = build(config, prepare)
+                spec, _, layer = build(config, prepare)
                 snap = snapshot(layer)
     return results
 
@@ -350,9 +361,9 @@ def main(argv=None) -> int:
         print(compare_table(runs["plugin"], runs["upstream"]))
         return 0
 
-    import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
     import torch
 
+    import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
     from tests.support import sglang_runtime
 
     torch.set_num_threads(1)
