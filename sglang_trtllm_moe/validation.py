@@ -37,7 +37,7 @@ import torch
 
 from .errors import WeightUpdateRefused
 from .formats.base import POSITIVE, LoadRule
-from .layer_state import layer_name, state_of
+from .layer_state import layer_name, observed, state_of
 
 SHARDS = ("w1", "w2", "w3")
 #: checkpoint projection names -> SGLang shard ids (FusedMoE.make_expert_params_mapping of SGLang's model classes)
@@ -91,6 +91,22 @@ class _Refusal:
         raise WeightUpdateRefused(f"{self.where}: {problem}; expected {expected}; nothing was written")
 
 
+def format_of(layer):
+    """The format whose rules writes into `layer` follow: the plugin's (a layer it prepares) or the one it watches
+    (a layer SGLang prepares itself, compat/defer.py); None for every other layer."""
+    st = state_of(layer)
+    return st.fmt if st is not None else observed(layer)
+
+
+def _view(layer, fmt, name: str, param) -> torch.Tensor:
+    """`param` as [experts, rows, cols] for a laid-out parameter (a release may show it in another shape, e.g.
+    SGLang's 4-D BF16 block layout: `WeightFormat.tensor`), as it is for the others."""
+    for p in fmt.params:
+        if p.name == name:
+            return fmt.tensor(layer, p)
+    return param.data
+
+
 def managed_names(layer, fmt) -> list[str]:
     params = getattr(layer, "_parameters", {})
     return [n for n in params if fmt.load_rule(n) is not None]
@@ -109,10 +125,9 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
 
     scope "global": `FusedMoE.weight_loader`'s checkpoint expert id; "local": `_weight_loader_impl`'s local (or,
     for parameters SGLang keeps for every expert, global) id."""
-    st = state_of(layer)
-    if st is None:
+    fmt = format_of(layer)
+    if fmt is None:
         return None
-    fmt = st.fmt
     name = param_name(layer, param, fmt)
     refuse = _Refusal(layer, name or "a parameter", shard_id, expert_id)
     if name is None:
@@ -126,8 +141,9 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     _check_name(layer, fmt, param, name, weight_name, refuse)
     gated = fmt.is_gated(layer)
     _check_shard(rule, shard_id, gated, refuse)
-    e = _check_expert(layer, st, param, expert_id, scope, refuse)
-    _check_tensor(layer, rule, param, loaded, gated, refuse)
+    view = _view(layer, fmt, name, param)
+    e = _check_expert(layer, view, param, expert_id, scope, refuse)
+    _check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse)
     return name, e
 
 
@@ -150,7 +166,7 @@ def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse) -> None:
                f" does not take shard {shard_id!r}{why}", f"shard {' or '.join(map(repr, allowed))}")
 
 
-def _check_expert(layer, st, param, expert_id, scope: str, refuse) -> int:
+def _check_expert(layer, view, param, expert_id, scope: str, refuse) -> int:
     e = expert_index(expert_id)
     if e is None:
         refuse(f"expert id {_short(expert_id)} of type {type(expert_id).__name__} is not an integer expert index",
@@ -160,22 +176,21 @@ def _check_expert(layer, st, param, expert_id, scope: str, refuse) -> int:
         what = "experts of this model"
     else:
         global_ids = getattr(param, "_sglang_require_global_experts", False)
-        n = int(param.shape[0]) if global_ids else st.num_experts
+        n = int(view.shape[0])
         what = "experts kept in this parameter" if global_ids else "local experts of this layer"
     if n and not 0 <= e < n:
         refuse(f"expert id {e} is out of range ({n} {what})", f"0 <= expert id < {n}")
     return e
 
 
-def _intermediate_extents(layer, rule: LoadRule, param, gated: bool):
+def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
     """(allowed extents of the TP-split dim of a loaded tensor, a description, the param's per-rank extent)."""
-    st = state_of(layer)
-    per_rank = int(param.shape[1]) // 2 if (rule.group == "w13" and gated) else int(param.shape[1 if rule.group == "w13" else 2])
+    per_rank = int(view.shape[1]) // 2 if (rule.group == "w13" and gated) else int(view.shape[1 if rule.group == "w13" else 2])
     tp = int(getattr(layer, "moe_tp_size", 1) or 1)
     presharded = bool(getattr(layer, "use_presharded_weights", False))
     ranks = 1 if presharded else tp
     padded = per_rank * ranks
-    ref = next((getattr(layer, p.name, None) for p in st.fmt.params if p.group == "w13"), None)
+    ref = next((fmt.tensor(layer, p) for p in fmt.params if p.group == "w13"), None)
     full = getattr(layer, "_trtllm_moe_intermediate", None)
     if ref is None or not full:
         return range(1, padded + 1), f"at most {padded}", per_rank
@@ -186,7 +201,8 @@ def _intermediate_extents(layer, rule: LoadRule, param, gated: bool):
     return (logical, padded), f"{logical} (the checkpoint's) or {padded} (the layer's padded size)", per_rank
 
 
-def _check_tensor(layer, rule: LoadRule, param, loaded, gated: bool, refuse, whole: bool = False) -> None:
+def _check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None) -> None:
+    """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard."""
     if not isinstance(loaded, torch.Tensor):
         refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
     dev = loaded.device
@@ -199,25 +215,25 @@ def _check_tensor(layer, rule: LoadRule, param, loaded, gated: bool, refuse, who
                 else " (copy_ would value-convert it, not copy the bytes)")
         refuse(f"dtype {loaded.dtype} cannot be written into {param.dtype} storage{conv}", f"{param.dtype}{extra}")
     shape = tuple(loaded.shape)
-    if whole:
-        if shape != tuple(param.shape):
-            refuse(f"shape {shape}", f"the parameter's shape {tuple(param.shape)}")
+    if whole is not None:
+        if shape != tuple(whole):
+            refuse(f"shape {shape} of a whole-parameter write", f"{tuple(whole)}")
     elif rule.scalar:
         if shape not in ((), (1,)):
             refuse(f"shape {shape}: {rule.name} holds one {rule.kind.replace('_', ' ')} per expert and shard",
                    "a 0-dim or [1] tensor")
     else:
-        extents, want, _ = _intermediate_extents(layer, rule, param, gated)
+        extents, want, _ = _intermediate_extents(layer, fmt, rule, view, gated)
         if rule.group == "w13":
-            fixed_dim, split_dim, fixed = 1, 0, int(param.shape[2])
+            fixed_dim, split_dim, fixed = 1, 0, int(view.shape[2])
             expected = f"[{want}, {fixed}]"
         else:
-            fixed_dim, split_dim, fixed = 0, 1, int(param.shape[1])
+            fixed_dim, split_dim, fixed = 0, 1, int(view.shape[1])
             expected = f"[{fixed}, {want}]"
         if len(shape) != 2 or shape[fixed_dim] != fixed or shape[split_dim] not in extents:
             short = len(shape) == 2 and shape[fixed_dim] == fixed and 0 < shape[split_dim] < max(extents)
             note = " (SGLang would zero-fill the rest)" if short else ""
-            refuse(f"shape {shape} does not fit {rule.name} {tuple(param.shape)}{note}", expected)
+            refuse(f"shape {shape} does not fit {rule.name} {tuple(view.shape)}{note}", expected)
     rule_values = rule.value_rule(param.dtype)
     if rule_values is not None and loaded.numel():
         bad = _bad_value(loaded, rule_values == POSITIVE)
@@ -258,9 +274,8 @@ def was_validated(param, loaded) -> bool:
 
 def check_local_expert(layer, param, name, expert_id, shard_id) -> int:
     """The cheap check in `_weight_loader_impl` after a validated `weight_loader` call: the (local) expert id."""
-    st = state_of(layer)
     refuse = _Refusal(layer, name, shard_id, expert_id)
-    return _check_expert(layer, st, param, expert_id, "local", refuse)
+    return _check_expert(layer, _view(layer, format_of(layer), name, param), param, expert_id, "local", refuse)
 
 
 # ---- whole buckets at the tensor / distributed entry points -----------------------------------------------------
@@ -270,11 +285,11 @@ class BucketRefused(WeightUpdateRefused):
 
 
 def managed_modules(model) -> dict[str, object]:
-    """{name prefix: layer} of every managed FusedMoE under `model`: its module path and the checkpoint prefix
-    SGLang's model code built it with (the same in SGLang's models; a wrapper may differ)."""
+    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path and the
+    checkpoint prefix SGLang's model code built it with (the same in SGLang's models; a wrapper may differ)."""
     out = {}
     for path, m in model.named_modules():
-        if state_of(m) is not None:
+        if format_of(m) is not None:
             out[path] = m
             prefix = getattr(m, "_trtllm_moe_prefix", None)
             if prefix:
@@ -289,15 +304,19 @@ def _resolve(layer, rest: str):
     if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in PROJECTIONS:
         return None
     shard = PROJECTIONS[parts[1]]
-    if shard == "w3" and not state_of(layer).fmt.is_gated(layer):
+    if shard == "w3" and not format_of(layer).is_gated(layer):
         shard = "w1"  # non-gated checkpoints name their one GEMM1 projection up_proj; SGLang loads it as w1
     return f"{'w2' if shard == 'w2' else 'w13'}_{parts[2]}", shard, int(parts[0])
 
 
 def _check_full(layer, fmt, pname, param, tensor, name) -> None:
-    """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts."""
+    """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts.
+    Its shape: the parameter's [experts, rows, cols] view where the plugin manages the layer (it returns the group
+    to checkpoint layout, and that shape, before SGLang writes), else the parameter's shape as SGLang shows it."""
     refuse = _Refusal(layer, pname, None, None, what=f"whole-parameter write {name!r}")
-    _check_tensor(layer, fmt.load_rule(pname), param, tensor, True, refuse, whole=True)
+    view = _view(layer, fmt, pname, param)
+    whole = view.shape if state_of(layer) is not None else param.shape
+    _check_tensor(layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole)
 
 
 def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -> list:
@@ -322,7 +341,7 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -
         path, _, pname = name.rpartition(".")
         layer = layers.get(path)
         if layer is not None:  # "<layer>.<param>"
-            fmt = state_of(layer).fmt
+            fmt = format_of(layer)
             param = layer._parameters.get(pname)
             if param is None:
                 if direct:
@@ -353,7 +372,7 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -
         if hit is None:
             continue
         pname, shard, expert = hit
-        fmt = state_of(layer).fmt
+        fmt = format_of(layer)
         param = layer._parameters.get(pname)
         if param is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
             problems.append(f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "

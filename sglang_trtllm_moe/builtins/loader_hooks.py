@@ -1,9 +1,11 @@
-"""FusedMoE's loader: every write into a layer the plugin manages is validated and un-prepares just its expert.
+"""FusedMoE's loader: every write into a layer the plugin manages or watches is validated before anything changes;
+a managed layer un-prepares just the written expert.
 
 * `weight_loader` (AROUND): the whole write is validated (validation.check_write) before SGLang maps the checkpoint
   expert id to EP ranks, so every rank refuses the same bad tensor, and the expert id reaches SGLang as an int (a
   0-dim integer tensor is accepted). SGLang then drops a shard whose expert this EP rank does not own (right: the
-  owning rank writes it).
+  owning rank writes it). Layers SGLang prepares itself (layer_state.observed, compat/defer.py) are validated the
+  same way and otherwise left to SGLang.
 * `_weight_loader_impl` (AROUND): under the layer's lock, the local expert id is checked (everything, for callers
   that reach it without `weight_loader`: paged experts) and the written expert's group is returned to checkpoint
   layout; then SGLang's loader writes it.
@@ -23,6 +25,10 @@ FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):
     st = layer_state.state_of(layer)
     if st is None:
+        if not validation.was_validated(param, loaded_weight):
+            checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id)
+            if checked is not None:  # a layer SGLang prepares itself: validated, then SGLang's loader
+                expert_id = checked[1]
         return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
     # One step under the layer's lock (SGLang's DeepSeek loader writes shards of one expert from a thread pool):
     # a concurrent writer of the same expert must neither see it half un-prepared nor have its rows overwritten
@@ -41,14 +47,25 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
 
 
 def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
-    if layer_state.state_of(layer) is None:
-        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
     checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id, scope="global")
-    if checked is None:
+    if checked is None:  # not a layer or a parameter the plugin manages or watches: SGLang's own loader
         return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    name, e = checked
     prev = validation.mark_validated(param, loaded_weight)
     try:
-        return original(layer, param, loaded_weight, weight_name, shard_id, checked[1], *args, **kwargs)
+        st = layer_state.state_of(layer)
+        group = st.fmt.group_of(name) if st is not None else None
+        if group is None:
+            return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
+        with st.lock:
+            # SGLang's loader narrows the parameter in its checkpoint shape: a format that shows prepared parameters
+            # in another shape (BF16's 4-D block layout) is seen 3-D for the load, and 4-D again if nothing was written
+            st.fmt.on_layout(layer, group, all_prepared=False)
+            try:
+                return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
+            finally:
+                if bool(st.prepared[group].all()):
+                    st.fmt.on_layout(layer, group, all_prepared=True)
     finally:
         validation.restore_validated(prev)
 

@@ -29,9 +29,10 @@ def drop_caches_before(*args, **kwargs):
     layer_state.on_reload_start()
 
 
-def unprepare_all_before(*args, **kwargs):
+def unprepare_all_before(updater, *args, **kwargs):
+    """begin_weight_update: the session's model (WeightUpdater.get_model) to checkpoint layout."""
     layer_state.on_reload_start()
-    layer_state.unprepare_all()
+    layer_state.unprepare_all(updater.get_model())
 
 
 def flush_after(result, *args, **kwargs):
@@ -52,7 +53,7 @@ def _model_of(owner):
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it."""
     model = _model_of(owner)
-    if model is None or not layer_state.managed_layers() or "load_weights" in vars(model):
+    if model is None or "load_weights" in vars(model):
         return original(owner, *args, **kwargs)
     real = model.load_weights
     refused = []
@@ -93,15 +94,14 @@ def check_buckets_around(original, owner, *args, **kwargs):
 def check_direct_before(model, named_tensors, *args, **kwargs):
     """load_format="direct": validate the whole list, then return every written group to checkpoint layout (SGLang
     copies whole parameters; the entry point's flush prepares them again)."""
-    if not layer_state.managed_layers():
-        return None
     named_tensors = list(named_tensors)
     for layer, name in validation.check_bucket(model, named_tensors, direct=True):
         layer_state.before_write(layer, name, None)
     return (model, named_tensors, *args), kwargs
 
 
-# (dotted path, releases): where each release keeps its weight-update entry points (sglang-versions.md §1b, §7).
+# (dotted path, releases): where each release keeps its weight-update entry points (read from each release's
+# model_runner.py / model_runner_components/weight_updater.py; compat/features.py WEIGHT_UPDATER, DISTRIBUTED_UPDATE_RENAMED).
 LOAD_ONLY_ENTRY_POINTS = (
     (f"{UPDATER}.update_weights_from_tensor", ">=0.5.16"),
     (f"{UPDATER}.update_weights_from_distributed", ">=0.5.16,<0.5.21"),  # renamed in 0.5.21:

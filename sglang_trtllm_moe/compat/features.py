@@ -109,6 +109,12 @@ WEIGHT_CHECKER_COMPARATOR = Feature(
     "weight_checker._build_quantized_set, which the plugin's checker hooks attach to",
 )
 
+PUBLISHED_SERVER_ARGS = Feature(
+    ">=0.5.15",
+    "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "
+    "server_args.get_global_server_args()",
+)
+
 # ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
 
 PLATFORM_OVERRIDE = Feature(
@@ -128,7 +134,8 @@ SWIZZLE_MOVES_TO_CUDA = Feature(
 )
 WEIGHT_CACHE_CHECK = Feature(
     ">=0.5.17,<0.5.21",
-    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off' (it reads get_model_runner())",
+    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off', read through "
+    "get_model_runner().server_args (0.5.21+ reads the model config namespace instead)",
 )
 WEIGHT_CHECKER_TAKES_PS = Feature(
     "<0.5.21",

@@ -36,6 +36,7 @@ CONFIGS = {
     "bf16": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="bf16"),
     "bf16-I96-padded": MoeSpec(num_experts=4, hidden=128, intermediate=96, fmt="bf16"),
 }
+LAYER = "model.layers.0.mlp.experts"
 #: the configs of the upstream comparison (one per format, as the issue measured)
 COMPARED = ("nvfp4", "ct_nvfp4", "fp8_modelopt", "fp8_tensor", "fp8_block", "bf16")
 
@@ -81,7 +82,8 @@ def writes(spec: MoeSpec, tensors: dict[str, torch.Tensor], num_experts: int | N
         for param_name, weight_name, expert_id, shard_id in mapping:
             if full.startswith(weight_name):
                 pname = param_name.split("experts.", 1)[1] + full[len(weight_name):].replace(".", "_")
-                out.append(Write(pname, t, pname, shard_id, expert_id, ckpt_name=name))
+                # weight_name as SGLang's model loaders pass it (SGLang's own BF16 restore matches its suffix)
+                out.append(Write(pname, t, f"{LAYER}.{pname}", shard_id, expert_id, ckpt_name=name))
                 break
     return out
 
@@ -136,7 +138,7 @@ def mutations(layer, spec: MoeSpec, w: Write) -> list[tuple[str, Write]]:
     # 4. weight_name naming another managed parameter of the layer
     other = next(n for n in ("w13_weight_scale", "w2_weight_scale", "w13_weight", "w2_weight")
                  if n != w.param and n in layer._parameters)
-    add("weight_name=another parameter", weight_name=f"model.layers.0.mlp.experts.{other}")
+    add("weight_name=another parameter", weight_name=f"{LAYER}.{other}")
     # 5. dtypes
     if p.dtype.itemsize == 1:
         add("dtype=float32 (value-converted)", tensor=t.float())
@@ -202,9 +204,9 @@ def catalogue(layer, spec: MoeSpec) -> list[tuple[str, Write]]:
 def compared(layer) -> set[str]:
     """What a fresh load defines: the parameters the format loads and the kernel scalars the plugin computes (not
     the never-written placeholders some releases register, e.g. NVFP4 `*_blockscale_swizzled` up to 0.5.1x)."""
-    from sglang_trtllm_moe import layer_state
+    from sglang_trtllm_moe import validation
 
-    fmt = layer_state.state_of(layer).fmt
+    fmt = validation.format_of(layer)
     return {n for n, _ in layer.named_parameters() if fmt.load_rule(n)} | set(fmt.compute_scalars(layer))
 
 

@@ -369,6 +369,55 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 """
 
 
+def defer_markdown() -> str:
+    """compat/defer.py as a table: where SGLang's own preparation is right and the plugin defers, with evidence."""
+    from sglang_trtllm_moe.compat import defer
+
+    lines = ["## Where SGLang is right: the defer table (compat/defer.py)", "",
+             "Measured with the plugin switched off (`python -m tests.support.upstream_rl FORMAT`, re-checked on every "
+             "release by `tests/test_defer.py`): a one-expert disk update, a whole disk update, a tensor update (in a "
+             "begin/end session where the release has them) and another one-expert tensor update, each compared with a "
+             "fresh load byte for byte, storage, Parameters and weight_loaders checked. **SGLang** = the plugin leaves "
+             "preparation to SGLang and only watches (validation of writes, the emulator); **plugin** = the plugin "
+             "prepares in place.", "", "| format | releases | who prepares | evidence |", "|---|---|---|---|"]
+    for v in defer.TABLE:
+        lines.append(f"| {v.fmt} | {v.releases} | {'SGLang' if v.upstream_correct else 'plugin'} | {v.evidence} |")
+    return "\n".join(lines) + "\n"
+
+
+MD_CONTRACT = """
+## SGLang's own unit tests, with and without the plugin
+
+SGLang's CPU unit tests for the code the plugin hooks (upstream `test/registered/unit/`: `plugins/test_hook_registry.py`,
+`plugins/test_load_plugins.py`, `server_args/test_resolution_hook_registry.py`, `utils/test_weight_checker_comparator.py`,
+`layers/quantization/test_flashinfer_trtllm_bf16_moe_reload.py`, `layers/quantization/test_compressed_tensors_fp4_moe_scheme.py`,
+`model_executor/model_runner_components/test_weight_updater.py` and `test_weight_updater_post_load_weights.py`) were run
+against every release's env twice, with `SGLANG_TRTLLM_MOE_DISABLE=1` and with the plugin loaded through SGLang's own
+`load_plugins()` (SGLang's files are read and run from a scratch directory, never copied here). Each file runs where its
+API exists (the BF16 reload tests need 0.5.23's session API; the compressed-tensors scheme tests 0.5.22+; the
+resolution hooks 0.5.20+); tests that need CUDA fail with and without the plugin alike.
+
+Result: on every release 0.5.11 - 0.5.23 no test passes without the plugin and fails with it. Before this release of
+the plugin, five BF16 reload tests (eight runs with subtests) failed only with the plugin on 0.5.23: the plugin read
+runner-config fields a stand-in config does not have (now: a layer the plugin cannot read goes back to SGLang's own
+code), and it replaced SGLang's BF16 preparation where SGLang is right (now: 0.5.23 BF16 is SGLang's own, see the defer
+table) and kept 3-D parameters where SGLang shows them 4-D (now: the same 4-D view of the same storage).
+
+## Where the plugin changes what SGLang observes, and why
+
+Where the plugin prepares a layer itself (the defer table says SGLang is wrong there), it keeps SGLang's parameter
+names, shapes and dtypes, except:
+
+| what | SGLang | the plugin | why |
+|---|---|---|---|
+| FP8 per-tensor scales (ModelOpt FP8, `fp8` static) | requantizes w1/w3 to one scale; `w13_weight_scale` per expert, input scales reduced to scalars; new Parameters | keeps the loaded bytes and per-shard scales ([E, 2]) and passes separate gate and up scalars to the kernel; same Parameters | no precision lost the kernel does not ask for; the next RL update needs the Parameters and their weight_loader |
+| compressed-tensors NVFP4 parameter names | renames `w13_weight_packed` / `w2_weight_packed` to `w13_weight` / `w2_weight` and deletes the originals | keeps the `*_packed` Parameters and registers the kernel names as aliases of the same objects | a reload by checkpoint name must find its parameter |
+| compressed-tensors NVFP4 non-gated GEMM1 | allocated with 2I rows | allocated with I rows (the kernel's shape) before anything is loaded | the relu2 kernel reads I rows |
+| NVFP4 per-tensor w13 scales, 0.5.11 - 0.5.22 | stored [up, gate] by the trtllm loader, read as [gate, up] by SGLang's own prep | read as stored | SGLang's alphas are swapped whenever the gate and up scales differ |
+| where hooks are visible | `HookRegistry._hooks` lists every registered target after `load_plugins()` | a target is registered when its module is imported | start-up stays free in processes that never build a MoE layer; `doctor` imports the hooked modules to prove every target lands |
+"""
+
+
 def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None, root=".") -> dict:
     import glob
     import json
@@ -422,7 +471,7 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
         f.write("\n")
     table = render_markdown(data)
     with open(md_path, "w") as f:
-        f.write(MD_HEADER + table)
+        f.write(MD_HEADER + table + "\n" + defer_markdown() + MD_CONTRACT)
     if readme:
         _update_readme(readme, table)
     return data
