@@ -163,8 +163,6 @@ def chunks_on_this_host(original, self, *args, **kwargs):
     """SGLang's comparables move every chunk with `.cuda()`; on a host without CUDA (the emulator, CPU tests) that
     can only raise, so there the same chunks are compared where they are: SGLang's own code runs with `.cuda()` as
     the identity. With CUDA it is SGLang's own code, untouched."""
-    import torch
-
     if torch.cuda.is_available():
         yield from original(self, *args, **kwargs)
         return
