@@ -57,12 +57,15 @@ def ensure_prepared(layer) -> None:
 
 def routing_declared(layer) -> bool:
     """Does the layer say how its router routes? A model class passes `routing_method_type` to FusedMoE (Qwen3-MoE:
-    Renormalize, DeepSeek / Nemotron-H / GLM: DeepSeekV3); Mixtral does not, and SGLang before 0.5.23 then lets the
-    kernel route its logits with a guessed method (FP8: DeepSeekV3, BF16: Default) — the wrong experts."""
+    Renormalize, DeepSeek / Nemotron-H / GLM: DeepSeekV3), which keeps it on the layer and its runner config;
+    Mixtral does not (compat.features.TRTLLM_ROUTING_GUESSED: SGLang then lets the kernel guess)."""
     from .kernel_api import RoutingMethodType
 
-    method = getattr(layer, "routing_method_type", None)
-    return method is not None and int(method) != int(RoutingMethodType.Unspecified)
+    for holder in (layer, getattr(layer, "moe_runner_config", None)):
+        method = getattr(holder, "routing_method_type", None)
+        if method is not None and int(method) != int(RoutingMethodType.Unspecified):
+            return True
+    return False
 
 
 def needs_own_topk(layer, topk_output) -> bool:

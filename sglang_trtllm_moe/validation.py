@@ -119,12 +119,13 @@ def global_expert_count(layer, param) -> int:
     return int(getattr(layer, "num_experts", 0) or 0) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
 
 
-def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: str = "local"):
+def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: str = "local", headers: bool = False):
     """Validate one write of SGLang's FusedMoE loader into a managed layer; returns (parameter name, expert id as
     an int) — or None when the layer or the parameter is not managed by the plugin (SGLang's own behaviour).
 
     scope "global": `FusedMoE.weight_loader`'s checkpoint expert id; "local": `_weight_loader_impl`'s local (or,
-    for parameters SGLang keeps for every expert, global) id."""
+    for parameters SGLang keeps for every expert, global) id. headers: `loaded` is a meta tensor standing for a
+    checkpoint tensor not read yet (its safetensors header): name, shard, expert, dtype and shape are checked."""
     fmt = format_of(layer)
     if fmt is None:
         return None
@@ -143,7 +144,7 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     _check_shard(rule, shard_id, gated, refuse)
     view = _view(layer, fmt, name, param)
     e = _check_expert(layer, view, param, expert_id, scope, refuse)
-    _check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse)
+    _check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers)
     return name, e
 
 
@@ -201,12 +202,13 @@ def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
     return (logical, padded), f"{logical} (the checkpoint's) or {padded} (the layer's padded size)", per_rank
 
 
-def _check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None) -> None:
+def _check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None,
+                  headers: bool = False) -> None:
     """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard."""
     if not isinstance(loaded, torch.Tensor):
         refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
     dev = loaded.device
-    if dev != param.device and dev.type != "cpu":
+    if dev != param.device and dev.type != "cpu" and not (headers and dev.type == "meta"):
         refuse(f"the tensor is on {dev}" + (" (no data)" if dev.type == "meta" else ""),
                f"a tensor on {param.device}" + ("" if param.device.type == "cpu" else " or on the CPU"))
     if not rule.accepts_dtype(loaded.dtype, param.dtype):
@@ -235,7 +237,7 @@ def _check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, 
             note = " (SGLang would zero-fill the rest)" if short else ""
             refuse(f"shape {shape} does not fit {rule.name} {tuple(view.shape)}{note}", expected)
     rule_values = rule.value_rule(param.dtype)
-    if rule_values is not None and loaded.numel():
+    if rule_values is not None and loaded.numel() and not headers:
         bad = _bad_value(loaded, rule_values == POSITIVE)
         if bad is not None:
             want = "finite and > 0" if rule_values == POSITIVE else "finite and >= 0"
@@ -285,16 +287,37 @@ class BucketRefused(WeightUpdateRefused):
 
 
 def managed_modules(model) -> dict[str, object]:
-    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path and the
-    checkpoint prefix SGLang's model code built it with (the same in SGLang's models; a wrapper may differ)."""
-    out = {}
+    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path, the
+    checkpoint prefix SGLang's model code built it with, and the path from "layers." on where only one layer has
+    it (checkpoints name the model root their own way: Nemotron-H's "backbone." is SGLang's "model.")."""
+    out: dict[str, object] = {}
+    tails: dict[str, list] = {}
     for path, m in model.named_modules():
         if format_of(m) is not None:
             out[path] = m
             prefix = getattr(m, "_trtllm_moe_prefix", None)
             if prefix:
                 out.setdefault(prefix, m)
+            tail = _from_layers(path)
+            if tail:
+                tails.setdefault(tail, []).append(m)
+    for tail, ms in tails.items():
+        if len(ms) == 1:
+            out.setdefault(tail, ms[0])
     return out
+
+
+def _from_layers(path: str) -> str | None:
+    at = path.find("layers.")
+    return path[at:] if at > 0 and path[at - 1] == "." else None
+
+
+def _layer_at(layers: dict, path: str):
+    layer = layers.get(path)
+    if layer is None:
+        tail = _from_layers(path)
+        layer = layers.get(tail) if tail else None
+    return layer
 
 
 def _resolve(layer, rest: str):
@@ -319,7 +342,8 @@ def _check_full(layer, fmt, pname, param, tensor, name) -> None:
     _check_tensor(layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole)
 
 
-def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -> list:
+def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), headers: bool = False,
+                 what: str = "weight-update bucket") -> list:
     """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
     one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
     below a managed layer that no parameter of it takes are refused too; other names are left to SGLang.
@@ -327,7 +351,8 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -
     direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
     direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
     bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
-    skip: ids of tensors already checked (the same objects, handed on by SGLang)."""
+    skip: ids of tensors already checked (the same objects, handed on by SGLang).
+    headers: the tensors are meta tensors read from a checkpoint's headers (values are checked when loaded)."""
     layers = managed_modules(model)
     if not layers:
         return []
@@ -339,7 +364,7 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -
         if skip and id(tensor) in skip:
             continue
         path, _, pname = name.rpartition(".")
-        layer = layers.get(path)
+        layer = _layer_at(layers, path)
         if layer is not None:  # "<layer>.<param>"
             fmt = format_of(layer)
             param = layer._parameters.get(pname)
@@ -365,7 +390,7 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -
         if direct:
             continue
         head = name.rsplit(".", 3)
-        layer = layers.get(head[0]) if len(head) == 4 else None
+        layer = _layer_at(layers, head[0]) if len(head) == 4 else None
         if layer is None:
             continue
         hit = _resolve(layer, name[len(head[0]) + 1:])
@@ -381,12 +406,12 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -
         if not isinstance(tensor, torch.Tensor):
             continue  # unwrapped later by SGLang; the per-shard check applies
         try:
-            check_write(layer, param, tensor, name, shard, expert, scope="global")
+            check_write(layer, param, tensor, name, shard, expert, scope="global", headers=headers)
         except WeightUpdateRefused as e:
             problems.append(str(e))
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise BucketRefused(
-            f"refused the whole weight-update bucket ({len(named_tensors)} tensors, {len(problems)} refused): "
-            + " | ".join(problems[:3]) + more + "; nothing of this bucket was written")
+            f"refused the whole {what} ({len(named_tensors)} tensors, {len(problems)} refused): "
+            + " | ".join(problems[:3]) + more + "; nothing of it was written")
     return writes

@@ -65,6 +65,7 @@ PROBES = {
     "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: "trtllm_fp4_block_scale_moe" in _source(
         "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe:"
         "CompressedTensorsW4A4Nvfp4MoE.apply_weights"),
+    "TRTLLM_ROUTING_GUESSED": lambda: not _has("sglang.srt.layers.moe.topk", "_can_bypass_trtllm_routing"),
     "WEIGHT_UPDATER": lambda: _has(UPDATER, "WeightUpdater"),
     "DISTRIBUTED_UPDATE_RENAMED": lambda: _has(UPDATER, "WeightUpdater") and hasattr(
         importlib.import_module(UPDATER).WeightUpdater, "load_weights_from_distributed"),

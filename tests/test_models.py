@@ -52,40 +52,7 @@ FULL_FLOWS = ("disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_b
 
 #: what is known not to work on older releases, by cause: (release specifier, formats, checks, reason). A test of a
 #: listed (release, format, check) is a strict xfail: it must fail, so a fix shows up as a failure to remove here.
-_RUNNER_LAYER = ("plugin bug before 0.5.22: runner.format_for finds the plugin's layer through MoeRunnerConfig.layer, "
-                 "which FusedMoE sets only from 0.5.22 (layers/moe/fused_moe_triton/layer.py, MoeRunnerConfig(..., "
-                 "layer=self)); on 0.5.21 every prepared layer runs on SGLang's own leaf instead: FP8 per-tensor with "
-                 "the plugin's per-expert input scales (scaled_fp8_quant asserts a scalar scale), FP8 block through "
-                 "SGLang's triton quantizer, Nemotron-H NVFP4 (relu2) numerically off (rel. error 0.72) - on a GPU "
-                 "as on this box")
-_MIXTRAL_ROUTING = ("SGLang before 0.5.23: TopK is bypassed for flashinfer_trtllm and Fp8MoEMethod passes "
-                    "routing_method_type = layer.routing_method_type or DeepSeekV3 (quantization/fp8.py), so Mixtral "
-                    "(no routing method of its own) is routed by DeepSeekV3's sigmoid rule in the kernel (rel. error "
-                    "0.58); 0.5.23 keeps SGLang's own top-k for such layers. The plugin auto-selects flashinfer_trtllm "
-                    "for it there (flashinfer_trtllm_routed would take SGLang's top-k)")
-_OBSERVED_UNVALIDATED = ("plugin bug (since compat/defer.py): validation.validate_shard returns at once for a layer "
-                         "it does not prepare (`st = state_of(layer); if st is None: return`), so layers deferred "
-                         "to SGLang and only observed (layer_state.observe: 'still validates writes') are not "
-                         "validated: a float32 tensor is value-converted into DeepSeek's FP8 block storage")
-_BF16_DISK_RESTORE = ("SGLang prepares BF16 itself from 0.5.23 (compat/defer.py): a disk update restores every layer "
-                      "to checkpoint layout first (restore_weights_before_loading), the malformed tensor fails in "
-                      "SGLang's copy_ (the plugin does not validate observed layers), and the rollback re-reads the "
-                      "same failing path (weight_updater.py:193, :230-237), so no layer is prepared again: the model "
-                      "is left in checkpoint layout")
-_BLOCK_CHECKER_CPU = ("the weight checker on DeepSeek FP8 block, which SGLang prepares itself (compat/defer.py): "
-                      "SGLang's Fp8BlockComparable.iter_chunks moves every chunk with .cuda() "
-                      "(utils/weight_checker_comparator.py:105); the plugin keeps chunks on a CPU host only for "
-                      "RawComparable (builtins/checker_hooks.py raw_iter_chunks), so on a CPU host (the emulator) "
-                      "the checker cannot compare these layers")
-KNOWN = (
-    ("", {"deepseek_v3:fp8_block"}, {"weight_checker"}, _BLOCK_CHECKER_CPU),
-    ("", {"deepseek_v3:fp8_block"}, {"refused:wrong_dtype/tensor", "refused:wrong_dtype/disk"}, _OBSERVED_UNVALIDATED),
-    (">=0.5.23", {"mixtral:bf16"}, {"refused:extra_column/disk"}, _BF16_DISK_RESTORE),
-    ("<0.5.22", {"qwen3_moe:fp8", "nemotron_h:fp8", "mixtral:fp8_static", "deepseek_v3:fp8_block"},
-     {"forward", "random_rounds", "greedy"}, _RUNNER_LAYER),
-    ("<0.5.22", {"nemotron_h:nvfp4"}, {"forward"}, _RUNNER_LAYER),
-    ("<0.5.23", {"mixtral:fp8_static"}, {"forward"}, _MIXTRAL_ROUTING),
-)
+KNOWN: tuple = ()
 
 
 def _release():
@@ -204,38 +171,30 @@ def test_malformed_update_is_refused_before_a_byte_changes(request, arch, quant,
     assert c["refused"] and not c["changed"], c
 
 
-@pytest.mark.xfail(strict=True, reason="plugin bug: validation.validate_shard accepts any length up to the shard along "
-                                       "the TP-split dimension (`0 < rows <= half * tp`, `cols <= cols * tp`), so a "
-                                       "w1/w3 one row short (or a w2 one column short) is written and the old last "
-                                       "row stays: a silently mixed expert. The exact unpadded size per rank is known")
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
 def test_update_one_row_short_is_refused(arch, quant):
+    """One row short would leave the old last row: a silently mixed expert. Refused, by tensor and by disk."""
     cases = _refused(arch, quant)
     for how in ("tensor", "disk"):
         c = cases[f"missing_row/{how}"]
         assert c["refused"] and not c["changed"], (how, c)
 
 
-@pytest.mark.xfail(strict=True, reason="plugin: a refusal is per tensor; the tensors of the same request written "
-                                       "before the malformed one stay written (DESIGN: 'refused before a byte "
-                                       "changes'). Validating the whole request at the update entry point would "
-                                       "keep it atomic")
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
 def test_refused_request_writes_nothing(arch, quant):
+    """Well-formed tensors of the same expert before the malformed one: the whole request is refused (a bucket at
+    the tensor entry point, the checkpoint's headers before SGLang restores anything on a disk update)."""
     cases = _refused(arch, quant)
     for how in ("tensor", "disk"):
         c = cases[f"mixed/{how}"]
         assert c["refused"] and not c["changed"], (how, c)
 
 
-@pytest.mark.xfail(strict=True, reason="SGLang 0.5.23: update_weights_from_tensor does not catch loader exceptions "
-                                       "(model_runner_components/weight_updater.py: load_weights outside try), so a "
-                                       "refusal escapes the scheduler and sglang.Engine exits (SIGQUIT); the disk "
-                                       "path's rollback re-reads the new checkpoint (model_config.model_path is set "
-                                       "before loading) and raises again. The plugin could return its refusal as "
-                                       "(False, message) at the entry points it already hooks")
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
 def test_refused_update_is_reported_not_raised(arch, quant):
+    """SGLang's update_weights_from_tensor does not catch loader exceptions (a refusal would escape the scheduler
+    and sglang.Engine exit), and its disk rollback re-reads the refused checkpoint: the plugin answers both entry
+    points with (False, message) before anything is loaded, as SGLang reports its own failures."""
     cases = _refused(arch, quant)
     for key in ("extra_column/tensor", "extra_column/disk"):
         assert cases[key]["returned_failure"], (key, cases[key])

@@ -9,7 +9,8 @@ Whole buckets: the tensor / distributed / IPC entry points hand a list of tensor
 loads them in order; a bad 5th tensor would leave the first four written. While such an entry point runs, the
 model's `load_weights` first validates every tensor of the list that targets a managed layer (validation.py
 `check_bucket`): one bad tensor refuses the whole bucket before any of it is written, and the entry point returns
-(False, message) as SGLang's update entry points report failures. Whole-parameter writes (load_format="direct")
+(False, message) as SGLang's update entry points report failures. A disk update is checked the same way from the
+checkpoint's safetensors headers (checkpoint_headers.py) before SGLang returns any layer to checkpoint layout. Whole-parameter writes (load_format="direct")
 are validated the same way and return the written groups to checkpoint layout first, so they are exact outside a
 begin/end session too.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import hookimpl, layer_state, validation
+from .. import checkpoint_headers, hookimpl, layer_state, validation
 from ..targets import HookTarget
 
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
@@ -91,6 +92,20 @@ def check_buckets_around(original, owner, *args, **kwargs):
     return result
 
 
+def check_disk_around(original, owner, model_path, load_format=None, weight_name_filter=None, *args, **kwargs):
+    """Refuse a checkpoint directory with a malformed expert tensor before SGLang restores or loads anything (its
+    rollback would re-read the same path): dtypes and shapes from the headers, values as they load."""
+    model = _model_of(owner)
+    files = checkpoint_headers.files_of(model_path, load_format) if model is not None else []
+    if files and validation.managed_modules(model):
+        try:
+            metas = checkpoint_headers.meta_tensors(files, keep=weight_name_filter)
+            validation.check_bucket(model, metas, headers=True, what=f"checkpoint {model_path}")
+        except validation.BucketRefused as e:
+            return False, str(e)
+    return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
+
+
 def check_direct_before(model, named_tensors, *args, **kwargs):
     """load_format="direct": validate the whole list, then return every written group to checkpoint layout (SGLang
     copies whole parameters; the entry point's flush prepares them again)."""
@@ -127,6 +142,9 @@ def register_sglang_hooks(register, release):
     for target, rel in LOAD_ONLY_ENTRY_POINTS:
         register(HookTarget(target, check_buckets_around, "around", releases=rel, capability="rl-update",
                             why="validate a whole update bucket before any of it is written (never a partial write)"))
+    for target, rel in RELOAD_START:
+        register(HookTarget(target, check_disk_around, "around", releases=rel, capability="rl-update",
+                            why="refuse a malformed checkpoint from its headers before SGLang restores or loads any layer"))
     for target, rel in DIRECT:
         register(HookTarget(target, check_direct_before, "before", releases=rel, capability="rl-update",
                             why="validate whole-parameter writes and return their groups to checkpoint layout first"))

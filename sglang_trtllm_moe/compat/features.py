@@ -92,6 +92,12 @@ CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
     "CompressedTensorsW4A4Nvfp4MoE.apply_weights calls flashinfer itself (no MoeRunner), reading TopKOutput.topk_config "
     "and dropping the up-half scale; the plugin runs such layers on its runner with 0.5.17's QuantInfo",
 )
+TRTLLM_ROUTING_GUESSED = Feature(
+    "<0.5.23",
+    "TopK leaves routing to the trtllm kernel even for a layer that declares no routing method (Mixtral), which the "
+    "kernel then routes with a guessed method (FP8: DeepSeekV3, BF16: Default); 0.5.23 materializes the top-k then "
+    "(topk._can_bypass_trtllm_routing). The plugin runner takes SGLang's own top-k for such layers",
+)
 WEIGHT_UPDATER = Feature(
     ">=0.5.16",
     "weight updates live in model_runner_components.weight_updater.WeightUpdater (ModelRunner methods before)",
