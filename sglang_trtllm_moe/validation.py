@@ -40,11 +40,7 @@ def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expe
     n_ids = int(param.shape[0]) if getattr(param, "_sglang_require_global_experts", False) else st.num_experts
     if expert_id is not None and not (0 <= int(expert_id) < n_ids):
         raise ValueError(f"{where}: expert id out of range [0, {n_ids}); nothing was written")
-    if param.dtype.itemsize == 1 and loaded.dtype != param.dtype:
-        raise ValueError(
-            f"{where}: dtype {loaded.dtype} cannot be written into {param.dtype} storage (it would be value-converted, "
-            f"not copied); send the checkpoint's {param.dtype} tensor; nothing was written"
-        )
+    check_load_dtype(st.fmt, name, param, loaded, where)
     group = st.fmt.group_of(name)
     if group is None:
         if name in st.fmt.scalar_params and loaded.numel() != 1 and expert_id is not None:
@@ -66,3 +62,25 @@ def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expe
         want = f"[{rows}, <= {cols * tp}]"
     if not ok:
         raise ValueError(f"{where}: shape {tuple(loaded.shape)} does not fit, expected {want}; nothing was written")
+
+
+def check_load_dtype(fmt, name: str, param, loaded: torch.Tensor, where: str) -> None:
+    """Refuse a dtype SGLang's loader would value-convert into wrong bytes. A format may declare, per parameter, the
+    checkpoint dtypes its loader writes correctly (`WeightFormat.load_dtypes`: MX scales are UE8M0 bytes that must
+    arrive as uint8, or as float values SGLang itself converts); otherwise byte-sized storage takes its own dtype only."""
+    from .errors import WeightUpdateRefused
+
+    accepted = fmt.load_dtypes.get(name)
+    if accepted is None:
+        if param.dtype.itemsize == 1 and loaded.dtype != param.dtype:
+            raise WeightUpdateRefused(
+                f"{where}: dtype {loaded.dtype} cannot be written into {param.dtype} storage (it would be "
+                f"value-converted, not copied); send the checkpoint's {param.dtype} tensor; nothing was written"
+            )
+        return
+    if loaded.dtype not in accepted:
+        raise WeightUpdateRefused(
+            f"{where}: dtype {loaded.dtype} is not a {fmt.title or fmt.name} checkpoint dtype for {name} (SGLang's "
+            f"loader would convert it by value into {param.dtype} storage, not copy it); send one of "
+            f"{[str(d).replace('torch.', '') for d in accepted]}; nothing was written"
+        )

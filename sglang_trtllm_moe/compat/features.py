@@ -109,6 +109,48 @@ WEIGHT_CHECKER_COMPARATOR = Feature(
     "weight_checker._build_quantized_set, which the plugin's checker hooks attach to",
 )
 
+# ---- MX formats (MXFP8, MXFP4 experts, gpt-oss MXFP4) -----------------------------------------------------------
+
+MXFP8_ACTIVATION_PARAMS = Feature(
+    ">=0.5.18",
+    "Fp8MoEMethod._prepare_flashinfer_trtllm_activation_params(layer) materializes the SwiGLU alpha/beta/clamp "
+    "tensors its apply passes to the MXFP8 kernel as layer._flashinfer_trtllm_gemm1_* (apply reads them)",
+)
+MXFP8_QUANTIZE_IN_FP8_UTILS = Feature(
+    ">=0.5.17",
+    "the MXFP8 leaf quantizes activations with fp8_utils.flashinfer_mxfp8_quantize (flashinfer.mxfp8_quantize before)",
+)
+MXFP8_NON_GATED_W13_ROWS = Feature(
+    ">=0.5.19",
+    "Fp8MoEMethod allocates a non-gated (relu2) MXFP8 w13 with I rows; before it allocates 2I and SGLang slices "
+    "(and rebinds) at prep, so the plugin leaves such layers to SGLang there",
+)
+FP4_EXPERTS_METHOD = Feature(
+    ">=0.5.12",
+    "Fp8Config.is_fp4_experts on flashinfer_mxfp4 builds Mxfp4FlashinferTrtllmMoEMethod (DeepSeek-V4 / MiMo-V2 "
+    "MXFP4 routed experts on the TRT-LLM-Gen FP4 kernel)",
+)
+FP4_EXPERTS_PADDED_LOAD = Feature(
+    ">=0.5.17",
+    "FusedMoE's plain loader copies a smaller checkpoint shard into the leading slice of a larger expert buffer; "
+    "before it narrows by the buffer's size, so FP4-expert buffers allocated padded (I % 128 != 0) cannot be loaded",
+)
+GPTOSS_TRTLLM_LEAF = Feature(
+    ">=0.5.20",
+    "Mxfp4MoEMethod runs SM100 trtllm-gen MXFP4 through MoeRunner(flashinfer_mxfp4) -> flashinfer_trtllm."
+    "_fused_experts_flashinfer_mxfp4_sm100_trtllm_gen (imported at call time); before, Mxfp4MoEMethod.apply calls "
+    "flashinfer itself",
+)
+GPTOSS_FI_KERNEL_ATTR = Feature(
+    ">=0.5.12",
+    "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
+)
+GPTOSS_PAD_128 = Feature(
+    ">=0.5.17",
+    "Mxfp4MoEMethod pads intermediate and hidden to 128 on SM100 (256 before) and fills the scales with the UE8M0 "
+    "one (byte 127; zeros before); alpha/beta/clamp come from the runner config and are sized by local experts",
+)
+
 # ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
 
 PLATFORM_OVERRIDE = Feature(

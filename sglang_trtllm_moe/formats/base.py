@@ -66,6 +66,8 @@ class KernelCall:
     hidden: torch.Tensor
     #: True for flashinfer's kernels (SGLang's CUDA quantizers), False for the emulator (pure-torch quantizers)
     on_kernel: bool
+    #: activation scales when the dispatcher already quantized `hidden` (a2a pre-quantized input), else None
+    hidden_scale: Any = None
 
 
 class WeightFormat:
@@ -97,6 +99,17 @@ class WeightFormat:
     title: ClassVar[str] = ""
     #: why the activation sets are what they are, added to a refusal (e.g. a kernel that only implements SwiGLU)
     activation_note: ClassVar[str] = ""
+    #: the runner may hand `kernel_args` activations the dispatcher already quantized (KernelCall.hidden_scale)
+    accepts_prequantized: ClassVar[bool] = False
+    #: parameter name -> the checkpoint dtypes SGLang's loader writes correctly into it (bit copy, or the same value
+    #: conversion SGLang's own prep does); empty = the generic rule of validation.py. Read by `validation.py`.
+    load_dtypes: ClassVar[Mapping[str, tuple]] = {}
+    #: the loader writes all experts of a parameter at once (gpt-oss: `expert_id=None`); a "partial" update is a
+    #: whole-group write, validated and un-prepared in the FusedMoE.weight_loader hook
+    fused: ClassVar[bool] = False
+    #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
+    #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
+    own_backend: ClassVar[str | None] = None
 
     # ---- what it serves ---------------------------------------------------------------------------------------
     def describes(self, checkpoint: Checkpoint) -> bool:
