@@ -3,6 +3,10 @@
 * MXFP8 (`quant_method: mxfp8` -> Fp8MoEMethod.use_mxfp8) on flashinfer_trtllm / flashinfer_trtllm_routed
   (formats/mxfp8.py). SGLang's own prep is in place but re-shuffles every expert at every flush, so after a
   one-expert RL update the experts that were not reloaded are shuffled twice.
+* MXFP4 experts on an FP8 config (Mxfp4FlashinferTrtllmMoEMethod, flashinfer_mxfp4, 0.5.12+;
+  formats/mxfp4_experts.py): storage allocated at the kernel's final width right after SGLang's create_weights
+  (e8m0 scales, weights padded per half), prepared in place, run through the plugin runner. SGLang's own prep
+  builds new Parameters without `weight_loader`, so its next RL update raises AttributeError.
 
 Layers the plugin does not take stay SGLang's, with one log line per reason: online MXFP8 (`--quantization mxfp8`
 on a BF16 checkpoint: SGLang quantizes at prep and rebinds the Parameters to fp8), non-gated MXFP8 before 0.5.19
@@ -17,13 +21,17 @@ import logging
 from .. import hookimpl, layer_state
 from ..compat import features
 from ..errors import TrtllmLayerError
+from ..formats.mxfp4_experts import MXFP4_EXPERTS
 from ..formats.mxfp8 import MXFP8
 from ..targets import HookTarget
-from ._prepare import prepare_layer
+from ._prepare import kw, prepare_layer
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
 FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
+FP4_EXPERTS = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe.Mxfp4FlashinferTrtllmMoEMethod"
+#: set on a layer whose storage the plugin allocated (its unpadded per-rank intermediate size)
+ALLOCATED = "_trtllm_moe_unpadded_intermediate"
 
 _LOGGED: set = set()
 
@@ -90,6 +98,101 @@ def fp8_method_process_weights_after_loading(original, method, layer, *args, **k
     prepare_layer(MXFP8, method, layer, _mxfp8_side_attrs)
 
 
+# ---- MXFP4 experts on an FP8 config -----------------------------------------------------------------------------
+
+
+def _megamoe() -> bool:
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    a2a = get_moe_a2a_backend()
+    return any(getattr(a2a, m, lambda: False)() for m in ("is_megamoe", "is_flashinfer_megamoe"))
+
+
+def fp4_experts_create_weights(result, method, *args, **kwargs):
+    """AFTER SGLang's create_weights (nothing loaded yet): the kernel's final storage, kept for the layer's life."""
+    layer = kw(args, kwargs, 0, "layer")
+    hidden = int(kw(args, kwargs, 2, "hidden_size"))
+    inter = int(kw(args, kwargs, 3, "intermediate_size_per_partition"))
+    problem = "MegaMoE consumes the canonical layout" if _megamoe() else MXFP4_EXPERTS.allocation_problem(
+        layer, inter, hidden)
+    if problem:
+        hand_back(layer, "MXFP4-expert layer", problem)
+        return result
+    MXFP4_EXPERTS.allocate_(layer, inter, hidden)
+    object.__setattr__(layer, ALLOCATED, inter)
+    return result
+
+
+def _fp4_experts_side_attrs(method, layer) -> None:
+    """What SGLang's prep leaves for apply() and the dispatcher: the three all-ones output scales (buffers, as
+    SGLang registers them; made once, so their storage stays put), the padded intermediate (0.5.21+), and the FP8
+    delegate's dispatcher wire format."""
+    import torch
+
+    for name in ("output1_scale_scalar", "output1_scale_gate_scalar", "output2_scale_scalar"):
+        if getattr(layer, name, None) is None:
+            layer.register_buffer(name, torch.ones(layer.num_local_experts, dtype=torch.float32,
+                                                   device=layer.w13_weight.device), persistent=False)
+    if features.FP4_EXPERTS_SGLANG_PADS.present():
+        layer.intermediate_size_per_partition = layer.w2_weight.shape[2] * 2
+    if hasattr(layer, "dispatcher"):
+        layer.dispatcher.set_quant_config({"weight_dtype": torch.int8, "use_mxfp8": False})
+
+
+def fp4_experts_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    if getattr(layer, ALLOCATED, None) is None:
+        return original(method, layer, *args, **kwargs)
+    prepare_layer(MXFP4_EXPERTS, method, layer, _fp4_experts_side_attrs)
+
+
+def fp4_experts_apply(original, method, layer, dispatch_output, *args, **kwargs):
+    """A managed layer runs on the plugin runner with the arguments SGLang's apply builds (module-global flashinfer
+    functions there cannot be reached by a hook)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+    from .. import runner
+
+    if layer_state.state_of(layer) is None:
+        return original(method, layer, dispatch_output, *args, **kwargs)
+    _refuse_unsupported_dispatch(layer, dispatch_output)
+    topk_output = dispatch_output.topk_output
+    bypassed = {}
+    if TopKOutputChecker.format_is_bypassed(topk_output):
+        if getattr(method, "_bypassed_routing_method", None) is None:
+            raise NotImplementedError("MxFP4 bypassed routing is not configured")
+        cfg = topk_output.topk_config
+        rsf = cfg.routed_scaling_factor
+        bypassed = dict(norm_topk_prob=cfg.renormalize,
+                        routed_scaling_factor=rsf if getattr(cfg, "apply_routed_scaling_factor_on_output", False)
+                        and rsf is not None else 1.0)
+    qi = SimpleNamespace(
+        global_num_experts=layer.num_experts, local_num_experts=layer.num_local_experts,
+        local_expert_offset=layer.moe_ep_rank * layer.num_local_experts,
+        routing_method_type=getattr(method, "_bypassed_routing_method", None),
+        gemm1_clamp_limit=getattr(method, "_gemm1_clamp_limit_tensor", None),
+        precision=getattr(method, "flashinfer_mxfp4_moe_precision", "default"),
+        bypassed_routing=bypassed,
+    )
+    return runner.run(MXFP4_EXPERTS, dispatch_output, qi, method.moe_runner_config)
+
+
+def _refuse_unsupported_dispatch(layer, dispatch_output) -> None:
+    if getattr(dispatch_output, "hidden_states_pre_quant", None) is not None:
+        raise NotImplementedError(
+            f"{layer_state.layer_name(layer)}: a dispatcher-quantized MXFP8 input (hidden_states_pre_quant) is not "
+            "supported by the plugin runner yet; run without the flashinfer a2a pre-quantization")
+    try:
+        from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import is_deferred_finalize_enabled
+    except ImportError:
+        return
+    if is_deferred_finalize_enabled():
+        raise NotImplementedError(
+            f"{layer_state.layer_name(layer)}: deferred MoE finalize (SGLANG_ENABLE_MOE_DEFERRED_FINALIZE) is not "
+            "supported by the plugin runner yet; unset it")
+
+
 def is_mx_fp8_method(method) -> bool:
     return bool(getattr(method, "use_mxfp8", False) or getattr(method, "is_fp4_expert", False))
 
@@ -107,4 +210,21 @@ def register_sglang_hooks(register, release):
         releases=">=0.5.11," + FP8_HOOK_RELEASES, capability="mxfp8-prep",
         why="MXFP8 layers on flashinfer_trtllm(_routed) are prepared in place, per dirty expert (SGLang re-shuffles "
             "every expert at every flush); FP4 experts on flashinfer_trtllm are a clear error",
+    ))
+    rel = features.FP4_EXPERTS_METHOD.releases
+    register(HookTarget(
+        f"{FP4_EXPERTS}.create_weights", fp4_experts_create_weights, "after", releases=rel,
+        capability="mxfp4-experts-prep",
+        why="MXFP4-expert storage at the kernel's final width from the start (e8m0 scales, padded per half): the "
+            "Parameters, their storage and weight_loader stay the same for the layer's life",
+    ))
+    register(HookTarget(
+        f"{FP4_EXPERTS}.process_weights_after_loading", fp4_experts_process_weights_after_loading, "around",
+        releases=rel, capability="mxfp4-experts-prep",
+        why="MXFP4-expert layers on flashinfer_mxfp4 are prepared in place, per dirty expert (SGLang replaces the "
+            "Parameters and drops their weight_loader)",
+    ))
+    register(HookTarget(
+        f"{FP4_EXPERTS}.apply", fp4_experts_apply, "around", releases=rel, capability="mxfp4-experts-prep",
+        why="managed MXFP4-expert layers run on the plugin runner (flashinfer's kernel, or the emulator)",
     ))

@@ -135,6 +135,11 @@ FP4_EXPERTS_PADDED_LOAD = Feature(
     "FusedMoE's plain loader copies a smaller checkpoint shard into the leading slice of a larger expert buffer; "
     "before it narrows by the buffer's size, so FP4-expert buffers allocated padded (I % 128 != 0) cannot be loaded",
 )
+FP4_EXPERTS_SGLANG_PADS = Feature(
+    ">=0.5.21",
+    "Mxfp4FlashinferTrtllmMoEMethod pads I to 128 per half at prep (scales with 1.0) and sets "
+    "layer.intermediate_size_per_partition to the padded size; before, I % 128 != 0 fails SGLang's own prep",
+)
 GPTOSS_TRTLLM_LEAF = Feature(
     ">=0.5.20",
     "Mxfp4MoEMethod runs SM100 trtllm-gen MXFP4 through MoeRunner(flashinfer_mxfp4) -> flashinfer_trtllm."

@@ -52,6 +52,8 @@ class Checkpoint:
     quant_scheme: str | None = None
     #: fp8: "static" | "dynamic" activation scales (None = not said)
     activation_scheme: str | None = None
+    #: fp8: the routed experts are MXFP4 (SGLang's ModelConfig.is_fp4_experts: DeepSeek-V4, MiMo-V2, Bailing-V3)
+    fp4_experts: bool = False
 
 
 @dataclass

@@ -1,12 +1,16 @@
 """MX-format FusedMoE layers on a CPU box: build them with SGLang's own quant configs, make random checkpoints, and
 run SGLang's (and FlashInfer's) own preparation of the same checkpoint as a byte oracle.
 
-Formats: "mxfp8" (quant_method mxfp8 -> Fp8MoEMethod.use_mxfp8, flashinfer_trtllm[_routed]).
+Formats: "mxfp8" (quant_method mxfp8 -> Fp8MoEMethod.use_mxfp8, flashinfer_trtllm[_routed]); "mxfp4_experts"
+(an FP8 [128, 128] config with is_fp4_experts, flashinfer_mxfp4 -> Mxfp4FlashinferTrtllmMoEMethod, 0.5.12+).
 
 SGLang's own preparation runs on CPU with the fewest stand-ins (each is a CUDA-only helper whose CPU equivalent
 computes the same bytes):
 * MXFP8: `fp8._is_cuda` (a guard) is set True, and `flashinfer.block_scale_interleave` (CUDA kernel) is the
   plugin's pure-torch 128x4 swizzle, returned flat as flashinfer returns it. Index helpers are FlashInfer's own.
+* MXFP4 experts: the module binds flashinfer's names only when `is_flashinfer_available()` (CUDA), so FlashInfer's
+  own `_maybe_get_cached_w3_w1_permute_indices` / `get_w2_permute_indices_with_cache` are bound there and
+  `block_scale_interleave` is the torch swizzle; `torch.cuda.empty_cache` is a no-op.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from .. import layouts, quant
 from .layers import DOWN, GATE, UP, MoeSpec, _random_experts
 
-MX_FORMATS = ("mxfp8",)
+MX_FORMATS = ("mxfp8", "mxfp4_experts")
 
 
 # ---- build -------------------------------------------------------------------------------------------------------
@@ -32,6 +36,22 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwa
         from sglang.srt.layers.quantization.fp8 import Fp8Config
 
         qc = Fp8Config.from_config({"quant_method": "mxfp8", "activation_scheme": "dynamic"})
+        return FusedMoE(
+            num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+            top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
+            activation=spec.activation, is_gated=spec.gated, routing_method_type=RoutingMethodType.Renormalize,
+            **kwargs,
+        )
+    if spec.fmt == "mxfp4_experts":
+        import inspect
+
+        from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+        qc = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128]})
+        qc.is_fp4_experts = True  # what SGLang's model loader copies from ModelConfig.is_fp4_experts
+        if "swiglu_limit" in inspect.signature(FusedMoE.__init__).parameters:
+            kwargs.setdefault("swiglu_limit", 10.0)  # DeepSeek-V4's; SGLang <= 0.5.18 asserts it is set
         return FusedMoE(
             num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
             top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
@@ -55,9 +75,25 @@ def random_mxfp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[
     return out
 
 
-def random_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
+def random_mxfp4_experts_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
+                                    scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4-style MXFP4 experts: int8 packed e2m1 `weight` and UE8M0 `weight_scale_inv` as float8_e8m0fnu
+    (native DeepSeek-V4), or as the float32 values 2^(b-127) (`scale_dtype=torch.float32`)."""
+    out: dict[str, torch.Tensor] = {}
+    for e, ws in _random_experts(spec, seed, experts, std=0.05):
+        for proj, w in ws.items():
+            q, s = quant.mxfp4_quantize(w)
+            s = s.view(torch.float8_e8m0fnu)
+            out[f"experts.{e}.{proj}.weight"] = q.view(torch.int8)
+            out[f"experts.{e}.{proj}.weight_scale_inv"] = s if scale_dtype == torch.float8_e8m0fnu else s.to(scale_dtype)
+    return out
+
+
+def random_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, **kwargs) -> dict[str, torch.Tensor]:
     if spec.fmt == "mxfp8":
         return random_mxfp8_checkpoint(spec, seed, experts)
+    if spec.fmt == "mxfp4_experts":
+        return random_mxfp4_experts_checkpoint(spec, seed, experts, **kwargs)
     raise NotImplementedError(spec.fmt)
 
 
@@ -69,6 +105,10 @@ def dequantized_experts(spec: MoeSpec, tensors: dict[str, torch.Tensor]) -> dict
             base = f"experts.{e}.{proj}."
             if spec.fmt == "mxfp8":
                 out[base + "weight"] = quant.mxfp8_dequantize(tensors[base + "weight"], tensors[base + "weight_scale_inv"])
+            elif spec.fmt == "mxfp4_experts":
+                s = tensors[base + "weight_scale_inv"]
+                s = s if s.dtype == torch.float8_e8m0fnu else s.to(torch.float8_e8m0fnu)
+                out[base + "weight"] = quant.mxfp4_dequantize(tensors[base + "weight"], s)
             else:
                 raise NotImplementedError(spec.fmt)
     return out
@@ -157,8 +197,29 @@ def sglang_prepare(layer) -> None:
         with _patched((fp8_mod, "_is_cuda", True), (flashinfer, "block_scale_interleave", torch_block_scale_interleave)):
             _unhooked(type(method).process_weights_after_loading)(method, layer)
         return
+    if type(method).__name__ == "Mxfp4FlashinferTrtllmMoEMethod":
+        from flashinfer.fused_moe import core as ficore
+        from sglang.srt.layers.quantization import mxfp4_flashinfer_trtllm_moe as fte
+
+        with _patched((fte, "_maybe_get_cached_w3_w1_permute_indices", ficore._maybe_get_cached_w3_w1_permute_indices),
+                      (fte, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
+                      (fte, "block_scale_interleave", torch_block_scale_interleave),
+                      (torch.cuda, "empty_cache", lambda: None)):
+            _unhooked(type(method).process_weights_after_loading)(method, layer)
+        return
     raise NotImplementedError(type(method).__name__)
 
 
-__all__ = ["MX_FORMATS", "build_layer", "random_checkpoint", "random_mxfp8_checkpoint", "dequantized_experts",
+def sglang_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwargs):
+    """A layer exactly as SGLang allocates it (the plugin's allocation hook bypassed): for SGLang's own flow."""
+    if spec.fmt != "mxfp4_experts":
+        return build_layer(spec, prefix, **kwargs)
+    from sglang.srt.layers.quantization import mxfp4_flashinfer_trtllm_moe as fte
+
+    cls = fte.Mxfp4FlashinferTrtllmMoEMethod
+    with _patched((cls, "create_weights", _unhooked(cls.create_weights))):
+        return build_layer(spec, prefix, **kwargs)
+
+
+__all__ = ["MX_FORMATS", "build_layer", "sglang_layer", "random_mxfp4_experts_checkpoint", "random_checkpoint", "random_mxfp8_checkpoint", "dequantized_experts",
            "reference_moe", "sglang_prepare", "torch_block_scale_interleave"]
