@@ -40,7 +40,8 @@ def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expe
     n_ids = int(param.shape[0]) if getattr(param, "_sglang_require_global_experts", False) else st.num_experts
     if expert_id is not None and not (0 <= int(expert_id) < n_ids):
         raise ValueError(f"{where}: expert id out of range [0, {n_ids}); nothing was written")
-    check_load_dtype(st.fmt, name, param, loaded, where)
+    if check_load_dtype(st.fmt, name, param, loaded, where, layer, expert_id) == "requantized":
+        return  # a fused FP8 shared expert: SGLang requantizes it to the layer's format (its own shapes)
     group = st.fmt.group_of(name)
     if group is None:
         if name in st.fmt.scalar_params and loaded.numel() != 1 and expert_id is not None:
@@ -64,13 +65,18 @@ def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expe
         raise ValueError(f"{where}: shape {tuple(loaded.shape)} does not fit, expected {want}; nothing was written")
 
 
-def check_load_dtype(fmt, name: str, param, loaded: torch.Tensor, where: str) -> None:
+def check_load_dtype(fmt, name: str, param, loaded: torch.Tensor, where: str, layer=None, expert_id=None):
     """Refuse a dtype SGLang's loader would value-convert into wrong bytes. A format may declare, per parameter, the
     checkpoint dtypes its loader writes correctly (`WeightFormat.load_dtypes`: MX scales are UE8M0 bytes that must
     arrive as uint8, or as float values SGLang itself converts); otherwise byte-sized storage takes its own dtype only."""
     from .errors import WeightUpdateRefused
 
     accepted = fmt.load_dtypes.get(name)
+    shared = getattr(fmt, "shared_expert_load_dtypes", {}).get(name)
+    if shared and expert_id is not None and getattr(layer, "_has_fused_shared", False) \
+            and int(expert_id) >= int(getattr(layer, "_num_local_routed", 1 << 30)):
+        if loaded.dtype in shared:
+            return "requantized"  # SGLang requantizes a fused FP8 shared expert itself (FP4 experts)
     if accepted is None:
         if param.dtype.itemsize == 1 and loaded.dtype != param.dtype:
             raise WeightUpdateRefused(
