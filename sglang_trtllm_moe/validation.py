@@ -90,3 +90,22 @@ def check_load_dtype(fmt, name: str, param, loaded: torch.Tensor, where: str, la
             f"loader would convert it by value into {param.dtype} storage, not copy it); send one of "
             f"{[str(d).replace('torch.', '') for d in accepted]}; nothing was written"
         )
+
+
+def validate_fused(layer, name: str, param, loaded: torch.Tensor) -> None:
+    """A write of all experts of one parameter at once (`expert_id=None`: gpt-oss's MXFP4 loader), refused before a
+    byte changes: SGLang's fast path copies it into the top-left corner of the padded parameter, so the dtype must
+    be one the format declares and every dimension must fit (experts exactly, rows and columns at most)."""
+    from .errors import WeightUpdateRefused
+
+    st = state_of(layer)
+    if st is None:
+        return
+    where = f"{layer_name(layer)}: refused weight update of {name} (all experts at once)"
+    check_load_dtype(st.fmt, name, param, loaded, where, layer, None)
+    fits = loaded.dim() == param.dim() and loaded.shape[0] == param.shape[0] and all(
+        0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:]))
+    if not fits:
+        raise WeightUpdateRefused(
+            f"{where}: shape {tuple(loaded.shape)} does not fit {tuple(param.shape)} (experts equal, every other "
+            "dimension at most the parameter's); nothing was written")

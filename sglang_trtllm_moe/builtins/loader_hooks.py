@@ -32,7 +32,16 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
 
 
 def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
-    if layer_state.state_of(layer) is not None and expert_id is not None:
+    st = layer_state.state_of(layer)
+    if st is not None and expert_id is None and st.fmt.fused:
+        # all experts at once (gpt-oss MXFP4: SGLang's fast path never reaches _weight_loader_impl): validate, then
+        # return the whole group to checkpoint layout, then SGLang's copy, as one step under the layer's lock
+        name = validation.param_name(layer, param) or weight_name
+        with st.lock:
+            validation.validate_fused(layer, name, param, loaded_weight)
+            layer_state.before_write(layer, name, None)
+            return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    if st is not None and expert_id is not None:
         total = int(getattr(layer, "num_experts", 0)) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
         if total and not 0 <= int(expert_id) < total:
             raise WeightUpdateRefused(

@@ -7,6 +7,10 @@
   formats/mxfp4_experts.py): storage allocated at the kernel's final width right after SGLang's create_weights
   (e8m0 scales, weights padded per half), prepared in place, run through the plugin runner. SGLang's own prep
   builds new Parameters without `weight_loader`, so its next RL update raises AttributeError.
+* gpt-oss MXFP4 (Mxfp4MoEMethod on flashinfer_mxfp4, SM100 trtllm-gen; formats/mxfp4_gptoss.py): biases allocated
+  fp32 right after SGLang's create_weights, weights and scales kept uint8, prepared in place; fused all-expert
+  writes are validated and un-prepared in the FusedMoE.weight_loader hook (loader_hooks.py). SGLang's own prep
+  replaces the Parameters (scales viewed e4m3, biases fp32), so its reload raises TypeError or value-converts.
 
 Layers the plugin does not take stay SGLang's, with one log line per reason: online MXFP8 (`--quantization mxfp8`
 on a BF16 checkpoint: SGLang quantizes at prep and rebinds the Parameters to fp8), non-gated MXFP8 before 0.5.19
@@ -22,6 +26,7 @@ from .. import hookimpl, layer_state
 from ..compat import features
 from ..errors import TrtllmLayerError
 from ..formats.mxfp4_experts import MXFP4_EXPERTS
+from ..formats.mxfp4_gptoss import MXFP4_GPTOSS
 from ..formats.mxfp8 import MXFP8
 from ..targets import HookTarget
 from ._prepare import kw, prepare_layer
@@ -30,8 +35,10 @@ logger = logging.getLogger("sglang_trtllm_moe")
 
 FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
 FP4_EXPERTS = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe.Mxfp4FlashinferTrtllmMoEMethod"
+GPTOSS = "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod"
 #: set on a layer whose storage the plugin allocated (its unpadded per-rank intermediate size)
 ALLOCATED = "_trtllm_moe_unpadded_intermediate"
+GPTOSS_ALLOCATED = "_trtllm_moe_gptoss"
 
 _LOGGED: set = set()
 
@@ -193,6 +200,51 @@ def _refuse_unsupported_dispatch(layer, dispatch_output) -> None:
             "supported by the plugin runner yet; unset it")
 
 
+# ---- gpt-oss MXFP4 ------------------------------------------------------------------------------------------------
+
+
+def gptoss_create_weights(result, method, *args, **kwargs):
+    """AFTER SGLang's create_weights: the biases at the kernel's fp32 width, once."""
+    layer = kw(args, kwargs, 0, "layer")
+    if not MXFP4_GPTOSS.on_trtllm_gen(method):
+        return result  # SM90/SM120 cutlass, marlin, triton kernels, ...: not a TRT-LLM-Gen layer
+    problem = "MegaMoE consumes the canonical layout" if _megamoe() else MXFP4_GPTOSS.allocation_problem(method, layer)
+    if problem:
+        hand_back(layer, "gpt-oss MXFP4 layer", problem)
+        return result
+    MXFP4_GPTOSS.allocate_(layer)
+    object.__setattr__(layer, GPTOSS_ALLOCATED, True)
+    return result
+
+
+def _gptoss_side_attrs(method, layer) -> None:
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    layer._situ_routing_bias_bf16 = None
+    if getattr(get_moe_a2a_backend(), "is_mori", lambda: False)() and hasattr(layer, "dispatcher"):
+        layer.dispatcher.set_quant_config({})
+
+
+def gptoss_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    if not getattr(layer, GPTOSS_ALLOCATED, False):
+        return original(method, layer, *args, **kwargs)
+    prepare_layer(MXFP4_GPTOSS, method, layer, _gptoss_side_attrs)
+
+
+def gptoss_apply(original, method, layer, dispatch_output, *args, **kwargs):
+    from types import SimpleNamespace
+
+    from .. import runner
+
+    if layer_state.state_of(layer) is None:
+        return original(method, layer, dispatch_output, *args, **kwargs)
+    _refuse_unsupported_dispatch(layer, dispatch_output)
+    qi = SimpleNamespace(global_num_experts=layer.num_experts, local_num_experts=layer.num_local_experts,
+                         local_expert_offset=layer.moe_ep_rank * layer.num_local_experts,
+                         precision=getattr(method, "flashinfer_mxfp4_moe_precision", "default"))
+    return runner.run(MXFP4_GPTOSS, dispatch_output, qi, method.moe_runner_config)
+
+
 def is_mx_fp8_method(method) -> bool:
     return bool(getattr(method, "use_mxfp8", False) or getattr(method, "is_fp4_expert", False))
 
@@ -227,4 +279,20 @@ def register_sglang_hooks(register, release):
     register(HookTarget(
         f"{FP4_EXPERTS}.apply", fp4_experts_apply, "around", releases=rel, capability="mxfp4-experts-prep",
         why="managed MXFP4-expert layers run on the plugin runner (flashinfer's kernel, or the emulator)",
+    ))
+    register(HookTarget(
+        f"{GPTOSS}.create_weights", gptoss_create_weights, "after", releases=">=0.5.11",
+        capability="mxfp4-gptoss-prep",
+        why="gpt-oss MXFP4 biases at the kernel's fp32 width from the start: Parameters, storage and weight_loader "
+            "stay the same for the layer's life",
+    ))
+    register(HookTarget(
+        f"{GPTOSS}.process_weights_after_loading", gptoss_process_weights_after_loading, "around",
+        releases=">=0.5.11", capability="mxfp4-gptoss-prep",
+        why="gpt-oss MXFP4 layers on flashinfer_mxfp4 (SM100) are prepared in place (SGLang replaces the Parameters: "
+            "its next reload raises TypeError or value-converts every scale byte)",
+    ))
+    register(HookTarget(
+        f"{GPTOSS}.apply", gptoss_apply, "around", releases=">=0.5.11", capability="mxfp4-gptoss-prep",
+        why="managed gpt-oss MXFP4 layers run on the plugin runner (flashinfer's kernel, or the emulator)",
     ))

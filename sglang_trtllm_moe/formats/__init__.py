@@ -13,11 +13,12 @@ from .ct_nvfp4 import CT_NVFP4
 from .fp8_block import FP8_BLOCK
 from .fp8_tensor import FP8_TENSOR, FP8_TENSOR_MODELOPT
 from .mxfp4_experts import MXFP4_EXPERTS
+from .mxfp4_gptoss import MXFP4_GPTOSS
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 
 #: every format the plugin prepares, in the order a checkpoint is matched against them
-FORMATS: tuple[WeightFormat, ...] = (NVFP4, CT_NVFP4, FP8_TENSOR_MODELOPT, FP8_TENSOR, MXFP4_EXPERTS, FP8_BLOCK, MXFP8, BF16)
+FORMATS: tuple[WeightFormat, ...] = (NVFP4, CT_NVFP4, FP8_TENSOR_MODELOPT, FP8_TENSOR, MXFP4_EXPERTS, FP8_BLOCK, MXFP8, MXFP4_GPTOSS, BF16)
 
 
 def by_name(name: str) -> WeightFormat:
@@ -45,4 +46,4 @@ def for_checkpoint(checkpoint: Checkpoint) -> tuple[WeightFormat | None, str]:
 
 __all__ = ["BACKENDS", "TRTLLM", "TRTLLM_ROUTED", "Checkpoint", "KernelCall", "ParamLayout", "WeightFormat",
            "FORMATS", "by_name", "for_checkpoint", "NVFP4", "CT_NVFP4", "FP8_TENSOR", "FP8_TENSOR_MODELOPT",
-           "FP8_BLOCK", "MXFP8", "MXFP4_EXPERTS", "BF16"]
+           "FP8_BLOCK", "MXFP8", "MXFP4_EXPERTS", "MXFP4_GPTOSS", "BF16"]

@@ -2,7 +2,9 @@
 run SGLang's (and FlashInfer's) own preparation of the same checkpoint as a byte oracle.
 
 Formats: "mxfp8" (quant_method mxfp8 -> Fp8MoEMethod.use_mxfp8, flashinfer_trtllm[_routed]); "mxfp4_experts"
-(an FP8 [128, 128] config with is_fp4_experts, flashinfer_mxfp4 -> Mxfp4FlashinferTrtllmMoEMethod, 0.5.12+).
+(an FP8 [128, 128] config with is_fp4_experts, flashinfer_mxfp4 -> Mxfp4FlashinferTrtllmMoEMethod, 0.5.12+);
+"mxfp4_gptoss" (quant_method mxfp4 -> Mxfp4MoEMethod on flashinfer_mxfp4 / SM100: fused all-expert tensors, w13 rows
+interleaved gate/up, bf16 biases, gpt-oss's alpha 1.702 and clamp 7).
 
 SGLang's own preparation runs on CPU with the fewest stand-ins (each is a CUDA-only helper whose CPU equivalent
 computes the same bytes):
@@ -11,6 +13,8 @@ computes the same bytes):
 * MXFP4 experts: the module binds flashinfer's names only when `is_flashinfer_available()` (CUDA), so FlashInfer's
   own `_maybe_get_cached_w3_w1_permute_indices` / `get_w2_permute_indices_with_cache` are bound there and
   `block_scale_interleave` is the torch swizzle; `torch.cuda.empty_cache` is a no-op.
+* gpt-oss: likewise `nvfp4_block_scale_interleave` (torch) and FlashInfer's `get_w2_permute_indices_with_cache` are
+  bound in `mxfp4`, and `Tensor.cuda` is the identity while it runs (it moves the alpha/beta/clamp scalars).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 from .. import layouts, quant
 from .layers import DOWN, GATE, UP, MoeSpec, _random_experts
 
-MX_FORMATS = ("mxfp8", "mxfp4_experts")
+MX_FORMATS = ("mxfp8", "mxfp4_experts", "mxfp4_gptoss")
+GPTOSS_ALPHA, GPTOSS_LIMIT = 1.702, 7.0
 
 
 # ---- build -------------------------------------------------------------------------------------------------------
@@ -58,6 +63,17 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwa
             activation=spec.activation, is_gated=spec.gated, routing_method_type=RoutingMethodType.Renormalize,
             **kwargs,
         )
+    if spec.fmt == "mxfp4_gptoss":
+        from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
+
+        kwargs.setdefault("gemm1_alpha", GPTOSS_ALPHA)
+        kwargs.setdefault("gemm1_clamp_limit", GPTOSS_LIMIT)
+        return FusedMoE(
+            num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+            top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16,
+            quant_config=Mxfp4Config(is_checkpoint_mxfp4_serialized=True), prefix=prefix, activation="silu",
+            with_bias=True, **kwargs,
+        )
     raise NotImplementedError(f"MX format {spec.fmt!r}")
 
 
@@ -89,17 +105,86 @@ def random_mxfp4_experts_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
     return out
 
 
+GPTOSS_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale", "w2_weight_bias")
+
+
+def random_gptoss_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
+                             bias_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """gpt-oss's fused MXFP4 tensors, named by the FusedMoE parameter they load into (what GptOssForCausalLM's
+    `_load_mxfp4_experts_weights` passes to `weight_loader(..., expert_id=None)`): w13 rows interleaved
+    (2j = gate_j, 2j+1 = up_j), blocks uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/32], biases bf16."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    gate, up, down = [], [], []
+    for _, ws in _random_experts(spec, seed, None, std=0.05):
+        gate.append(ws[GATE]), up.append(ws[UP]), down.append(ws[DOWN])
+    w13 = torch.stack([torch.stack([g_, u_], dim=1).reshape(-1, spec.hidden) for g_, u_ in zip(gate, up)])
+    q13, s13 = quant.mxfp4_quantize(w13)
+    q2, s2 = quant.mxfp4_quantize(torch.stack(down))
+    return {
+        "w13_weight": q13, "w13_weight_scale": s13,
+        "w13_weight_bias": (torch.randn(spec.num_experts, 2 * spec.intermediate, generator=g) * 0.1).to(bias_dtype),
+        "w2_weight": q2, "w2_weight_scale": s2,
+        "w2_weight_bias": (torch.randn(spec.num_experts, spec.hidden, generator=g) * 0.1).to(bias_dtype),
+    }
+
+
+def load_fused(layer, tensors: dict[str, torch.Tensor]) -> None:
+    """gpt-oss's loader: every fused tensor through its Parameter's weight_loader with expert_id=None."""
+    params = dict(layer.named_parameters())
+    for name, t in tensors.items():
+        p = params[name]
+        p.weight_loader(p, t, weight_name=name, shard_id=None, expert_id=None)
+
+
+class GptOssTinyModel(torch.nn.Module):
+    """One gpt-oss MXFP4 FusedMoE under a model prefix, with a `load_weights` that routes fused tensors to
+    FusedMoE.weight_loader as GptOssForCausalLM does (SGLang's weight-update entry points call it)."""
+
+    prefix = "model.layers.0.mlp."
+
+    def __init__(self, spec: MoeSpec):
+        super().__init__()
+        self.spec = spec
+        self.experts = build_layer(spec, prefix=self.prefix + "experts")
+        self.quant_config = self.experts.quant_config
+
+    def load_weights(self, weights):
+        names = set()
+        for name, t in weights:
+            short = name[len(self.prefix) + len("experts."):]
+            load_fused(self.experts, {short: t})
+            names.add(name)
+        return names
+
+
+def gptoss_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {GptOssTinyModel.prefix + "experts." + k: v for k, v in tensors.items()}
+
+
 def random_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, **kwargs) -> dict[str, torch.Tensor]:
     if spec.fmt == "mxfp8":
         return random_mxfp8_checkpoint(spec, seed, experts)
     if spec.fmt == "mxfp4_experts":
         return random_mxfp4_experts_checkpoint(spec, seed, experts, **kwargs)
+    if spec.fmt == "mxfp4_gptoss":
+        return random_gptoss_checkpoint(spec, seed, experts, **kwargs)
     raise NotImplementedError(spec.fmt)
 
 
 def dequantized_experts(spec: MoeSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{f"experts.{e}.{proj}.weight": float32 [out, in]} as the checkpoint means them (reference math)."""
+    """{f"experts.{e}.{proj}.weight": float32 [out, in]} as the checkpoint means them (reference math); gpt-oss also
+    f"experts.{e}.{proj}.bias"."""
     out = {}
+    if spec.fmt == "mxfp4_gptoss":
+        w13 = quant.mxfp4_dequantize(tensors["w13_weight"], tensors["w13_weight_scale"])
+        w2 = quant.mxfp4_dequantize(tensors["w2_weight"], tensors["w2_weight_scale"])
+        b13, b2 = tensors["w13_weight_bias"].float(), tensors["w2_weight_bias"].float()
+        for e in range(spec.num_experts):
+            base = f"experts.{e}."
+            out[base + f"{GATE}.weight"], out[base + f"{UP}.weight"] = w13[e, 0::2], w13[e, 1::2]
+            out[base + f"{GATE}.bias"], out[base + f"{UP}.bias"] = b13[e, 0::2], b13[e, 1::2]
+            out[base + f"{DOWN}.weight"], out[base + f"{DOWN}.bias"] = w2[e], b2[e]
+        return out
     for e in range(spec.num_experts):
         for proj in spec.shards:
             base = f"experts.{e}.{proj}."
@@ -207,19 +292,30 @@ def sglang_prepare(layer) -> None:
                       (torch.cuda, "empty_cache", lambda: None)):
             _unhooked(type(method).process_weights_after_loading)(method, layer)
         return
+    if type(method).__name__ == "Mxfp4MoEMethod":
+        from flashinfer.fused_moe import core as ficore
+        from sglang.srt.layers.quantization import mxfp4 as mx
+
+        with _patched((mx, "nvfp4_block_scale_interleave", torch_block_scale_interleave),
+                      (mx, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
+                      (torch.Tensor, "cuda", lambda self, *a, **k: self), (torch.cuda, "empty_cache", lambda: None)):
+            _unhooked(type(method).process_weights_after_loading)(method, layer)
+        return
     raise NotImplementedError(type(method).__name__)
 
 
 def sglang_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwargs):
     """A layer exactly as SGLang allocates it (the plugin's allocation hook bypassed): for SGLang's own flow."""
-    if spec.fmt != "mxfp4_experts":
+    if spec.fmt == "mxfp4_experts":
+        from sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe import Mxfp4FlashinferTrtllmMoEMethod as cls
+    elif spec.fmt == "mxfp4_gptoss":
+        from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod as cls
+    else:
         return build_layer(spec, prefix, **kwargs)
-    from sglang.srt.layers.quantization import mxfp4_flashinfer_trtllm_moe as fte
-
-    cls = fte.Mxfp4FlashinferTrtllmMoEMethod
     with _patched((cls, "create_weights", _unhooked(cls.create_weights))):
         return build_layer(spec, prefix, **kwargs)
 
 
-__all__ = ["MX_FORMATS", "build_layer", "sglang_layer", "random_mxfp4_experts_checkpoint", "random_checkpoint", "random_mxfp8_checkpoint", "dequantized_experts",
+__all__ = ["MX_FORMATS", "build_layer", "sglang_layer", "GptOssTinyModel", "gptoss_names", "load_fused",
+           "random_gptoss_checkpoint", "random_mxfp4_experts_checkpoint", "random_checkpoint", "random_mxfp8_checkpoint", "dequantized_experts",
            "reference_moe", "sglang_prepare", "torch_block_scale_interleave"]
