@@ -130,10 +130,13 @@ def random_gptoss_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
 
 def load_fused(layer, tensors: dict[str, torch.Tensor]) -> None:
     """gpt-oss's loader: every fused tensor through its Parameter's weight_loader with expert_id=None."""
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
     params = dict(layer.named_parameters())
     for name, t in tensors.items():
         p = params[name]
-        p.weight_loader(p, t, weight_name=name, shard_id=None, expert_id=None)
+        loader = getattr(p, "weight_loader", default_weight_loader)  # as GptOssForCausalLM looks it up
+        loader(p, t, weight_name=name, shard_id=None, expert_id=None)
 
 
 class GptOssTinyModel(torch.nn.Module):
