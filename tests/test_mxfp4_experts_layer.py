@@ -22,9 +22,6 @@ from sglang_trtllm_moe.testing.layers import MoeSpec
 
 from .support import sglang_runtime
 
-pytestmark = pytest.mark.sglang(">=0.5.12", reason="Mxfp4FlashinferTrtllmMoEMethod (FP4 experts on an FP8 config) "
-                                "arrives in SGLang 0.5.12")
-
 PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 BACKEND = "flashinfer_mxfp4"
 PADDED = pytest.mark.sglang(">=0.5.17", reason="FusedMoE's plain loader writes a smaller shard into a larger expert "

@@ -54,6 +54,8 @@ class Checkpoint:
     activation_scheme: str | None = None
     #: fp8: the routed experts are MXFP4 (SGLang's ModelConfig.is_fp4_experts: DeepSeek-V4, MiMo-V2, Bailing-V3)
     fp4_experts: bool = False
+    #: `--quantization X` on a checkpoint without a quantization_config: SGLang quantizes at load time
+    online: bool = False
 
 
 @dataclass

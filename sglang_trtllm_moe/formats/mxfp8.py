@@ -67,7 +67,7 @@ class Mxfp8(WeightFormat):
     }
 
     def describes(self, checkpoint: Checkpoint) -> bool:
-        return checkpoint.quantization == "mxfp8"
+        return checkpoint.quantization == "mxfp8" and not checkpoint.online
 
     def check_layout(self, layer) -> str | None:
         problem = super().check_layout(layer)

@@ -36,7 +36,12 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
                                         ("tests/test_rl_updates.py::test_five_updates", None),
                                         ("tests/test_rl_updates.py::test_begin_end", None))),
     ("rl_partial", "RL update: partial", (("tests/test_rl_updates.py::test_partial_update", None),
-                                          ("tests/test_rl_updates.py::test_w2_only", None))),
+                                          ("tests/test_rl_updates.py::test_w2_only", None),
+                                          ("tests/test_mxfp8_layer.py::test_one_expert_update", None),
+                                          ("tests/test_mxfp4_experts_layer.py::test_one_expert_update", None))),
+    ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None),)),
+    ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
+    ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
     ("checker", "weight checker", (("tests/test_checker.py", None),)),
     ("auto", "auto-select", (("tests/test_selection.py::test_the_hook_lands", None),
                              ("tests/test_selection.py::test_sglang_resolution", None),
@@ -53,6 +58,9 @@ class Requirement:
 
 
 REQUIREMENTS: tuple[Requirement, ...] = (
+    Requirement("tests/test_mxfp4_experts_layer.py", ">=0.5.12",
+                "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+                "upstream in 0.5.12"),
     Requirement("tests/test_rl_updates.py::test_begin_end_session", ">=0.5.21",
                 "WeightUpdater.begin_weight_update/end_weight_update sessions do not exist upstream before 0.5.21"),
     Requirement("tests/test_bf16_layer.py::test_routed_scaling_factor_reaches_the_kernel", ">=0.5.23",
