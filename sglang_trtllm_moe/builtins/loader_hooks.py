@@ -66,8 +66,8 @@ def remember_prefix(result, layer, *args, **kwargs):
     if prefix:
         object.__setattr__(layer, "_trtllm_moe_prefix", prefix)
     cfg = getattr(layer, "moe_runner_config", None)
-    # the plugin runner finds the layer being run through its config: absent before 0.5.16, and left None by
-    # Fp8MoEMethod's runner before 0.5.23 (MXFP8)
+    # the plugin runner finds the layer being run through its config: the field is absent before 0.5.16, and FusedMoE
+    # builds the config without it before 0.5.22 (MXFP8 layers would not be found)
     if cfg is not None and (not features.MOE_RUNNER_CONFIG_LAYER.present() or getattr(cfg, "layer", None) is None):
         cfg.layer = layer
     return None

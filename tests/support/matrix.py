@@ -372,7 +372,34 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 | platform facts: `is_sm100_supported()`-style globals / `runtime_context.override_platform` | < 0.5.19 / >= 0.5.19 | `testing/runtime.py` (CPU tests) |
 | ServerArgs published by `set_global_server_args_for_scheduler` / `publish(ranks=SpawnRanks)` | < 0.5.21 / >= 0.5.21 | `testing/runtime.py` |
 | `swizzle_blockscale` ends in `.cuda()` (NVFP4 `create_weights` cannot run without a GPU) | < 0.5.20 | `testing/runtime.py` neutralises `.cuda()` for that call on CUDA-less boxes only |
+| MXFP8 leaf quantizes with `flashinfer.mxfp8_quantize` / `fp8_utils.flashinfer_mxfp8_quantize`; SwiGLU alpha/beta/clamp tensors (`_flashinfer_trtllm_gemm1_*`) | < 0.5.17 / >= 0.5.17; >= 0.5.18 | `formats/mxfp8.py`, `compat/features.py` (MXFP8_*) |
+| non-gated MXFP8 w13 allocated with 2I rows and sliced at SGLang's prep (new storage) | < 0.5.19 | left to SGLang with one log line |
+| FusedMoE's `MoeRunnerConfig` is built without `layer` (the plugin runner finds MXFP8 layers through it; NVFP4's methods set it) | 0.5.16-0.5.21 | `FusedMoE.__init__` AFTER hook sets it |
+| FP4 experts on an FP8 config (`Mxfp4FlashinferTrtllmMoEMethod`); its own prep pads I to 128 | >= 0.5.12; >= 0.5.21 | `builtins/mx_hooks.py`: storage allocated padded from create_weights where the loader can fill it (>= 0.5.17) |
+| gpt-oss MXFP4 pads I and H to 256 (128 from 0.5.17), scales filled 0 (127 from 0.5.17); SM100 path through `Mxfp4MoEMethod.apply` / the flashinfer_trtllm MXFP4 leaf | < 0.5.17; < 0.5.20 / >= 0.5.20 | prepared in place at SGLang's size; the `apply` hook covers both |
 | .post releases (0.5.12.post1, 0.5.13.post1, 0.5.15.post1) | - | no row: their `srt/` diffs touch nothing the plugin hooks |
+
+## Where the plugin changes what SGLang observes
+
+Deliberate, each because the release's own object cannot stay correct across RL updates:
+
+* **MXFP4 experts (DeepSeek-V4 / MiMo-V2) scale Parameters are `float8_e8m0fnu` from create_weights on**, where the
+  release allocates float32 and converts to e8m0 (new Parameters, no `weight_loader`) at its prep. SGLang's loader
+  writes a float32 or e8m0 checkpoint scale with `copy_`, the same value conversion as SGLang's `.to(e8m0)` (measured
+  equal on CPU and H200), so the bytes are SGLang's; the Parameter, its storage and `weight_loader` stay the same for
+  the layer's life, and the scales take 1/4 of the release's pre-prep memory. The weights stay int8 (the release's
+  pre-prep dtype; SGLang's prep makes uint8 copies) and, when I % 128 != 0, are allocated padded per half (0.5.17+).
+  Code that rebinds `param.data` to a new float32 tensor would break this; none in SGLang does.
+* **gpt-oss MXFP4 biases are float32 from create_weights on** (the release allocates bf16 and widens at prep into new
+  Parameters), and its scale Parameters stay `uint8` (the release rebinds them to `float8_e4m3fn` views, after which
+  its own reload value-converts every byte); the kernel is handed an e4m3 view of the same storage. An fp32 bias sent
+  by a trainer is kept exactly (the release rounds it to bf16 first). `gemm1_alpha/beta/clamp_limit` are sized by the
+  local expert count on every release (<= 0.5.16 sizes them by the global count, an EP bug upstream).
+* **MXFP4-expert output scales** (`output1_scale_scalar`, ...) are registered once and updated in place (the release
+  re-registers new all-ones buffers at every prep). MXFP8's `_flashinfer_trtllm_gemm1_*` likewise are made once.
+* Layers left to SGLang, with one log line: online MXFP8 (`--quantization mxfp8` on a BF16 checkpoint), non-gated
+  MXFP8 before 0.5.19, Kimi-K3 SiTU / `gate_up_interleaved=False`, MegaMoE. FP4 experts explicitly put on
+  `flashinfer_trtllm` (which has no MXFP4 path upstream) are a `TrtllmLayerError` naming `flashinfer_mxfp4`.
 
 """
 
