@@ -331,3 +331,17 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
         outs.append((out[0] if isinstance(out, (list, tuple)) else out).float())
     rel = float((outs[0] - outs[1]).norm() / outs[1].norm())
     assert rel < 0.05, rel
+
+
+# ---- thread safety ------------------------------------------------------------------------------------------------
+
+
+def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
+    """Shards of the same experts (float32 scales converted by SGLang's copy_ into the e8m0 storage) written from 8
+    threads while another flushes; tests/test_concurrency.py's rounds, on MXFP4 experts."""
+    from .test_concurrency import _race_round
+
+    spec = spec_of(128, experts=8)
+    make = lambda s, seed: mx_layers.random_checkpoint(s, seed, scale_dtype=torch.float32)  # noqa: E731
+    wrong = {r: bad for r in range(3) if (bad := _race_round(spec, make, PARAMS, r, True))}
+    assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"

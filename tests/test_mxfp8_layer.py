@@ -333,3 +333,18 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(backend):
         outs.append((out[0] if isinstance(out, (list, tuple)) else out).float())
     rel = float((outs[0] - outs[1]).norm() / outs[1].norm())
     assert rel < 0.05, rel
+
+
+# ---- thread safety ------------------------------------------------------------------------------------------------
+
+
+def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
+    """SGLang's threaded loader: shards of the same experts written from 8 threads while another flushes (the
+    per-layer lock makes un-prepare + write one step); tests/test_concurrency.py's rounds, on MXFP8."""
+    from .test_concurrency import _race_round
+
+    sglang_runtime.ensure(TRTLLM)
+    spec = MoeSpec(num_experts=8, intermediate=128, fmt="mxfp8")
+    wrong = {r: bad for r in range(3)
+             if (bad := _race_round(spec, lambda s, seed: mx_layers.random_checkpoint(s, seed), PARAMS, r, True))}
+    assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"
