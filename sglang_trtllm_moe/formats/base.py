@@ -86,7 +86,11 @@ class WeightFormat:
 
     MAY define: `hidden_align` (default 128), `scalar_params` + `compute_scalars` (kernel scalars recomputed at every
     flush), `check_layout` (extra shape rules; call super), `row_map` (a format-specific half order),
-    `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept)."""
+    `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept),
+    `load_dtypes` (per parameter, the checkpoint dtypes SGLang's loader writes correctly: validation),
+    `fused` (all experts are written at once: gpt-oss), `own_backend` (the non-trtllm runner backend SGLang serves
+    the format on, e.g. flashinfer_mxfp4: reported by selection, never auto-selected), `accepts_prequantized`
+    (activations quantized by the dispatcher reach `kernel_args` as `KernelCall.hidden_scale`)."""
 
     name: ClassVar[str] = "base"
     params: ClassVar[tuple[ParamLayout, ...]] = ()
