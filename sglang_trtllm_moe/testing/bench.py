@@ -150,7 +150,7 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
 #: format -> (runner backend, shape name, (experts in the real model, hidden, moe intermediate))
 MX_SHAPES = {
     "mxfp8": ("flashinfer_trtllm", "DeepSeek-V3", SHAPES["DeepSeek-V3"]),
-    "mxfp4_experts": ("flashinfer_mxfp4", "DeepSeek-V4-Flash", (256, 4096, 2048)),
+    "mxfp4_experts": ("flashinfer_mxfp4", "FP4-expert (H 4096, I 2048: an assumed DeepSeek-V4-like shape)", (256, 4096, 2048)),
     "mxfp4_gptoss": ("flashinfer_mxfp4", "gpt-oss-120b", (128, 2880, 2880)),
 }
 
