@@ -348,3 +348,42 @@ def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
     wrong = {r: bad for r in range(3)
              if (bad := _race_round(spec, lambda s, seed: mx_layers.random_checkpoint(s, seed), PARAMS, r, True))}
     assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"
+
+
+# ---- layers the plugin does not take -------------------------------------------------------------------------------
+
+
+def test_online_mxfp8_stays_on_sglang_own_preparation_with_one_log_line(monkeypatch, caplog):
+    """--quantization mxfp8 on a BF16 checkpoint: SGLang quantizes at prep and rebinds the Parameters to fp8."""
+    import logging
+
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.utils import RoutingMethodType
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from sglang_trtllm_moe.builtins import mx_hooks
+
+    sglang_runtime.ensure(TRTLLM)
+    spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
+    layer = FusedMoE(num_experts=4, hidden_size=spec.hidden, intermediate_size=128, top_k=2, layer_id=0,
+                     params_dtype=torch.bfloat16, quant_config=Fp8Config(is_checkpoint_fp8_serialized=False, use_mxfp8=True),
+                     prefix="model.layers.0.mlp.experts", routing_method_type=RoutingMethodType.Renormalize)
+    ran = []
+    monkeypatch.setattr(mx_hooks, "_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="sglang_trtllm_moe"):
+        mx_hooks.fp8_method_process_weights_after_loading(lambda m, l: ran.append(l), layer.quant_method, layer)
+    assert ran == [layer] and layer_state.state_of(layer) is None
+    assert any("online MXFP8" in r.message and "stays on SGLang's own preparation" in r.message for r in caplog.records)
+
+
+@pytest.mark.sglang(">=0.5.12", reason="FP4 experts on an FP8 config (Fp8Config.is_fp4_experts) arrive in 0.5.12")
+def test_fp4_experts_explicitly_on_flashinfer_trtllm_is_a_clear_error():
+    from sglang_trtllm_moe import TrtllmLayerError
+
+    sglang_runtime.ensure(TRTLLM)
+    layer = cpu_layers.build_layer(MoeSpec(num_experts=4, intermediate=128, fmt="mxfp4_experts"))
+    assert type(layer.quant_method).__name__ == "Fp8MoEMethod" and layer.quant_method.is_fp4_expert
+    with pytest.raises(TrtllmLayerError) as e:
+        layer.quant_method.process_weights_after_loading(layer)
+    msg = str(e.value)
+    assert "model.layers.0.mlp.experts" in msg and "flashinfer_mxfp4" in msg and "Fix:" in msg
