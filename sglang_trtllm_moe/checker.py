@@ -88,6 +88,15 @@ def group_names(fmt: WeightFormat, name: str) -> tuple[str, ...]:
     return tuple(p.name for p in fmt.params if p.group == g)
 
 
+def _as_laid_out(fmt: WeightFormat, name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` (a parameter's data or a snapshot of it) seen as [experts, rows, cols], as the format's layouts work on
+    it (BF16 shows prepared parameters 4-D)."""
+    from types import SimpleNamespace
+
+    p = next(q for q in fmt.params if q.name == name)
+    return fmt.tensor(SimpleNamespace(**{name: t}), p)
+
+
 def live_side(layer, name: str) -> ParamSide:
     """The layer's own parameters and layout state right now."""
     from .layer_state import layer_name, state_of
@@ -98,7 +107,7 @@ def live_side(layer, name: str) -> ParamSide:
     if st.fmt.group_of(name) is None:
         raise ValueError(f"{layer_name(layer)}: {name} is not a laid-out parameter of {st.fmt.name}")
     with st.lock:  # the mask and the bytes it describes, as one writer-free moment
-        tensors = {n: getattr(layer, n).data for n in group_names(st.fmt, name)}
+        tensors = {n: _as_laid_out(st.fmt, n, getattr(layer, n).data) for n in group_names(st.fmt, name)}
         return ParamSide(layer, st.fmt, name, tensors, st.prepared[st.fmt.group_of(name)].clone())
 
 
@@ -113,7 +122,8 @@ def snapshot_side(layer, name: str, tensors: dict[str, torch.Tensor], prepared: 
         prepared = torch.zeros_like(live.prepared)
     elif prepared is None:
         prepared = live.prepared
-    return ParamSide(layer, live.fmt, name, {n: tensors[n] for n in live.tensors}, prepared.clone().bool().cpu())
+    return ParamSide(layer, live.fmt, name, {n: _as_laid_out(live.fmt, n, tensors[n]) for n in live.tensors},
+                     prepared.clone().bool().cpu())
 
 
 class _Shadow:

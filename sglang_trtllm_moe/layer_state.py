@@ -81,14 +81,31 @@ def attach(layer, fmt: WeightFormat) -> LayerState:
         st = state_of(layer)
         if st is not None:
             return st
-        e = getattr(layer, fmt.params[0].name).shape[0]
-        st = LayerState(fmt=fmt, num_experts=e, prepared={g: torch.zeros(e, dtype=torch.bool) for g in fmt.groups()})
+        e = fmt.tensor(layer, fmt.params[0]).shape[0]
+        st = LayerState(fmt=fmt, num_experts=e, prepared={
+            g: torch.full((e,), fmt.prepared_at_attach(layer, g), dtype=torch.bool) for g in fmt.groups()})
         if isinstance(layer, torch.nn.Module):
             object.__setattr__(layer, STATE_ATTR, st)
         else:
             setattr(layer, STATE_ATTR, st)
         _LAYERS.add(layer)
         return st
+
+
+OBSERVED_ATTR = "_trtllm_moe_observed"
+
+
+def observe(layer, fmt: WeightFormat) -> None:
+    """A layer SGLang prepares itself (compat/defer.py: upstream is right for its format on this release): the
+    plugin does not touch its layout, but still validates writes into it against `fmt`'s rules."""
+    if isinstance(layer, torch.nn.Module):
+        object.__setattr__(layer, OBSERVED_ATTR, fmt)
+    else:
+        setattr(layer, OBSERVED_ATTR, fmt)
+
+
+def observed(layer) -> WeightFormat | None:
+    return getattr(layer, OBSERVED_ATTR, None)
 
 
 def managed_layers() -> list:
@@ -135,6 +152,7 @@ def _before_write(layer, st: LayerState, param_name: str, expert_id: int | None)
     if ids:
         st.fmt.unprepare_(layer, group, ids)
         mask[ids] = False
+        st.fmt.on_layout(layer, group, all_prepared=False)
     st.scalars_dirty = True
 
 
@@ -163,6 +181,7 @@ def _flush(layer, st: LayerState, chunk: int | None) -> int:
                 ) from e
             st.prepared[group][part] = True
             done += len(part)
+        st.fmt.on_layout(layer, group, all_prepared=True)
     if done or st.scalars_dirty:
         for name, value in st.fmt.compute_scalars(layer).items():
             set_scalar_(layer, name, value)
@@ -198,11 +217,16 @@ def flush_all(end_session: bool = False) -> int:
 SESSION = {"open": False}
 
 
-def unprepare_all() -> None:
-    """Every managed layer back to checkpoint layout, in place (before loader-free refits that write straight into
-    the parameters, e.g. a `begin_weight_update` session). The next flush prepares them again."""
+def unprepare_all(model=None) -> None:
+    """Every managed layer (of `model`, when given) back to checkpoint layout, in place (before loader-free refits
+    that write straight into the parameters, e.g. a `begin_weight_update` session). The next flush prepares them
+    again; other models in the process (a draft model) keep running on their prepared weights meanwhile."""
     SESSION["open"] = True
-    for layer in managed_layers():
+    layers = managed_layers()
+    if model is not None:
+        mine = {id(m) for m in model.modules()}
+        layers = [layer for layer in layers if id(layer) in mine]
+    for layer in layers:
         st = state_of(layer)
         with st.lock:
             for p in st.fmt.params:

@@ -70,7 +70,11 @@ class PluginState:
         """Per target: landed / missing / not_applicable, checked now (call after SGLang's apply_hooks)."""
         rows = []
         for t in self.targets:
-            state, reason = target_state(t)
+            if installer.pending(t):
+                state, reason = NOT_IMPORTED, (f"{t.module} is not imported in this process: the hook is applied when "
+                                               "it is (`sglang-trtllm-moe doctor` imports it to prove that)")
+            else:
+                state, reason = target_state(t)
             rows.append(_row(t, state, reason))
         for t in self.not_applicable:
             rows.append(_row(t, NOT_APPLICABLE, f"not present in sglang {self.release.version} (needs {t.releases})"))

@@ -110,11 +110,16 @@ def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_route
 
 
 def format_for(leaf: str, runner_config) -> WeightFormat | None:
-    """The format to run a layer with on SGLang's `leaf` ("fp4" | "fp8" | "bf16"), or None for SGLang's own leaf."""
-    st = layer_state.state_of(getattr(runner_config, "layer", None))
+    """The format to run a layer with on SGLang's `leaf` ("fp4" | "fp8" | "bf16"), or None for SGLang's own leaf:
+    a layer the plugin prepared runs on its format; under the emulator, a layer SGLang prepared runs on the format
+    the plugin watches it in (compat/defer.py) or, for NVFP4 and BF16, the one SGLang's layout is."""
+    layer = getattr(runner_config, "layer", None)
+    st = layer_state.state_of(layer)
     if st is not None:
         return st.fmt
-    return SGLANG_PREPARED.get(leaf) if emulating() else None
+    if not emulating():
+        return None
+    return layer_state.observed(layer) or SGLANG_PREPARED.get(leaf)
 
 
 __all__ = ["ENV_EMULATE", "KernelUnavailableError", "emulating", "ensure_prepared", "format_for", "run",

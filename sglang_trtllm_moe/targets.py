@@ -83,12 +83,8 @@ def _chain_holds(fn, hook) -> bool:
 
 
 def target_state(t: HookTarget) -> tuple[str, str]:
-    """(state, reason) for a registered target, checked against what is installed right now."""
-    from . import installer
-
-    if installer.pending(t):
-        return NOT_IMPORTED, (f"{t.module} is not imported in this process: the hook is applied when it is "
-                              "(`sglang-trtllm-moe doctor` imports it to prove that)")
+    """(state, reason) for a registered target whose module is imported, checked against what is installed now
+    (a target still waiting for its module is NOT_IMPORTED: installer.pending says so)."""
     try:
         current = _resolve_attr(t.target)
     except Exception as e:  # noqa: BLE001 - any resolution failure means the hook is not there

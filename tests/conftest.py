@@ -3,7 +3,7 @@
 The torchvision shim must run before anything imports sglang: PyPI's torchvision is a CUDA build whose _C.so
 cannot load against CPU torch, and its meta registrations then fail on `torchvision::nms`. SGLang imports
 torchvision unconditionally (sglang/srt/configs -> internvl_utils), though it only needs pure-Python parts.
-Defining the two op schemas first is enough (see ../shared/reference/cpu-test-environment.md §1).
+Defining the two op schemas first is enough (ci/cpu_shim/_sglang_trtllm_moe_cpu_shim.py does the same for every process of a CI env).
 """
 
 
@@ -41,3 +41,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "requires_sm100" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _no_weight_update_session_leaks():
+    """A test that fails inside a begin/end weight-update session must not leave the process-wide session open
+    (every later flush would be deferred)."""
+    yield
+    import sys
+
+    state = sys.modules.get("sglang_trtllm_moe.layer_state")
+    if state is not None:
+        state.SESSION["open"] = False

@@ -31,6 +31,13 @@ def runtime():
     sglang_runtime.ensure("flashinfer_trtllm")
 
 
+@pytest.fixture(autouse=True)
+def plugin_prepares(monkeypatch):
+    """Where SGLang's own preparation is right the plugin defers (compat/defer.py); these tests prove the plugin's
+    own preparation, which serves the releases where it is not, on every release."""
+    sglang_runtime.plugin_prepares(monkeypatch, "bf16")
+
+
 def ckpt(spec, seed=0):
     return cpu_layers.random_bf16_checkpoint(spec, seed=seed)
 
@@ -83,9 +90,9 @@ def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, m
     before = {n: (p, p.data_ptr(), tuple(p.shape)) for n, p in ours.named_parameters()}
     ours.quant_method.process_weights_after_loading(ours)
     assert layer_state.state_of(ours) is not None and layer_state.state_of(ours).clean, "the plugin did not take over"
-    for n, (obj, ptr, shape) in before.items():  # in place: same Parameter, storage and shape
+    for n, (obj, ptr, shape) in before.items():  # in place: same Parameter and storage
         p = getattr(ours, n)
-        assert p is obj and p.data_ptr() == ptr and tuple(p.shape) == shape, n
+        assert p is obj and p.data_ptr() == ptr, n
 
     upstream = loaded_layer(spec)
     upstream_prep(upstream, monkeypatch)
@@ -99,11 +106,10 @@ def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, m
     )
     for n, fi_name in zip(WEIGHTS, ("gemm1_weights", "gemm2_weights")):
         a, b = getattr(ours, n), getattr(upstream, n)
-        # SGLang reshapes its Parameter to the 4-D BlockMajorK shape (what breaks its later loads); ours keeps
-        # [E, M, K] and hands the kernel a 4-D view of the same storage
-        assert b.dim() == 4 and a.dim() == 3
-        view = layouts.block_major_k_view(a.data)
-        assert view.shape == b.shape and view.data_ptr() == a.data_ptr()
+        # SGLang shows a prepared layer's Parameters in the 4-D BlockMajorK shape; the plugin keeps that contract
+        # (a view of the same storage, 3-D again whenever an expert is returned to checkpoint layout for a load)
+        assert b.dim() == 4 and a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+        assert layouts.block_major_k_view(a.data.reshape(before[n][2])).shape == b.shape
         assert torch.equal(as_bytes(a), as_bytes(b)), f"{n} differs from SGLang's own trtllm preparation"
         assert torch.equal(as_bytes(a), as_bytes(fi[fi_name])), f"{n} differs from flashinfer prepare_trtllm_bf16_weights"
 
@@ -260,9 +266,10 @@ def test_sglang_restore_hooks_are_harmless_and_loader_free_refits_get_checkpoint
     updater(model).begin_weight_update()  # SGLang's entry point -> DefaultModelLoader.restore_weights_before_loading
     raw = cpu_layers.TinyMoeModel(RL_SPEC)
     raw.load_weights(cpu_layers.checkpoint_names(ckpt(RL_SPEC, 0)).items())  # loaded, never prepared
-    for n in WEIGHTS:
+    for n in WEIGHTS:  # checkpoint bytes in the checkpoint shape, as SGLang's own restore leaves them
         assert torch.equal(as_bytes(getattr(layer, n)), as_bytes(getattr(raw.experts, n))), n
-    assert pointers(model) == ptrs
+        assert getattr(layer, n).shape == getattr(raw.experts, n).shape, n
+    assert {n: p for n, (p, _) in pointers(model).items()} == {n: p for n, (p, _) in ptrs.items()}
     # a loader-free refit writes checkpoint bytes straight into the storage, then the update ends
     new = ckpt(RL_SPEC, 9)
     raw2 = cpu_layers.TinyMoeModel(RL_SPEC)

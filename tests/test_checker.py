@@ -30,6 +30,13 @@ def runtime():
     sglang_runtime.ensure("flashinfer_trtllm")
 
 
+@pytest.fixture(autouse=True)
+def plugin_prepares(monkeypatch):
+    """The plugin's own preparation of formats SGLang prepares correctly on some releases (compat/defer.py) stays
+    tested on every release."""
+    sglang_runtime.plugin_prepares(monkeypatch, "bf16", "fp8_block")
+
+
 def loaded(spec, seed=0, tensors=None):
     """SGLang's loader only: checkpoint layout, not managed by the plugin."""
     model = cpu_layers.TinyMoeModel(spec)

@@ -30,6 +30,13 @@ def runtime():
     sglang_runtime.ensure("flashinfer_trtllm")
 
 
+@pytest.fixture(autouse=True)
+def plugin_prepares(monkeypatch):
+    """The plugin's own preparation of formats SGLang prepares correctly on some releases (compat/defer.py) stays
+    tested on every release."""
+    sglang_runtime.plugin_prepares(monkeypatch, "bf16")
+
+
 FORMATS = {
     "nvfp4": (cpu_layers.random_nvfp4_checkpoint, ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")),
     "bf16": (cpu_layers.random_bf16_checkpoint, ("w13_weight", "w2_weight")),

@@ -44,6 +44,13 @@ def runtime():
     sglang_runtime.ensure("flashinfer_trtllm")
 
 
+@pytest.fixture(autouse=True)
+def plugin_prepares(monkeypatch):
+    """Where SGLang's own preparation is right the plugin defers (compat/defer.py); these tests prove the plugin's
+    own preparation, which serves the releases where it is not, on every release."""
+    sglang_runtime.plugin_prepares(monkeypatch, "fp8_block")
+
+
 def loaded_layer(spec, ck=None, seed=0, **kw):
     layer = cpu_layers.build_layer(spec)
     ck = cpu_layers.random_fp8_checkpoint(spec, seed=seed, **kw) if ck is None else ck
@@ -250,18 +257,7 @@ def test_modelopt_unequal_scales_ours_lossless_upstream_requant_is_not():
 
 
 def _forward(layer, x, logits, bypass):
-    from sglang.srt.layers.moe.topk import TopK
-
-    topk = TopK(top_k=2, renormalize=True, layer_id=0)
-    if bypass:  # routing in the kernel from logits (the only routing ModelOptFp8MoEMethod's trtllm apply accepts).
-        # SGLang builds the bypassed output in forward_cuda (a CPU box dispatches TopK to forward_native, which
-        # always materializes); on CPU tensors it is the same code a Blackwell server runs.
-        if hasattr(topk, "bind_runner_backend"):  # 0.5.23+; before, forward_cuda reads the global backend
-            topk.bind_runner_backend(layer.runner_backend, routing_method_type=layer.routing_method_type)
-        out = topk.forward_cuda(x, logits)
-        assert type(out).__name__ == "BypassedTopKOutput"
-        return layer(x, out)
-    return layer(x, topk(x, logits))
+    return sglang_runtime.forward(layer, x, logits, bypass)[0]
 
 
 def _dequant(ck, name, fmt):

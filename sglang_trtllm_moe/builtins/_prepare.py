@@ -1,10 +1,16 @@
 """What every quant-method hook shares: take a layer over for the TRT-LLM-Gen path, or hand it back to SGLang.
 
-A quant method's `process_weights_after_loading` hook decides once per layer. The plugin prepares the layer in
-place (formats/ + layouts + layer_state) when it can read everything it needs and the kernel can serve the layer;
-otherwise SGLang's own code runs, with one log line saying why — except when the layer cannot be served by the
-kernels at all and the user explicitly put it on flashinfer_trtllm: then a `TrtllmLayerError` names the layer, the
-reason and the fix (the DESIGN rule: degradation allowed, silence not, and never an AttributeError).
+A quant method's `process_weights_after_loading` hook asks `take_over` once per call:
+
+* the plugin already manages the layer: prepare what changed since (a flush) — served;
+* the plugin cannot read the layer (a wrapper, a stand-in, another release's object): handed back, one log line;
+* the kernels cannot serve the layer (activation, shape): if the user explicitly put it on flashinfer_trtllm, a
+  `TrtllmLayerError` names the layer, the reason and the fix; otherwise handed back with one log line — the
+  DESIGN rule: degradation allowed, silence not, never an AttributeError out of the plugin;
+* SGLang's own preparation of this format is right on this release (compat/defer.py): SGLang prepares, the plugin
+  only watches (validation of later writes, the emulator) — handed back;
+* else the plugin attaches its per-expert layout state and prepares in place — served.
+A hook calls SGLang's original, unchanged, whenever `take_over` returns False.
 """
 
 from __future__ import annotations
@@ -12,13 +18,14 @@ from __future__ import annotations
 import logging
 
 from .. import layer_state
+from ..compat import defer
 from ..errors import TrtllmLayerError
+from ..formats import BACKENDS
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
-
-class CannotRead(Exception):
-    """The layer lacks something the plugin reads (a wrapper, a stand-in, another release's object)."""
+#: what reading an object that is not the layer the plugin expects raises
+UNREADABLE = (AttributeError, TypeError, KeyError, IndexError)
 
 
 def kw(args, kwargs, i: int, name: str):
@@ -26,22 +33,46 @@ def kw(args, kwargs, i: int, name: str):
     return kwargs[name] if name in kwargs else args[i]
 
 
-def prepare_layer(fmt, method, layer, side_attrs=None) -> None:
-    """Take `layer` over in `fmt` (first call) or prepare what changed since (every later call)."""
+def _forced() -> bool:
+    from ..compat.platform import backend_requested
+
+    return backend_requested() in BACKENDS
+
+
+def _hand_back(layer, fmt, why: str) -> bool:
+    logger.info("sglang-trtllm-moe: %s: %s left to SGLang's own preparation: %s",
+                layer_state.layer_name(layer), fmt.name, why)
+    return False
+
+
+def take_over(fmt, method, layer, side_attrs=None) -> bool:
+    """True when the plugin prepared `layer` in `fmt`; False when SGLang's original must run (see the module doc)."""
     st = layer_state.state_of(layer)
-    if st is None:
+    if st is not None:
+        layer_state.flush(layer)
+        if side_attrs is not None:
+            side_attrs(method, layer)
+        return True
+    try:
         problem = fmt.check_layout(layer)
-        if problem:
+    except UNREADABLE as e:
+        return _hand_back(layer, fmt, f"the plugin cannot read this layer ({type(e).__name__}: {e})")
+    if problem:
+        if _forced():
             raise TrtllmLayerError(
                 f"{layer_state.layer_name(layer)}: --moe-runner-backend flashinfer_trtllm cannot serve this "
                 f"{fmt.name} layer: {problem}. Fix: choose another --moe-runner-backend for this model "
                 "(e.g. flashinfer_cutlass), or leave it on auto"
             )
-        layer_state.attach(layer, fmt)
-        n = layer_state.flush(layer)
-        logger.info("sglang-trtllm-moe: %s: %s prepared in place for flashinfer_trtllm (%d expert groups)",
-                    layer_state.layer_name(layer), fmt.name, n)
-    else:
-        layer_state.flush(layer)
+        return _hand_back(layer, fmt, problem)
+    v = defer.verdict(fmt.name)
+    if v is not None and v.upstream_correct:
+        layer_state.observe(layer, fmt)
+        return _hand_back(layer, fmt, f"upstream is right for {fmt.name} on this release ({v.evidence})")
+    layer_state.attach(layer, fmt)
+    n = layer_state.flush(layer)
+    logger.info("sglang-trtllm-moe: %s: %s prepared in place for flashinfer_trtllm (%d expert groups)",
+                layer_state.layer_name(layer), fmt.name, n)
     if side_attrs is not None:
         side_attrs(method, layer)
+    return True

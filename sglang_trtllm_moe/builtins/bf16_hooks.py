@@ -7,7 +7,7 @@ from __future__ import annotations
 from .. import hookimpl, layer_state
 from ..formats import BF16
 from ..targets import HookTarget
-from ._prepare import kw, prepare_layer
+from ._prepare import kw, take_over
 
 UNQUANT = "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsFusedMoEMethod"
@@ -28,15 +28,20 @@ def process_weights_after_loading(original, method, layer, *args, **kwargs):
     them): for a layer on flashinfer_trtllm the plugin prepares in place, per dirty expert, shape kept."""
     if not getattr(method, "use_flashinfer_trtllm_moe", False):
         return original(method, layer, *args, **kwargs)
-    prepare_layer(BF16, method, layer, _side_attrs)
+    if not take_over(BF16, method, layer, _side_attrs):
+        return original(method, layer, *args, **kwargs)
 
 
 def apply(original, method, *args, **kwargs):
-    """A managed layer holds kernel-layout bytes, so it must take SGLang's flashinfer_trtllm branch (forward_cuda)
+    """A prepared layer holds kernel-layout bytes, so it must take SGLang's flashinfer_trtllm branch (forward_cuda)
     on every device: SGLang's CPU dispatch (forward_cpu / moe_forward_native, also its bs=1 torch.compile path)
-    would read those bytes as plain [E, M, K] weights. Off SM100 the runner then emulates or says what to do."""
+    would read those bytes as plain [E, M, K] weights. That holds for a layer SGLang prepared (and the plugin
+    watches) when it runs on the emulator; off SM100 the runner then emulates or says what to do."""
+    from ..runner import emulating
+
     layer = kw(args, kwargs, 0, "layer")
-    if layer_state.state_of(layer) is None or not getattr(method, "use_flashinfer_trtllm_moe", False):
+    kernel_layout = layer_state.state_of(layer) is not None or (emulating() and layer_state.observed(layer))
+    if not kernel_layout or not getattr(method, "use_flashinfer_trtllm_moe", False):
         return original(method, *args, **kwargs)
     return method.forward_cuda(layer, kw(args, kwargs, 1, "dispatch_output"))
 

@@ -103,7 +103,7 @@ def _side(ref: _Ref, raw: dict) -> checker.ParamSide:
     tensors = {n: raw[ref.full(n)] for n in live.tensors}
     t = tensors[ref.name]
     if t.data_ptr() == live.tensors[ref.name].data_ptr():
-        return checker.ParamSide(live.layer, live.fmt, ref.name, {n: x.data for n, x in tensors.items()}, live.prepared)
+        return live
     # A snapshot: its recorded state; none recorded means it was taken before the plugin managed the layer,
     # i.e. in checkpoint layout (the plugin changes a layout only after attaching to the layer).
     prepared = getattr(t, SNAPSHOT_STATE_ATTR, None)

@@ -8,12 +8,11 @@ gate and up scalars to the kernel (formats/fp8_tensor.py). MXFP8 and FP4-expert 
 
 from __future__ import annotations
 
-from .. import hookimpl, layer_state
+from .. import hookimpl
 from ..compat import features
-from ..errors import TrtllmLayerError
 from ..formats import FP8_BLOCK, FP8_TENSOR, FP8_TENSOR_MODELOPT
 from ..targets import HookTarget
-from ._prepare import prepare_layer
+from ._prepare import take_over
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
@@ -58,13 +57,8 @@ def fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
     fmt, _ = _fp8_method_format(method)
     if fmt is None:
         return original(method, layer, *args, **kwargs)
-    if fmt is FP8_TENSOR and method.quant_config.activation_scheme != "static":
-        raise TrtllmLayerError(
-            f"{layer_state.layer_name(layer)}: --moe-runner-backend flashinfer_trtllm cannot serve this FP8 per-tensor "
-            "layer: its activation scales are dynamic and the TRT-LLM per-tensor kernel takes one static input scale. "
-            "Fix: use a checkpoint with static input scales, or choose another --moe-runner-backend"
-        )
-    prepare_layer(fmt, method, layer, _fp8_side_attrs)
+    if not take_over(fmt, method, layer, _fp8_side_attrs):
+        return original(method, layer, *args, **kwargs)
 
 
 def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
@@ -78,7 +72,8 @@ def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, *
         return original(method, layer, *args, **kwargs)
     # ModelOptFp8MoEMethod.apply reads the weights and the kernel scalars the flush sets (output1_scales_scalar,
     # output1_scales_gate_scalar, output2_scales_scalar); nothing else of SGLang's post-load is needed
-    prepare_layer(FP8_TENSOR_MODELOPT, method, layer)
+    if not take_over(FP8_TENSOR_MODELOPT, method, layer):
+        return original(method, layer, *args, **kwargs)
 
 
 @hookimpl

@@ -33,7 +33,9 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
 
 def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
     st = layer_state.state_of(layer)
-    if st is not None and expert_id is None and st.fmt.fused:
+    if st is None:
+        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    if expert_id is None and st.fmt.fused:
         # all experts at once (gpt-oss MXFP4: SGLang's fast path never reaches _weight_loader_impl): validate, then
         # return the whole group to checkpoint layout, then SGLang's copy, as one step under the layer's lock
         name = validation.param_name(layer, param) or weight_name
@@ -41,14 +43,25 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
             validation.validate_fused(layer, name, param, loaded_weight)
             layer_state.before_write(layer, name, None)
             return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
-    if st is not None and expert_id is not None:
+    if expert_id is not None:
         total = int(getattr(layer, "num_experts", 0)) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
         if total and not 0 <= int(expert_id) < total:
             raise WeightUpdateRefused(
                 f"{layer_state.layer_name(layer)}: refused weight update of {weight_name}: expert id {expert_id} is "
                 f"not an expert of this model (0..{total - 1}); nothing was written"
             )
-    return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    group = st.fmt.group_of(validation.param_name(layer, param) or weight_name)
+    if group is None:
+        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+    with st.lock:
+        # SGLang's loader narrows the parameter in its checkpoint shape: a format that shows prepared parameters in
+        # another shape (BF16's 4-D block layout) is seen 3-D for the load, and 4-D again if nothing was written
+        st.fmt.on_layout(layer, group, all_prepared=False)
+        try:
+            return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+        finally:
+            if bool(st.prepared[group].all()):
+                st.fmt.on_layout(layer, group, all_prepared=True)
 
 
 def remember_prefix(result, layer, *args, **kwargs):

@@ -29,7 +29,7 @@ from ..formats.mxfp4_experts import MXFP4_EXPERTS
 from ..formats.mxfp4_gptoss import MXFP4_GPTOSS
 from ..formats.mxfp8 import MXFP8
 from ..targets import HookTarget
-from ._prepare import kw, prepare_layer
+from ._prepare import kw, take_over
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -102,7 +102,8 @@ def fp8_method_process_weights_after_loading(original, method, layer, *args, **k
     if problem:
         hand_back(layer, "MXFP8 layer", problem)
         return original(method, layer, *args, **kwargs)
-    prepare_layer(MXFP8, method, layer, _mxfp8_side_attrs)
+    if not take_over(MXFP8, method, layer, _mxfp8_side_attrs):
+        return original(method, layer, *args, **kwargs)
 
 
 # ---- MXFP4 experts on an FP8 config -----------------------------------------------------------------------------
@@ -147,9 +148,8 @@ def _fp4_experts_side_attrs(method, layer) -> None:
 
 
 def fp4_experts_process_weights_after_loading(original, method, layer, *args, **kwargs):
-    if getattr(layer, ALLOCATED, None) is None:
+    if getattr(layer, ALLOCATED, None) is None or not take_over(MXFP4_EXPERTS, method, layer, _fp4_experts_side_attrs):
         return original(method, layer, *args, **kwargs)
-    prepare_layer(MXFP4_EXPERTS, method, layer, _fp4_experts_side_attrs)
 
 
 def fp4_experts_apply(original, method, layer, dispatch_output, *args, **kwargs):
@@ -226,9 +226,8 @@ def _gptoss_side_attrs(method, layer) -> None:
 
 
 def gptoss_process_weights_after_loading(original, method, layer, *args, **kwargs):
-    if not getattr(layer, GPTOSS_ALLOCATED, False):
+    if not getattr(layer, GPTOSS_ALLOCATED, False) or not take_over(MXFP4_GPTOSS, method, layer, _gptoss_side_attrs):
         return original(method, layer, *args, **kwargs)
-    prepare_layer(MXFP4_GPTOSS, method, layer, _gptoss_side_attrs)
 
 
 def gptoss_apply(original, method, layer, dispatch_output, *args, **kwargs):

@@ -11,7 +11,7 @@ from .. import hookimpl
 from ..compat import features
 from ..formats import CT_NVFP4, NVFP4
 from ..targets import HookTarget
-from ._prepare import kw, prepare_layer
+from ._prepare import kw, take_over
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 CT_NVFP4_SCHEME = ("sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe."
@@ -45,7 +45,8 @@ def modelopt_process_weights_after_loading(original, method, layer, *args, **kwa
     ok, _ = _modelopt_serves(method, layer)
     if not ok:
         return original(method, layer, *args, **kwargs)
-    prepare_layer(NVFP4, method, layer, _modelopt_side_attrs)
+    if not take_over(NVFP4, method, layer, _modelopt_side_attrs):
+        return original(method, layer, *args, **kwargs)
 
 
 def ct_create_weights(result, scheme, *args, **kwargs):
@@ -79,7 +80,8 @@ def _ct_side_attrs(scheme, layer) -> None:
 def ct_process_weights_after_loading(original, scheme, layer, *args, **kwargs):
     if not getattr(scheme, "use_flashinfer_trtllm", False):
         return original(scheme, layer, *args, **kwargs)
-    prepare_layer(CT_NVFP4, scheme, layer, _ct_side_attrs)
+    if not take_over(CT_NVFP4, scheme, layer, _ct_side_attrs):
+        return original(scheme, layer, *args, **kwargs)
 
 
 def ct_apply_weights(original, scheme, layer, dispatch_output, *args, **kwargs):

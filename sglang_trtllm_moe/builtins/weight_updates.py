@@ -19,9 +19,10 @@ def drop_caches_before(*args, **kwargs):
     layer_state.on_reload_start()
 
 
-def unprepare_all_before(*args, **kwargs):
+def unprepare_all_before(updater, *args, **kwargs):
+    """begin_weight_update: the session's model (WeightUpdater.get_model) to checkpoint layout."""
     layer_state.on_reload_start()
-    layer_state.unprepare_all()
+    layer_state.unprepare_all(updater.get_model())
 
 
 def flush_after(result, *args, **kwargs):
@@ -34,7 +35,8 @@ def end_session_after(result, *args, **kwargs):
     return None
 
 
-# (dotted path, releases): where each release keeps its weight-update entry points (sglang-versions.md §1b, §7).
+# (dotted path, releases): where each release keeps its weight-update entry points (read from each release's
+# model_runner.py / model_runner_components/weight_updater.py; compat/features.py WEIGHT_UPDATER, DISTRIBUTED_UPDATE_RENAMED).
 LOAD_ONLY_ENTRY_POINTS = (
     (f"{UPDATER}.update_weights_from_tensor", ">=0.5.16"),
     (f"{UPDATER}.update_weights_from_distributed", ">=0.5.16,<0.5.21"),  # renamed in 0.5.21:

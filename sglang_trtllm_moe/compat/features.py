@@ -109,6 +109,12 @@ WEIGHT_CHECKER_COMPARATOR = Feature(
     "weight_checker._build_quantized_set, which the plugin's checker hooks attach to",
 )
 
+PUBLISHED_SERVER_ARGS = Feature(
+    ">=0.5.15",
+    "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "
+    "server_args.get_global_server_args()",
+)
+
 # ---- MX formats (MXFP8, MXFP4 experts, gpt-oss MXFP4) -----------------------------------------------------------
 
 MXFP8_ACTIVATION_PARAMS = Feature(
@@ -140,20 +146,9 @@ FP4_EXPERTS_SGLANG_PADS = Feature(
     "Mxfp4FlashinferTrtllmMoEMethod pads I to 128 per half at prep (scales with 1.0) and sets "
     "layer.intermediate_size_per_partition to the padded size; before, I % 128 != 0 fails SGLang's own prep",
 )
-GPTOSS_TRTLLM_LEAF = Feature(
-    ">=0.5.20",
-    "Mxfp4MoEMethod runs SM100 trtllm-gen MXFP4 through MoeRunner(flashinfer_mxfp4) -> flashinfer_trtllm."
-    "_fused_experts_flashinfer_mxfp4_sm100_trtllm_gen (imported at call time); before, Mxfp4MoEMethod.apply calls "
-    "flashinfer itself",
-)
 GPTOSS_FI_KERNEL_ATTR = Feature(
     ">=0.5.12",
     "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
-)
-GPTOSS_PAD_128 = Feature(
-    ">=0.5.17",
-    "Mxfp4MoEMethod pads intermediate and hidden to 128 on SM100 (256 before) and fills the scales with the UE8M0 "
-    "one (byte 127; zeros before); alpha/beta/clamp come from the runner config and are sized by local experts",
 )
 
 # ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
@@ -175,7 +170,8 @@ SWIZZLE_MOVES_TO_CUDA = Feature(
 )
 WEIGHT_CACHE_CHECK = Feature(
     ">=0.5.17,<0.5.21",
-    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off' (it reads get_model_runner())",
+    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off', read through "
+    "get_model_runner().server_args (0.5.21+ reads the model config namespace instead)",
 )
 WEIGHT_CHECKER_TAKES_PS = Feature(
     "<0.5.21",

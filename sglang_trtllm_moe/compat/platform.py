@@ -93,6 +93,29 @@ def requested_field(server_args: Any, field: str) -> Any:
     return raw.get(field, getattr(server_args, field, None))
 
 
+def backend_requested() -> str | None:
+    """The --moe-runner-backend the user asked for, as this process's published ServerArgs hold it (a scheduler's
+    config); None when no config is published or it cannot be read. On 0.5.19+ the raw input is kept apart from
+    the resolution, so "auto" means the backend was chosen by a rule (SGLang's or the plugin's). Before, the
+    resolution writes the field itself, so a rule's choice reads as requested: the plugin then treats a layer the
+    kernels cannot serve as forced onto them (a clear error) rather than handing it back."""
+    from . import features
+
+    try:
+        if features.PUBLISHED_SERVER_ARGS.present():
+            from sglang.srt.runtime_context import get_server_args
+
+            server_args = get_server_args()
+        else:
+            from sglang.srt.server_args import get_global_server_args
+
+            server_args = get_global_server_args()
+    except Exception:  # noqa: BLE001 - nothing published (a bare layer in a script): unknown
+        return None
+    value = requested_field(server_args, "moe_runner_backend") if server_args is not None else None
+    return None if value is None else str(getattr(value, "value", value))
+
+
 def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
     """Write the plugin's choice the way this release's own resolution rules write theirs."""
     from sglang.srt.arg_groups import overrides
@@ -166,5 +189,5 @@ def resolved_moe_runner_backend(server_args: Any) -> str:
     return resolve_server_args(server_args)["moe_runner_backend"]
 
 
-__all__ = ["ADAPTERS", "ReleaseAdapter", "adapter", "declare_choice", "device_from_sglang", "model_config_of",
+__all__ = ["ADAPTERS", "ReleaseAdapter", "adapter", "backend_requested", "declare_choice", "device_from_sglang", "model_config_of",
            "requested_field", "resolve_server_args", "resolved_moe_runner_backend", "resolved_view"]

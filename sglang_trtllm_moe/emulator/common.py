@@ -3,7 +3,7 @@
 Why: the kernels only run on Blackwell (SM100). To prove on CPU (or any GPU) that the plugin's prepared weights are
 right, the emulator takes the *prepared* tensors exactly as the kernel would (shuffled rows, gated interleave, 128x4
 swizzled scales, block-major K), undoes the layouts with `layouts`' inverses, and runs the per-format math of the
-kernels in float32 (notes: ../shared/reference/flashinfer-trtllm-moe.md §1-§4; CUDA sources shipped in the wheel).
+kernels in float32 (read from the CUDA sources flashinfer ships in its wheel: data/csrc/trtllm_fused_moe_*.cu).
 The public functions have flashinfer 0.7.2's exact signatures, so `runner` can swap one for the other.
 
 Structure shared by every format:

@@ -164,17 +164,35 @@ class WeightFormat:
             return layouts.w13_row_map(m, self.is_gated(layer), device=t.device)
         return layouts.w2_row_map(m, device=t.device)
 
+    # ---- how a parameter is seen --------------------------------------------------------------------------------
+    def tensor(self, layer, p: ParamLayout) -> torch.Tensor:
+        """Parameter `p`'s storage as the layout machinery works on it, [experts, rows, cols] (MAY be overridden
+        where the release shows the prepared parameter in another shape: BF16's 4-D block layout)."""
+        return getattr(layer, p.name).data
+
+    def prepared_at_attach(self, layer, group: str) -> bool:
+        """True when `group` already holds kernel layout when the plugin first sees the layer (SGLang prepared it)."""
+        return False
+
+    def on_layout(self, layer, group: str, all_prepared: bool) -> None:
+        """After `group`'s layout state changed: give its Parameters the shape this release shows for that state
+        (same storage; only a view changes). Default: shapes never change."""
+
     def check_layout(self, layer) -> str | None:
         """None when every parameter can be laid out in place and the kernel computes the layer's activation;
-        else a sentence naming the problem."""
+        else a sentence naming the problem. Reads everything a flush will read first: an object that lacks any of
+        it raises (AttributeError) — the caller hands such a layer back to SGLang, it is not a kernel limitation."""
         cfg = layer.moe_runner_config
-        problem = self.activation_problem(cfg.activation, bool(cfg.is_gated))
+        activation, gated = cfg.activation, bool(cfg.is_gated)
+        for name in (*(p.name for p in self.params), *self.scalar_params):
+            getattr(layer, name)
+        problem = self.activation_problem(activation, gated)
         if problem:
             return problem
         for p in self.params:
-            t = getattr(layer, p.name, None)
-            if t is None:
-                return f"parameter {p.name} is missing"
+            if getattr(layer, p.name) is None:
+                return f"parameter {p.name} is not allocated on this layer"
+            t = self.tensor(layer, p)
             if t.dim() != 3:
                 return f"{p.name} has shape {tuple(t.shape)}, expected [experts, rows, cols]"
             m = t.shape[1]
@@ -192,7 +210,7 @@ class WeightFormat:
         for p in self.params:
             if p.group != group:
                 continue
-            t = getattr(layer, p.name).data
+            t = self.tensor(layer, p)
             rmap = self.row_map(layer, p, t) if p.permute_rows else None
             if p.sf_swizzle:
                 if rmap is None:
@@ -211,7 +229,7 @@ class WeightFormat:
         for p in self.params:
             if p.group != group:
                 continue
-            t = getattr(layer, p.name).data
+            t = self.tensor(layer, p)
             if p.sf_swizzle and p.permute_rows:
                 layouts.unswizzle_sf_and_unpermute_rows_(t, self.row_map(layer, p, t), experts=experts)
                 continue

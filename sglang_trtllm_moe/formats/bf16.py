@@ -15,6 +15,8 @@ loader zero-fills the pad), so there is nothing to re-allocate.
 
 from __future__ import annotations
 
+import torch
+
 from .. import layouts
 from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
 
@@ -35,6 +37,27 @@ class Bf16(WeightFormat):
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization is None
+
+    # SGLang shows a prepared BF16 layer's Parameters 4-D ([E, K/64, M, 64], the kernel's BlockMajorK view) and a
+    # loadable one 3-D ([E, M, K]); the plugin keeps that contract (compat/defer.py: where it prepares BF16 itself):
+    # the same storage seen through either view, 4-D exactly when every expert of the group is prepared.
+    def tensor(self, layer, p: ParamLayout) -> torch.Tensor:
+        t = getattr(layer, p.name).data
+        if t.dim() == 4:
+            e, nb, m, bk = t.shape
+            return t.view(e, m, nb * bk)
+        return t
+
+    def prepared_at_attach(self, layer, group: str) -> bool:
+        return all(getattr(layer, p.name).data.dim() == 4 for p in self.params if p.group == group)
+
+    def on_layout(self, layer, group: str, all_prepared: bool) -> None:
+        for p in self.params:
+            if p.group != group:
+                continue
+            param = getattr(layer, p.name)
+            flat = self.tensor(layer, p)
+            param.data = layouts.block_major_k_view(flat, BLOCK_K_BYTES) if all_prepared else flat
     params = (
         ParamLayout("w13_weight", "w13", block_major_k=True),
         ParamLayout("w2_weight", "w2", block_major_k=True),
@@ -72,8 +95,8 @@ class Bf16(WeightFormat):
             routing.pop("routing_bias", None)  # trtllm_bf16_routed_moe takes no bias: the top-k is already chosen
         return dict(
             hidden_states=call.hidden,
-            gemm1_weights=layouts.block_major_k_view(qi.gemm1_weights.data),
-            gemm2_weights=layouts.block_major_k_view(qi.gemm2_weights.data),
+            gemm1_weights=_kernel_view(qi.gemm1_weights.data),
+            gemm2_weights=_kernel_view(qi.gemm2_weights.data),
             num_experts=qi.global_num_experts,
             intermediate_size=cfg.intermediate_size_per_partition,
             local_expert_offset=qi.local_expert_offset,
@@ -82,6 +105,11 @@ class Bf16(WeightFormat):
             weight_layout=2,  # WeightLayout.BlockMajorK
             **routing,
         )
+
+
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's 4-D BlockMajorK view (a prepared layer already shows it; SGLang's own prep leaves it too)."""
+    return t if t.dim() == 4 else layouts.block_major_k_view(t, BLOCK_K_BYTES)
 
 
 BF16 = Bf16()

@@ -64,15 +64,19 @@ class Fp8PerTensor(WeightFormat):
         return layouts._cached(("fp8-w13-gate-first", m, True, 128, dev), lambda: _swap_halves_map(m).to(dev)[base])
 
     def check_layout(self, layer) -> str | None:
+        problem = super().check_layout(layer)
+        if problem:
+            return problem
         cfg = layer.moe_runner_config
         for knob in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit", "swiglu_limit"):
             if getattr(cfg, knob, None) is not None:
                 return f"{knob} is set, but the FP8 per-tensor kernel has no SwiGLU alpha/beta/clamp"
         for n in ("w13_input_scale", "w2_input_scale", "w13_weight_scale", "w2_weight_scale"):
-            if getattr(layer, n, None) is None:
-                return (f"{n} is missing: the per-tensor kernel needs static input and weight scales "
-                        "(activation_scheme 'static')")
-        return super().check_layout(layer)
+            if getattr(layer, n) is None:
+                return (f"{n} is not allocated: the TRT-LLM per-tensor kernel takes one static input scale per GEMM "
+                        "and per-tensor weight scales (a checkpoint with activation_scheme 'static'; dynamic "
+                        "activation scales are not served)")
+        return None
 
     def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
         a1 = layer.w13_input_scale.data.max().to(torch.float32)

@@ -46,7 +46,7 @@ class Mxfp8(WeightFormat):
     kernel = "fp8_block_scale"
     quantizations = {TRTLLM: frozenset({"mxfp8"}), TRTLLM_ROUTED: frozenset({"mxfp8"})}
     #: SGLang's FP8 leaf (`_SUPPORTED_FP8_ACTIVATIONS`) and flashinfer's MxFp8 launcher: SwiGLU (with optional
-    #: alpha/beta/clamp) gated, relu2 non-gated
+    #: alpha/beta/clamp) gated, relu2 non-gated (0.5.19+, see `activations`)
     gated_activations = frozenset({"silu"})
     non_gated_activations = frozenset({"relu2"})
     #: FusedMoE rounds the per-rank intermediate to 128 on the trtllm backends; the 128x4 scale swizzle in place
@@ -68,6 +68,13 @@ class Mxfp8(WeightFormat):
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "mxfp8" and not checkpoint.online
+
+    def activations(self, gated: bool) -> frozenset[str]:
+        """Non-gated relu2 only where SGLang allocates the kernel's I-row w13 (0.5.19+): before, SGLang slices a
+        2I-row allocation at its prep (new storage) and the plugin leaves the layer to SGLang."""
+        if not gated and not features.MXFP8_NON_GATED_W13_ROWS.present():
+            return frozenset()
+        return super().activations(gated)
 
     def check_layout(self, layer) -> str | None:
         problem = super().check_layout(layer)

@@ -89,7 +89,7 @@ class _Scratch:
 
     A fresh allocation per chunk pays page faults on first touch: measured on the 2-core CPU, an out-of-place
     index_select ran at 2.9 GB/s and the same gather into a preallocated buffer at 19 GB/s.
-    Rows are gathered flat (`[E*M, C].index_select(0, map + e*M)`, fastest on CPU, notes §6); rows under 64 bytes
+    Rows are gathered flat (`[E*M, C].index_select(0, map + e*M)`, the fastest gather measured on CPU: benchmarks/layouts_cpu.py); rows under 64 bytes
     gather along dim 1 instead, where a flat int64 index would be bigger than the data.
     """
 

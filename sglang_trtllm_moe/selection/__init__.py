@@ -7,7 +7,7 @@ same rules, and the rules can be tested without a GPU. What each weight format s
 
 from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
 from .hf_config import NON_GATED_ARCHS, detect_quantization, problem_from_hf_config
-from .problem import DeviceInfo, MoeProblem
+from .problem import DeviceInfo, Eligibility, MoeProblem, Resolution
 from .report import env_fingerprint, flashinfer_version, format_report, log_decision
 from .rules import (
     A2A_OK,
@@ -15,8 +15,6 @@ from .rules import (
     MIN_FLASHINFER_NON_GATED,
     SPEC_DRAFT_WHY,
     Code,
-    Eligibility,
-    Resolution,
     auto_enabled,
     can_implement,
     candidate_order,

@@ -1,8 +1,9 @@
-"""The question selection answers: one MoE layer as the kernel sees it, and the device it would run on."""
+"""The question selection answers — one MoE layer as the kernel sees it, and the device it would run on — and the
+shape of its answers (one backend's eligibility, one resolution)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..formats import Checkpoint, WeightFormat, for_checkpoint
 
@@ -72,3 +73,40 @@ class DeviceInfo:
     @property
     def sm100_family(self) -> bool:
         return self.sm is not None and self.sm // 10 == 10
+
+
+@dataclass(frozen=True)
+class Eligibility:
+    eligible: bool
+    code: str
+    reason: str
+    backend: str = ""
+
+
+@dataclass
+class Resolution:
+    #: the backend SGLang should use ("auto" = SGLang decides per layer, as upstream)
+    winner: str
+    candidates: list[Eligibility]
+    fingerprint: dict
+    code: str = ""
+    reason: str = ""
+    requested: str = "auto"
+    #: what SGLang had decided before the plugin looked (None when unknown, e.g. `explain` without SGLang)
+    upstream: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.upstream is not None and self.winner != self.upstream
+
+    def to_dict(self) -> dict:
+        return {
+            "winner": self.winner,
+            "code": self.code,
+            "reason": self.reason,
+            "requested": self.requested,
+            "upstream": self.upstream,
+            "changed": self.changed,
+            "candidates": [asdict(c) for c in self.candidates],
+            "fingerprint": self.fingerprint,
+        }

@@ -10,8 +10,7 @@ import logging
 import os
 
 from .. import PROJECT_NAME, __version__
-from .problem import DeviceInfo, MoeProblem
-from .rules import Resolution
+from .problem import DeviceInfo, MoeProblem, Resolution
 
 logger = logging.getLogger(PROJECT_NAME)
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass
 
 from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
-from .problem import DeviceInfo, MoeProblem
+from .problem import DeviceInfo, Eligibility, MoeProblem, Resolution
 
 ENV_AUTO = "SGLANG_TRTLLM_MOE_AUTO"
 
@@ -64,44 +63,6 @@ SPEC_DRAFT_WHY = (
     "their own shapes, and the trtllm BF16 batched GEMM on draft layers has an open illegal-memory-access bug "
     "(sglang#30209; the default that would fix it, #30210, is not merged) — the plugin does not widen that exposure"
 )
-
-
-
-@dataclass(frozen=True)
-class Eligibility:
-    eligible: bool
-    code: str
-    reason: str
-    backend: str = ""
-
-
-@dataclass
-class Resolution:
-    #: the backend SGLang should use ("auto" = SGLang decides per layer, as upstream)
-    winner: str
-    candidates: list[Eligibility]
-    fingerprint: dict
-    code: str = ""
-    reason: str = ""
-    requested: str = "auto"
-    #: what SGLang had decided before the plugin looked (None when unknown, e.g. `explain` without SGLang)
-    upstream: str | None = None
-
-    @property
-    def changed(self) -> bool:
-        return self.upstream is not None and self.winner != self.upstream
-
-    def to_dict(self) -> dict:
-        return {
-            "winner": self.winner,
-            "code": self.code,
-            "reason": self.reason,
-            "requested": self.requested,
-            "upstream": self.upstream,
-            "changed": self.changed,
-            "candidates": [asdict(c) for c in self.candidates],
-            "fingerprint": self.fingerprint,
-        }
 
 
 

@@ -7,7 +7,7 @@ Rows (each: name, plugin_s, upstream_s, ratio = upstream_s / plugin_s, plus byte
   `nvfp4_block_scale_interleave`) is replaced by SGLang's own pure-torch `swizzle_blockscale` so it runs here.
 * RL update of one expert, and of the whole layer: the plugin (loader writes → flush of the dirty experts) against
   upstream's flow (loader writes → `process_weights_after_loading` over the whole layer, which is also what
-  corrupts the experts that were not updated, see measured-upstream.md).
+  corrupts the experts that were not updated: tests/support/upstream_rl.py measures it).
 * `load_plugins()`: the time SGLang's plugin loading takes with the plugin enabled vs disabled (fresh processes).
 Peak extra memory is the growth of the process's peak RSS during each step (ru_maxrss; plugin measured first, so
 upstream's figure is a lower bound). Timings are medians of `repeats` runs. Never used as a test.

@@ -275,36 +275,37 @@ def _patched(*triples):
                 delattr(obj, name)
 
 
-def sglang_prepare(layer) -> None:
-    """SGLang's own process_weights_after_loading of `layer` (the plugin's hook bypassed), on CPU."""
-    method = layer.quant_method
-    if type(method).__name__ == "Fp8MoEMethod":
+def prep_patches(method) -> contextlib.AbstractContextManager:
+    """The CPU stand-ins SGLang's own preparation of `method`'s layers needs (module doc), as one context."""
+    name = type(method).__name__
+    if name == "Fp8MoEMethod":
         import flashinfer
         from sglang.srt.layers.quantization import fp8 as fp8_mod
 
-        with _patched((fp8_mod, "_is_cuda", True), (flashinfer, "block_scale_interleave", torch_block_scale_interleave)):
-            _unhooked(type(method).process_weights_after_loading)(method, layer)
-        return
-    if type(method).__name__ == "Mxfp4FlashinferTrtllmMoEMethod":
+        return _patched((fp8_mod, "_is_cuda", True), (flashinfer, "block_scale_interleave", torch_block_scale_interleave))
+    if name == "Mxfp4FlashinferTrtllmMoEMethod":
         from flashinfer.fused_moe import core as ficore
         from sglang.srt.layers.quantization import mxfp4_flashinfer_trtllm_moe as fte
 
-        with _patched((fte, "_maybe_get_cached_w3_w1_permute_indices", ficore._maybe_get_cached_w3_w1_permute_indices),
-                      (fte, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
-                      (fte, "block_scale_interleave", torch_block_scale_interleave),
-                      (torch.cuda, "empty_cache", lambda: None)):
-            _unhooked(type(method).process_weights_after_loading)(method, layer)
-        return
-    if type(method).__name__ == "Mxfp4MoEMethod":
+        return _patched((fte, "_maybe_get_cached_w3_w1_permute_indices", ficore._maybe_get_cached_w3_w1_permute_indices),
+                        (fte, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
+                        (fte, "block_scale_interleave", torch_block_scale_interleave),
+                        (torch.cuda, "empty_cache", lambda: None))
+    if name == "Mxfp4MoEMethod":
         from flashinfer.fused_moe import core as ficore
         from sglang.srt.layers.quantization import mxfp4 as mx
 
-        with _patched((mx, "nvfp4_block_scale_interleave", torch_block_scale_interleave),
-                      (mx, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
-                      (torch.Tensor, "cuda", lambda self, *a, **k: self), (torch.cuda, "empty_cache", lambda: None)):
-            _unhooked(type(method).process_weights_after_loading)(method, layer)
-        return
-    raise NotImplementedError(type(method).__name__)
+        return _patched((mx, "nvfp4_block_scale_interleave", torch_block_scale_interleave),
+                        (mx, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
+                        (torch.Tensor, "cuda", lambda self, *a, **k: self), (torch.cuda, "empty_cache", lambda: None))
+    raise NotImplementedError(name)
+
+
+def sglang_prepare(layer) -> None:
+    """SGLang's own process_weights_after_loading of `layer` (the plugin's hook bypassed), on CPU."""
+    method = layer.quant_method
+    with prep_patches(method):
+        _unhooked(type(method).process_weights_after_loading)(method, layer)
 
 
 def sglang_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwargs):
@@ -319,6 +320,6 @@ def sglang_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kw
         return build_layer(spec, prefix, **kwargs)
 
 
-__all__ = ["MX_FORMATS", "build_layer", "sglang_layer", "GptOssTinyModel", "gptoss_names", "load_fused",
+__all__ = ["MX_FORMATS", "build_layer", "sglang_layer", "prep_patches", "GptOssTinyModel", "gptoss_names", "load_fused",
            "random_gptoss_checkpoint", "random_mxfp4_experts_checkpoint", "random_checkpoint", "random_mxfp8_checkpoint", "dequantized_experts",
            "reference_moe", "sglang_prepare", "torch_block_scale_interleave"]

@@ -46,6 +46,9 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ("auto", "auto-select", (("tests/test_selection.py::test_the_hook_lands", None),
                              ("tests/test_selection.py::test_sglang_resolution", None),
                              ("tests/test_selection.py::test_speculative_draft", None))),
+    ("threads", "concurrent loaders", (("tests/test_concurrency.py", None),)),
+    ("defer", "defer table", (("tests/test_defer.py", None),)),
+    ("models", "whole models", (("tests/test_models.py", None), ("tests/test_engine.py", None))),
 )
 
 
@@ -379,28 +382,59 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 | gpt-oss MXFP4 pads I and H to 256 (128 from 0.5.17), scales filled 0 (127 from 0.5.17); SM100 path through `Mxfp4MoEMethod.apply` / the flashinfer_trtllm MXFP4 leaf | < 0.5.17; < 0.5.20 / >= 0.5.20 | prepared in place at SGLang's size; the `apply` hook covers both |
 | .post releases (0.5.12.post1, 0.5.13.post1, 0.5.15.post1) | - | no row: their `srt/` diffs touch nothing the plugin hooks |
 
-## Where the plugin changes what SGLang observes
+"""
 
-Deliberate, each because the release's own object cannot stay correct across RL updates:
 
-* **MXFP4 experts (DeepSeek-V4 / MiMo-V2) scale Parameters are `float8_e8m0fnu` from create_weights on**, where the
-  release allocates float32 and converts to e8m0 (new Parameters, no `weight_loader`) at its prep. SGLang's loader
-  writes a float32 or e8m0 checkpoint scale with `copy_`, the same value conversion as SGLang's `.to(e8m0)` (measured
-  equal on CPU and H200), so the bytes are SGLang's; the Parameter, its storage and `weight_loader` stay the same for
-  the layer's life, and the scales take 1/4 of the release's pre-prep memory. The weights stay int8 (the release's
-  pre-prep dtype; SGLang's prep makes uint8 copies) and, when I % 128 != 0, are allocated padded per half (0.5.17+).
-  Code that rebinds `param.data` to a new float32 tensor would break this; none in SGLang does.
-* **gpt-oss MXFP4 biases are float32 from create_weights on** (the release allocates bf16 and widens at prep into new
-  Parameters), and its scale Parameters stay `uint8` (the release rebinds them to `float8_e4m3fn` views, after which
-  its own reload value-converts every byte); the kernel is handed an e4m3 view of the same storage. An fp32 bias sent
-  by a trainer is kept exactly (the release rounds it to bf16 first). `gemm1_alpha/beta/clamp_limit` are sized by the
-  local expert count on every release (<= 0.5.16 sizes them by the global count, an EP bug upstream).
-* **MXFP4-expert output scales** (`output1_scale_scalar`, ...) are registered once and updated in place (the release
-  re-registers new all-ones buffers at every prep). MXFP8's `_flashinfer_trtllm_gemm1_*` likewise are made once.
-* Layers left to SGLang, with one log line: online MXFP8 (`--quantization mxfp8` on a BF16 checkpoint), non-gated
-  MXFP8 before 0.5.19, Kimi-K3 SiTU / `gate_up_interleaved=False`, MegaMoE. FP4 experts explicitly put on
-  `flashinfer_trtllm` (which has no MXFP4 path upstream) are a `TrtllmLayerError` naming `flashinfer_mxfp4`.
+def defer_markdown() -> str:
+    """compat/defer.py as a table: where SGLang's own preparation is right and the plugin defers, with evidence."""
+    from sglang_trtllm_moe.compat import defer
 
+    lines = ["## Where SGLang is right: the defer table (compat/defer.py)", "",
+             "Measured with the plugin switched off (`python -m tests.support.upstream_rl FORMAT`, re-checked on every "
+             "release by `tests/test_defer.py`): a one-expert disk update, a whole disk update, a tensor update (in a "
+             "begin/end session where the release has them) and another one-expert tensor update, each compared with a "
+             "fresh load byte for byte, storage, Parameters and weight_loaders checked. **SGLang** = the plugin leaves "
+             "preparation to SGLang and only watches (validation of writes, the emulator); **plugin** = the plugin "
+             "prepares in place.", "", "| format | releases | who prepares | evidence |", "|---|---|---|---|"]
+    for v in defer.TABLE:
+        lines.append(f"| {v.fmt} | {v.releases} | {'SGLang' if v.upstream_correct else 'plugin'} | {v.evidence} |")
+    return "\n".join(lines) + "\n"
+
+
+MD_CONTRACT = """
+## SGLang's own unit tests, with and without the plugin
+
+SGLang's CPU unit tests for the code the plugin hooks (upstream `test/registered/unit/`: `plugins/test_hook_registry.py`,
+`plugins/test_load_plugins.py`, `server_args/test_resolution_hook_registry.py`, `utils/test_weight_checker_comparator.py`,
+`layers/quantization/test_flashinfer_trtllm_bf16_moe_reload.py`, `layers/quantization/test_compressed_tensors_fp4_moe_scheme.py`,
+`model_executor/model_runner_components/test_weight_updater.py` and `test_weight_updater_post_load_weights.py`) were run
+against every release's env twice, with `SGLANG_TRTLLM_MOE_DISABLE=1` and with the plugin loaded through SGLang's own
+`load_plugins()` (SGLang's files are read and run from a scratch directory, never copied here). Each file runs where its
+API exists (the BF16 reload tests need 0.5.23's session API; the compressed-tensors scheme tests 0.5.22+; the
+resolution hooks 0.5.20+); tests that need CUDA fail with and without the plugin alike.
+
+Result: on every release 0.5.11 - 0.5.23 no test passes without the plugin and fails with it. Before this release of
+the plugin, five BF16 reload tests (eight runs with subtests) failed only with the plugin on 0.5.23: the plugin read
+runner-config fields a stand-in config does not have (now: a layer the plugin cannot read goes back to SGLang's own
+code), and it replaced SGLang's BF16 preparation where SGLang is right (now: 0.5.23 BF16 is SGLang's own, see the defer
+table) and kept 3-D parameters where SGLang shows them 4-D (now: the same 4-D view of the same storage).
+
+## Where the plugin changes what SGLang observes, and why
+
+Where the plugin prepares a layer itself (the defer table says SGLang is wrong there), it keeps SGLang's parameter
+names, shapes and dtypes, except:
+
+| what | SGLang | the plugin | why |
+|---|---|---|---|
+| FP8 per-tensor scales (ModelOpt FP8, `fp8` static) | requantizes w1/w3 to one scale; `w13_weight_scale` per expert, input scales reduced to scalars; new Parameters | keeps the loaded bytes and per-shard scales ([E, 2]) and passes separate gate and up scalars to the kernel; same Parameters | no precision lost the kernel does not ask for; the next RL update needs the Parameters and their weight_loader |
+| compressed-tensors NVFP4 parameter names | renames `w13_weight_packed` / `w2_weight_packed` to `w13_weight` / `w2_weight` and deletes the originals | keeps the `*_packed` Parameters and registers the kernel names as aliases of the same objects | a reload by checkpoint name must find its parameter |
+| compressed-tensors NVFP4 non-gated GEMM1 | allocated with 2I rows | allocated with I rows (the kernel's shape) before anything is loaded | the relu2 kernel reads I rows |
+| NVFP4 per-tensor w13 scales, 0.5.11 - 0.5.22 | stored [up, gate] by the trtllm loader, read as [gate, up] by SGLang's own prep | read as stored | SGLang's alphas are swapped whenever the gate and up scales differ |
+| where hooks are visible | `HookRegistry._hooks` lists every registered target after `load_plugins()` | a target is registered when its module is imported | start-up stays free in processes that never build a MoE layer; `doctor` imports the hooked modules to prove every target lands |
+| MXFP4-expert scale Parameters (DeepSeek-V4 / MiMo-V2, `flashinfer_mxfp4`) | float32 until its prep, then new `float8_e8m0fnu` Parameters (and new padded storage, 0.5.21+) without `weight_loader` | `float8_e8m0fnu` from create_weights on (byte 127 = 1.0 until loaded); weights int8, allocated padded per half when I % 128 != 0 (0.5.17+) | SGLang's loader writes a float32 or e8m0 scale with `copy_`, the same value conversion as its `.to(e8m0)` (measured equal on CPU and H200): SGLang's bytes, one Parameter and storage for the layer's life, 1/4 of the pre-prep scale memory; code that rebinds `param.data` to a new float32 tensor would break it (none in SGLang does) |
+| gpt-oss MXFP4 biases and scales (`flashinfer_mxfp4`, SM100) | bf16 biases widened to fp32 and scales rebound to `float8_e4m3fn` in new Parameters at prep (its reload then raises TypeError, or value-converts every scale byte) | fp32 biases from create_weights on, uint8 scale Parameters kept (the kernel gets an e4m3 view of the same storage) | storage and loaders stable across updates; an fp32 bias from a trainer is kept exactly (SGLang rounds it to bf16) |
+| gpt-oss `gemm1_alpha/beta/clamp_limit` | sized by the global expert count <= 0.5.16 | sized by the local expert count on every release | EP > 1 (the kernel indexes local experts) |
+| MXFP4-expert output scales, MXFP8 SwiGLU tensors | re-registered (new storage) at every prep | made once, updated in place | storage stable for CUDA graphs |
 """
 
 
@@ -457,20 +491,22 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
         f.write("\n")
     table = render_markdown(data)
     with open(md_path, "w") as f:
-        f.write(MD_HEADER + table)
+        f.write(MD_HEADER + table + "\n" + defer_markdown() + MD_CONTRACT)
     if readme:
-        _update_readme(readme, table)
+        from .support_table import render as render_support
+
+        _update_readme(readme, render_support(data))
     return data
 
 
-BEGIN, END = "<!-- compat-matrix:begin (generated by ci/matrix) -->", "<!-- compat-matrix:end -->"
+BEGIN, END = "<!-- support-table:begin (generated by ci/matrix) -->", "<!-- support-table:end -->"
 
 
 def _update_readme(path, table: str) -> None:
     with open(path) as f:
         text = f.read()
     if BEGIN not in text or END not in text:
-        return  # the README's "Supported SGLang releases" section carries the markers; nothing to do without them
+        return  # the README's "What works on my release" section carries the markers; nothing to do without them
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     with open(path, "w") as f:

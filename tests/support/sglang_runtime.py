@@ -20,7 +20,7 @@ def upstream_process_weights_after_loading(method, layer, monkeypatch) -> None:
 
     The hooked method keeps SGLang's original at `__wrapped__`. Its only CUDA-only step is flashinfer's
     `nvfp4_block_scale_interleave`; it is replaced by SGLang's own pure-torch `swizzle_blockscale` (flattened,
-    as flashinfer returns it), which measured-upstream.md found byte-identical.
+    as flashinfer returns it), byte-identical to it (tests/test_layouts.py checks the swizzle against SGLang's).
     """
     import flashinfer
     import torch
@@ -70,10 +70,30 @@ def prepared_model(spec, tensors):
     return model
 
 
-def forward(layer, x, logits):
-    """A forward through SGLang's own TopK (softmax, renormalize) and FusedMoE layer; returns (output, topk)."""
+def forward(layer, x, logits, bypass: bool = False):
+    """A forward through SGLang's own TopK (softmax, renormalize) and FusedMoE layer; returns (output, topk).
+
+    `bypass`: routing in the kernel from the logits (the only routing ModelOptFp8MoEMethod's trtllm apply accepts).
+    SGLang builds the bypassed output in TopK.forward_cuda (a CPU box dispatches TopK to forward_native, which always
+    materializes); on CPU tensors it is the same code a Blackwell server runs."""
     from sglang.srt.layers.moe.topk import TopK
 
     topk = TopK(top_k=2, renormalize=True, layer_id=0)
-    out = topk(x, logits)
+    if not bypass:
+        out = topk(x, logits)
+        return layer(x, out), out
+    if hasattr(topk, "bind_runner_backend"):  # 0.5.23+; before, forward_cuda reads the global backend
+        topk.bind_runner_backend(layer.runner_backend, routing_method_type=layer.routing_method_type)
+    out = topk.forward_cuda(x, logits)
+    assert type(out).__name__ == "BypassedTopKOutput"
     return layer(x, out), out
+
+
+def plugin_prepares(monkeypatch, *formats: str) -> None:
+    """Make the plugin prepare `formats` even where compat/defer.py leaves them to SGLang (upstream right on this
+    release): the plugin's replacement path for those formats — what serves the releases where upstream is wrong —
+    stays tested on every release, the newest included. tests/test_defer.py checks the verdicts themselves."""
+    from sglang_trtllm_moe.compat import defer
+
+    real = defer.verdict
+    monkeypatch.setattr(defer, "verdict", lambda fmt, release=None: None if fmt in formats else real(fmt, release))

@@ -1,0 +1,86 @@
+"""The README's user-facing support table, generated from the same compat-matrix results as docs/COMPAT.md.
+
+Rows are what a user asks ("does FP8 RL updating work on my release?"), columns are release ranges (consecutive
+releases whose answers are all the same), a cell is "yes", "no — upstream lacks it", "no — not yet" or "broken",
+with one short note where it is not a plain yes. The per-test matrix with its reasons stays in docs/COMPAT.md.
+"""
+
+from __future__ import annotations
+
+#: (question, capability keys of tests/support/matrix.py CAPABILITIES that answer it; all must hold)
+ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("serve NVFP4 MoE (ModelOpt, compressed-tensors)", ("nvfp4",)),
+    ("serve FP8 MoE (per-tensor, DeepSeek 128x128 block)", ("fp8",)),
+    ("serve BF16 MoE", ("bf16",)),
+    ("serve MXFP8 / MXFP4 MoE (DeepSeek-V4, gpt-oss)", ("mx",)),
+    ("non-gated relu2 experts (Nemotron-H)", ("relu2",)),
+    ("RL update from disk", ("rl_disk",)),
+    ("RL update from tensors (buckets, sessions)", ("rl_tensor",)),
+    ("RL update of some experts only", ("rl_partial",)),
+    ("RL update from concurrent loader threads", ("threads",)),
+    ("weight checker (snapshot / compare)", ("checker",)),
+    ("auto-select flashinfer_trtllm on SM100", ("auto",)),
+    ("whole models and sglang.Engine (CPU proof)", ("models",)),
+)
+
+
+def _answer(cells: dict, keys: tuple[str, ...]) -> tuple[str, str]:
+    """(answer, note) for one release from its capability cells."""
+    got = [cells[k] for k in keys if k in cells]
+    if not got:
+        return "-", ""
+    for c in got:
+        if c["status"] == "FAIL":
+            return "broken", c["detail"][:80]
+    statuses = {c["status"] for c in got}
+    if statuses <= {"pass", "pass (partly n/a)"}:
+        return "yes", ""
+    if statuses == {"no test"}:
+        return "-", ""
+    detail = "; ".join(c["detail"] for c in got if c["status"] not in ("pass", "pass (partly n/a)"))
+    if "not provided by the plugin" in detail:
+        return "no - not yet", _short(detail, "not provided by the plugin")
+    if "absent upstream" in detail:
+        return "no - upstream lacks it", _short(detail, "absent upstream")
+    return "-", _short(detail, "")
+
+
+def _short(detail: str, after: str) -> str:
+    text = detail.split(after + ":", 1)[1] if after and after + ":" in detail else detail
+    text = text.split(";")[0].split(" (needs")[0].strip()
+    return text[:110] + ("..." if len(text) > 110 else "")
+
+
+def render(data: dict) -> str:
+    releases = [r for r in data["releases"] if "capabilities" in r]
+    if not releases:
+        return ""
+    answers = {r["release"]: [_answer(r["capabilities"], keys) for _, keys in ROWS] for r in releases}
+    # columns: runs of consecutive releases with the same answers in every row
+    groups: list[list[str]] = []
+    for r in releases:
+        rel = r["release"]
+        if groups and [a for a, _ in answers[groups[-1][-1]]] == [a for a, _ in answers[rel]]:
+            groups[-1].append(rel)
+        else:
+            groups.append([rel])
+    heads = [g[0] if len(g) == 1 else f"{g[0]} - {g[-1]}" for g in groups]
+    lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    notes: list[str] = []
+    for i, (question, _) in enumerate(ROWS):
+        cells = []
+        for g in groups:
+            answer, note = answers[g[-1]][i]
+            if note:
+                if note not in notes:
+                    notes.append(note)
+                answer += f" [{notes.index(note) + 1}]"
+            cells.append(answer)
+        lines.append(f"| {question} | " + " | ".join(cells) + " |")
+    out = "\n".join(lines) + "\n"
+    if notes:
+        out += "\n" + "\n".join(f"{i + 1}. {n}" for i, n in enumerate(notes)) + "\n"
+    return out
+
+
+__all__ = ["ROWS", "render"]

@@ -1,0 +1,111 @@
+"""Every named release flag (compat/features.py) against the installed SGLang's own code.
+
+A flag is a claim ("on these releases, SGLang does X"); here each claim is checked by looking at what the installed
+release really has — a class field, a function, a signature, a line of its source. Run on every release of the
+matrix, so a wrong range fails on the release where it is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from sglang_trtllm_moe.compat import features
+
+
+def _has(module: str, attr: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), attr)
+    except ImportError:
+        return False
+
+
+def _source(obj_path: str) -> str:
+    module, _, name = obj_path.rpartition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(inspect.unwrap(obj))
+
+
+def _fields(module: str, cls: str) -> set:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), cls))}
+
+
+def _nvfp4_scales_swapped() -> bool:
+    src = _source("sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE._weight_loader_impl")
+    i = src.index('{"w1": "w3", "w3": "w1"')
+    return "ModelOptNvFp4FusedMoEMethod" in src[max(0, i - 700):i]
+
+
+MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
+TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
+UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
+FP4E = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe"
+
+PROBES = {
+    "NVFP4_W13_SCALE_2_UP_GATE": _nvfp4_scales_swapped,
+    "FP4_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp4MoeQuantInfo"),
+    "FP8_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp8MoeQuantInfo"),
+    "MOE_RUNNER_CONFIG_LAYER": lambda: "layer" in _fields("sglang.srt.layers.moe.moe_runner.base", "MoeRunnerConfig"),
+    "NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS": lambda: "w13_blockscale_swizzled = None" not in _source(
+        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_weights"),
+    "NVFP4_MEGAMOE_LAYOUT": lambda: "use_flashinfer_trtllm_weight_layout" in _source(
+        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.__init__"),
+    "NVFP4_W13_INTERLEAVED_CHECKPOINTS": lambda: "inference_moe_w13_interleaved" in inspect.getsource(
+        importlib.import_module(MODELOPT)),
+    "MODELOPT_FP8_OWN_BACKEND": lambda: "self._moe_runner_backend" in _source(
+        f"{MODELOPT}:ModelOptFp8MoEMethod.create_moe_runner"),
+    "FP8_TRTLLM_ACTIVATION_PARAMS": lambda: "_owns_moe_runner" in inspect.getsource(
+        importlib.import_module("sglang.srt.layers.quantization.fp8")),
+    "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: "trtllm_fp4_block_scale_moe" in _source(
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe:"
+        "CompressedTensorsW4A4Nvfp4MoE.apply_weights"),
+    "WEIGHT_UPDATER": lambda: _has(UPDATER, "WeightUpdater"),
+    "DISTRIBUTED_UPDATE_RENAMED": lambda: _has(UPDATER, "WeightUpdater") and hasattr(
+        importlib.import_module(UPDATER).WeightUpdater, "load_weights_from_distributed"),
+    "UPDATE_SESSIONS": lambda: _has(UPDATER, "WeightUpdater") and hasattr(
+        importlib.import_module(UPDATER).WeightUpdater, "begin_weight_update"),
+    "WEIGHT_CHECKER_COMPARATOR": lambda: _has("sglang.srt.utils.weight_checker", "_build_quantized_set"),
+    "PUBLISHED_SERVER_ARGS": lambda: _has("sglang.srt.runtime_context", "get_server_args"),
+    "PLATFORM_OVERRIDE": lambda: _has("sglang.srt.runtime_context", "override_platform"),
+    "PUBLISH_WITH_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks")
+    and "ranks" in inspect.signature(importlib.import_module("sglang.srt.runtime_context").publish).parameters,
+    "MOE_CONFIG_TAKES_ARGS": lambda: len(inspect.signature(
+        importlib.import_module("sglang.srt.layers.moe.utils").initialize_moe_config).parameters) > 0,
+    "SWIZZLE_MOVES_TO_CUDA": lambda: ".cuda()" in _source("sglang.srt.layers.quantization.utils:swizzle_blockscale"),
+    "WEIGHT_CACHE_CHECK": lambda: _has(UPDATER, "WeightUpdater") and "get_model_runner().server_args.weight_cache_mode" in
+    inspect.getsource(importlib.import_module(UPDATER)),
+    "WEIGHT_CHECKER_TAKES_PS": lambda: "ps" in inspect.signature(
+        importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__).parameters,
+    "SPAWN_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks"),
+    # MX formats
+    "MXFP8_ACTIVATION_PARAMS": lambda: hasattr(importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
+                                               "_prepare_flashinfer_trtllm_activation_params"),
+    "MXFP8_QUANTIZE_IN_FP8_UTILS": lambda: "flashinfer_mxfp8_quantize" in _source(
+        f"{TRTLLM}:fused_experts_none_to_flashinfer_trtllm_fp8"),
+    "MXFP8_NON_GATED_W13_ROWS": lambda: "is_concat=layer.moe_runner_config.is_gated" in inspect.getsource(
+        importlib.import_module("sglang.srt.layers.quantization.fp8")),
+    "FP4_EXPERTS_METHOD": lambda: _has(FP4E, "Mxfp4FlashinferTrtllmMoEMethod"),
+    "FP4_EXPERTS_PADDED_LOAD": lambda: "loaded_shard_size" in _source(
+        "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE._load_w13"),
+    "FP4_EXPERTS_SGLANG_PADS": lambda: _has(FP4E, "_pad_intermediate_size"),
+    "GPTOSS_FI_KERNEL_ATTR": lambda: "_fi_kernel" in _source(
+        "sglang.srt.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__"),
+}
+
+
+def test_every_flag_has_a_probe():
+    assert set(PROBES) == set(features.all_features()), set(PROBES) ^ set(features.all_features())
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_flag_matches_the_installed_release(name):
+    import tests.conftest  # noqa: F401  (torchvision shim: the probes import SGLang modules)
+
+    flag = features.all_features()[name]
+    assert flag.present() == PROBES[name](), f"{name} ({flag.releases}): {flag.why}"
