@@ -46,7 +46,10 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ("auto", "auto-select", (("tests/test_selection.py::test_the_hook_lands", None),
                              ("tests/test_selection.py::test_sglang_resolution", None),
                              ("tests/test_selection.py::test_speculative_draft", None))),
-    ("threads", "concurrent loaders", (("tests/test_concurrency.py", None),)),
+    ("threads", "concurrent loaders", (("tests/test_concurrency.py", None),
+                                       ("tests/test_mxfp8_layer.py::test_concurrent", None),
+                                       ("tests/test_mxfp4_experts_layer.py::test_concurrent", None),
+                                       ("tests/test_mxfp4_gptoss_layer.py::test_concurrent", None))),
     ("defer", "defer table", (("tests/test_defer.py", None),)),
     ("models", "whole models", (("tests/test_models.py", None), ("tests/test_engine.py", None))),
 )
