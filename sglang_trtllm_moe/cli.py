@@ -54,7 +54,7 @@ def _cmd_explain(args) -> int:
 def _cmd_demo(args) -> int:
     from .testing import demo
 
-    return demo.run()
+    return demo.run(arch=args.arch, quant=args.quant)
 
 
 def _cmd_bench(args) -> int:
@@ -88,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
     e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")
     e.set_defaults(func=_cmd_explain)
-    m = sub.add_parser("demo", help="the plugin's whole job on real SGLang objects, on this CPU (a few minutes)")
+    m = sub.add_parser("demo", help="the whole-model RL loop on sglang.Engine(device=\"cpu\"), on this CPU "
+                                    "(a few minutes)")
+    m.add_argument("--arch", default="qwen3_moe", help="qwen3_moe | nemotron_h | deepseek_v3 (tiny NVFP4 model)")
+    m.add_argument("--quant", default="nvfp4", help=argparse.SUPPRESS)
     m.set_defaults(func=_cmd_demo)
     b = sub.add_parser("bench", help="prep and RL-update time vs SGLang's own code in the same run; load_plugins() cost")
     b.add_argument("--json", action="store_true", help="a list of rows with name, plugin_s, upstream_s, ratio, ...")

@@ -45,8 +45,12 @@ def _sglang_resolutions(model_path: str, sm: int | None, server_kwargs: dict) ->
 
 def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, ep_size: int = 1,
                   quantization: str | None = None, a2a_backend: str = "none", enable_eplb: bool = False,
-                  moe_runner_backend: str = "auto", run_sglang: bool = True) -> dict:
-    """The resolution report for a model directory (config.json only), without a GPU."""
+                  moe_runner_backend: str = "auto", run_sglang: bool = True,
+                  server_args: dict | None = None) -> dict:
+    """The resolution report for a model directory (config.json only), without a GPU.
+
+    `server_args`: further ServerArgs fields for SGLang's own resolution (e.g. `disable_radix_cache=True` for a
+    hybrid Mamba model on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform)."""
     import json
     import os
     from dataclasses import asdict
@@ -64,7 +68,8 @@ def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, e
         device = _local_device()
     sglang: dict = {}
     if run_sglang:
-        kwargs = dict(tp_size=tp_size, ep_size=ep_size, moe_runner_backend=moe_runner_backend,
+        kwargs = dict(server_args or {})
+        kwargs.update(tp_size=tp_size, ep_size=ep_size, moe_runner_backend=moe_runner_backend,
                       moe_a2a_backend=a2a_backend, enable_eplb=enable_eplb)
         if quantization is not None:
             kwargs["quantization"] = quantization

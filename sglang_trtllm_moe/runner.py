@@ -55,10 +55,38 @@ def ensure_prepared(layer) -> None:
         layer_state.flush(layer)
 
 
-def routing_kwargs(topk_output, method, runner_config, routed: bool) -> tuple[dict, bool]:
-    """Kernel routing arguments: logits + method (bypassed TopK), or precomputed top-k (routed variant)."""
+def routing_declared(layer) -> bool:
+    """Does the layer say how its router routes? A model class passes `routing_method_type` to FusedMoE (Qwen3-MoE:
+    Renormalize, DeepSeek / Nemotron-H / GLM: DeepSeekV3); Mixtral does not, and SGLang before 0.5.23 then lets the
+    kernel route its logits with a guessed method (FP8: DeepSeekV3, BF16: Default) — the wrong experts."""
+    from .kernel_api import RoutingMethodType
+
+    method = getattr(layer, "routing_method_type", None)
+    return method is not None and int(method) != int(RoutingMethodType.Unspecified)
+
+
+def needs_own_topk(layer, topk_output) -> bool:
+    """A TopK output that leaves routing to the kernel, for a layer that declares no routing method."""
     from sglang.srt.layers.moe.topk import TopKOutputChecker
 
+    return TopKOutputChecker.format_is_bypassed(topk_output) and not routing_declared(layer)
+
+
+def routing_kwargs(topk_output, method, runner_config, routed: bool, hidden=None, layer=None) -> tuple[dict, bool]:
+    """Kernel routing arguments: logits + method (bypassed TopK), or precomputed top-k (routed variant). A layer
+    that declares no routing method gets SGLang's own top-k (`select_experts`, the router its model asked for) and
+    the routed kernel, instead of a guessed in-kernel method."""
+    from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+    if not routed and layer is not None and needs_own_topk(layer, topk_output):
+        import dataclasses
+
+        from sglang.srt.layers.moe.topk import select_experts
+
+        # SGLang's own selection, on the path TopK itself takes on this device (its torch-native one off CUDA)
+        cfg = dataclasses.replace(topk_output.topk_config, torch_native=hidden.device.type != "cuda")
+        topk_output = select_experts(hidden, topk_output.router_logits, cfg)
+        routed = True
     if routed or not TopKOutputChecker.format_is_bypassed(topk_output):
         if hasattr(topk_output, "packed_topk_ids"):
             ids = topk_output.packed_topk_ids
@@ -96,7 +124,7 @@ def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_route
         )
     call = KernelCall(layer, quant_info, runner_config, x, on_kernel, hidden_scale)
     routing, routed = routing_kwargs(dispatch_output.topk_output, fmt.routing_method(call), runner_config,
-                                     use_routed_topk)
+                                     use_routed_topk, hidden=x, layer=None if fmt.routes_in_kernel(call) else layer)
     try:
         kwargs = fmt.kernel_args(call, routing, routed)
     except NotImplementedError as e:
@@ -109,18 +137,22 @@ def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_route
     return StandardCombineInput(hidden_states=out.to(out_dtype))
 
 
-def format_for(leaf: str, runner_config) -> WeightFormat | None:
+def format_for(leaf: str, runner_config, dispatch_output=None) -> WeightFormat | None:
     """The format to run a layer with on SGLang's `leaf` ("fp4" | "fp8" | "bf16"), or None for SGLang's own leaf:
-    a layer the plugin prepared runs on its format; under the emulator, a layer SGLang prepared runs on the format
-    the plugin watches it in (compat/defer.py) or, for NVFP4 and BF16, the one SGLang's layout is."""
+    a layer the plugin prepared runs on its format; a layer SGLang prepared that the plugin watches (compat/defer.py)
+    runs on its format under the emulator, or where SGLang's leaf would guess an undeclared routing method; under the
+    emulator, NVFP4 and BF16 layers SGLang prepared run on the format SGLang's layout is."""
     layer = getattr(runner_config, "layer", None)
     st = layer_state.state_of(layer)
     if st is not None:
         return st.fmt
+    observed = layer_state.observed(layer)
+    if observed is not None and dispatch_output is not None and needs_own_topk(layer, dispatch_output.topk_output):
+        return observed
     if not emulating():
         return None
-    return layer_state.observed(layer) or SGLANG_PREPARED.get(leaf)
+    return observed or SGLANG_PREPARED.get(leaf)
 
 
-__all__ = ["ENV_EMULATE", "KernelUnavailableError", "emulating", "ensure_prepared", "format_for", "run",
-           "routing_kwargs"]
+__all__ = ["ENV_EMULATE", "KernelUnavailableError", "emulating", "ensure_prepared", "format_for", "needs_own_topk",
+           "routing_declared", "routing_kwargs", "run"]

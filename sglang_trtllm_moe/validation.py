@@ -1,111 +1,429 @@
-"""Refuse a weight update that SGLang's loader would turn into wrong bytes, before anything changes.
+"""Refuse a weight update before a byte changes, when SGLang's loader would corrupt the layer or fail half-way.
 
-SGLang's loader narrows by TP rank and `copy_`s, which silently converts dtypes and broadcasts shapes: an RL
-framework sending a float32 tensor into packed-FP4 storage, or a w2 shard labelled w1, would corrupt the expert
-without an error. Called by the loader hook with the layer's lock held, before the layout state changes.
+SGLang's FusedMoE loader narrows by TP rank and `copy_`s: it silently converts dtypes and broadcasts shapes (a
+float32 tensor into packed-FP4 bytes, a w2 scale broadcast over the gate and up scales), zero-fills the rest of a
+short tensor, and raises raw TypeError / IndexError / RuntimeError for a float, str or None expert id or a tensor on
+another device — after the plugin has already returned the expert to checkpoint layout. Every write into a layer
+the plugin manages is checked here first, for every parameter kind the format declares (`formats.base.LoadRule`):
+
+* the parameter is one of the layer's checkpoint parameters (not a kernel scalar the plugin computes), and the
+  `weight_name` does not name another one;
+* the shard id is a str of the parameter's group: w1/w3 for w13 parameters (w1 only when the layer is not gated),
+  w2 for w2 parameters — per-tensor scales and input scales included;
+* the expert id is an int or a 0-dim integer tensor (bool, float, str, None and 1-element tensors are refused) in
+  range: the checkpoint's experts in `FusedMoE.weight_loader`, the local ones (or, for parameters SGLang keeps for
+  every expert, all of them) in `_weight_loader_impl`;
+* the tensor is a torch.Tensor on the parameter's device or the CPU (never meta);
+* its dtype is one the parameter accepts (`LoadRule.accepts_dtype`);
+* its shape: a scale per expert and shard is 0-dim or [1]; a weight or block scale is 2-D, the dimension TP does
+  not split equals the parameter's, the split one is the checkpoint's (the layer's logical intermediate) or the
+  layer's padded extent — anything else (a short tensor SGLang would zero-fill, a long one it would cut) is refused;
+* its values, where the kind has a value rule: per-tensor weight scales, global scales and input scales finite
+  and > 0; block scales kept in 16/32-bit floats finite and >= 0.
+
+Errors are `WeightUpdateRefused` (a ValueError) naming the layer, the parameter, the problem and what is expected.
+`check_write` runs in the FusedMoE.weight_loader hook (before SGLang maps expert ids to EP ranks, so every rank
+refuses the same bad tensor) and again, cheaply, under the layer's lock in `_weight_loader_impl`; `check_bucket`
+runs at the tensor / distributed update entry points over the whole list before anything is loaded.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import threading
+
 import torch
 
-from .layer_state import layer_name, state_of
+from .errors import WeightUpdateRefused
+from .formats.base import POSITIVE, LoadRule
+from .layer_state import layer_name, observed, state_of
 
-_SHARDS = ("w1", "w2", "w3")
+SHARDS = ("w1", "w2", "w3")
+#: checkpoint projection names -> SGLang shard ids (FusedMoE.make_expert_params_mapping of SGLang's model classes)
+PROJECTIONS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
+
+_TLS = threading.local()
 
 
-def param_name(layer, param) -> str | None:
-    for name, p in layer.named_parameters(recurse=False):
+def param_name(layer, param, fmt=None) -> str | None:
+    """The name `param` is registered under in `layer` (a managed name first, for aliases of one Parameter)."""
+    params = getattr(layer, "_parameters", None)
+    items = params.items() if params is not None else layer.named_parameters(recurse=False)
+    first = None
+    for name, p in items:
         if p is param:
-            return name
+            if fmt is None or fmt.load_rule(name) is not None:
+                return name
+            first = first or name
+    return first
+
+
+def expert_index(expert_id) -> int | None:
+    """An expert id as an int: int, numpy integer or 0-dim integer tensor; None for anything else (bool, float,
+    str, None, a tensor of another shape or dtype)."""
+    if isinstance(expert_id, bool):
+        return None
+    if isinstance(expert_id, numbers.Integral):
+        return int(expert_id)
+    if (isinstance(expert_id, torch.Tensor) and expert_id.dim() == 0 and expert_id.device.type != "meta"
+            and not expert_id.dtype.is_floating_point and not expert_id.dtype.is_complex
+            and expert_id.dtype != torch.bool):
+        return int(expert_id)
     return None
 
 
-def validate_shard(layer, name: str, param, loaded: torch.Tensor, shard_id, expert_id) -> None:
-    """Refuse a write that SGLang's loader would turn into wrong bytes, before anything changes.
-
-    SGLang's loader narrows by TP rank and `copy_`s, which silently converts dtypes and broadcasts shapes; an
-    RL framework sending a float32 tensor into packed-FP4 storage, or a w2 shard labelled w1, would corrupt the
-    expert without an error. Checked here: shard id, expert id, dtype of byte-packed storage, and every dimension
-    that the TP split does not touch.
-    """
-    st = state_of(layer)
-    if st is None:
-        return
-    where = f"{layer_name(layer)}: refused weight update of {name} (shard {shard_id!r}, expert {expert_id})"
-    if shard_id not in _SHARDS:
-        raise ValueError(f"{where}: shard id must be one of {_SHARDS}; nothing was written")
-    # Params SGLang keeps for every expert of the model (input scales, `_sglang_require_global_experts`) reach the
-    # loader with the GLOBAL expert id; under EP that id is >= the local count on every rank but the first.
-    n_ids = int(param.shape[0]) if getattr(param, "_sglang_require_global_experts", False) else st.num_experts
-    if expert_id is not None and not (0 <= int(expert_id) < n_ids):
-        raise ValueError(f"{where}: expert id out of range [0, {n_ids}); nothing was written")
-    if check_load_dtype(st.fmt, name, param, loaded, where, layer, expert_id) == "requantized":
-        return  # a fused FP8 shared expert: SGLang requantizes it to the layer's format (its own shapes)
-    group = st.fmt.group_of(name)
-    if group is None:
-        if name in st.fmt.scalar_params and loaded.numel() != 1 and expert_id is not None:
-            raise ValueError(f"{where}: expected one scale per expert and shard, got shape {tuple(loaded.shape)}; nothing was written")
-        return
-    tp = int(getattr(layer, "moe_tp_size", 1) or 1)
-    gated = st.fmt.is_gated(layer)
-    rows, cols = param.shape[1], param.shape[2]
-    if group == "w13":
-        if shard_id == "w2" or (not gated and shard_id == "w3"):
-            raise ValueError(f"{where}: {name} takes shard {'w1/w3' if gated else 'w1'}, not {shard_id!r}; nothing was written")
-        half = rows // 2 if gated else rows
-        ok = loaded.dim() == 2 and loaded.shape[1] == cols and 0 < loaded.shape[0] <= half * tp
-        want = f"[<= {half * tp}, {cols}]"
+def _short(x) -> str:
+    if isinstance(x, torch.Tensor):
+        r = (f"tensor({x.tolist()!r}, dtype={x.dtype})" if x.numel() <= 4 and x.device.type != "meta"
+             else f"tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})")
     else:
-        if shard_id != "w2":
-            raise ValueError(f"{where}: {name} takes shard 'w2', not {shard_id!r}; nothing was written")
-        ok = loaded.dim() == 2 and loaded.shape[0] == rows and 0 < loaded.shape[1] <= cols * tp
-        want = f"[{rows}, <= {cols * tp}]"
-    if not ok:
-        raise ValueError(f"{where}: shape {tuple(loaded.shape)} does not fit, expected {want}; nothing was written")
+        r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
-def check_load_dtype(fmt, name: str, param, loaded: torch.Tensor, where: str, layer=None, expert_id=None):
-    """Refuse a dtype SGLang's loader would value-convert into wrong bytes. A format may declare, per parameter, the
-    checkpoint dtypes its loader writes correctly (`WeightFormat.load_dtypes`: MX scales are UE8M0 bytes that must
-    arrive as uint8, or as float values SGLang itself converts); otherwise byte-sized storage takes its own dtype only."""
-    from .errors import WeightUpdateRefused
+class _Refusal:
+    def __init__(self, layer, name, shard_id, expert_id, what: str | None = None):
+        what = what or f"shard {_short(shard_id)}, expert {_short(expert_id)}"
+        self.where = f"{layer_name(layer)}: refused weight update of {name} ({what})"
 
-    accepted = fmt.load_dtypes.get(name)
-    shared = getattr(fmt, "shared_expert_load_dtypes", {}).get(name)
-    if shared and expert_id is not None and getattr(layer, "_has_fused_shared", False) \
-            and int(expert_id) >= int(getattr(layer, "_num_local_routed", 1 << 30)):
-        if loaded.dtype in shared:
-            return "requantized"  # SGLang requantizes a fused FP8 shared expert itself (FP4 experts)
-    if accepted is None:
-        if param.dtype.itemsize == 1 and loaded.dtype != param.dtype:
-            raise WeightUpdateRefused(
-                f"{where}: dtype {loaded.dtype} cannot be written into {param.dtype} storage (it would be "
-                f"value-converted, not copied); send the checkpoint's {param.dtype} tensor; nothing was written"
-            )
-        return
-    if loaded.dtype not in accepted:
-        raise WeightUpdateRefused(
-            f"{where}: dtype {loaded.dtype} is not a {fmt.title or fmt.name} checkpoint dtype for {name} (SGLang's "
-            f"loader would convert it by value into {param.dtype} storage, not copy it); send one of "
-            f"{[str(d).replace('torch.', '') for d in accepted]}; nothing was written"
-        )
+    def __call__(self, problem: str, expected: str):
+        raise WeightUpdateRefused(f"{self.where}: {problem}; expected {expected}; nothing was written")
 
 
-def validate_fused(layer, name: str, param, loaded: torch.Tensor) -> None:
-    """A write of all experts of one parameter at once (`expert_id=None`: gpt-oss's MXFP4 loader), refused before a
-    byte changes: SGLang's fast path copies it into the top-left corner of the padded parameter, so the dtype must
-    be one the format declares and every dimension must fit (experts exactly, rows and columns at most)."""
-    from .errors import WeightUpdateRefused
-
+def format_of(layer):
+    """The format whose rules writes into `layer` follow: the plugin's (a layer it prepares) or the one it watches
+    (a layer SGLang prepares itself, compat/defer.py); None for every other layer."""
     st = state_of(layer)
-    if st is None:
-        return
-    where = f"{layer_name(layer)}: refused weight update of {name} (all experts at once)"
-    check_load_dtype(st.fmt, name, param, loaded, where, layer, None)
+    return st.fmt if st is not None else observed(layer)
+
+
+def _view(layer, fmt, name: str, param) -> torch.Tensor:
+    """`param` as [experts, rows, cols] for a laid-out parameter (a release may show it in another shape, e.g.
+    SGLang's 4-D BF16 block layout: `WeightFormat.tensor`), as it is for the others."""
+    for p in fmt.params:
+        if p.name == name:
+            return fmt.tensor(layer, p)
+    return param.data
+
+
+def managed_names(layer, fmt) -> list[str]:
+    params = getattr(layer, "_parameters", {})
+    return [n for n in params if fmt.load_rule(n) is not None]
+
+
+def global_expert_count(layer, param) -> int:
+    """How many checkpoint expert ids `FusedMoE.weight_loader` takes for `param`."""
+    if getattr(param, "_sglang_require_global_experts", False):
+        return int(param.shape[0])
+    return int(getattr(layer, "num_experts", 0) or 0) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
+
+
+def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: str = "local"):
+    """Validate one write of SGLang's FusedMoE loader into a managed layer; returns (parameter name, expert id as
+    an int) — or None when the layer or the parameter is not managed by the plugin (SGLang's own behaviour).
+
+    scope "global": `FusedMoE.weight_loader`'s checkpoint expert id; "local": `_weight_loader_impl`'s local (or,
+    for parameters SGLang keeps for every expert, global) id."""
+    fmt = format_of(layer)
+    if fmt is None:
+        return None
+    name = param_name(layer, param, fmt)
+    refuse = _Refusal(layer, name or "a parameter", shard_id, expert_id)
+    if name is None:
+        refuse("the parameter is not one of this layer's", f"one of {managed_names(layer, fmt)}")
+    rule = fmt.load_rule(name)
+    if rule is None:
+        if hasattr(param, "weight_loader"):
+            return None  # a parameter the format does not manage: SGLang's own loader, unchanged
+        refuse(f"{name} is computed by the plugin from the loaded weights and scales, not loaded",
+               f"one of {managed_names(layer, fmt)}")
+    _check_name(layer, fmt, param, name, weight_name, refuse)
+    gated = fmt.is_gated(layer)
+    _check_shard(rule, shard_id, gated, refuse)
+    view = _view(layer, fmt, name, param)
+    e = _check_expert(layer, view, param, expert_id, scope, refuse)
+    if isinstance(loaded, torch.Tensor) and fmt.converted_by_sglang(layer, name, loaded, e, scope):
+        return name, e  # SGLang converts this write itself (its own dtypes and shapes): ids checked above
+    _check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse)
+    return name, e
+
+
+def _check_name(layer, fmt, param, name, weight_name, refuse) -> None:
+    if not isinstance(weight_name, str):
+        refuse(f"weight_name is {type(weight_name).__name__}", "the parameter's name as a str")
+    tail = weight_name.rsplit(".", 1)[-1]
+    if tail != name and fmt.load_rule(tail) is not None and layer._parameters.get(tail) is not param:
+        # SGLang routes a write by substrings of weight_name ("input_scale", "weight_scale_2", "scale", ...)
+        refuse(f"weight_name {weight_name!r} names another parameter ({tail}) than the one passed ({name}), so "
+               "SGLang's loader would write it by the wrong rule", f"weight_name ending in {name!r}")
+
+
+def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse) -> None:
+    allowed = ("w2",) if rule.group == "w2" else (("w1", "w3") if gated else ("w1",))
+    if not isinstance(shard_id, str) or shard_id not in allowed:
+        why = "" if isinstance(shard_id, str) and shard_id in SHARDS else f" (SGLang's shard ids are {SHARDS})"
+        kind = rule.kind.replace("_", " ")
+        refuse(f"{rule.name} ({kind} of the {rule.group} group{'' if gated or rule.group == 'w2' else ', not gated'})"
+               f" does not take shard {shard_id!r}{why}", f"shard {' or '.join(map(repr, allowed))}")
+
+
+def _check_expert(layer, view, param, expert_id, scope: str, refuse) -> int:
+    e = expert_index(expert_id)
+    if e is None:
+        refuse(f"expert id {_short(expert_id)} of type {type(expert_id).__name__} is not an integer expert index",
+               "an int (or a 0-dim integer tensor)")
+    if scope == "global":
+        n = global_expert_count(layer, param)
+        what = "experts of this model"
+    else:
+        global_ids = getattr(param, "_sglang_require_global_experts", False)
+        n = int(view.shape[0])
+        what = "experts kept in this parameter" if global_ids else "local experts of this layer"
+    if n and not 0 <= e < n:
+        refuse(f"expert id {e} is out of range ({n} {what})", f"0 <= expert id < {n}")
+    return e
+
+
+def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
+    """(allowed extents of the TP-split dim of a loaded tensor, a description, the param's per-rank extent)."""
+    per_rank = int(view.shape[1]) // 2 if (rule.group == "w13" and gated) else int(view.shape[1 if rule.group == "w13" else 2])
+    tp = int(getattr(layer, "moe_tp_size", 1) or 1)
+    presharded = bool(getattr(layer, "use_presharded_weights", False))
+    ranks = 1 if presharded else tp
+    padded = per_rank * ranks
+    ref = next((fmt.tensor(layer, p) for p in fmt.params if p.group == "w13"), None)
+    full = getattr(layer, "_trtllm_moe_intermediate", None)
+    if ref is None or not full:
+        return range(1, padded + 1), f"at most {padded}", per_rank
+    ip = int(ref.shape[1]) // (2 if gated else 1)  # the layer's padded per-rank intermediate
+    logical = -(-(int(full) // (tp if presharded else 1)) * per_rank // ip)
+    if logical == padded:
+        return (padded,), f"{padded}", per_rank
+    return (logical, padded), f"{logical} (the checkpoint's) or {padded} (the layer's padded size)", per_rank
+
+
+def _check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None) -> None:
+    """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard."""
+    if not isinstance(loaded, torch.Tensor):
+        refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
+    dev = loaded.device
+    if dev != param.device and dev.type != "cpu":
+        refuse(f"the tensor is on {dev}" + (" (no data)" if dev.type == "meta" else ""),
+               f"a tensor on {param.device}" + ("" if param.device.type == "cpu" else " or on the CPU"))
+    if not rule.accepts_dtype(loaded.dtype, param.dtype):
+        extra = f" or {', '.join(map(str, rule.dtypes))}" if rule.dtypes else ""
+        conv = (" (any 16/32/64-bit float is converted)" if param.dtype.is_floating_point and param.dtype.itemsize >= 2
+                else " (copy_ would value-convert it, not copy the bytes)")
+        refuse(f"dtype {loaded.dtype} cannot be written into {param.dtype} storage{conv}", f"{param.dtype}{extra}")
+    shape = tuple(loaded.shape)
+    if whole is not None:
+        if shape != tuple(whole):
+            refuse(f"shape {shape} of a whole-parameter write", f"{tuple(whole)}")
+    elif rule.scalar:
+        if shape not in ((), (1,)):
+            refuse(f"shape {shape}: {rule.name} holds one {rule.kind.replace('_', ' ')} per expert and shard",
+                   "a 0-dim or [1] tensor")
+    else:
+        extents, want, _ = _intermediate_extents(layer, fmt, rule, view, gated)
+        if rule.group == "w13":
+            fixed_dim, split_dim, fixed = 1, 0, int(view.shape[2])
+            expected = f"[{want}, {fixed}]"
+        else:
+            fixed_dim, split_dim, fixed = 0, 1, int(view.shape[1])
+            expected = f"[{fixed}, {want}]"
+        if len(shape) != 2 or shape[fixed_dim] != fixed or shape[split_dim] not in extents:
+            short = len(shape) == 2 and shape[fixed_dim] == fixed and 0 < shape[split_dim] < max(extents)
+            note = " (SGLang would zero-fill the rest)" if short else ""
+            refuse(f"shape {shape} does not fit {rule.name} {tuple(view.shape)}{note}", expected)
+    rule_values = rule.value_rule(param.dtype)
+    if rule_values is not None and loaded.numel():
+        bad = _bad_value(loaded, rule_values == POSITIVE)
+        if bad is not None:
+            want = "finite and > 0" if rule_values == POSITIVE else "finite and >= 0"
+            refuse(f"{rule.name} value {bad!r} is not a valid {rule.kind.replace('_', ' ')}", f"every value {want}")
+
+
+def _bad_value(t: torch.Tensor, positive: bool):
+    """The first value that is not finite and > 0 (positive) / >= 0, or None."""
+    if t.numel() == 1:  # one scale per expert and shard: a Python float is cheaper than four tensor ops
+        x = float(t.detach().reshape(()))
+        return None if math.isfinite(x) and (x > 0 if positive else x >= 0) else x
+    v = t.detach()
+    if v.dtype.itemsize < 4:
+        v = v.float()
+    ok = torch.isfinite(v) & ((v > 0) if positive else (v >= 0))
+    return None if bool(ok.all()) else v[~ok].flatten()[0].item()
+
+
+# ---- the FusedMoE loader hooks: validated once per call ---------------------------------------------------------
+
+def mark_validated(param, loaded):
+    """`FusedMoE.weight_loader` validated this (param, tensor): `_weight_loader_impl` only re-checks the local id."""
+    prev = getattr(_TLS, "validated", None)
+    _TLS.validated = (param, loaded)
+    return prev
+
+
+def restore_validated(prev) -> None:
+    _TLS.validated = prev
+
+
+def was_validated(param, loaded) -> bool:
+    v = getattr(_TLS, "validated", None)
+    return v is not None and v[0] is param and v[1] is loaded
+
+
+def check_local_expert(layer, param, name, expert_id, shard_id) -> int:
+    """The cheap check in `_weight_loader_impl` after a validated `weight_loader` call: the (local) expert id."""
+    refuse = _Refusal(layer, name, shard_id, expert_id)
+    return _check_expert(layer, _view(layer, format_of(layer), name, param), param, expert_id, "local", refuse)
+
+
+# ---- whole buckets at the tensor / distributed entry points -----------------------------------------------------
+
+class BucketRefused(WeightUpdateRefused):
+    """A whole update bucket refused before any of it was loaded."""
+
+
+def managed_modules(model) -> dict[str, object]:
+    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path and the
+    checkpoint prefix SGLang's model code built it with (the same in SGLang's models; a wrapper may differ)."""
+    out = {}
+    for path, m in model.named_modules():
+        if format_of(m) is not None:
+            out[path] = m
+            prefix = getattr(m, "_trtllm_moe_prefix", None)
+            if prefix:
+                out.setdefault(prefix, m)
+    return out
+
+
+def _resolve(layer, rest: str):
+    """A checkpoint name below a managed layer, "<expert>.<projection>.<suffix>" -> (param name, shard id, expert
+    id); None when it is not of that form."""
+    parts = rest.split(".")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in PROJECTIONS:
+        return None
+    shard = PROJECTIONS[parts[1]]
+    if shard == "w3" and not format_of(layer).is_gated(layer):
+        shard = "w1"  # non-gated checkpoints name their one GEMM1 projection up_proj; SGLang loads it as w1
+    return f"{'w2' if shard == 'w2' else 'w13'}_{parts[2]}", shard, int(parts[0])
+
+
+def _check_full(layer, fmt, pname, param, tensor, name) -> None:
+    """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts.
+    Its shape: the parameter's [experts, rows, cols] view where the plugin manages the layer (it returns the group
+    to checkpoint layout, and that shape, before SGLang writes), else the parameter's shape as SGLang shows it."""
+    refuse = _Refusal(layer, pname, None, None, what=f"whole-parameter write {name!r}")
+    view = _view(layer, fmt, pname, param)
+    whole = view.shape if state_of(layer) is not None else param.shape
+    _check_tensor(layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole)
+
+
+def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset()) -> list:
+    """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
+    one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
+    below a managed layer that no parameter of it takes are refused too; other names are left to SGLang.
+
+    direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
+    direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
+    bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
+    skip: ids of tensors already checked (the same objects, handed on by SGLang)."""
+    layers = managed_modules(model)
+    if not layers:
+        return []
+    problems, writes = [], []
+    for item in named_tensors:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
+            continue
+        name, tensor = item
+        if skip and id(tensor) in skip:
+            continue
+        path, _, pname = name.rpartition(".")
+        layer = layers.get(path)
+        if layer is not None:  # "<layer>.<param>"
+            fmt = format_of(layer)
+            param = layer._parameters.get(pname)
+            if param is None:
+                if direct:
+                    problems.append(f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
+                                    f"(its checkpoint parameters: {managed_names(layer, fmt)})")
+                continue
+            own = param_name(layer, param, fmt)
+            if fmt.load_rule(own) is None:
+                continue  # a parameter the format does not load (kernel scalars): SGLang's behaviour
+            if not direct:
+                problems.append(f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
+                                f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
+                                f"through load_format='direct'")
+                continue
+            try:
+                _check_full(layer, fmt, own, param, tensor, name)
+                writes.append((layer, own))
+            except WeightUpdateRefused as e:
+                problems.append(str(e))
+            continue
+        if direct:
+            continue
+        head = name.rsplit(".", 3)
+        layer = layers.get(head[0]) if len(head) == 4 else None
+        if layer is None:
+            continue
+        hit = _resolve(layer, name[len(head[0]) + 1:])
+        if hit is None:
+            continue
+        pname, shard, expert = hit
+        fmt = format_of(layer)
+        param = layer._parameters.get(pname)
+        if param is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
+            problems.append(f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
+                            f"(its checkpoint parameters: {managed_names(layer, fmt)})")
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            continue  # unwrapped later by SGLang; the per-shard check applies
+        try:
+            check_write(layer, param, tensor, name, shard, expert, scope="global")
+        except WeightUpdateRefused as e:
+            problems.append(str(e))
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise BucketRefused(
+            f"refused the whole weight-update bucket ({len(named_tensors)} tensors, {len(problems)} refused): "
+            + " | ".join(problems[:3]) + more + "; nothing of this bucket was written")
+    return writes
+
+
+# ---- fused all-expert writes (gpt-oss MXFP4) ---------------------------------------------------------------------
+
+def validate_fused(layer, name: str, param, loaded) -> None:
+    """A write of all experts of one parameter at once (`expert_id=None`, shard None: gpt-oss's MXFP4 loader) into
+    a format declared `fused`, refused before a byte changes: SGLang's fast path copies it into the top-left corner
+    of the padded parameter, so it must be a tensor on the parameter's device or the CPU, of a dtype the parameter's
+    rule accepts, with exactly the layer's experts and every other dimension at most the parameter's (a bias
+    [E, rows], a weight or block scale [E, rows, cols]), and valid values where the rule has a value rule."""
+    fmt = format_of(layer)
+    refuse = _Refusal(layer, name, None, None, what="all experts at once")
+    rule = fmt.load_rule(name) if fmt is not None else None
+    if rule is None:
+        refuse(f"{name} is not one of this layer's checkpoint parameters", f"one of {managed_names(layer, fmt)}")
+    if not isinstance(loaded, torch.Tensor):
+        refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
+    if loaded.device != param.device and loaded.device.type != "cpu":
+        refuse(f"the tensor is on {loaded.device}", f"a tensor on {param.device} or on the CPU")
+    if not rule.accepts_dtype(loaded.dtype, param.dtype):
+        extra = f" or {', '.join(map(str, rule.dtypes))}" if rule.dtypes else ""
+        refuse(f"dtype {loaded.dtype} cannot be written into {param.dtype} storage (copy_ would value-convert it, "
+               "not copy the bytes)" if param.dtype.itemsize == 1 else f"dtype {loaded.dtype} is not a float dtype",
+               f"{param.dtype}{extra}")
     fits = loaded.dim() == param.dim() and loaded.shape[0] == param.shape[0] and all(
         0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:]))
     if not fits:
-        raise WeightUpdateRefused(
-            f"{where}: shape {tuple(loaded.shape)} does not fit {tuple(param.shape)} (experts equal, every other "
-            "dimension at most the parameter's); nothing was written")
+        refuse(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}",
+               "the layer's experts exactly, every other dimension at most the parameter's")
+    values = rule.value_rule(param.dtype)
+    if values is not None and loaded.numel():
+        bad = _bad_value(loaded, values == POSITIVE)
+        if bad is not None:
+            refuse(f"{name} value {bad!r} is not finite" + (" and > 0" if values == POSITIVE else " and >= 0"),
+                   "finite values")

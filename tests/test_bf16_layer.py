@@ -296,3 +296,26 @@ def test_real_kernel_matches_emulator_on_sm100(spec, monkeypatch):
     monkeypatch.setattr(runner, "emulating", lambda: True)
     emulated, _ = _forward(layer, x, logits)
     assert rel(kernel, emulated.float()) < 0.01
+
+
+def test_undeclared_routing_method_gets_sglangs_own_topk(monkeypatch):
+    """Mixtral declares no routing method; SGLang before 0.5.23 then lets the kernel route a bypassed TopK with a
+    guessed method (BF16: Default = softmax over all experts, no renormalization: the wrong weights). The plugin
+    runner takes SGLang's own top-k for such a layer (select_experts, what the model's TopK asked for): the bypassed
+    forward equals the materialized one."""
+    monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
+    spec = cpu_layers.MoeSpec(intermediate=128, fmt="bf16")
+    layer = prepared_layer(spec)
+    assert getattr(layer, "routing_method_type", None) is None  # as Mixtral builds it
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, spec.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(8, spec.num_experts, generator=g)
+    materialized, _ = sglang_runtime.forward(layer, x, logits)
+    try:
+        bypassed, _ = sglang_runtime.forward(layer, x, logits, bypass=True)
+    except AssertionError:
+        from sglang_trtllm_moe.compat import installed_version
+
+        pytest.skip(f"sglang {installed_version()}: TopK does not leave an undeclared router to the kernel here "
+                    "(it materializes the top-k itself, the path the other tests take)")
+    assert torch.equal(bypassed, materialized)

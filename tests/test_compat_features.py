@@ -51,7 +51,8 @@ PROBES = {
     "NVFP4_W13_SCALE_2_UP_GATE": _nvfp4_scales_swapped,
     "FP4_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp4MoeQuantInfo"),
     "FP8_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp8MoeQuantInfo"),
-    "MOE_RUNNER_CONFIG_LAYER": lambda: "layer" in _fields("sglang.srt.layers.moe.moe_runner.base", "MoeRunnerConfig"),
+    "MOE_RUNNER_CONFIG_LAYER": lambda: "layer=self," in _source(
+        "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.__init__").split("MoeRunnerConfig(", 1)[-1][:1500],
     "NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS": lambda: "w13_blockscale_swizzled = None" not in _source(
         f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_weights"),
     "NVFP4_MEGAMOE_LAYOUT": lambda: "use_flashinfer_trtllm_weight_layout" in _source(

@@ -1,54 +1,131 @@
 """Whole SGLang models on CPU, driven the way RL frameworks drive them (issue #19; #20 in test_model_threaded_load).
 
-Each (architecture, format) runs in its own process (tests/support/model_worker.py: SGLang's process state is built
-for one model): SGLang's own ModelRunner loads a tiny real checkpoint (testing/checkpoints.py) through get_model(),
-the plugin prepares every MoE layer, and every RL flow runs through the runner's WeightUpdater as SGLang's scheduler
-calls it. After each flow the whole model (every parameter and buffer, byte for byte) equals a fresh get_model() of
-the checkpoint that was intended, every data_ptr is kept, every MoE layer is clean. The forward is compared with
-transformers' own model class on the float32 dequantized checkpoint.
+Every model runs in a process of its own, forked from one parent that imported SGLang once
+(tests/support/model_worker.py `--jobs all`): SGLang's own ModelRunner loads a tiny real checkpoint
+(testing/checkpoints.py) through get_model() with `--moe-runner-backend auto` on a faked SM100, the plugin's
+auto-selection picks the runner, the plugin prepares every MoE layer, and every RL flow runs through the runner's
+WeightUpdater as SGLang's scheduler calls it. After each flow the whole model (every parameter and buffer, byte for
+byte) equals a fresh get_model() of the checkpoint that was intended, every data_ptr is kept, every MoE layer is
+clean. The forward is compared with transformers' own model class on the float32 dequantized checkpoint. `explain`
+names the runner every built FusedMoE layer really got; for the quantized Mixtral SGLang builds without FusedMoE it
+says so instead of naming a winner.
 
-Full flows for the NVFP4 checkpoint of each architecture (BF16 for Mixtral: SGLang builds quantized Mixtral other
-than fp8 / compressed-tensors as QuantMixtralForCausalLM, without FusedMoE); load, forward, disk and tensor updates
-and greedy tokens for the other formats SGLang builds with FusedMoE on this box.
+Models (model_worker.JOBS): each architecture with its NVFP4 and FP8 checkpoint where SGLang builds FusedMoE layers
+for it — Qwen3-MoE, DeepSeek-V3 (128x128 block FP8, its own recipe), Nemotron-H (relu2) — and Mixtral BF16 +
+FP8 (`quant_method: fp8`); Mixtral NVFP4 is SGLang's QuantMixtralForCausalLM (no FusedMoE). Every flow for every
+one of them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from .support.helpers import REPO, last_json
+from .support.model_worker import JOBS, job_key
 
-pytestmark = pytest.mark.sglang(">=0.5.23", reason="testing.models spells SGLang's runner set-up of 0.5.23 "
-                                                   "(bench_one_batch flow: bootstrap.init_parallel_runtime)")
+pytestmark = pytest.mark.sglang(">=0.5.21", reason="testing.models spells SGLang's runner set-up of 0.5.21+ "
+                                                   "(bench_one_batch flow: bootstrap.init_parallel_runtime, "
+                                                   "runtime_context.publish); older releases set up the process "
+                                                   "differently")
 
-FULL = {"qwen3_moe": "nvfp4", "deepseek_v3": "nvfp4", "nemotron_h": "nvfp4", "mixtral": "bf16"}
-BASIC_CHECKS = ("load", "forward", "disk_full", "tensor_buckets", "greedy")
-BASIC = (("qwen3_moe", "fp8"), ("nemotron_h", "fp8"), ("mixtral", "fp8_static"))
+#: models SGLang builds with FusedMoE layers, and the one it builds without
+FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4")]
+FUSED_IDS = [job_key(a, q) for a, q in FUSED]
 
 #: relative error of the prefill next-token logits vs transformers (float32, dequantized experts), measured on this
 #: box with the emulated kernels (docs/TESTING.md), asserted with ~1.5x margin. NVFP4 quantizes the activations to
-#: FP4 at both GEMMs (W4A4), FP8 to e4m3 with static scales: those dominate; BF16 rounds the activations only.
+#: FP4 at both GEMMs (W4A4), FP8 to e4m3 (static per-tensor scales, or dynamic per 1x128 block): those dominate;
+#: BF16 rounds the activations only.
 FORWARD_BOUND = {
     ("qwen3_moe", "nvfp4"): 0.22, ("deepseek_v3", "nvfp4"): 0.22, ("nemotron_h", "nvfp4"): 0.25,
     ("mixtral", "bf16"): 0.04, ("qwen3_moe", "fp8"): 0.08, ("nemotron_h", "fp8"): 0.1, ("mixtral", "fp8_static"): 0.11,
+    ("deepseek_v3", "fp8_block"): 0.055,
 }
+
+FULL_FLOWS = ("disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket", "tensor_split_shards",
+              "session_direct", "distributed", "random_rounds", "weight_checker", "greedy")
+
+#: what is known not to work on older releases, by cause: (release specifier, formats, checks, reason). A test of a
+#: listed (release, format, check) is a strict xfail: it must fail, so a fix shows up as a failure to remove here.
+_RUNNER_LAYER = ("plugin bug before 0.5.22: runner.format_for finds the plugin's layer through MoeRunnerConfig.layer, "
+                 "which FusedMoE sets only from 0.5.22 (layers/moe/fused_moe_triton/layer.py, MoeRunnerConfig(..., "
+                 "layer=self)); on 0.5.21 every prepared layer runs on SGLang's own leaf instead: FP8 per-tensor with "
+                 "the plugin's per-expert input scales (scaled_fp8_quant asserts a scalar scale), FP8 block through "
+                 "SGLang's triton quantizer, Nemotron-H NVFP4 (relu2) numerically off (rel. error 0.72) - on a GPU "
+                 "as on this box")
+_MIXTRAL_ROUTING = ("SGLang before 0.5.23: TopK is bypassed for flashinfer_trtllm and Fp8MoEMethod passes "
+                    "routing_method_type = layer.routing_method_type or DeepSeekV3 (quantization/fp8.py), so Mixtral "
+                    "(no routing method of its own) is routed by DeepSeekV3's sigmoid rule in the kernel (rel. error "
+                    "0.58); 0.5.23 keeps SGLang's own top-k for such layers. The plugin auto-selects flashinfer_trtllm "
+                    "for it there (flashinfer_trtllm_routed would take SGLang's top-k)")
+_OBSERVED_UNVALIDATED = ("plugin bug (since compat/defer.py): validation.validate_shard returns at once for a layer "
+                         "it does not prepare (`st = state_of(layer); if st is None: return`), so layers deferred "
+                         "to SGLang and only observed (layer_state.observe: 'still validates writes') are not "
+                         "validated: a float32 tensor is value-converted into DeepSeek's FP8 block storage")
+_BF16_DISK_RESTORE = ("SGLang prepares BF16 itself from 0.5.23 (compat/defer.py): a disk update restores every layer "
+                      "to checkpoint layout first (restore_weights_before_loading), the malformed tensor fails in "
+                      "SGLang's copy_ (the plugin does not validate observed layers), and the rollback re-reads the "
+                      "same failing path (weight_updater.py:193, :230-237), so no layer is prepared again: the model "
+                      "is left in checkpoint layout")
+_BLOCK_CHECKER_CPU = ("the weight checker on DeepSeek FP8 block, which SGLang prepares itself (compat/defer.py): "
+                      "SGLang's Fp8BlockComparable.iter_chunks moves every chunk with .cuda() "
+                      "(utils/weight_checker_comparator.py:105); the plugin keeps chunks on a CPU host only for "
+                      "RawComparable (builtins/checker_hooks.py raw_iter_chunks), so on a CPU host (the emulator) "
+                      "the checker cannot compare these layers")
+KNOWN = (
+    ("", {"deepseek_v3:fp8_block"}, {"weight_checker"}, _BLOCK_CHECKER_CPU),
+    ("", {"deepseek_v3:fp8_block"}, {"refused:wrong_dtype/tensor", "refused:wrong_dtype/disk"}, _OBSERVED_UNVALIDATED),
+    (">=0.5.23", {"mixtral:bf16"}, {"refused:extra_column/disk"}, _BF16_DISK_RESTORE),
+    ("<0.5.22", {"qwen3_moe:fp8", "nemotron_h:fp8", "mixtral:fp8_static", "deepseek_v3:fp8_block"},
+     {"forward", "random_rounds", "greedy"}, _RUNNER_LAYER),
+    ("<0.5.22", {"nemotron_h:nvfp4"}, {"forward"}, _RUNNER_LAYER),
+    ("<0.5.23", {"mixtral:fp8_static"}, {"forward"}, _MIXTRAL_ROUTING),
+)
+
+
+def _release():
+    from packaging.version import Version
+
+    from sglang_trtllm_moe.compat.releases import installed_version
+
+    return Version(installed_version().base_version)
+
+
+def known(request, arch: str, quant: str, check: str) -> None:
+    """Mark this test a strict xfail where KNOWN lists (release, model, check)."""
+    from packaging.specifiers import SpecifierSet
+
+    for spec, jobs, checks, reason in KNOWN:
+        if _release() in SpecifierSet(spec) and job_key(arch, quant) in jobs and check in checks:
+            request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+            return
+
 
 _REPORTS: dict = {}
 
 
-def report(arch: str, quant: str, checks=None) -> dict:
-    key = (arch, quant, checks)
-    if key not in _REPORTS:
-        cmd = [sys.executable, "-m", "tests.support.model_worker", arch, quant]
-        if checks:
-            cmd += ["--checks", ",".join(checks)]
-        proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=900)
-        _REPORTS[key] = last_json(proc)
-    return _REPORTS[key]
+def reports() -> dict:
+    """Every model's report, from one `model_worker --jobs all` run (about a minute on a 2-core box)."""
+    if not _REPORTS:
+        cmd = [sys.executable, "-m", "tests.support.model_worker", "--jobs", "all"]
+        proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
+        _REPORTS.update(last_json(proc))
+        _REPORTS["_stderr_tail"] = proc.stderr[-3000:]
+    return _REPORTS
+
+
+def report(arch: str, quant: str) -> dict:
+    rep = reports().get(job_key(arch, quant))
+    assert rep is not None, f"no report for {arch}:{quant}\n{reports().get('_stderr_tail')}"
+    assert "_crash" not in rep, f"{rep['_crash']}\n{reports().get('_stderr_tail')}"
+    return rep
 
 
 def _check(rep: dict, name: str) -> dict:
@@ -58,38 +135,107 @@ def _check(rep: dict, name: str) -> dict:
     return res
 
 
-FULL_FLOWS = ("disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket", "tensor_split_shards",
-              "session_direct", "distributed", "random_rounds", "weight_checker", "greedy")
-
-
-@pytest.mark.parametrize("arch", sorted(FULL))
-def test_model_loads_with_every_moe_layer_managed(arch):
-    res = _check(report(arch, FULL[arch]), "load")
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_model_loads_with_every_moe_layer_managed(arch, quant):
+    """Every FusedMoE layer is prepared by the plugin, or (compat/defer.py) by SGLang and observed by the plugin."""
+    res = _check(report(arch, quant), "load")
     assert res["moe_layers"], "no FusedMoE layer was built"
 
 
-@pytest.mark.parametrize("arch", sorted(FULL))
-def test_model_forward_matches_transformers(arch):
-    res = _check(report(arch, FULL[arch]), "forward")
-    assert res["rel_err"] <= FORWARD_BOUND[(arch, FULL[arch])], res
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_model_forward_matches_transformers(request, arch, quant):
+    known(request, arch, quant, "forward")
+    res = _check(report(arch, quant), "forward")
+    assert res["rel_err"] <= FORWARD_BOUND[(arch, quant)], res
 
 
 @pytest.mark.parametrize("flow", FULL_FLOWS)
-@pytest.mark.parametrize("arch", sorted(FULL))
-def test_model_rl_flow_equals_fresh_load(arch, flow):
-    _check(report(arch, FULL[arch]), flow)
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_model_rl_flow_equals_fresh_load(request, arch, quant, flow):
+    known(request, arch, quant, flow)
+    _check(report(arch, quant), flow)
 
 
-@pytest.mark.parametrize("arch,quant", BASIC, ids=[f"{a}-{q}" for a, q in BASIC])
-def test_model_other_formats(arch, quant):
-    rep = report(arch, quant, BASIC_CHECKS)
-    for name in BASIC_CHECKS:
-        _check(rep, name)
-    assert rep["forward"]["rel_err"] <= FORWARD_BOUND[(arch, quant)], rep["forward"]
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_explain_names_the_runner_every_built_layer_gets(arch, quant):
+    """explain's verdict (faked SM100) == SGLang's resolution with the plugin == the runner backend of every
+    FusedMoE layer the model was built with, and the plugin manages each of them."""
+    res = _check(report(arch, quant), "explain")
+    assert res["explain"]["code"] in ("AUTO_SELECTED", "UPSTREAM_AGREES"), res
+    assert set(res["built"].values()) == {res["explain"]["winner"]} == {res["server_args_moe_runner_backend"]}
+
+
+def test_quantized_mixtral_is_built_without_fused_moe_and_explain_says_so():
+    """Mixtral NVFP4 (ModelOpt) is QuantMixtralForCausalLM in SGLang: per-expert linear layers, no FusedMoE. explain
+    must not name a winner (NO_FUSED_MOE, no candidates) and the plugin must leave SGLang's resolution alone."""
+    res = _check(report("mixtral", "nvfp4"), "built_without_fused_moe")
+    assert res["model_class"] == "QuantMixtralForCausalLM" and res["fused_moe_layers"] == []
+    assert res["explain"]["code"] == "NO_FUSED_MOE"
+    assert res["sglang"]["with_plugin"] == res["sglang"]["upstream_alone"]
 
 
 def test_model_threaded_load_deepseek_nvfp4_ten_runs():
     """Issue #20: DeepSeek-V3 NVFP4 update_weights_from_disk A->B with SGLang's default threaded loading (one pool
     task per CPU tensor) equals a fresh load of B in every one of 10 runs, storage kept, and the pool really wrote."""
-    res = _check(report("deepseek_v3", "nvfp4", ("threaded_disk_ab",)), "threaded_disk_ab")
+    res = _check(report("deepseek_v3", "nvfp4"), "threaded_disk_ab")
     assert res["runs"] >= 10 and res["async_load_on_cpu"] and res["pool_used_every_run"]
+
+
+# ---- malformed updates ---------------------------------------------------------------------------------------------
+
+
+def _refused(arch, quant) -> dict:
+    res = report(arch, quant)["refused_updates"]
+    assert "cases" in res, res
+    assert res["restored"], res  # the intended checkpoint loads again over whatever the cases left
+    return res["cases"]
+
+
+@pytest.mark.parametrize("case", ("extra_column/tensor", "extra_column/disk", "wrong_dtype/tensor", "wrong_dtype/disk"))
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_malformed_update_is_refused_before_a_byte_changes(request, arch, quant, case):
+    """A tensor the loader would value-convert (float32 into byte storage) or broadcast (one column too many) is
+    refused, by tensor and by disk, and the model is untouched."""
+    cases = _refused(arch, quant)
+    if case not in cases:
+        pytest.skip(f"{quant} weights are not byte storage: a float32 tensor is converted like a load")
+    known(request, arch, quant, f"refused:{case}")
+    c = cases[case]
+    assert c["refused"] and not c["changed"], c
+
+
+@pytest.mark.xfail(strict=True, reason="plugin bug: validation.validate_shard accepts any length up to the shard along "
+                                       "the TP-split dimension (`0 < rows <= half * tp`, `cols <= cols * tp`), so a "
+                                       "w1/w3 one row short (or a w2 one column short) is written and the old last "
+                                       "row stays: a silently mixed expert. The exact unpadded size per rank is known")
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_update_one_row_short_is_refused(arch, quant):
+    cases = _refused(arch, quant)
+    for how in ("tensor", "disk"):
+        c = cases[f"missing_row/{how}"]
+        assert c["refused"] and not c["changed"], (how, c)
+
+
+@pytest.mark.xfail(strict=True, reason="plugin: a refusal is per tensor; the tensors of the same request written "
+                                       "before the malformed one stay written (DESIGN: 'refused before a byte "
+                                       "changes'). Validating the whole request at the update entry point would "
+                                       "keep it atomic")
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_refused_request_writes_nothing(arch, quant):
+    cases = _refused(arch, quant)
+    for how in ("tensor", "disk"):
+        c = cases[f"mixed/{how}"]
+        assert c["refused"] and not c["changed"], (how, c)
+
+
+@pytest.mark.xfail(strict=True, reason="SGLang 0.5.23: update_weights_from_tensor does not catch loader exceptions "
+                                       "(model_runner_components/weight_updater.py: load_weights outside try), so a "
+                                       "refusal escapes the scheduler and sglang.Engine exits (SIGQUIT); the disk "
+                                       "path's rollback re-reads the new checkpoint (model_config.model_path is set "
+                                       "before loading) and raises again. The plugin could return its refusal as "
+                                       "(False, message) at the entry points it already hooks")
+@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+def test_refused_update_is_reported_not_raised(arch, quant):
+    cases = _refused(arch, quant)
+    for key in ("extra_column/tensor", "extra_column/disk"):
+        assert cases[key]["returned_failure"], (key, cases[key])

@@ -75,16 +75,21 @@ NEMOTRON_KW = {"disable_radix_cache": True}  # the mamba extra_buffer snapshot c
 
 #: (id, arch, quant, sm, ServerArgs kwargs, upstream alone, with the plugin, plugin decision code)
 CASES = [
-    ("mixtral-nvfp4", "mixtral", "nvfp4", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
-    ("mixtral-modelopt_fp8", "mixtral", "modelopt_fp8", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
+    # quantized Mixtral other than fp8 / compressed-tensors is QuantMixtralForCausalLM (no FusedMoE): no winner,
+    # whatever the platform, the switch or an explicit flag say (model_loader/utils.py get_model_architecture)
+    ("mixtral-nvfp4", "mixtral", "nvfp4", 100, {}, "auto", "auto", Code.NO_FUSED_MOE),
+    ("mixtral-modelopt_fp8", "mixtral", "modelopt_fp8", 100, {}, "auto", "auto", Code.NO_FUSED_MOE),
     ("mixtral-fp8_block", "mixtral", "fp8_block", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
+    ("mixtral-ct_nvfp4", "mixtral", "ct_nvfp4", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
     ("mixtral-bf16", "mixtral", "bf16", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
     ("mixtral-fp8_tensor", "mixtral", "fp8_tensor", 100, {}, "auto", "auto", Code.NO_ELIGIBLE_BACKEND),
-    ("mixtral-nvfp4-sm120", "mixtral", "nvfp4", 120, {}, "auto", "auto", Code.NOT_SM100),
+    ("mixtral-nvfp4-sm120", "mixtral", "nvfp4", 120, {}, "auto", "auto", Code.NO_FUSED_MOE),
     ("mixtral-nvfp4-sm120-q", "mixtral", "nvfp4", 120, {"quantization": "modelopt_fp4"},
-     "flashinfer_cutlass", "flashinfer_cutlass", Code.NOT_SM100),
-    ("mixtral-nvfp4-sm90", "mixtral", "nvfp4", 90, {}, "auto", "auto", Code.NOT_SM100),
+     "flashinfer_cutlass", "flashinfer_cutlass", Code.NO_FUSED_MOE),
+    ("mixtral-bf16-sm90", "mixtral", "bf16", 90, {}, "auto", "auto", Code.NOT_SM100),
     ("mixtral-nvfp4-explicit", "mixtral", "nvfp4", 100, {"moe_runner_backend": "triton"}, "triton", "triton",
+     Code.NO_FUSED_MOE),
+    ("mixtral-fp8_block-explicit", "mixtral", "fp8_block", 100, {"moe_runner_backend": "triton"}, "triton", "triton",
      Code.EXPLICIT),
     ("qwen2_moe-modelopt_fp8", "qwen2_moe", "modelopt_fp8", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
     ("qwen3_moe-nvfp4", "qwen3_moe", "nvfp4", 100, {}, "flashinfer_trtllm", "flashinfer_trtllm", Code.UPSTREAM_AGREES),
@@ -230,7 +235,7 @@ def sglang_runs(tmp_path_factory):
     asserts = [(f"{b}|{q}", _write_model(root, "mixtral", q), 100,
                 {"moe_runner_backend": b, "quantization": SGLANG_QUANT_NAME[q]}) for b, q in ASSERT_CASES]
     spec = json.dumps({"cases": cases, "asserts": asserts})
-    mixtral = _write_model(root, "mixtral", "nvfp4")
+    mixtral = _write_model(root, "mixtral", "fp8_block")
 
     def explain():
         return subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model", mixtral, "--sm", "100",
@@ -250,6 +255,7 @@ def sglang_runs(tmp_path_factory):
         assert proc.returncode == 0, f"{k}: {proc.stderr[-3000:]}"
         out[k] = last_json(proc)
     out["model_dir"] = mixtral
+    out["quant_mixtral_dir"] = _write_model(root, "mixtral", "nvfp4")
     return out
 
 
@@ -285,7 +291,7 @@ def test_sglang_resolution_with_and_without_plugin(sglang_runs, cid, arch, quant
         assert target[0]["winner"] == target[0]["upstream"]
     # the switch: SGLANG_TRTLLM_MOE_AUTO=0 gives SGLang's own answer (checked above), and says so
     assert [d["code"] for d in off["decisions"] if d["what"] == "target"] == [
-        Code.EXPLICIT if code == Code.EXPLICIT else Code.AUTO_DISABLED]
+        code if code in (Code.EXPLICIT, Code.NO_FUSED_MOE) else Code.AUTO_DISABLED]
     if expected.startswith("flashinfer_trtllm"):
         # SGLang's own step ran on our choice: its shared-expert-fusion disable for trtllm runners fired
         assert plug["disable_shared_experts_fusion"] is True
@@ -334,7 +340,32 @@ def test_explain_cli_json(sglang_runs):
     assert r["upstream"] == "auto" and r["changed"] is True
     fp = r["fingerprint"]
     assert fp["sm"] == 100 and fp["sglang"] == str(_release()) and fp["flashinfer"] and len(fp["id"]) == 12
-    assert r["problem"]["architecture"] == "MixtralForCausalLM" and r["problem"]["quantization"] == "modelopt_fp4"
+    assert r["problem"]["architecture"] == "MixtralForCausalLM" and r["problem"]["quantization"] == "fp8"
+    assert r["problem"]["weight_block_size"] == [128, 128] and r["problem"]["no_fused_moe"] is None
+
+
+def test_explain_says_when_sglang_builds_no_fused_moe(sglang_runs):
+    """Mixtral NVFP4 is built as QuantMixtralForCausalLM: explain names no winner and no candidate (the whole-model
+    check that SGLang really builds it so is tests/test_models.py)."""
+    proc = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model",
+                           sglang_runs["quant_mixtral_dir"], "--sm", "100", "--no-sglang"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no FusedMoE layer  [NO_FUSED_MOE]" in proc.stdout and "QuantMixtralForCausalLM" in proc.stdout
+    assert "winner:" not in proc.stdout and "candidates:" in proc.stdout and "eligible" not in proc.stdout
+    for quant, fused in (("nvfp4", False), ("modelopt_fp8", False), ("fp8_block", True), ("ct_nvfp4", True),
+                         ("bf16", True)):
+        cfg = dict(BASE, **ARCHS["mixtral"])
+        if QUANTS[quant]:
+            cfg["quantization_config"] = QUANTS[quant]
+        p = sel.problem_from_hf_config(cfg)
+        assert (p.no_fused_moe is None) == fused, quant
+        r = resolve(p, SM100, upstream="auto")
+        assert (r.code == Code.NO_FUSED_MOE) == (not fused) and (fused or (r.winner == "auto" and not r.candidates))
+    # the rule is SGLang's model class choice, not the checkpoint: --quantization decides as it does in SGLang
+    cfg = dict(BASE, **ARCHS["mixtral"])
+    assert sel.problem_from_hf_config(cfg, quantization="modelopt_fp4").no_fused_moe
+    assert sel.problem_from_hf_config(dict(BASE, **ARCHS["qwen3_moe"], quantization_config=NVFP4)).no_fused_moe is None
 
 
 def test_explain_cli_text_rules_only(sglang_runs):

@@ -15,8 +15,8 @@ into comparables, `compare_weights(expect, actual)` compares pairs. Our hooks, o
 * `WeightChecker._snapshot` (AROUND): remembers which experts each snapshot tensor held prepared, so a snapshot
   taken in another layout (before the plugin prepared the layer, or mid-update) is undone correctly; the copy and
   the record happen with every managed layer's lock held, so no concurrent writer changes a layout in between;
-* `RawComparable.iter_chunks` (AROUND): SGLang moves every chunk with `.cuda()`; on a host without CUDA (the
-  emulator, CPU tests) the chunks stay where they are. With CUDA it is SGLang's own code.
+* `RawComparable.iter_chunks`, `Fp8BlockComparable.iter_chunks` (AROUND): SGLang moves every chunk with `.cuda()`;
+  on a host without CUDA (the emulator, CPU tests) the chunks stay where they are. With CUDA it is SGLang's own code.
 """
 
 from __future__ import annotations
@@ -159,18 +159,19 @@ def record_snapshot_state(original, self, *args, **kwargs):
     return result
 
 
-def raw_iter_chunks(original, self, *args, **kwargs):
+def chunks_on_this_host(original, self, *args, **kwargs):
+    """SGLang's comparables move every chunk with `.cuda()`; on a host without CUDA (the emulator, CPU tests) that
+    can only raise, so there the same chunks are compared where they are: SGLang's own code runs with `.cuda()` as
+    the identity. With CUDA it is SGLang's own code, untouched."""
     if torch.cuda.is_available():
-        return original(self, *args, **kwargs)
-    return _raw_chunks_here(self)
-
-
-def _raw_chunks_here(comparable):
-    from sglang.srt.utils.weight_checker_comparator import CHUNK_NUMEL
-
-    flat = comparable.tensor.reshape(-1)
-    for start in range(0, flat.numel(), CHUNK_NUMEL):
-        yield flat[start : start + CHUNK_NUMEL], None
+        yield from original(self, *args, **kwargs)
+        return
+    real = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda t, *a, **k: t
+    try:
+        yield from original(self, *args, **kwargs)
+    finally:
+        torch.Tensor.cuda = real
 
 
 @hookimpl
@@ -184,6 +185,7 @@ def register_sglang_hooks(register, release):
                         capability="weight-check", why=why + " (our compare, with expert/row/col)"))
     register(HookTarget(f"{WC}.WeightChecker._snapshot", record_snapshot_state, "around", releases=RELEASES,
                         capability="weight-check", why="remember the layout each snapshot tensor was taken in"))
-    register(HookTarget(f"{CMP}.RawComparable.iter_chunks", raw_iter_chunks, "around", releases=RELEASES,
-                        capability="weight-check", why="SGLang's raw comparator calls .cuda(); keep chunks on a "
-                        "host without CUDA"))
+    for comparable in ("RawComparable", "Fp8BlockComparable"):
+        register(HookTarget(f"{CMP}.{comparable}.iter_chunks", chunks_on_this_host, "around", releases=RELEASES,
+                            capability="weight-check", why=f"SGLang's {comparable} calls .cuda(); on a host without "
+                            "CUDA the chunks stay where they are"))

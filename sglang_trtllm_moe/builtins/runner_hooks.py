@@ -17,7 +17,7 @@ def _leaf(kind: str):
     def leaf(original, dispatch_output, quant_info, runner_config, use_routed_topk=False, *args, **kwargs):
         from .. import runner
 
-        fmt = runner.format_for(kind, runner_config)
+        fmt = runner.format_for(kind, runner_config, dispatch_output)
         if fmt is None:
             return original(dispatch_output, quant_info, runner_config, use_routed_topk, *args, **kwargs)
         return runner.run(fmt, dispatch_output, quant_info, runner_config, use_routed_topk)

@@ -4,11 +4,21 @@
 of the dirty experts. The tensor / distributed / IPC paths only call `model.load_weights`: without a flush their
 experts would stay in checkpoint layout (upstream: silent garbage, vllm#42821), so they get an AFTER hook.
 Every entry point also drops the cached index maps first (sglang#28676).
+
+Whole buckets: the tensor / distributed / IPC entry points hand a list of tensors to `model.load_weights`, which
+loads them in order; a bad 5th tensor would leave the first four written. While such an entry point runs, the
+model's `load_weights` first validates every tensor of the list that targets a managed layer (validation.py
+`check_bucket`): one bad tensor refuses the whole bucket before any of it is written, and the entry point returns
+(False, message) as SGLang's update entry points report failures. Whole-parameter writes (load_format="direct")
+are validated the same way and return the written groups to checkpoint layout first, so they are exact outside a
+begin/end session too.
 """
 
 from __future__ import annotations
 
-from .. import hookimpl, layer_state
+import torch
+
+from .. import hookimpl, layer_state, validation
 from ..targets import HookTarget
 
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
@@ -35,6 +45,61 @@ def end_session_after(result, *args, **kwargs):
     return None
 
 
+def _model_of(owner):
+    get = getattr(owner, "get_model", None)
+    return get() if callable(get) else getattr(owner, "model", None)
+
+
+def check_buckets_around(original, owner, *args, **kwargs):
+    """Validate each list `model.load_weights` gets during the entry point before it loads any of it."""
+    model = _model_of(owner)
+    if model is None or "load_weights" in vars(model):
+        return original(owner, *args, **kwargs)
+    real = model.load_weights
+    refused = []
+    seen: set = set()
+    named = args[0] if args else kwargs.get("named_tensors")
+    load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
+    if isinstance(named, (list, tuple)) and load_format is None:  # "direct": checked by check_direct_before
+        # tensors handed in directly are checked before SGLang touches them (it moves them to its device first,
+        # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice
+        try:
+            validation.check_bucket(model, named)
+        except validation.BucketRefused as e:
+            return False, str(e)
+        seen = {id(t) for item in named if isinstance(item, (list, tuple)) and len(item) == 2
+                for t in item[1:] if isinstance(t, torch.Tensor)}
+
+    def load_weights(weights, *a, **k):
+        if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
+            try:
+                validation.check_bucket(model, weights, skip=seen)
+            except validation.BucketRefused as e:
+                refused.append(e)
+                raise
+        return real(weights, *a, **k)
+
+    vars(model)["load_weights"] = load_weights
+    try:
+        result = original(owner, *args, **kwargs)
+    except validation.BucketRefused as e:
+        return False, str(e)
+    finally:
+        vars(model).pop("load_weights", None)
+    if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written
+        return False, str(refused[0])
+    return result
+
+
+def check_direct_before(model, named_tensors, *args, **kwargs):
+    """load_format="direct": validate the whole list, then return every written group to checkpoint layout (SGLang
+    copies whole parameters; the entry point's flush prepares them again)."""
+    named_tensors = list(named_tensors)
+    for layer, name in validation.check_bucket(model, named_tensors, direct=True):
+        layer_state.before_write(layer, name, None)
+    return (model, named_tensors, *args), kwargs
+
+
 # (dotted path, releases): where each release keeps its weight-update entry points (read from each release's
 # model_runner.py / model_runner_components/weight_updater.py; compat/features.py WEIGHT_UPDATER, DISTRIBUTED_UPDATE_RENAMED).
 LOAD_ONLY_ENTRY_POINTS = (
@@ -51,8 +116,20 @@ RELOAD_START = (
 )
 
 
+DIRECT = (
+    ("sglang.srt.model_executor.model_runner_components.weight_updater._model_load_weights_direct", ">=0.5.16"),
+    ("sglang.srt.model_executor.model_runner._model_load_weights_direct", "<0.5.16"),
+)
+
+
 @hookimpl
 def register_sglang_hooks(register, release):
+    for target, rel in LOAD_ONLY_ENTRY_POINTS:
+        register(HookTarget(target, check_buckets_around, "around", releases=rel, capability="rl-update",
+                            why="validate a whole update bucket before any of it is written (never a partial write)"))
+    for target, rel in DIRECT:
+        register(HookTarget(target, check_direct_before, "before", releases=rel, capability="rl-update",
+                            why="validate whole-parameter writes and return their groups to checkpoint layout first"))
     for target, rel in LOAD_ONLY_ENTRY_POINTS:
         register(HookTarget(target, flush_after, "after", releases=rel, capability="rl-update",
                             why="prepare the experts this update wrote (load_weights alone never does)"))

@@ -59,8 +59,9 @@ FP8_QUANT_INFO_SWIGLU = Feature(
     "activation kernel's SwiGLU limits; None before)",
 )
 MOE_RUNNER_CONFIG_LAYER = Feature(
-    ">=0.5.16",
-    "MoeRunnerConfig has a `layer` field; before, the plugin sets it so its runner finds the layer being run",
+    ">=0.5.22",
+    "FusedMoE fills MoeRunnerConfig.layer itself (layer=self); before, the plugin sets it so its runner finds the "
+    "layer being run (0.5.16-0.5.21 have the field but leave it None, < 0.5.16 have no field)",
 )
 NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS = Feature(
     "<0.5.13",

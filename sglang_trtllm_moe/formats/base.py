@@ -27,6 +27,16 @@ TRTLLM_ROUTED = "flashinfer_trtllm_routed"
 BACKENDS = (TRTLLM, TRTLLM_ROUTED)
 
 
+#: Kinds of parameter a weight update writes; validation.py applies one rule set per kind (docs/RELIABILITY.md).
+#: weight: per-expert [rows, cols] tensor split by TP along the intermediate; block_scale: the same geometry, one
+#: value per block of the weight; tensor_scale: one weight scale per expert and shard (weight_scale_2, FP8
+#: weight_scale, global scales); input_scale: one activation scale per expert and shard.
+WEIGHT, BLOCK_SCALE, TENSOR_SCALE, INPUT_SCALE = "weight", "block_scale", "tensor_scale", "input_scale"
+KINDS = (WEIGHT, BLOCK_SCALE, TENSOR_SCALE, INPUT_SCALE)
+#: value rules (LoadRule.values): every value finite and > 0 / finite and >= 0
+POSITIVE, NONNEGATIVE = "positive", "nonnegative"
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     name: str
@@ -38,6 +48,53 @@ class ParamLayout:
     block_major_k: bool = False
     #: some formats (DeepSeek FP8 block) keep checkpoint row order
     permute_rows: bool = True
+    # ---- what a weight update may write into it (validation.py; "" / () / None = derived, see LoadRule) -----
+    #: WEIGHT | BLOCK_SCALE; "" = BLOCK_SCALE when `sf_swizzle` or "scale" is in the name, else WEIGHT
+    kind: str = ""
+    #: dtypes a loaded tensor may have besides the derived ones (e.g. float32 block scales SGLang's loader
+    #: converts into 1-byte e8m0 storage)
+    load_dtypes: tuple = ()
+    #: POSITIVE | NONNEGATIVE | None; None = derived (NONNEGATIVE for block scales kept in 16/32-bit floats)
+    values: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadRule:
+    """What a write into one parameter through SGLang's FusedMoE loader must look like (validation.py enforces it).
+
+    Derived from the format's declarations (`WeightFormat.load_rule`): every `ParamLayout` and every name in
+    `scalar_params` has one; a format overrides a scalar's with `scalar_rules`.
+
+    dtypes: a loaded tensor may have the parameter's own dtype; into 16/32-bit float storage any 16/32/64-bit
+    float (SGLang's copy_ converts it, as it loads every dense layer); into 1-byte storage nothing else (copy_
+    would value-convert, not copy, e.g. float32 into packed FP4 bytes); plus `dtypes` declared here.
+    """
+
+    name: str
+    group: str
+    kind: str
+    #: accepted besides the derived ones
+    dtypes: tuple = ()
+    #: POSITIVE | NONNEGATIVE | None (not value-checked)
+    values: str | None = None
+
+    @property
+    def scalar(self) -> bool:
+        """One value per expert and shard (loaded as a 0-dim or [1] tensor)."""
+        return self.kind in (TENSOR_SCALE, INPUT_SCALE)
+
+    def accepts_dtype(self, loaded: torch.dtype, storage: torch.dtype) -> bool:
+        if loaded == storage or loaded in self.dtypes:
+            return True
+        return (storage.is_floating_point and storage.itemsize >= 2
+                and loaded.is_floating_point and loaded.itemsize >= 2 and not loaded.is_complex)
+
+    def value_rule(self, storage: torch.dtype) -> str | None:
+        if self.values is not None or self.scalar:
+            return self.values
+        if self.kind == BLOCK_SCALE and storage.is_floating_point and storage.itemsize >= 2:
+            return NONNEGATIVE
+        return None
 
 
 @dataclass(frozen=True)
@@ -87,15 +144,19 @@ class WeightFormat:
     MAY define: `hidden_align` (default 128), `scalar_params` + `compute_scalars` (kernel scalars recomputed at every
     flush), `check_layout` (extra shape rules; call super), `row_map` (a format-specific half order),
     `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept),
-    `load_dtypes` (per parameter, the checkpoint dtypes SGLang's loader writes correctly: validation),
-    `fused` (all experts are written at once: gpt-oss), `own_backend` (the non-trtllm runner backend SGLang serves
-    the format on, e.g. flashinfer_mxfp4: reported by selection, never auto-selected), `accepts_prequantized`
-    (activations quantized by the dispatcher reach `kernel_args` as `KernelCall.hidden_scale`)."""
+    what a weight update may write (`ParamLayout.kind / load_dtypes / values`, `scalar_rules`, and
+    `converted_by_sglang` for writes SGLang's loader converts itself; see `LoadRule`), `fused` (all experts are
+    written at once: gpt-oss), `own_backend` (the non-trtllm runner backend SGLang serves the format on, e.g.
+    flashinfer_mxfp4: reported by selection, never auto-selected), `accepts_prequantized` (activations quantized by
+    the dispatcher reach `kernel_args` as `KernelCall.hidden_scale`)."""
 
     name: ClassVar[str] = "base"
     params: ClassVar[tuple[ParamLayout, ...]] = ()
     #: parameters whose writes only change scalars (recomputed at every flush)
     scalar_params: ClassVar[tuple[str, ...]] = ()
+    #: LoadRule overrides for `scalar_params` (default: group from the "w13_"/"w2_" prefix, INPUT_SCALE when
+    #: "input" is in the name else TENSOR_SCALE, values POSITIVE)
+    scalar_rules: ClassVar[Mapping[str, LoadRule]] = {}
     kernel: ClassVar[str] = ""
     quantizations: ClassVar[Mapping[str, frozenset]] = {}
     gated_activations: ClassVar[frozenset[str]] = frozenset()
@@ -109,9 +170,6 @@ class WeightFormat:
     activation_note: ClassVar[str] = ""
     #: the runner may hand `kernel_args` activations the dispatcher already quantized (KernelCall.hidden_scale)
     accepts_prequantized: ClassVar[bool] = False
-    #: parameter name -> the checkpoint dtypes SGLang's loader writes correctly into it (bit copy, or the same value
-    #: conversion SGLang's own prep does); empty = the generic rule of validation.py. Read by `validation.py`.
-    load_dtypes: ClassVar[Mapping[str, tuple]] = {}
     #: the loader writes all experts of a parameter at once (gpt-oss: `expert_id=None`); a "partial" update is a
     #: whole-group write, validated and un-prepared in the FusedMoE.weight_loader hook
     fused: ClassVar[bool] = False
@@ -157,6 +215,27 @@ class WeightFormat:
             if p.name == param_name:
                 return p.group
         return None
+
+    def load_rule(self, param_name: str) -> LoadRule | None:
+        """The rule for writes into `param_name`, or None when the format does not manage it (cached)."""
+        rules = self.__dict__.get("_load_rules")
+        if rules is None:
+            rules = {}
+            for p in self.params:
+                kind = p.kind or (BLOCK_SCALE if (p.sf_swizzle or "scale" in p.name) else WEIGHT)
+                rules[p.name] = LoadRule(p.name, p.group, kind, tuple(p.load_dtypes), p.values)
+            for n in self.scalar_params:
+                rules[n] = self.scalar_rules.get(n) or LoadRule(
+                    n, "w2" if n.startswith("w2") else "w13", INPUT_SCALE if "input" in n else TENSOR_SCALE,
+                    values=POSITIVE)
+            self.__dict__["_load_rules"] = rules
+        return rules.get(param_name)
+
+    def converted_by_sglang(self, layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
+        """True when SGLang's loader converts this write itself before storing it (its own dtypes and shapes, e.g. a
+        fused FP8 shared expert requantized into FP4-expert storage): validation checks only the shard and expert id.
+        `scope`: "global" (a checkpoint expert id) or "local"."""
+        return False
 
     def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
@@ -282,6 +361,11 @@ class WeightFormat:
         return {}
 
     # ---- the kernel -------------------------------------------------------------------------------------------
+    def routes_in_kernel(self, call: KernelCall) -> bool:
+        """True when SGLang's own call of this format routes bypassed logits in the kernel whatever the layer
+        declares (gpt-oss: Renormalize); False: the runner asks the layer (runner.routing_declared)."""
+        return False
+
     def routing_method(self, call: KernelCall) -> int | None:
         """The layer's routing method (SGLang's QuantInfo carries it for the quantized leaves)."""
         return call.quant_info.routing_method_type

@@ -26,12 +26,12 @@ import torch
 
 from .. import layouts
 from ..layouts.maps import _cached, _norm_device
-from .base import Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import NONNEGATIVE, Checkpoint, KernelCall, ParamLayout, WeightFormat
 from .mxfp8 import MX_BLOCK
 
 FLASHINFER_MXFP4 = "flashinfer_mxfp4"
 UE8M0_ONE = 127
-SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32, torch.bfloat16, torch.float16)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fp4_step(packed: torch.Tensor) -> torch.Tensor:
@@ -53,23 +53,27 @@ class Mxfp4Experts(WeightFormat):
     non_gated_activations = frozenset()
     activation_note = "SGLang's FP4-expert trtllm call passes SwiGLU (clamped by swiglu_limit) only"
     intermediate_align = (128, 128)
+    #: validation: packed e2m1 bytes as int8 or uint8 (copy_ keeps the bits); scales as float8_e8m0fnu (exact) or
+    #: the float values 2^k (SGLang's own value conversion, as its prep's `.to(e8m0)`), finite and >= 0 — never
+    #: uint8 / int8 bytes, which SGLang would store as the integers' values
     params = (
-        ParamLayout("w13_weight", "w13"),
-        ParamLayout("w13_weight_scale_inv", "w13", sf_swizzle=True),
-        ParamLayout("w2_weight", "w2"),
-        ParamLayout("w2_weight_scale_inv", "w2", sf_swizzle=True),
+        ParamLayout("w13_weight", "w13", load_dtypes=(torch.uint8,)),
+        ParamLayout("w13_weight_scale_inv", "w13", sf_swizzle=True, load_dtypes=SCALE_DTYPES, values=NONNEGATIVE),
+        ParamLayout("w2_weight", "w2", load_dtypes=(torch.uint8,)),
+        ParamLayout("w2_weight_scale_inv", "w2", sf_swizzle=True, load_dtypes=SCALE_DTYPES, values=NONNEGATIVE),
     )
-    load_dtypes = {
-        "w13_weight": (torch.int8, torch.uint8), "w2_weight": (torch.int8, torch.uint8),
-        "w13_weight_scale_inv": SCALE_DTYPES, "w2_weight_scale_inv": SCALE_DTYPES,
-    }
-    #: what SGLang's fused FP8 shared expert (`_maybe_load_fp8_shared_expert_as_fp4`, ids past the routed experts)
-    #: receives: block-FP8 weight and scale, requantized to MXFP4 by SGLang before it writes
-    shared_expert_load_dtypes = {
-        "w13_weight": (torch.float8_e4m3fn,), "w2_weight": (torch.float8_e4m3fn,),
-        "w13_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32),
-        "w2_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32),
-    }
+    #: what SGLang's fused FP8 shared expert (`_maybe_load_fp8_shared_expert_as_fp4`, 0.5.15+, ids past the routed
+    #: experts) receives: block-FP8 weight and scale, requantized to MXFP4 by SGLang before it writes
+    SHARED_EXPERT_DTYPES = {"w13_weight": (torch.float8_e4m3fn,), "w2_weight": (torch.float8_e4m3fn,),
+                            "w13_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32),
+                            "w2_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32)}
+
+    def converted_by_sglang(self, layer, param_name, loaded, expert, scope) -> bool:
+        if not getattr(layer, "_has_fused_shared", False):
+            return False
+        first_shared = getattr(layer, "_num_global_routed" if scope == "global" else "_num_local_routed", None)
+        return (first_shared is not None and expert >= int(first_shared)
+                and loaded.dtype in self.SHARED_EXPERT_DTYPES.get(param_name, ()))
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "fp8" and checkpoint.fp4_experts
@@ -168,6 +172,10 @@ class Mxfp4Experts(WeightFormat):
         return quant.mxfp4_dequantize(weight, scale), ue8m0_tolerance(fp4_step(weight), scale)
 
     # ---- the kernel -------------------------------------------------------------------------------------------------
+    def routes_in_kernel(self, call: KernelCall) -> bool:
+        # SGLang's apply routes bypassed logits in the kernel only with the method its configure_bypassed_topk chose
+        return call.quant_info.routing_method_type is not None
+
     def routing_method(self, call: KernelCall) -> int | None:
         return call.quant_info.routing_method_type
 

@@ -30,7 +30,6 @@ from .base import Checkpoint, KernelCall, ParamLayout, WeightFormat
 from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
 
-BIAS_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
 class Mxfp4GptOss(WeightFormat):
@@ -52,13 +51,8 @@ class Mxfp4GptOss(WeightFormat):
         ParamLayout("w2_weight_scale", "w2", sf_swizzle=True),
         ParamLayout("w2_weight_bias", "w2"),
     )
-    #: the fused checkpoint tensors SGLang's fast path copies bit-exactly (uint8 blocks and scale bytes) or widens
-    #: exactly (bf16 biases into fp32); float8_e8m0fnu scales would be value-converted into the uint8 storage
-    load_dtypes = {
-        "w13_weight": (torch.uint8,), "w2_weight": (torch.uint8,),
-        "w13_weight_scale": (torch.uint8,), "w2_weight_scale": (torch.uint8,),
-        "w13_weight_bias": BIAS_DTYPES, "w2_weight_bias": BIAS_DTYPES,
-    }
+    # validation (LoadRule, derived; fused writes: validation.validate_fused): uint8 blocks and scale bytes only
+    # (float8_e8m0fnu scales would be value-converted into the uint8 storage), any float bias (fp32 storage)
     scalar_names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 
     def describes(self, checkpoint: Checkpoint) -> bool:
@@ -161,6 +155,9 @@ class Mxfp4GptOss(WeightFormat):
                 for n, v in (("gemm1_alpha", alpha), ("gemm1_beta", 1.0), ("gemm1_clamp_limit", limit))}
 
     # ---- the kernel -------------------------------------------------------------------------------------------------
+    def routes_in_kernel(self, call: KernelCall) -> bool:
+        return True  # SGLang's gpt-oss call always routes the bypassed logits in the kernel (gpt-oss declares none)
+
     def routing_method(self, call: KernelCall) -> int | None:
         return 1  # RoutingMethodType.Renormalize, as SGLang's gpt-oss call passes it
 

@@ -59,12 +59,8 @@ class Mxfp8(WeightFormat):
         ParamLayout("w2_weight", "w2"),
         ParamLayout("w2_weight_scale_inv", "w2", sf_swizzle=True),
     )
-    #: checkpoint dtypes SGLang's loader copies bit-exactly into each parameter (anything else is value-converted:
-    #: e.g. float8_e8m0fnu scale bytes into the uint8 scale parameter would become the integers 2^k)
-    load_dtypes = {
-        "w13_weight": (torch.float8_e4m3fn,), "w2_weight": (torch.float8_e4m3fn,),
-        "w13_weight_scale_inv": (torch.uint8,), "w2_weight_scale_inv": (torch.uint8,),
-    }
+    # validation (LoadRule, derived): e4m3 weights and uint8 UE8M0 scale bytes only — float8_e8m0fnu scales would be
+    # value-converted into the uint8 storage (2^k as integers), so they are refused, naming uint8
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "mxfp8" and not checkpoint.online

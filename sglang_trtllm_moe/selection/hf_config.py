@@ -13,6 +13,21 @@ NON_GATED_ARCHS = {
     "NemotronH_Omni_Reasoning_V3": "mlp_hidden_act",
 }
 
+#: Quantizations with which SGLang builds Mixtral as MixtralForCausalLM (FusedMoE). Any other quantized Mixtral is
+#: built as QuantMixtralForCausalLM: per-expert linear layers, no FusedMoE, no MoE runner (`model_loader/utils.py`
+#: get_model_architecture, "Special handling for quantized Mixtral"; the same list in every release 0.5.11-0.5.23).
+MIXTRAL_FUSED_MOE_QUANTS = ("fp8", "compressed-tensors", "gptq_marlin", "awq_marlin", "quark_int4fp8_moe")
+
+
+def no_fused_moe_reason(architectures, quantization: str | None) -> str | None:
+    """Why SGLang builds a model of these architectures with this quantization (SGLang's name, as ModelConfig
+    gives it) without FusedMoE layers; None when it builds them."""
+    if quantization is not None and quantization not in MIXTRAL_FUSED_MOE_QUANTS and \
+            "MixtralForCausalLM" in (architectures or ()):
+        return (f"SGLang builds quantized Mixtral ({quantization}) as QuantMixtralForCausalLM (per-expert linear "
+                f"layers, no FusedMoE; FusedMoE only with {', '.join(MIXTRAL_FUSED_MOE_QUANTS)} or unquantized: "
+                f"model_loader/utils.py get_model_architecture)")
+    return None
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -95,8 +110,8 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
         quantization=quant, weight_block_size=block if quant == "fp8" else None,
         quant_scheme=scheme if quant == "compressed-tensors" else None,
         activation_scheme=str(act_scheme) if quant == "fp8" and act_scheme else None,
-        activation=act, gated=gated, architecture=arch, fp4_experts=quant == "fp8" and fp4_experts(cfg, quant_cfg),
-        online_quantization=online, **parallel,
+        activation=act, gated=gated, architecture=arch, no_fused_moe=no_fused_moe_reason(archs, quant),
+        fp4_experts=quant == "fp8" and fp4_experts(cfg, quant_cfg), online_quantization=online, **parallel,
     )
 
 
@@ -118,4 +133,5 @@ def fp4_experts(cfg: Any, quant_cfg: Any) -> bool:
     return any(a in FP4_EXPERT_ARCHS for a in archs)
 
 
-__all__ = ["FP4_EXPERT_ARCHS", "NON_GATED_ARCHS", "detect_quantization", "fp4_experts", "problem_from_hf_config"]
+__all__ = ["FP4_EXPERT_ARCHS", "MIXTRAL_FUSED_MOE_QUANTS", "NON_GATED_ARCHS", "detect_quantization", "fp4_experts",
+           "no_fused_moe_reason", "problem_from_hf_config"]

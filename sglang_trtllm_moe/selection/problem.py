@@ -38,6 +38,8 @@ class MoeProblem:
     init_expert_location: str = "trivial"
     speculative_draft: bool = False
     architecture: str = ""
+    #: why SGLang builds this model without FusedMoE layers (no MoE runner backend applies); None = it builds them
+    no_fused_moe: str | None = None
 
     @property
     def moe_tp_size(self) -> int:

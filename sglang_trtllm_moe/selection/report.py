@@ -62,7 +62,10 @@ def log_decision(res: Resolution, problem: MoeProblem, what: str = "MoE") -> Non
 
 
 def format_report(res: Resolution) -> str:
-    lines = [f"winner: {res.winner}  [{res.code}]", f"  {res.reason}"]
+    if res.code == "NO_FUSED_MOE":  # rules.Code.NO_FUSED_MOE (rules imports this module): no winner to name
+        lines = [f"no FusedMoE layer  [{res.code}]", f"  {res.reason}"]
+    else:
+        lines = [f"winner: {res.winner}  [{res.code}]", f"  {res.reason}"]
     if res.upstream is not None:
         lines.append(f"  SGLang alone: {res.upstream}")
     lines.append("candidates:")

@@ -49,6 +49,7 @@ class Code:
     NOT_SM100 = "NOT_SM100"
     UPSTREAM_MODEL_RULE = "UPSTREAM_MODEL_RULE"
     NO_ELIGIBLE_BACKEND = "NO_ELIGIBLE_BACKEND"
+    NO_FUSED_MOE = "NO_FUSED_MOE"
 
 
 
@@ -159,15 +160,20 @@ def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", up
     """The report for one MoE problem: every candidate's eligibility and the backend to use.
 
     `requested` is what the user asked for (`--moe-runner-backend`); `upstream` is what SGLang decided on its own
-    before the plugin looked ("auto" when no rule of its own fired). Policy: an explicit choice is never
-    overridden; SGLang's own model rules that picked something other than a TRT-LLM runner are kept; otherwise,
+    before the plugin looked ("auto" when no rule of its own fired). Policy: a model SGLang builds without FusedMoE
+    layers gets no winner (NO_FUSED_MOE: nothing would run it); an explicit choice is never overridden; SGLang's own model rules that picked something other than a TRT-LLM runner are kept; otherwise,
     on SM 10.x, the first eligible candidate wins, and SGLang's answer is kept when there is none.
     """
     from .report import env_fingerprint
 
+    base = upstream if upstream is not None else requested
+    if problem.no_fused_moe:
+        # no layer would run a MoE runner: no candidate to weigh, no winner to name; SGLang's value stands unused
+        return Resolution(base, [], env_fingerprint(device), Code.NO_FUSED_MOE,
+                          f"{problem.no_fused_moe}: no MoE runner backend applies (--moe-runner-backend {base} "
+                          f"has no effect); the plugin prepares nothing", requested, upstream)
     cands = [can_implement(b, problem, device) for b in candidate_order(problem)]
     eligible = [c for c in cands if c.eligible]
-    base = upstream if upstream is not None else requested
 
     def done(winner: str, code: str, reason: str) -> Resolution:
         return Resolution(winner, cands, env_fingerprint(device), code, reason, requested, upstream)

@@ -27,16 +27,17 @@ import os
 from array import array
 
 import torch
-
 from packaging.specifiers import SpecifierSet
 
 #: releases whose process / runner set-up this module spells (bootstrap.init_parallel_runtime, runtime_context.publish)
-SUPPORTED_RELEASES = SpecifierSet(">=0.5.23")
+SUPPORTED_RELEASES = SpecifierSet(">=0.5.21")
 
 _STATE: dict = {}
 
 DEFAULT_SERVER_ARGS = dict(
-    device="cpu", attention_backend="torch_native", moe_runner_backend="flashinfer_trtllm",
+    # "auto": on the faked SM100 the backend is what SGLang resolves with the plugin's auto-selection (the tests
+    # compare it with `explain` and assert every FusedMoE layer got it)
+    device="cpu", attention_backend="torch_native", moe_runner_backend="auto",
     # a faked SM100 otherwise picks the cutedsl BF16 GEMM, which imports cuda.bindings
     bf16_gemm_backend="torch", disable_cuda_graph=True, mem_fraction_static=0.5, max_total_tokens=4096,
     max_running_requests=16, chunked_prefill_size=-1, random_seed=0, log_level="error",
@@ -61,16 +62,30 @@ def _server_args(model_dir: str, **overrides):
     return sa
 
 
-def init(model_dir: str, **server_args) -> None:
-    """Once per process: stand-ins, plugins, faked SM100, ServerArgs published for the scheduler role, MoE / GEMM
-    configs and the parallel runtime (SGLang's bench_one_batch `correctness_test` + `load_model` prologue)."""
-    if _STATE.get("init"):
+#: torch intra-op threads of a harness process (SGLANG_TRTLLM_MOE_TEST_THREADS; default 1). The tiny models are
+#: far below where threads pay off, and on a small shared box OpenMP's spinning workers make every op wait for a
+#: core: a tiny checkpoint took 4.8 s with 2 threads on a loaded 2-core box, 0.22 s with one.
+ENV_THREADS = "SGLANG_TRTLLM_MOE_TEST_THREADS"
+
+
+def threads() -> int:
+    return max(1, int(os.environ.get(ENV_THREADS, "1")))
+
+
+def prepare_process(preload: bool = False) -> None:
+    """What every harness process needs before SGLang builds a model, once: emulated kernels
+    (SGLANG_TRTLLM_MOE_EMULATE=1), `threads()` torch threads, the stand-ins, SGLang's plugins (this plugin among
+    them) and a faked SM100. `preload`: also import the modules a model build and the checks import (a parent that
+    forks one child per model pays the imports once)."""
+    if _STATE.get("prepared"):
         return
     if _release() not in SUPPORTED_RELEASES:
         raise NotImplementedError(
             f"testing.models spells SGLang's runner set-up for {SUPPORTED_RELEASES} (bench_one_batch flow); "
             f"this is SGLang {_release()}")
     os.environ.setdefault("SGLANG_TRTLLM_MOE_EMULATE", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads()))
+    torch.set_num_threads(threads())
     from . import standins
 
     standins.apply(with_sglang=False)
@@ -81,6 +96,26 @@ def init(model_dir: str, **server_args) -> None:
     from .platform import fake_blackwell
 
     fake_blackwell()
+    _STATE["prepared"] = True
+    if preload:
+        import importlib
+
+        for mod in ("sglang.benchmark.one_batch", "sglang.srt.model_executor.model_runner",
+                    "sglang.srt.model_loader", "sglang.srt.models.registry", "sglang.srt.utils.weight_checker",
+                    "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.layers.quantization.modelopt_quant",
+                    "sglang.srt.layers.quantization.fp8", "sglang_trtllm_moe.explain", "transformers", "safetensors.torch"):
+            importlib.import_module(mod)
+        from sglang.srt.models.registry import ModelRegistry
+
+        ModelRegistry.get_supported_archs()  # imports every model class once (what get_model_architecture does)
+
+
+def init(model_dir: str, **server_args) -> None:
+    """Once per process: `prepare_process()`, then ServerArgs published for the scheduler role, MoE / GEMM configs
+    and the parallel runtime (SGLang's bench_one_batch `correctness_test` + `load_model` prologue)."""
+    if _STATE.get("init"):
+        return
+    prepare_process()
     from sglang.benchmark import one_batch
     from sglang.srt.distributed import bootstrap
     from sglang.srt.runtime_context import SpawnRanks, get_device, publish
@@ -89,9 +124,43 @@ def init(model_dir: str, **server_args) -> None:
     sa = _server_args(model_dir, **server_args)
     port_args = PortArgs.init_new(sa)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-    one_batch._init_process_global_configs()
+    if hasattr(one_batch, "_init_process_global_configs"):  # 0.5.22+
+        one_batch._init_process_global_configs()
+    else:  # 0.5.21: the same initializers, called by its latency_test (correctness_test forgets the MoE one)
+        _init_global_configs_0_5_21()
     bootstrap.init_parallel_runtime(server_args=sa, device=get_device().device, dist_port=port_args.nccl_port)
     _STATE.update(init=True, server_args=sa, port_args=port_args, extra=dict(server_args))
+
+
+def _init_global_configs_0_5_21() -> None:
+    import importlib
+
+    from sglang.srt.layers.moe import initialize_moe_config
+
+    initialize_moe_config()
+    for mod, fn in (("sglang.srt.layers.quantization.fp8_utils", "initialize_fp8_gemm_config"),
+                    ("sglang.srt.layers.quantization.bf16_utils", "initialize_bf16_gemm_config"),
+                    ("sglang.srt.layers.quantization.fp4_utils", "initialize_fp4_gemm_config")):
+        try:
+            getattr(importlib.import_module(mod), fn)()
+        except (ImportError, AttributeError):
+            pass
+
+
+def build_only(model_dir: str):
+    """The model class SGLang builds for `model_dir`, constructed as DefaultModelLoader.load_model constructs it
+    (quant config, dtype, device), without loading weights: for models SGLang cannot finish loading on a CPU box
+    (QuantMixtralForCausalLM's ModelOpt FP4 linear layers move their scales with `.cuda()` after loading)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    mc = ModelConfig.from_server_args(_STATE["server_args"], model_path=model_dir)
+    lc = LoadConfig(load_format=_STATE["server_args"].load_format)
+    quant_config = loader._get_quantization_config(mc, lc)
+    with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
+        return loader._initialize_model(mc, lc, quant_config)
 
 
 def moe_layers(model) -> dict[str, torch.nn.Module]:
@@ -184,7 +253,10 @@ class TinyModel:
                     sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
             r.full_untruncated_fill_ids = r.origin_input_ids
             r.logprob_start_len = -1
-            r.extend_end = len(r.origin_input_ids)
+            if hasattr(r, "set_extend_range"):  # 0.5.21 (bench_one_batch's prepare_inputs_for_correctness_test)
+                r.set_extend_range(len(r.prefix_indices), len(r.origin_input_ids))
+            else:
+                r.extend_end = len(r.origin_input_ids)
             reqs.append(r)
         return reqs
 

@@ -139,9 +139,18 @@ def load_fused(layer, tensors: dict[str, torch.Tensor]) -> None:
         loader(p, t, weight_name=name, shard_id=None, expert_id=None)
 
 
+#: gpt-oss's checkpoint tensor names -> the FusedMoE parameters GptOssForCausalLM loads them into
+GPTOSS_CHECKPOINT_NAMES = {
+    "gate_up_proj_blocks": "w13_weight", "gate_up_proj_scales": "w13_weight_scale", "gate_up_proj_bias": "w13_weight_bias",
+    "down_proj_blocks": "w2_weight", "down_proj_scales": "w2_weight_scale", "down_proj_bias": "w2_weight_bias",
+}
+_PARAM_TO_CHECKPOINT = {v: k for k, v in GPTOSS_CHECKPOINT_NAMES.items()}
+
+
 class GptOssTinyModel(torch.nn.Module):
-    """One gpt-oss MXFP4 FusedMoE under a model prefix, with a `load_weights` that routes fused tensors to
-    FusedMoE.weight_loader as GptOssForCausalLM does (SGLang's weight-update entry points call it)."""
+    """One gpt-oss MXFP4 FusedMoE under a model prefix, with a `load_weights` that routes gpt-oss's checkpoint names
+    (`experts.gate_up_proj_blocks`, ...) to FusedMoE.weight_loader with expert_id=None, as GptOssForCausalLM does
+    (SGLang's weight-update entry points call it)."""
 
     prefix = "model.layers.0.mlp."
 
@@ -155,13 +164,19 @@ class GptOssTinyModel(torch.nn.Module):
         names = set()
         for name, t in weights:
             short = name[len(self.prefix) + len("experts."):]
-            load_fused(self.experts, {short: t})
+            load_fused(self.experts, {GPTOSS_CHECKPOINT_NAMES[short]: t})
             names.add(name)
         return names
 
 
+def gptoss_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameter-keyed fused tensors -> gpt-oss's checkpoint names below the MoE block ("experts.gate_up_proj_blocks")."""
+    return {"experts." + _PARAM_TO_CHECKPOINT[k]: v for k, v in tensors.items()}
+
+
 def gptoss_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {GptOssTinyModel.prefix + "experts." + k: v for k, v in tensors.items()}
+    """Full checkpoint names as a gpt-oss safetensors holds them."""
+    return {GptOssTinyModel.prefix + k: v for k, v in gptoss_checkpoint(tensors).items()}
 
 
 def random_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, **kwargs) -> dict[str, torch.Tensor]:

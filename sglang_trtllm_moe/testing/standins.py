@@ -93,7 +93,9 @@ def topk_bypass_on_cpu() -> None:
     box without CUDA the op dispatches to `forward_native`, which runs `select_experts` and hands the kernel a
     materialized routing instead (the per-tensor FP8 trtllm `apply` in modelopt_quant.py refuses it; other formats
     would route twice). The stand-in takes the GPU server's own branch — `forward_cuda` — for exactly those routers
-    (BYPASSED output); every other TopK keeps SGLang's CPU dispatch."""
+    (BYPASSED output); every other TopK keeps SGLang's CPU dispatch. Before 0.5.23 routers have no bound backend:
+    `forward_cuda` chooses BYPASSED itself when no output format is set and the process-wide runner backend is
+    flashinfer_trtllm, and so does the stand-in."""
     from sglang.srt.layers.moe.topk import TopK
 
     native = TopK.forward_native
@@ -106,10 +108,17 @@ def topk_bypass_on_cpu() -> None:
 
     def forward_native(self, hidden_states, router_logits, *args, **kwargs):
         cfg = self.topk_config
-        backend = getattr(cfg, "runner_backend", None)
-        if (getattr(cfg, "output_format", None) == TopKOutputFormat.BYPASSED and backend is not None
-                and backend.is_flashinfer_trtllm() and kwargs.get("dynamic_expert_bias") is None):
-            return self.forward_cuda(hidden_states, router_logits, *args, **kwargs)
+        if kwargs.get("dynamic_expert_bias") is None:
+            fmt = getattr(cfg, "output_format", None)
+            if hasattr(cfg, "runner_backend"):  # 0.5.23: TopK.bind_runner_backend sets both
+                backend = cfg.runner_backend
+                bypassed = fmt == TopKOutputFormat.BYPASSED and backend is not None and backend.is_flashinfer_trtllm()
+            else:  # before: forward_cuda picks BYPASSED from the process-wide backend when no format is set
+                from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+                bypassed = fmt is None and get_moe_runner_backend().is_flashinfer_trtllm()
+            if bypassed:
+                return self.forward_cuda(hidden_states, router_logits, *args, **kwargs)
         return native(self, hidden_states, router_logits, *args, **kwargs)
 
     forward_native._trtllm_moe_standin = True
@@ -164,9 +173,23 @@ def apply(with_sglang: bool = True) -> list[str]:
     return done
 
 
+#: environment variable of the spawn-time distribution: the SM that processes SGLang spawns fake (testing.platform)
+ENV_FAKE_SM = "SGLANG_TRTLLM_MOE_TEST_FAKE_SM"
+
+
 def plugin_entry() -> None:
-    """`sglang.srt.plugins` entry point of the spawn-time distribution (see `spawn_path`)."""
+    """`sglang.srt.plugins` entry point of the spawn-time distribution (see `spawn_path`): the stand-ins, and —
+    when `SGLANG_TRTLLM_MOE_TEST_FAKE_SM` is set (sglang.Engine's scheduler of a CPU test) — the faked platform
+    the parent process runs with (testing.platform.fake_blackwell), so the scheduler builds the model for the
+    same GPU the parent resolved its ServerArgs for."""
     apply()
+    sm = os.environ.get(ENV_FAKE_SM)
+    if sm:
+        if int(sm) // 10 != 10:
+            raise ValueError(f"{ENV_FAKE_SM}={sm}: the spawned processes of the CPU harness fake an SM100 only")
+        from .platform import fake_blackwell
+
+        fake_blackwell()
 
 
 SPAWN_DIST = "sglang_trtllm_moe_cpu_standins"

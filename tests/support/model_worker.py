@@ -1,10 +1,16 @@
-"""One whole SGLang model (one architecture x format) through every RL flow, in its own process.
+"""Whole SGLang models (architecture x format) through every RL flow, each in its own process.
 
 SGLang's process state (published ServerArgs resolved for one model, the parallel runtime, expert-location
-metadata) is built once per process and is specific to one model, so each (arch, quant) runs here, in a fresh
-interpreter, and prints one JSON report: {check: {"ok": bool, "detail": str, ...}}. tests/test_models.py asserts it.
+metadata) is built once per process and is specific to one model, so each (arch, quant) runs in a process of its
+own and yields one report: {check: {"ok": bool, "detail": str, ...}}. tests/test_models.py asserts it.
 
-    python -m tests.support.model_worker ARCH QUANT [--checks a,b,...] [--workdir DIR]
+    python -m tests.support.model_worker ARCH QUANT [--checks a,b,...] [--workdir DIR]   # one model, this process
+    python -m tests.support.model_worker --jobs ARCH:QUANT[:check+check],... [--parallel N]
+
+`--jobs`: one parent imports SGLang, the stand-ins and the plugin once (`models.prepare_process(preload=True)`),
+then forks one child per job (at most N at a time, default: the CPU count, at most 2), so each model gets a fresh
+SGLang process state without paying the imports again; prints {"ARCH:QUANT": report, ...}. Every process runs
+single-threaded torch (`models.threads()`), which is what makes a 2-core box fast.
 """
 
 from __future__ import annotations
@@ -13,16 +19,32 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import traceback
+
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SGLANG_TRTLLM_MOE_TEST_THREADS", "1"))
 
 import torch
 
 PROMPTS = [[5, 17, 42, 99, 260, 311, 7], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]
+
+
+def _trainer(port: int, path: str, groups: list) -> None:
+    """The trainer side of update_weights_from_distributed, in a process forked from the worker (SGLang is already
+    imported there): rank 0 of SGLang's init_custom_process_group, one flattened-bucket broadcast per group."""
+    import torch.distributed as dist
+    from sglang.srt.utils.common import init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    torch.set_num_threads(1)
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
+                                   group_name="rl")
+    t = torch.load(path)
+    for group in groups:
+        bucket = FlattenedTensorBucket(named_tensors=[(n, t[n]) for n in group])
+        dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
 
 
 class Worker:
@@ -65,8 +87,10 @@ class Worker:
         fresh = m.fresh(self.write_tensors(intended))
         diff = m.differences(fresh)
         moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
+        # layers the plugin prepares must be back in kernel layout; layers it defers to SGLang have no state
         unclean = [n for n, layer in m.moe_layers().items()
-                   if layer_state.state_of(layer) is None or not layer_state.state_of(layer).clean]
+                   if (layer_state.state_of(layer) is not None and not layer_state.state_of(layer).clean)
+                   or owner(layer) != expected_owner(layer)]
         out = {"differs": diff[:8], "n_differs": len(diff), "moved": moved[:8], "unclean": unclean}
         if tokens:
             a, _ = m.generate(PROMPTS, 4)
@@ -79,14 +103,39 @@ class Worker:
     # ---- checks --------------------------------------------------------------------------------------------------
 
     def check_load(self, m) -> dict:
+        """Every FusedMoE layer is built, and owned as compat/defer.py says for its format on this release: prepared
+        by the plugin (clean, in kernel layout) where SGLang's own preparation is wrong, observed (validated writes,
+        SGLang's own layout) where it is right."""
         from sglang_trtllm_moe import layer_state
 
         layers = m.moe_layers()
-        states = {n: (layer_state.state_of(layer) is not None, bool(layer_state.state_of(layer) and layer_state.state_of(layer).clean))
+        states = {n: {"owner": owner(layer), "expected": expected_owner(layer),
+                      "clean": bool(layer_state.state_of(layer) and layer_state.state_of(layer).clean)}
                   for n, layer in layers.items()}
-        ok = len(layers) == len(self.spec.moe_layers) and all(a and b for a, b in states.values())
+        ok = len(layers) == len(self.spec.moe_layers) and all(
+            st["owner"] == st["expected"] and (st["owner"] != "plugin" or st["clean"]) for st in states.values())
         return {"ok": ok, "model_class": type(m.model).__name__, "moe_layers": sorted(layers), "states": states,
+                "runner_backends": _runner_backends(layers),
                 "methods": sorted({type(layer.quant_method).__name__ for layer in layers.values()})}
+
+    def check_explain(self, m) -> dict:
+        """`explain` (the plugin's rules on config.json, plus SGLang's own resolution with the plugin, platform faked
+        to SM100) names the runner every FusedMoE layer of the built model really got, and each is owned as
+        compat/defer.py says (prepared by the plugin, or SGLang's own preparation observed by it). The model was
+        built with moe_runner_backend="auto": the backend is SGLang's resolution with the plugin's auto-selection,
+        not a flag the test set."""
+        from sglang_trtllm_moe.compat.platform import resolved_moe_runner_backend
+
+        rep = _explain(m.model_dir)
+        layers = m.moe_layers()
+        built = _runner_backends(layers)
+        managed = {n: owner(layer) for n, layer in layers.items()}
+        resolved = resolved_moe_runner_backend(_STATE_ARGS())  # what this process's published ServerArgs resolved
+        ok = (bool(layers) and rep["code"] not in ("NO_FUSED_MOE", "NOT_MOE", "NO_ELIGIBLE_BACKEND")
+              and set(built.values()) == {rep["winner"]} and rep["sglang"].get("with_plugin") == rep["winner"]
+              and resolved == rep["winner"] and all(managed[n] == expected_owner(layer) for n, layer in layers.items()))
+        return {"ok": ok, "explain": {k: rep[k] for k in ("winner", "code", "reason")}, "sglang": rep["sglang"],
+                "server_args_moe_runner_backend": resolved, "built": built, "managed": managed}
 
     def check_forward(self, m) -> dict:
         """Prefill next-token logits vs transformers' own model class on the float32 dequantized checkpoint."""
@@ -167,19 +216,25 @@ class Worker:
     def check_session_direct(self, m) -> dict:
         """begin_weight_update; whole parameters written with load_format="direct" (no loader, SGLang's
         default_weight_loader) in two calls; end_weight_update. The payload is SGLang's own checkpoint layout of a
-        fresh model of seed 6 (its managed layers returned to checkpoint layout by the plugin's un-prepare)."""
+        fresh model of seed 6 (its layers returned to checkpoint layout by the plugin's un-prepare, or by SGLang's own
+        restore where SGLang prepares the format: compat/defer.py)."""
         from sglang_trtllm_moe import layer_state
+        from sglang_trtllm_moe.testing import models
 
         ptrs = m.pointers()
         target = self.full(6)
         src = m.fresh(self.write_tensors(target))
-        managed = [layer for layer in m.moe_layers().values()]
+        managed = [layer for layer in m.moe_layers().values() if layer_state.state_of(layer) is not None]
         layer_state.unprepare_all()  # every managed layer in the process: checkpoint layout (as begin_weight_update does)
+        for layer in models.moe_layers(src).values():  # layers SGLang prepares itself: its own restore (begin does it)
+            if owner(layer) == "sglang":
+                layer.quant_method.restore_weights_before_loading(layer)
         payload = [(n, p.detach().clone()) for n, p in src.named_parameters()]
         layer_state.flush_all(end_session=True)
         del src
         prepared_inside = False
         with m.session():
+            # the plugin's layers are in checkpoint layout inside the session (vacuous where SGLang owns every layer)
             open_dirty = all(bool(layer_state.state_of(layer).dirty_experts()) for layer in managed)
             half = len(payload) // 2
             for part in (payload[:half], payload[half:]):
@@ -194,8 +249,8 @@ class Worker:
         return out
 
     def check_distributed(self, m) -> dict:
-        """update_weights_from_distributed over gloo from a second process (the trainer: rank 0 of a 2-rank group
-        made by SGLang's init_custom_process_group on both sides), two broadcasts, inside a session. The buckets
+        """update_weights_from_distributed over gloo from a second process (the trainer, forked from this one: rank 0
+        of a 2-rank group made by SGLang's init_custom_process_group on both sides), two broadcasts, in a session. The buckets
         are flattened (load_format="flattened_bucket", one uint8 broadcast each, as RL frameworks send them): gloo
         cannot broadcast float8_e4m3fn tensors, and every quantized format here holds some (NVFP4 block scales)."""
         import socket
@@ -211,20 +266,10 @@ class Worker:
             port = s.getsockname()[1]
         groups = [names[0::2], names[1::2]]
         groups = [sorted(g, key=lambda n: (-new[n].element_size(), n)) for g in groups]
-        code = textwrap.dedent(f"""
-            import torch, torch.distributed as dist
-            from sglang.srt.utils.common import init_custom_process_group
-            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-            pg = init_custom_process_group(backend="gloo", init_method="tcp://127.0.0.1:{port}", world_size=2,
-                                           rank=0, group_name="rl")
-            t = torch.load({path!r})
-            for group in {groups!r}:
-                bucket = FlattenedTensorBucket(named_tensors=[(n, t[n]) for n in group])
-                dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
-            print("trainer done")
-        """)
-        trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
+        import multiprocessing
+
+        trainer = multiprocessing.get_context("fork").Process(target=_trainer, args=(port, path, groups))
+        trainer.start()
         try:
             ok, msg = m.updater.init_weights_update_group("127.0.0.1", port, 1, 2, "rl", backend="gloo")
             if not ok:
@@ -237,13 +282,12 @@ class Worker:
                     m.load_distributed(received)
             m.updater.destroy_weights_update_group("rl")
         finally:
-            try:
-                out, err = trainer.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
+            trainer.join(120)
+            if trainer.exitcode is None:
                 trainer.kill()
-                out, err = trainer.communicate()
-        if trainer.returncode != 0:
-            return {"ok": False, "detail": f"trainer failed (rc {trainer.returncode}): {err[-1500:]}"}
+                trainer.join()
+        if trainer.exitcode != 0:
+            return {"ok": False, "detail": f"trainer process failed (exit code {trainer.exitcode})"}
         self.intended = new
         return {**self.compare(m, self.intended, ptrs), "broadcasts": [len(g) for g in groups]}
 
@@ -302,6 +346,54 @@ class Worker:
         named = f"{layer_name}.w2_weight".split("model.", 1)[-1] in caught
         return {"ok": named, "caught": caught, "flipped": f"{layer_name}.w2_weight byte {pos}"}
 
+    def check_refused_updates(self, m) -> dict:
+        """Malformed updates of one expert's GEMM1 weight, by tensor (in a session) and by disk (a directory holding
+        just that tensor): each must be refused with the model untouched. Cases: a float32 tensor for byte storage
+        (quantized formats), one column too many, one row too few; and a request that holds well-formed tensors of
+        the same expert before the malformed one ("mixed", wrong dtype or extra column). Per case: whether SGLang's
+        entry point raised or returned (False, message), and which parameters changed. After each case the
+        intended checkpoint is loaded again; at the end the model is compared with a fresh load of it."""
+        layer = self.spec.moe_layers[0]
+        role = "gate" if self.spec.gated else "up"
+        part = self.experts_of(9, layers=[layer], experts=[3])
+        wname = f"{self.ck.expert_base(self.spec, layer, 3, role)}.{'weight_packed' if self.spec.quant == 'ct_nvfp4' else 'weight'}"
+        w = part[wname]
+        bad = {"extra_column": torch.cat([w, w[:, :1]], 1), "missing_row": w[:-1]}
+        if w.element_size() == 1:
+            bad["wrong_dtype"] = w.float()
+        cases = {k: {wname: t} for k, t in bad.items()}
+        mixed = "wrong_dtype" if "wrong_dtype" in bad else "extra_column"
+        cases["mixed"] = {**{n: t for n, t in part.items() if n != wname}, wname: bad[mixed]}  # good ones first
+        out: dict = {}
+        for case, payload in cases.items():
+            for how in ("tensor", "disk"):
+                before = m.state_bytes()
+                raised, returned = "", None
+                try:
+                    if how == "tensor":
+                        m.begin()
+                        try:
+                            items = sorted(payload.items(), key=lambda kv: kv[0] == wname)  # the malformed one last
+                            returned = m.updater.update_weights_from_tensor(items, load_format=None)
+                        finally:
+                            m.end()
+                    else:
+                        d = self.ck.write_tensors(os.path.join(self.workdir, f"bad-{case}"), self.spec, payload)
+                        returned = m.updater.update_weights_from_disk(d, "auto")
+                except Exception as e:  # noqa: BLE001 - recorded
+                    raised = f"{type(e).__name__}: {str(e)[:300]}"
+                after = m.state_bytes()
+                changed = [n for n in before if not torch.equal(before[n], after[n])]
+                out[f"{case}/{how}"] = {
+                    "refused": bool(raised) or (returned is not None and not returned[0]),
+                    "returned_failure": returned is not None and not returned[0], "raised": raised,
+                    "message": None if returned is None else str(returned[1])[:300], "changed": changed[:6],
+                    "tensors": len(payload)}
+                m.update_from_disk(self.write_tensors(self.intended))  # whatever happened: back to the intended
+        back = self.compare(m, self.intended, m.pointers())
+        return {"ok": all(c["refused"] and not c["changed"] for c in out.values()) and back["ok"], "cases": out,
+                "restored": back["ok"], "mixed_with": mixed}
+
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
 
@@ -313,9 +405,9 @@ class Worker:
         pool was used."""
         import threading
 
-        from sglang_trtllm_moe import layer_state
-
         from sglang.srt.model_loader import utils as loader_utils
+
+        from sglang_trtllm_moe import layer_state
 
         seen: dict = {}
         real = layer_state.before_write
@@ -353,15 +445,17 @@ class Worker:
     ON_REQUEST = ("threaded_disk_ab",)
     ORDER = ("load", "forward", "disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket",
              "tensor_split_shards", "session_direct", "distributed", "random_rounds", "weight_checker", "greedy",
-             "threaded_disk_ab")
+             "refused_updates", "threaded_disk_ab", "explain")
 
     def run(self, checks=None) -> dict:
         from sglang_trtllm_moe.testing import models
 
         t0 = time.perf_counter()
+        if not self.spec.supported:
+            return self.run_without_fused_moe()
         m = models.TinyModel(self.write_full(0))
         self.intended = self.full(0)
-        self.report["_load_s"] = time.perf_counter() - t0
+        self.report["_load_s"] = round(time.perf_counter() - t0, 2)
         for name in self.ORDER:
             if (checks and name not in checks) or (not checks and name in self.ON_REQUEST):
                 continue
@@ -377,15 +471,177 @@ class Worker:
             self.report[name] = res
         return self.report
 
+    def run_without_fused_moe(self) -> dict:
+        """A combination SGLang builds without FusedMoE (quantized Mixtral other than fp8 / compressed-tensors:
+        QuantMixtralForCausalLM). SGLang's own model class is constructed as its loader constructs it (loading
+        stops on this box: the ModelOpt FP4 linear layers move their scales with `.cuda()`), and `explain` must
+        say there is no FusedMoE layer instead of naming a winner; SGLang's resolution is not moved by the plugin."""
+        from sglang_trtllm_moe.testing import models
+
+        t = time.perf_counter()
+        d = self.write_full(0)
+        models.init(d)
+        model = models.build_only(d)
+        layers = models.moe_layers(model)
+        rep = _explain(d)
+        ok = (not layers and rep["code"] == "NO_FUSED_MOE" and not rep["candidates"]
+              and rep["sglang"].get("with_plugin") == rep["sglang"].get("upstream_alone") is not None)
+        self.report["built_without_fused_moe"] = {
+            "ok": ok, "model_class": type(model).__name__, "fused_moe_layers": sorted(layers),
+            "expert_modules": sorted({type(mod).__name__ for n, mod in model.named_modules() if ".experts." in n}),
+            "explain": {k: rep[k] for k in ("winner", "code", "reason")}, "sglang": rep["sglang"],
+            "seconds": round(time.perf_counter() - t, 2)}
+        return self.report
+
+
+def owner(layer) -> str:
+    """"plugin" (the plugin prepares the layer: layer_state), "sglang" (SGLang prepares it, the plugin observes:
+    compat/defer.py), or "none"."""
+    from sglang_trtllm_moe import layer_state
+
+    if layer_state.state_of(layer) is not None:
+        return "plugin"
+    return "sglang" if layer_state.observed(layer) is not None else "none"
+
+
+def expected_owner(layer) -> str:
+    """What compat/defer.py says for this layer's format on the installed release."""
+    from sglang_trtllm_moe import layer_state
+    from sglang_trtllm_moe.compat import defer
+
+    st = layer_state.state_of(layer)
+    fmt = st.fmt if st is not None else layer_state.observed(layer)
+    if fmt is None:
+        return "plugin or sglang"  # neither: never what is expected
+    v = defer.verdict(fmt.name)
+    return "sglang" if v is not None and v.upstream_correct else "plugin"
+
+
+def _runner_backends(layers: dict) -> dict:
+    """The MoE runner backend each built FusedMoE layer got: FusedMoE.runner_backend (0.5.23: asked of its quant
+    method); before, the quant method's own `_moe_runner_backend` where it keeps one, else the process-wide one:
+    what FusedMoE and the quant methods' trtllm fast paths read (ModelOpt FP8 on 0.5.22 builds a TRITON MoeRunner
+    as its fallback and still runs flashinfer_trtllm from `apply` when the backend says so)."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    out = {}
+    for n, layer in layers.items():
+        qm = layer.quant_method
+        b = (getattr(layer, "runner_backend", None) or getattr(qm, "_moe_runner_backend", None)
+             or get_moe_runner_backend())
+        out[n] = getattr(b, "value", str(b))
+    return out
+
+
+def _STATE_ARGS():
+    from sglang_trtllm_moe.testing import models
+
+    return models._STATE["server_args"]
+
+
+def _explain(model_dir: str) -> dict:
+    """explain on a faked SM100, with the harness's own ServerArgs for SGLang's resolution (Nemotron-H needs
+    disable_radix_cache on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform)."""
+    from sglang_trtllm_moe.explain import explain_model
+    from sglang_trtllm_moe.testing import models
+
+    extra = {k: v for k, v in models.DEFAULT_SERVER_ARGS.items()
+             if k in ("disable_radix_cache", "attention_backend", "bf16_gemm_backend", "disable_cuda_graph")}
+    return explain_model(model_dir, sm=100, server_args=extra)
+
+
+# ---- jobs: one forked child per model ------------------------------------------------------------------------------
+
+#: what tests/test_models.py runs (arch, quant, extra on-request checks): every architecture with its NVFP4 and FP8
+#: checkpoint where SGLang builds them with FusedMoE, Mixtral BF16, and the quantized Mixtral SGLang builds without
+#: FusedMoE (explain must say so).
+JOBS = (
+    ("qwen3_moe", "nvfp4", ()), ("qwen3_moe", "fp8", ()),
+    ("deepseek_v3", "nvfp4", ("threaded_disk_ab",)), ("deepseek_v3", "fp8_block", ()),
+    ("nemotron_h", "nvfp4", ()), ("nemotron_h", "fp8", ()),
+    ("mixtral", "bf16", ()), ("mixtral", "fp8_static", ()), ("mixtral", "nvfp4", ()),
+)
+
+
+def job_key(arch: str, quant: str) -> str:
+    return f"{arch}:{quant}"
+
+
+def _run_job(arch: str, quant: str, extra: tuple, workdir: str) -> dict:
+    checks = None if not extra else [c for c in Worker.ORDER if c not in Worker.ON_REQUEST or c in extra]
+    return Worker(arch, quant, workdir).run(checks)
+
+
+def run_jobs(jobs, parallel: int, workdir: str) -> dict:
+    """Fork one child per job from this (prepared, preloaded) process; at most `parallel` at a time."""
+    from sglang_trtllm_moe.testing import models
+
+    models.prepare_process(preload=True)
+    pending = list(jobs)
+    running: dict[int, tuple] = {}
+    reports: dict = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            arch, quant, extra = pending.pop(0)
+            key = job_key(arch, quant)
+            out = os.path.join(workdir, f"{arch}-{quant}.json")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the child: one model, then leave without the parent's exit handlers
+                code = 0
+                try:
+                    t = time.perf_counter()
+                    rep = _run_job(arch, quant, extra, os.path.join(workdir, f"{arch}-{quant}"))
+                    rep["_seconds"] = round(time.perf_counter() - t, 2)
+                    with open(out, "w") as f:
+                        json.dump(rep, f, default=str)
+                except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            running[pid] = (key, out, time.perf_counter())
+        pid, status = os.wait()
+        if pid not in running:
+            continue
+        key, out, t0 = running.pop(pid)
+        try:
+            with open(out) as f:
+                reports[key] = json.load(f)
+        except (OSError, ValueError):
+            reports[key] = {"_crash": {"ok": False, "error": f"the job's process ended with status {status} "
+                                                             f"after {time.perf_counter() - t0:.0f} s, no report"}}
+    return reports
+
+
+def _parse_jobs(text: str):
+    jobs = []
+    for item in text.split(","):
+        arch, quant, *extra = item.split(":")
+        jobs.append((arch, quant, tuple(extra[0].split("+")) if extra else ()))
+    return jobs
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("arch")
-    p.add_argument("quant")
+    p.add_argument("arch", nargs="?")
+    p.add_argument("quant", nargs="?")
     p.add_argument("--checks", default=None)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--jobs", default=None, help="ARCH:QUANT[:check+check],...; 'all' = JOBS")
+    p.add_argument("--parallel", type=int, default=min(2, os.cpu_count() or 1))
     a = p.parse_args(argv)
-    workdir = a.workdir or tempfile.mkdtemp(prefix=f"trtllm-moe-model-{a.arch}-{a.quant}-")
+    workdir = a.workdir or tempfile.mkdtemp(prefix="trtllm-moe-models-")
+    if a.jobs:
+        jobs = JOBS if a.jobs == "all" else _parse_jobs(a.jobs)
+        t = time.perf_counter()
+        reports = run_jobs(jobs, max(1, a.parallel), workdir)
+        reports["_total_seconds"] = round(time.perf_counter() - t, 2)
+        print(json.dumps(reports, default=str))
+        return 0
     report = Worker(a.arch, a.quant, workdir).run(a.checks.split(",") if a.checks else None)
     print(json.dumps(report, default=str))
     return 0

@@ -145,7 +145,9 @@ class Case:
 
         d = tempfile.mkdtemp(prefix="upstream-rl-")
         if self.fmt == "mxfp4_gptoss":
-            tensors = {"experts." + k: v for k, v in tensors.items()}
+            from sglang_trtllm_moe.testing import mx_layers
+
+            tensors = mx_layers.gptoss_checkpoint(tensors)
         layers.write_safetensors_checkpoint(d, tensors, self.spec)
         with self._patches():
             ok, msg = self._updater(d).update_weights_from_disk(d, "auto")
