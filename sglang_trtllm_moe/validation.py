@@ -24,7 +24,7 @@ the plugin manages is checked here first, for every parameter kind the format de
 Errors are `WeightUpdateRefused` (a ValueError) naming the layer, the parameter, the problem and what is expected.
 `check_write` runs in the FusedMoE.weight_loader hook (before SGLang maps expert ids to EP ranks, so every rank
 refuses the same bad tensor) and again, cheaply, under the layer's lock in `_weight_loader_impl`; `check_bucket`
-runs at the tensor / distributed update entry points over the whole list before anything is loaded.
+(bucket_validation.py) runs at the update entry points over a whole request before anything is loaded.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _short(x) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-class _Refusal:
+class Refusal:
     def __init__(self, layer, name, shard_id, expert_id, what: str | None = None):
         what = what or f"shard {_short(shard_id)}, expert {_short(expert_id)}"
         self.where = f"{layer_name(layer)}: refused weight update of {name} ({what})"
@@ -98,7 +98,7 @@ def format_of(layer):
     return st.fmt if st is not None else observed(layer)
 
 
-def _view(layer, fmt, name: str, param) -> torch.Tensor:
+def param_view(layer, fmt, name: str, param) -> torch.Tensor:
     """`param` as [experts, rows, cols] for a laid-out parameter (a release may show it in another shape, e.g.
     SGLang's 4-D BF16 block layout: `WeightFormat.tensor`), as it is for the others."""
     for p in fmt.params:
@@ -130,7 +130,7 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     if fmt is None:
         return None
     name = param_name(layer, param, fmt)
-    refuse = _Refusal(layer, name or "a parameter", shard_id, expert_id)
+    refuse = Refusal(layer, name or "a parameter", shard_id, expert_id)
     if name is None:
         refuse("the parameter is not one of this layer's", f"one of {managed_names(layer, fmt)}")
     rule = fmt.load_rule(name)
@@ -142,11 +142,11 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     _check_name(layer, fmt, param, name, weight_name, refuse)
     gated = fmt.is_gated(layer)
     _check_shard(rule, shard_id, gated, refuse)
-    view = _view(layer, fmt, name, param)
+    view = param_view(layer, fmt, name, param)
     e = _check_expert(layer, view, param, expert_id, scope, refuse)
     if isinstance(loaded, torch.Tensor) and fmt.converted_by_sglang(layer, name, loaded, e, scope):
         return name, e  # SGLang converts this write itself (its own dtypes and shapes): ids checked above
-    _check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers)
+    check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers)
     return name, e
 
 
@@ -204,7 +204,7 @@ def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
     return (logical, padded), f"{logical} (the checkpoint's) or {padded} (the layer's padded size)", per_rank
 
 
-def _check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None,
+def check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None,
                   headers: bool = False) -> None:
     """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard."""
     if not isinstance(loaded, torch.Tensor):
@@ -278,145 +278,8 @@ def was_validated(param, loaded) -> bool:
 
 def check_local_expert(layer, param, name, expert_id, shard_id) -> int:
     """The cheap check in `_weight_loader_impl` after a validated `weight_loader` call: the (local) expert id."""
-    refuse = _Refusal(layer, name, shard_id, expert_id)
-    return _check_expert(layer, _view(layer, format_of(layer), name, param), param, expert_id, "local", refuse)
-
-
-# ---- whole buckets at the tensor / distributed entry points -----------------------------------------------------
-
-class BucketRefused(WeightUpdateRefused):
-    """A whole update bucket refused before any of it was loaded."""
-
-
-def managed_modules(model) -> dict[str, object]:
-    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path, the
-    checkpoint prefix SGLang's model code built it with, and the path from "layers." on where only one layer has
-    it (checkpoints name the model root their own way: Nemotron-H's "backbone." is SGLang's "model.")."""
-    out: dict[str, object] = {}
-    tails: dict[str, list] = {}
-    for path, m in model.named_modules():
-        if format_of(m) is not None:
-            out[path] = m
-            prefix = getattr(m, "_trtllm_moe_prefix", None)
-            if prefix:
-                out.setdefault(prefix, m)
-            tail = _from_layers(path)
-            if tail:
-                tails.setdefault(tail, []).append(m)
-    for tail, ms in tails.items():
-        if len(ms) == 1:
-            out.setdefault(tail, ms[0])
-    return out
-
-
-def _from_layers(path: str) -> str | None:
-    at = path.find("layers.")
-    return path[at:] if at > 0 and path[at - 1] == "." else None
-
-
-def _layer_at(layers: dict, path: str):
-    layer = layers.get(path)
-    if layer is None:
-        tail = _from_layers(path)
-        layer = layers.get(tail) if tail else None
-    return layer
-
-
-def _resolve(layer, rest: str):
-    """A checkpoint name below a managed layer, "<expert>.<projection>.<suffix>" -> (param name, shard id, expert
-    id); None when it is not of that form."""
-    parts = rest.split(".")
-    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in PROJECTIONS:
-        return None
-    shard = PROJECTIONS[parts[1]]
-    if shard == "w3" and not format_of(layer).is_gated(layer):
-        shard = "w1"  # non-gated checkpoints name their one GEMM1 projection up_proj; SGLang loads it as w1
-    return f"{'w2' if shard == 'w2' else 'w13'}_{parts[2]}", shard, int(parts[0])
-
-
-def _check_full(layer, fmt, pname, param, tensor, name) -> None:
-    """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts.
-    Its shape: the parameter's [experts, rows, cols] view where the plugin manages the layer (it returns the group
-    to checkpoint layout, and that shape, before SGLang writes), else the parameter's shape as SGLang shows it."""
-    refuse = _Refusal(layer, pname, None, None, what=f"whole-parameter write {name!r}")
-    view = _view(layer, fmt, pname, param)
-    whole = view.shape if state_of(layer) is not None else param.shape
-    _check_tensor(layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole)
-
-
-def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), headers: bool = False,
-                 what: str = "weight-update bucket") -> list:
-    """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
-    one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
-    below a managed layer that no parameter of it takes are refused too; other names are left to SGLang.
-
-    direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
-    direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
-    bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
-    skip: ids of tensors already checked (the same objects, handed on by SGLang).
-    headers: the tensors are meta tensors read from a checkpoint's headers (values are checked when loaded)."""
-    layers = managed_modules(model)
-    if not layers:
-        return []
-    problems, writes = [], []
-    for item in named_tensors:
-        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
-            continue
-        name, tensor = item
-        if skip and id(tensor) in skip:
-            continue
-        path, _, pname = name.rpartition(".")
-        layer = _layer_at(layers, path)
-        if layer is not None:  # "<layer>.<param>"
-            fmt = format_of(layer)
-            param = layer._parameters.get(pname)
-            if param is None:
-                if direct:
-                    problems.append(f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
-                                    f"(its checkpoint parameters: {managed_names(layer, fmt)})")
-                continue
-            own = param_name(layer, param, fmt)
-            if fmt.load_rule(own) is None:
-                continue  # a parameter the format does not load (kernel scalars): SGLang's behaviour
-            if not direct:
-                problems.append(f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
-                                f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
-                                f"through load_format='direct'")
-                continue
-            try:
-                _check_full(layer, fmt, own, param, tensor, name)
-                writes.append((layer, own))
-            except WeightUpdateRefused as e:
-                problems.append(str(e))
-            continue
-        if direct:
-            continue
-        head = name.rsplit(".", 3)
-        layer = _layer_at(layers, head[0]) if len(head) == 4 else None
-        if layer is None:
-            continue
-        hit = _resolve(layer, name[len(head[0]) + 1:])
-        if hit is None:
-            continue
-        pname, shard, expert = hit
-        fmt = format_of(layer)
-        param = layer._parameters.get(pname)
-        if param is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
-            problems.append(f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
-                            f"(its checkpoint parameters: {managed_names(layer, fmt)})")
-            continue
-        if not isinstance(tensor, torch.Tensor):
-            continue  # unwrapped later by SGLang; the per-shard check applies
-        try:
-            check_write(layer, param, tensor, name, shard, expert, scope="global", headers=headers)
-        except WeightUpdateRefused as e:
-            problems.append(str(e))
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise BucketRefused(
-            f"refused the whole {what} ({len(named_tensors)} tensors, {len(problems)} refused): "
-            + " | ".join(problems[:3]) + more + "; nothing of it was written")
-    return writes
+    refuse = Refusal(layer, name, shard_id, expert_id)
+    return _check_expert(layer, param_view(layer, format_of(layer), name, param), param, expert_id, "local", refuse)
 
 
 # ---- fused all-expert writes (gpt-oss MXFP4) ---------------------------------------------------------------------
@@ -428,7 +291,7 @@ def validate_fused(layer, name: str, param, loaded) -> None:
     rule accepts, with exactly the layer's experts and every other dimension at most the parameter's (a bias
     [E, rows], a weight or block scale [E, rows, cols]), and valid values where the rule has a value rule."""
     fmt = format_of(layer)
-    refuse = _Refusal(layer, name, None, None, what="all experts at once")
+    refuse = Refusal(layer, name, None, None, what="all experts at once")
     rule = fmt.load_rule(name) if fmt is not None else None
     if rule is None:
         refuse(f"{name} is not one of this layer's checkpoint parameters", f"one of {managed_names(layer, fmt)}")

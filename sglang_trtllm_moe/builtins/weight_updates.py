@@ -7,7 +7,7 @@ Every entry point also drops the cached index maps first (sglang#28676).
 
 Whole buckets: the tensor / distributed / IPC entry points hand a list of tensors to `model.load_weights`, which
 loads them in order; a bad 5th tensor would leave the first four written. While such an entry point runs, the
-model's `load_weights` first validates every tensor of the list that targets a managed layer (validation.py
+model's `load_weights` first validates every tensor of the list that targets a managed layer (bucket_validation.py
 `check_bucket`): one bad tensor refuses the whole bucket before any of it is written, and the entry point returns
 (False, message) as SGLang's update entry points report failures. A disk update is checked the same way from the
 checkpoint's safetensors headers (checkpoint_headers.py) before SGLang returns any layer to checkpoint layout. Whole-parameter writes (load_format="direct")
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import checkpoint_headers, hookimpl, layer_state, validation
+from .. import bucket_validation, checkpoint_headers, hookimpl, layer_state
 from ..targets import HookTarget
 
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
@@ -65,8 +65,8 @@ def check_buckets_around(original, owner, *args, **kwargs):
         # tensors handed in directly are checked before SGLang touches them (it moves them to its device first,
         # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice
         try:
-            validation.check_bucket(model, named)
-        except validation.BucketRefused as e:
+            bucket_validation.check_bucket(model, named)
+        except bucket_validation.BucketRefused as e:
             return False, str(e)
         seen = {id(t) for item in named if isinstance(item, (list, tuple)) and len(item) == 2
                 for t in item[1:] if isinstance(t, torch.Tensor)}
@@ -74,8 +74,8 @@ def check_buckets_around(original, owner, *args, **kwargs):
     def load_weights(weights, *a, **k):
         if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
             try:
-                validation.check_bucket(model, weights, skip=seen)
-            except validation.BucketRefused as e:
+                bucket_validation.check_bucket(model, weights, skip=seen)
+            except bucket_validation.BucketRefused as e:
                 refused.append(e)
                 raise
         return real(weights, *a, **k)
@@ -83,7 +83,7 @@ def check_buckets_around(original, owner, *args, **kwargs):
     vars(model)["load_weights"] = load_weights
     try:
         result = original(owner, *args, **kwargs)
-    except validation.BucketRefused as e:
+    except bucket_validation.BucketRefused as e:
         return False, str(e)
     finally:
         vars(model).pop("load_weights", None)
@@ -97,11 +97,11 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     rollback would re-read the same path): dtypes and shapes from the headers, values as they load."""
     model = _model_of(owner)
     files = checkpoint_headers.files_of(model_path, load_format) if model is not None else []
-    if files and validation.managed_modules(model):
+    if files and bucket_validation.managed_modules(model):
         try:
             metas = checkpoint_headers.meta_tensors(files, keep=weight_name_filter)
-            validation.check_bucket(model, metas, headers=True, what=f"checkpoint {model_path}")
-        except validation.BucketRefused as e:
+            bucket_validation.check_bucket(model, metas, headers=True, what=f"checkpoint {model_path}")
+        except bucket_validation.BucketRefused as e:
             return False, str(e)
     return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
 
@@ -110,7 +110,7 @@ def check_direct_before(model, named_tensors, *args, **kwargs):
     """load_format="direct": validate the whole list, then return every written group to checkpoint layout (SGLang
     copies whole parameters; the entry point's flush prepares them again)."""
     named_tensors = list(named_tensors)
-    for layer, name in validation.check_bucket(model, named_tensors, direct=True):
+    for layer, name in bucket_validation.check_bucket(model, named_tensors, direct=True):
         layer_state.before_write(layer, name, None)
     return (model, named_tensors, *args), kwargs
 

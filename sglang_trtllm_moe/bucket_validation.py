@@ -1,0 +1,151 @@
+"""Whole requests at the update entry points: every tensor of a bucket (tensor / distributed / IPC updates), of a
+whole-parameter write (load_format="direct") or of a checkpoint directory (a disk update, from its safetensors
+headers) that targets a managed layer is checked before any of it is loaded.
+
+SGLang loads a list in order: a bad 5th tensor would leave the first four written, and a disk update restores
+every layer before it reads the first tensor. One bad tensor refuses the whole request (`BucketRefused`); the entry
+point hooks (builtins/weight_updates.py) return it as (False, message). Each tensor is checked by the same rules as
+one loader write (validation.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import WeightUpdateRefused
+from .layer_state import layer_name, state_of
+from .validation import PROJECTIONS, Refusal, check_tensor, check_write, format_of, managed_names, param_name, param_view
+
+
+class BucketRefused(WeightUpdateRefused):
+    """A whole update bucket refused before any of it was loaded."""
+
+
+def managed_modules(model) -> dict[str, object]:
+    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path, the
+    checkpoint prefix SGLang's model code built it with, and the path from "layers." on where only one layer has
+    it (checkpoints name the model root their own way: Nemotron-H's "backbone." is SGLang's "model.")."""
+    out: dict[str, object] = {}
+    tails: dict[str, list] = {}
+    for path, m in model.named_modules():
+        if format_of(m) is not None:
+            out[path] = m
+            prefix = getattr(m, "_trtllm_moe_prefix", None)
+            if prefix:
+                out.setdefault(prefix, m)
+            tail = _from_layers(path)
+            if tail:
+                tails.setdefault(tail, []).append(m)
+    for tail, ms in tails.items():
+        if len(ms) == 1:
+            out.setdefault(tail, ms[0])
+    return out
+
+
+def _from_layers(path: str) -> str | None:
+    at = path.find("layers.")
+    return path[at:] if at > 0 and path[at - 1] == "." else None
+
+
+def _layer_at(layers: dict, path: str):
+    layer = layers.get(path)
+    if layer is None:
+        tail = _from_layers(path)
+        layer = layers.get(tail) if tail else None
+    return layer
+
+
+def _resolve(layer, rest: str):
+    """A checkpoint name below a managed layer, "<expert>.<projection>.<suffix>" -> (param name, shard id, expert
+    id); None when it is not of that form."""
+    parts = rest.split(".")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in PROJECTIONS:
+        return None
+    shard = PROJECTIONS[parts[1]]
+    if shard == "w3" and not format_of(layer).is_gated(layer):
+        shard = "w1"  # non-gated checkpoints name their one GEMM1 projection up_proj; SGLang loads it as w1
+    return f"{'w2' if shard == 'w2' else 'w13'}_{parts[2]}", shard, int(parts[0])
+
+
+def _check_full(layer, fmt, pname, param, tensor, name) -> None:
+    """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts.
+    Its shape: the parameter's [experts, rows, cols] view where the plugin manages the layer (it returns the group
+    to checkpoint layout, and that shape, before SGLang writes), else the parameter's shape as SGLang shows it."""
+    refuse = Refusal(layer, pname, None, None, what=f"whole-parameter write {name!r}")
+    view = param_view(layer, fmt, pname, param)
+    whole = view.shape if state_of(layer) is not None else param.shape
+    check_tensor(layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole)
+
+
+def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), headers: bool = False,
+                 what: str = "weight-update bucket") -> list:
+    """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
+    one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
+    below a managed layer that no parameter of it takes are refused too; other names are left to SGLang.
+
+    direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
+    direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
+    bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
+    skip: ids of tensors already checked (the same objects, handed on by SGLang).
+    headers: the tensors are meta tensors read from a checkpoint's headers (values are checked when loaded)."""
+    layers = managed_modules(model)
+    if not layers:
+        return []
+    problems, writes = [], []
+    for item in named_tensors:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
+            continue
+        name, tensor = item
+        if skip and id(tensor) in skip:
+            continue
+        path, _, pname = name.rpartition(".")
+        layer = _layer_at(layers, path)
+        if layer is not None:  # "<layer>.<param>"
+            fmt = format_of(layer)
+            param = layer._parameters.get(pname)
+            if param is None:
+                if direct:
+                    problems.append(f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
+                                    f"(its checkpoint parameters: {managed_names(layer, fmt)})")
+                continue
+            own = param_name(layer, param, fmt)
+            if fmt.load_rule(own) is None:
+                continue  # a parameter the format does not load (kernel scalars): SGLang's behaviour
+            if not direct:
+                problems.append(f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
+                                f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
+                                f"through load_format='direct'")
+                continue
+            try:
+                _check_full(layer, fmt, own, param, tensor, name)
+                writes.append((layer, own))
+            except WeightUpdateRefused as e:
+                problems.append(str(e))
+            continue
+        if direct:
+            continue
+        head = name.rsplit(".", 3)
+        layer = _layer_at(layers, head[0]) if len(head) == 4 else None
+        if layer is None:
+            continue
+        hit = _resolve(layer, name[len(head[0]) + 1:])
+        if hit is None:
+            continue
+        pname, shard, expert = hit
+        fmt = format_of(layer)
+        param = layer._parameters.get(pname)
+        if param is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
+            problems.append(f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
+                            f"(its checkpoint parameters: {managed_names(layer, fmt)})")
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            continue  # unwrapped later by SGLang; the per-shard check applies
+        try:
+            check_write(layer, param, tensor, name, shard, expert, scope="global", headers=headers)
+        except WeightUpdateRefused as e:
+            problems.append(str(e))
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise BucketRefused(
+            f"refused the whole {what} ({len(named_tensors)} tensors, {len(problems)} refused): "
+            + " | ".join(problems[:3]) + more + "; nothing of it was written")
+    return writes
