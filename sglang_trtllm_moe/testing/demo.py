@@ -20,14 +20,14 @@ import sys
 
 
 def run(out=None, arch: str = "qwen3_moe", quant: str = "nvfp4") -> int:
-    from . import engine
+    from . import engine, rl_loop
 
     out = out if out is not None else sys.stdout
-    steps = engine.Steps(out=out)
+    steps = rl_loop.Steps(out=out)
     steps.say(f"sglang-trtllm-moe demo: a whole {arch} {quant} model on sglang.Engine(device=\"cpu\"), driven like an "
               f"RL rollout engine (emulated TRT-LLM-Gen kernels, faked SM100)")
     try:
-        engine.rl_loop(arch, quant, steps=steps)
+        rl_loop.rl_loop(arch, quant, steps=steps)
     except engine.EngineUnavailable as e:
         steps.check("sglang.Engine available", False, str(e))
     except Exception as e:  # noqa: BLE001 - a crash is a failed step with its reason, then the summary

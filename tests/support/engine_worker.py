@@ -17,15 +17,15 @@ os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SGLANG_TRTLLM_MOE_TEST_
 
 
 def main(argv=None) -> int:
-    from sglang_trtllm_moe.testing import engine
+    from sglang_trtllm_moe.testing import rl_loop
 
     argv = sys.argv[1:] if argv is None else argv
     jobs = [tuple(j.split(":")) for j in argv[0].split(",")]
     out: dict = {}
     for i, (arch, quant) in enumerate(jobs):
-        steps = engine.Steps(out=sys.stderr)
+        steps = rl_loop.Steps(out=sys.stderr)
         try:
-            engine.rl_loop(arch, quant, steps=steps, workdir=tempfile.mkdtemp(prefix=f"engine-{arch}-"), doctor=i == 0)
+            rl_loop.rl_loop(arch, quant, steps=steps, workdir=tempfile.mkdtemp(prefix=f"engine-{arch}-"), doctor=i == 0)
         except Exception as e:  # noqa: BLE001 - reported as a failed step
             steps.check("loop", False, f"{type(e).__name__}: {str(e)[:500]}", traceback=traceback.format_exc()[-3000:])
         out[f"{arch}:{quant}"] = steps.checks
