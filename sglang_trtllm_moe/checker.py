@@ -233,6 +233,8 @@ def _note(report: Report, param: str, s: int, diff: torch.Tensor, exceed: torch.
     n = int(diff.sum())
     if not n:
         return
+    if diff.dim() == 2:  # [k, M] (a bias): one column
+        diff, exceed, a, b = (x.unsqueeze(-1) for x in (diff, exceed, a, b))
     report.num_mismatch += n
     report.num_exceed += int(exceed.sum())
     for e, c in enumerate(diff.flatten(1).sum(1).tolist()):

@@ -36,6 +36,9 @@ def _cmd_explain(args) -> int:
               f"experts {p['num_experts']} top-k {p['top_k']} {'gated' if p['gated'] else 'non-gated'} {p['activation']}, "
               f"tp {p['tp_size']} ep {p['ep_size']} a2a {p['a2a_backend']}")
         print(format_report(res))
+        prep = r.get("plugin_prepares") or {}
+        if prep:
+            print(f"plugin preparation: {prep['reason']}")
     sg = r.get("sglang") or {}
     if "error" in sg:
         print(f"SGLang resolution not run: {sg['error']}")

@@ -82,7 +82,18 @@ def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, e
                 "reason": "the model has no routed experts (no num_experts / n_routed_experts in config.json)",
                 "candidates": [], "problem": None, "sglang": sglang}
     res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
-    return {**res.to_dict(), "problem": asdict(problem), "sglang": sglang}
+    return {**res.to_dict(), "problem": asdict(problem), "sglang": sglang, "plugin_prepares": _prepares(problem)}
+
+
+def _prepares(problem) -> dict:
+    """Which format the plugin lays out for this checkpoint, and on which runner backends (in place, per expert)."""
+    from .formats import prepared_on
+
+    fmt, why = problem.weight_format()
+    if fmt is None:
+        return {"format": None, "backends": [], "reason": why}
+    return {"format": fmt.name, "title": fmt.title, "backends": list(prepared_on(fmt)),
+            "reason": f"{fmt.title}: prepared in place, per dirty expert, on {', '.join(prepared_on(fmt))}"}
 
 
 def _local_device():

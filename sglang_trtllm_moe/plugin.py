@@ -33,6 +33,7 @@ BUILTIN_MODULES = (
     "sglang_trtllm_moe.builtins.nvfp4_hooks",
     "sglang_trtllm_moe.builtins.fp8_hooks",
     "sglang_trtllm_moe.builtins.bf16_hooks",
+    "sglang_trtllm_moe.builtins.mx_hooks",
     "sglang_trtllm_moe.builtins.runner_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
     "sglang_trtllm_moe.builtins.selection_hooks",

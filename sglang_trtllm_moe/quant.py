@@ -239,6 +239,38 @@ def mxfp8_dequantize(q: torch.Tensor, sf: torch.Tensor, block: int = MXFP8_BLOCK
     return q.float() * ue8m0_to_float(sf).repeat_interleave(block, dim=-1)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# MXFP4: e2m1 values, ue8m0 (power of two) scale per 32 elements (gpt-oss, DeepSeek-V4 routed experts)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def mxfp4_quantize(x: torch.Tensor, block: int = MXFP8_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 of `[..., K]`: (packed e2m1 uint8 `[..., K/2]`, low nibble = even element; ue8m0 bytes uint8
+    `[..., K/32]`). Scale 2^ceil(log2(amax/6)) (no value saturates, like flashinfer's `fp4_quantize(...,
+    sf_use_ue8m0=True)` with RoundPosInf), e2m1 round-to-nearest-even; an all-zero block gets byte 0."""
+    K = x.shape[-1]
+    if K % block:
+        raise ValueError(f"last dim {K} is not a multiple of the MX block {block}")
+    b = x.float().reshape(*x.shape[:-1], K // block, block)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    v = amax / torch.tensor(E2M1_MAX, dtype=torch.float32, device=x.device)
+    m, ex = torch.frexp(v)
+    e = torch.where(m == 0.5, ex - 1, ex).float()
+    e = torch.where(v > 0, e, torch.full_like(e, -127.0)).clamp(-127, 127)
+    packed = float_to_e2m1((b * torch.exp2(-e)).reshape(x.shape))
+    return packed, (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+def mxfp4_dequantize(packed: torch.Tensor, sf: torch.Tensor, block: int = MXFP8_BLOCK) -> torch.Tensor:
+    """MXFP4 `[..., K/2]` + linear ue8m0 bytes `[..., K/32]` (uint8 / float8_e8m0fnu / any 1-byte view) ->
+    float32 `[..., K]`: e2m1 * 2^(byte - 127)."""
+    vals = e2m1_to_float(packed)
+    s = ue8m0_to_float(sf)
+    if s.shape[-1] * block != vals.shape[-1]:
+        raise ValueError(f"scale shape {tuple(sf.shape)} does not match {vals.shape[-1]} values per row")
+    return vals * s.repeat_interleave(block, dim=-1)
+
+
 __all__ = [
     "E2M1_MAX",
     "FP8_E4M3_MAX",
@@ -255,4 +287,6 @@ __all__ = [
     "mxfp8_quantize",
     "mxfp8_dequantize",
     "ue8m0_to_float",
+    "mxfp4_quantize",
+    "mxfp4_dequantize",
 ]

@@ -119,14 +119,15 @@ def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_route
     ensure_prepared(layer)
     x = dispatch_output.hidden_states
     backend, on_kernel = _kernel_backend(layer, x.device)
-    if getattr(dispatch_output, "hidden_states_scale", None) is not None:
+    hidden_scale = getattr(dispatch_output, "hidden_states_scale", None)
+    if hidden_scale is not None and not fmt.accepts_prequantized:
         raise NotImplementedError(
             f"{layer_state.layer_name(layer)}: pre-quantized (a2a) {fmt.title or fmt.name} dispatch is not supported "
             "by the plugin runner yet"
         )
-    call = KernelCall(layer, quant_info, runner_config, x, on_kernel)
+    call = KernelCall(layer, quant_info, runner_config, x, on_kernel, hidden_scale)
     routing, routed = routing_kwargs(dispatch_output.topk_output, fmt.routing_method(call), runner_config,
-                                     use_routed_topk, hidden=x, layer=layer)
+                                     use_routed_topk, hidden=x, layer=None if fmt.routes_in_kernel(call) else layer)
     try:
         kwargs = fmt.kernel_args(call, routing, routed)
     except NotImplementedError as e:
@@ -135,7 +136,8 @@ def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_route
                   activation_type=kernel_api.activation_type(runner_config.activation, runner_config.is_gated))
     out = getattr(backend, kernel_api.kernel_function(fmt.kernel, routed))(**kwargs)
     out = out[0] if isinstance(out, (list, tuple)) else out
-    return StandardCombineInput(hidden_states=out.to(x.dtype))
+    out_dtype = getattr(dispatch_output, "output_dtype", None) or (x.dtype if hidden_scale is None else torch.bfloat16)
+    return StandardCombineInput(hidden_states=out.to(out_dtype))
 
 
 def format_for(leaf: str, runner_config, dispatch_output=None) -> WeightFormat | None:

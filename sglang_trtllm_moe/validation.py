@@ -144,6 +144,8 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     _check_shard(rule, shard_id, gated, refuse)
     view = _view(layer, fmt, name, param)
     e = _check_expert(layer, view, param, expert_id, scope, refuse)
+    if isinstance(loaded, torch.Tensor) and fmt.converted_by_sglang(layer, name, loaded, e, scope):
+        return name, e  # SGLang converts this write itself (its own dtypes and shapes): ids checked above
     _check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers)
     return name, e
 
@@ -415,3 +417,38 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), h
             f"refused the whole {what} ({len(named_tensors)} tensors, {len(problems)} refused): "
             + " | ".join(problems[:3]) + more + "; nothing of it was written")
     return writes
+
+
+# ---- fused all-expert writes (gpt-oss MXFP4) ---------------------------------------------------------------------
+
+def validate_fused(layer, name: str, param, loaded) -> None:
+    """A write of all experts of one parameter at once (`expert_id=None`, shard None: gpt-oss's MXFP4 loader) into
+    a format declared `fused`, refused before a byte changes: SGLang's fast path copies it into the top-left corner
+    of the padded parameter, so it must be a tensor on the parameter's device or the CPU, of a dtype the parameter's
+    rule accepts, with exactly the layer's experts and every other dimension at most the parameter's (a bias
+    [E, rows], a weight or block scale [E, rows, cols]), and valid values where the rule has a value rule."""
+    fmt = format_of(layer)
+    refuse = _Refusal(layer, name, None, None, what="all experts at once")
+    rule = fmt.load_rule(name) if fmt is not None else None
+    if rule is None:
+        refuse(f"{name} is not one of this layer's checkpoint parameters", f"one of {managed_names(layer, fmt)}")
+    if not isinstance(loaded, torch.Tensor):
+        refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
+    if loaded.device != param.device and loaded.device.type != "cpu":
+        refuse(f"the tensor is on {loaded.device}", f"a tensor on {param.device} or on the CPU")
+    if not rule.accepts_dtype(loaded.dtype, param.dtype):
+        extra = f" or {', '.join(map(str, rule.dtypes))}" if rule.dtypes else ""
+        refuse(f"dtype {loaded.dtype} cannot be written into {param.dtype} storage (copy_ would value-convert it, "
+               "not copy the bytes)" if param.dtype.itemsize == 1 else f"dtype {loaded.dtype} is not a float dtype",
+               f"{param.dtype}{extra}")
+    fits = loaded.dim() == param.dim() and loaded.shape[0] == param.shape[0] and all(
+        0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:]))
+    if not fits:
+        refuse(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}",
+               "the layer's experts exactly, every other dimension at most the parameter's")
+    values = rule.value_rule(param.dtype)
+    if values is not None and loaded.numel():
+        bad = _bad_value(loaded, values == POSITIVE)
+        if bad is not None:
+            refuse(f"{name} value {bad!r} is not finite" + (" and > 0" if values == POSITIVE else " and >= 0"),
+                   "finite values")

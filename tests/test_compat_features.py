@@ -45,6 +45,7 @@ def _nvfp4_scales_swapped() -> bool:
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
+FP4E = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe"
 
 PROBES = {
     "NVFP4_W13_SCALE_2_UP_GATE": _nvfp4_scales_swapped,
@@ -84,6 +85,19 @@ PROBES = {
     "WEIGHT_CHECKER_TAKES_PS": lambda: "ps" in inspect.signature(
         importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__).parameters,
     "SPAWN_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks"),
+    # MX formats
+    "MXFP8_ACTIVATION_PARAMS": lambda: hasattr(importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
+                                               "_prepare_flashinfer_trtllm_activation_params"),
+    "MXFP8_QUANTIZE_IN_FP8_UTILS": lambda: "flashinfer_mxfp8_quantize" in _source(
+        f"{TRTLLM}:fused_experts_none_to_flashinfer_trtllm_fp8"),
+    "MXFP8_NON_GATED_W13_ROWS": lambda: "is_concat=layer.moe_runner_config.is_gated" in inspect.getsource(
+        importlib.import_module("sglang.srt.layers.quantization.fp8")),
+    "FP4_EXPERTS_METHOD": lambda: _has(FP4E, "Mxfp4FlashinferTrtllmMoEMethod"),
+    "FP4_EXPERTS_PADDED_LOAD": lambda: "loaded_shard_size" in _source(
+        "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE._load_w13"),
+    "FP4_EXPERTS_SGLANG_PADS": lambda: _has(FP4E, "_pad_intermediate_size"),
+    "GPTOSS_FI_KERNEL_ATTR": lambda: "_fi_kernel" in _source(
+        "sglang.srt.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__"),
 }
 
 

@@ -3,7 +3,7 @@ scales) and DeepSeek 128x128 block.
 
 SGLang's own per-tensor prep dequantizes w1/w3 and re-quantizes them to one scale (lossy) and replaces the
 Parameters (the next RL update then has no weight_loader); the plugin keeps the bytes as loaded and passes separate
-gate and up scalars to the kernel (formats/fp8_tensor.py). MXFP8 and FP4-expert checkpoints stay SGLang's.
+gate and up scalars to the kernel (formats/fp8_tensor.py). MXFP8 and FP4-expert layers: builtins/mx_hooks.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _fp8_method_format(method):
         return None, "not on the flashinfer_trtllm backend"
     qc = method.quant_config
     if getattr(method, "use_mxfp8", False) or getattr(method, "is_fp4_expert", False):
-        return None, "MXFP8 / FP4-expert checkpoints keep SGLang's own preparation"
+        return None, "MXFP8 / FP4-expert layers are mx_hooks.py's"
     if not qc.is_checkpoint_fp8_serialized:
         return None, "the checkpoint is not FP8 (SGLang quantizes it at load time)"
     if method.block_quant:
@@ -50,6 +50,10 @@ def _fp8_side_attrs(method, layer) -> None:
 
 
 def fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
+    from . import mx_hooks
+
+    if mx_hooks.is_mx_fp8_method(method):  # one hook per target: MXFP8 / FP4-expert layers are mx_hooks.py's
+        return mx_hooks.fp8_method_process_weights_after_loading(original, method, layer, *args, **kwargs)
     fmt, _ = _fp8_method_format(method)
     if fmt is None:
         return original(method, layer, *args, **kwargs)
@@ -82,5 +86,6 @@ def register_sglang_hooks(register, release):
     register(HookTarget(
         f"{FP8_METHOD}.process_weights_after_loading", fp8_process_weights_after_loading, "around",
         releases=">=0.5.19", capability="fp8-prep",
-        why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert",
+        why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert (MXFP8 / "
+            "FP4-expert layers: handed to mx_hooks)",
     ))

@@ -47,6 +47,15 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
 
 
 def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
+    st = layer_state.state_of(layer)
+    if st is not None and expert_id is None and st.fmt.fused:
+        # all experts at once (gpt-oss MXFP4: SGLang's fast path never reaches _weight_loader_impl): validate, then
+        # return the whole group to checkpoint layout, then SGLang's copy, as one step under the layer's lock
+        name = validation.param_name(layer, param, st.fmt) or weight_name
+        with st.lock:
+            validation.validate_fused(layer, name, param, loaded_weight)
+            layer_state.before_write(layer, name, None)
+            return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
     checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id, scope="global")
     if checked is None:  # not a layer or a parameter the plugin manages or watches: SGLang's own loader
         return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)

@@ -65,6 +65,20 @@ TABLE: tuple[Verdict, ...] = (
             "measured: SGLang requantizes w1/w3 to one scale and replaces the Parameters, so the next update "
             "raises AttributeError (no weight_loader)"),
     Verdict("fp8_tensor", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict("mxfp8", ">=0.5.16", False,
+            "measured: a one-expert update re-shuffles every expert that was not reloaded (SGLang's "
+            "align_mxfp8_moe_weights_for_flashinfer_trtllm lays the whole layer out again at each prep; storage and "
+            "loaders are kept)"),
+    Verdict("mxfp8", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict("mxfp4_experts", ">=0.5.16", False,
+            "measured: SGLang's prep replaces the Parameters (e8m0 scales, uint8 weights) without weight_loader, so "
+            "the next load raises AttributeError"),
+    Verdict("mxfp4_experts", "<0.5.16", False,
+            "read: " + _NO_CPU_ORACLE + " (no FP4-expert path before 0.5.12)"),
+    Verdict("mxfp4_gptoss", ">=0.5.16", False,
+            "measured: SGLang's prep replaces the Parameters (scales viewed e4m3, biases fp32) without "
+            "weight_loader, so the next fused load raises TypeError (default_weight_loader)"),
+    Verdict("mxfp4_gptoss", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict("fp8_block", ">=0.5.11", True,
             "measured: every flow exact, storage, Parameters and weight_loaders kept (the kernel layout is the "
             "loaded layout: FusedMoE loads w13 as [up; gate] on trtllm and nothing is permuted)"),

@@ -122,6 +122,42 @@ PUBLISHED_SERVER_ARGS = Feature(
     "server_args.get_global_server_args()",
 )
 
+# ---- MX formats (MXFP8, MXFP4 experts, gpt-oss MXFP4) -----------------------------------------------------------
+
+MXFP8_ACTIVATION_PARAMS = Feature(
+    ">=0.5.18",
+    "Fp8MoEMethod._prepare_flashinfer_trtllm_activation_params(layer) materializes the SwiGLU alpha/beta/clamp "
+    "tensors its apply passes to the MXFP8 kernel as layer._flashinfer_trtllm_gemm1_* (apply reads them)",
+)
+MXFP8_QUANTIZE_IN_FP8_UTILS = Feature(
+    ">=0.5.17",
+    "the MXFP8 leaf quantizes activations with fp8_utils.flashinfer_mxfp8_quantize (flashinfer.mxfp8_quantize before)",
+)
+MXFP8_NON_GATED_W13_ROWS = Feature(
+    ">=0.5.19",
+    "Fp8MoEMethod allocates a non-gated (relu2) MXFP8 w13 with I rows; before it allocates 2I and SGLang slices "
+    "(and rebinds) at prep, so the plugin leaves such layers to SGLang there",
+)
+FP4_EXPERTS_METHOD = Feature(
+    ">=0.5.12",
+    "Fp8Config.is_fp4_experts on flashinfer_mxfp4 builds Mxfp4FlashinferTrtllmMoEMethod (DeepSeek-V4 / MiMo-V2 "
+    "MXFP4 routed experts on the TRT-LLM-Gen FP4 kernel)",
+)
+FP4_EXPERTS_PADDED_LOAD = Feature(
+    ">=0.5.17",
+    "FusedMoE's plain loader copies a smaller checkpoint shard into the leading slice of a larger expert buffer; "
+    "before it narrows by the buffer's size, so FP4-expert buffers allocated padded (I % 128 != 0) cannot be loaded",
+)
+FP4_EXPERTS_SGLANG_PADS = Feature(
+    ">=0.5.21",
+    "Mxfp4FlashinferTrtllmMoEMethod pads I to 128 per half at prep (scales with 1.0) and sets "
+    "layer.intermediate_size_per_partition to the padded size; before, I % 128 != 0 fails SGLang's own prep",
+)
+GPTOSS_FI_KERNEL_ATTR = Feature(
+    ">=0.5.12",
+    "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
+)
+
 # ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
 
 PLATFORM_OVERRIDE = Feature(

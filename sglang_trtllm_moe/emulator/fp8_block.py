@@ -1,4 +1,11 @@
-"""FP8 block scale (DeepSeek: e4m3 with 128x128 weight scales, 1x128 activation scales): flashinfer `trtllm_fp8_block_scale_moe` / `_routed_moe`."""
+"""FP8 block scale: flashinfer `trtllm_fp8_block_scale_moe` / `_routed_moe`.
+
+* DeepSeekFp8 (fp8_quantization_type=1): e4m3 with 128x128 weight scales, 1x128 activation scales, unshuffled.
+* MxFp8 (2): e4m3 with one UE8M0 scale byte per 32 values along K (weights: shuffled rows + 128x4 swizzled scales,
+  uint8 as the launcher demands; activations: uint8 [T, H/32] linear). GEMM1 -> activation (SwiGLU with optional
+  alpha/beta/clamp, or relu2) -> the intermediate to bf16 then MXFP8 (flashinfer's test reference:
+  `mxfp8_quantize(act.to(bf16))`) -> GEMM2 -> bf16. No global scales: raw accumulator units are real units.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,8 @@ import torch
 from .. import layouts, quant
 from ..kernel_api import ActivationType, Fp8QuantizationType, WeightLayout
 from .common import (
-    _FLT_MIN, _activate, _act_name, _bf16, _check_local, _run, _scalar, common_unsupported, routing, unsupported,
+    _FLT_MIN, _activate, _act_name, _bf16, _check_local, _expert_sf, _run, _scalar, _unshuffle_rows,
+    common_unsupported, is_gated, routing, unsupported,
 )
 from .routing import split_routed_input
 
@@ -26,7 +34,12 @@ def _fp8_block_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weig
                     gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size, valid_intermediate_size,
                     routing_replay_out):
     act = int(activation_type)
-    unsupported(fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) == 1),
+    if int(fp8_quantization_type) == Fp8QuantizationType.MxFp8:
+        return _mxfp8_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
+                           gemm2_weights, gemm2_weights_scale, intermediate_size, local_num_experts,
+                           local_expert_offset, use_shuffled_weight, weight_layout, act, gemm1_alpha, gemm1_beta,
+                           gemm1_clamp_limit, output, valid_hidden_size, valid_intermediate_size, routing_replay_out)
+    unsupported(fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) in (1, 2)),
                  use_shuffled_weight=(use_shuffled_weight, not use_shuffled_weight),
                  weight_layout=(weight_layout, int(weight_layout) in (0, 2)),
                  activation_type=(_act_name(act), act == ActivationType.Swiglu))
@@ -56,6 +69,58 @@ def _fp8_block_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weig
                       limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
                       valid_intermediate=valid_intermediate_size)
         return _bf16(_block_requant(h) @ w2.t())
+
+    out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
+    if valid_hidden_size is not None:
+        out = out[:, :valid_hidden_size]
+    if output is not None:
+        output.copy_(out)
+        out = output
+    return out
+
+
+def _mxfp8_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights,
+                gemm2_weights_scale, intermediate_size, local_num_experts, local_expert_offset, use_shuffled_weight,
+                weight_layout, act, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size,
+                valid_intermediate_size, routing_replay_out):
+    unsupported(use_shuffled_weight=(use_shuffled_weight, bool(use_shuffled_weight)),
+                weight_layout=(weight_layout, int(weight_layout) == WeightLayout.MajorK),
+                activation_type=(_act_name(act), act in (ActivationType.Swiglu, ActivationType.Relu2)))
+    if hidden_states.dtype != torch.float8_e4m3fn:
+        raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (MxFp8 takes e4m3 activations)")
+    for name, t in (("hidden_states_scale", hidden_states_scale), ("gemm1_weights_scale", gemm1_weights_scale),
+                    ("gemm2_weights_scale", gemm2_weights_scale)):
+        if t is None or t.dtype != torch.uint8:  # the MxFp8 launcher checks this (trtllm_fused_moe_kernel_launcher.cu)
+            raise ValueError(f"MxFp8: {name} must be uint8 UE8M0 bytes, got {None if t is None else t.dtype}")
+    gated = is_gated(act)
+    T, H = hidden_states.shape
+    I = intermediate_size
+    M = 2 * I if gated else I
+    if H % 128 or I % 128:
+        raise ValueError(f"MxFp8 needs hidden ({H}) and intermediate ({I}) sizes that are multiples of 128")
+    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, I):
+        raise ValueError(f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
+                         f"[E, {M}, {H}]/[E, {H}, {I}]")
+    dev = hidden_states.device
+    E = local_num_experts
+    inv1 = layouts.invert_map(layouts.w13_row_map(M, gated, dev))
+    inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
+    x = quant.mxfp8_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 32))
+
+    def expert(e, rows, _w):
+        w1 = _unshuffle_rows(gemm1_weights[e], inv1)
+        s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // 32).index_select(0, inv1)
+        w2 = _unshuffle_rows(gemm2_weights[e], inv2)
+        s2 = _expert_sf(gemm2_weights_scale, e, E, H, I // 32).index_select(0, inv2)
+        a1 = rows @ quant.mxfp8_dequantize(w1, s1).t()
+        h = _activate(a1, act, alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
+                      beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
+                      limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+                      valid_intermediate=valid_intermediate_size)
+        hq, hs = quant.mxfp8_quantize(_bf16(h))
+        return _bf16(quant.mxfp8_dequantize(hq, hs) @ quant.mxfp8_dequantize(w2, s2).t())
 
     out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
     if valid_hidden_size is not None:
@@ -104,7 +169,7 @@ def trtllm_fp8_block_scale_moe(
     gemm1_bias: Optional[torch.Tensor] = None,
     gemm2_bias: Optional[torch.Tensor] = None,
 ) -> Union[List[torch.Tensor], torch.Tensor]:
-    """Emulates flashinfer `trtllm_fp8_block_scale_moe` (DeepSeekFp8, MajorK or BlockMajorK, unshuffled)."""
+    """Emulates flashinfer `trtllm_fp8_block_scale_moe` (DeepSeekFp8 MajorK/BlockMajorK unshuffled; MxFp8 shuffled)."""
     common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias)
     ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
                       routing_method_type, norm_topk_prob)

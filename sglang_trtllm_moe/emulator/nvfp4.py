@@ -1,4 +1,10 @@
-"""NVFP4 weights and activations (e2m1 + e4m3 scales per 16): flashinfer `trtllm_fp4_block_scale_moe` / `_routed_moe`."""
+"""FP4 weights: flashinfer `trtllm_fp4_block_scale_moe` / `_routed_moe`.
+
+* NVFP4 weights and activations (e2m1 + e4m3 scales per 16, global scales through the output scalars).
+* MXFP4 weights (e2m1 + UE8M0 scales per 32; gpt-oss, DeepSeek-V4 experts) with MXFP8 activations (the
+  intermediate re-quantized bf16 -> MXFP8, flashinfer's test reference) or BF16 activations (intermediate bf16),
+  optional fp32 GEMM1/GEMM2 biases in the kernel's row layout, SwiGLU with alpha/beta/clamp (gpt-oss: 1.702, 1, 7).
+"""
 
 from __future__ import annotations
 
@@ -18,53 +24,96 @@ def _fp4_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, g
               gemm1_alpha, gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale,
               output1_scale_scalar, output1_scale_gate_scalar, output2_scale_scalar, intermediate_size,
               local_expert_offset, local_num_experts, activation_type, output, valid_hidden_size,
-              valid_intermediate_size, routing_replay_out):
+              valid_intermediate_size, routing_replay_out, gemm1_bias=None, gemm2_bias=None):
+    """NVFP4 weights x NVFP4 activations, or MXFP4 weights (UE8M0 scales per 32, picked by the scale count as the
+    launcher does) x MXFP8 (e4m3 + linear scales) or BF16 activations, with optional fp32 GEMM biases in the
+    kernel's row layout (gpt-oss)."""
     act = int(activation_type)
-    if hidden_states.dtype != torch.uint8:
-        raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} with FP4 weights (only NVFP4 "
-                                  "activations, packed uint8, are emulated; MXFP8/BF16 activations are not)")
+    for name, t in (("gemm1_weights", gemm1_weights), ("gemm2_weights", gemm2_weights)):
+        if t.dtype != torch.uint8:  # deduce_trtllm_gen_tensor_dtype (flashinfer tllm_enums.py)
+            raise ValueError(f"{name} must be uint8 (two packed e2m1 per byte), got {t.dtype}")
+    for name, t in (("gemm1_weights_scale", gemm1_weights_scale), ("gemm2_weights_scale", gemm2_weights_scale)):
+        if t.dtype != torch.float8_e4m3fn:  # "FP4 launcher requires float8 tensor metadata" (flashinfer prepare.py)
+            raise ValueError(f"{name} must carry float8_e4m3fn metadata (E4M3 or UE8M0 bytes), got {t.dtype}")
     T = hidden_states.shape[0]
-    H = hidden_states.shape[1] * 2
-    if hidden_states_scale is None:
-        raise ValueError("NVFP4 hidden_states need hidden_states_scale (linear e4m3 [T, H/16])")
+    if hidden_states.dtype == torch.uint8:
+        H, acts = hidden_states.shape[1] * 2, "nvfp4"
+    elif hidden_states.dtype == torch.float8_e4m3fn:
+        H, acts = hidden_states.shape[1], "mxfp8"
+    elif hidden_states.dtype == torch.bfloat16:
+        H, acts = hidden_states.shape[1], "bf16"
+    else:
+        raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} with FP4 weights")
     M = _gemm1_rows(intermediate_size, act)
+    I = intermediate_size
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H // 2):
         raise ValueError(f"gemm1_weights shape {tuple(gemm1_weights.shape)} != [E, {M}, {H // 2}] for "
                          f"intermediate_size={intermediate_size}, activation {_act_name(act)}, hidden {H}")
-    I = intermediate_size
     if tuple(gemm2_weights.shape[1:]) != (H, I // 2):
         raise ValueError(f"gemm2_weights shape {tuple(gemm2_weights.shape)} != [E, {H}, {I // 2}]")
-    n_sf = gemm1_weights_scale.numel()
-    if n_sf != _sf_numel(local_num_experts, M, H // 16) and n_sf == _sf_numel(local_num_experts, M, H // 32):
-        raise NotImplementedError("MXFP4 weights (ue8m0 scales per 32) are not emulated; only NVFP4 weights")
+    E = local_num_experts
+    mx = gemm1_weights_scale.numel() != _sf_numel(E, M, H // 16)  # the launcher's rule: NVFP4 iff numel == K/16
+    if mx and gemm1_weights_scale.numel() != _sf_numel(E, M, H // 32):
+        raise ValueError(f"gemm1_weights_scale has {gemm1_weights_scale.numel()} elements: neither NVFP4 (per 16) "
+                         f"nor MXFP4 (per 32) scales of [E={E}, {M}, {H}]")
+    if mx and acts == "nvfp4":
+        raise NotImplementedError("MXFP4 weights with NVFP4 activations: the kernel takes MXFP8 or BF16 "
+                                  "activations with MXFP4 weights")
+    if not mx and acts != "nvfp4":
+        raise NotImplementedError(f"NVFP4 weights with {acts} activations (only NVFP4 activations are emulated)")
+    block = 32 if mx else 16
     dev = hidden_states.device
-    x = quant.nvfp4_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 16), 1.0)
+    if acts == "nvfp4":
+        if hidden_states_scale is None:
+            raise ValueError("NVFP4 hidden_states need hidden_states_scale (linear e4m3 [T, H/16])")
+        x = quant.nvfp4_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 16), 1.0)
+    elif acts == "mxfp8":
+        if hidden_states_scale is None:
+            raise ValueError("MXFP8 hidden_states need hidden_states_scale (linear UE8M0 [T, H/32])")
+        x = quant.mxfp8_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 32))
+    else:
+        x = hidden_states.float()
     inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
     inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
-    E = local_num_experts
+
+    def dequant_w(w, s):
+        return quant.mxfp4_dequantize(w, s) if mx else quant.nvfp4_dequantize(w, s, 1.0)
+
+    def requant(h):
+        if acts == "nvfp4":  # FC1 epilogue writes NVFP4 with global scale 1
+            hq, hs = quant.nvfp4_quantize(h, 1.0)
+            return quant.nvfp4_dequantize(hq, hs, 1.0)
+        h = _bf16(h)
+        if acts == "mxfp8":
+            hq, hs = quant.mxfp8_quantize(h)
+            return quant.mxfp8_dequantize(hq, hs)
+        return h
 
     def expert(e, rows, _w):
         w1 = _unshuffle_rows(gemm1_weights[e], inv1)
-        s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // 16).index_select(0, inv1)
+        s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // block).index_select(0, inv1)
         w2 = _unshuffle_rows(gemm2_weights[e], inv2)
-        s2 = _expert_sf(gemm2_weights_scale, e, E, H, I // 16).index_select(0, inv2)
-        a1 = rows @ quant.nvfp4_dequantize(w1, s1, 1.0).t()
+        s2 = _expert_sf(gemm2_weights_scale, e, E, H, I // block).index_select(0, inv2)
+        a1 = rows @ dequant_w(w1, s1).t()
+        if gemm1_bias is not None:
+            a1 = a1 + gemm1_bias[e].float().index_select(0, inv1)
         h = _activate(a1, act, _scalar(output1_scale_gate_scalar, e, 1.0), _scalar(output1_scale_scalar, e, 1.0),
                       alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
                       beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
                       limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
                       valid_intermediate=valid_intermediate_size)
-        hq, hs = quant.nvfp4_quantize(h, 1.0)  # FC1 epilogue writes NVFP4 with global scale 1
-        a2 = quant.nvfp4_dequantize(hq, hs, 1.0) @ quant.nvfp4_dequantize(w2, s2, 1.0).t()
+        a2 = requant(h) @ dequant_w(w2, s2).t()
+        if gemm2_bias is not None:
+            a2 = a2 + gemm2_bias[e].float().index_select(0, inv2)
         return _bf16(a2 * _scalar(output2_scale_scalar, e, 1.0))
 
     out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
     if valid_hidden_size is not None:
         out = out[:, :valid_hidden_size]
-    if output is not None:
-        output.copy_(out)
+    if output is not None:  # a narrower caller output takes the first columns (flashinfer: hidden_size_output)
+        output.copy_(out[:, : output.shape[1]])
         out = output
     return [out]
 
@@ -114,8 +163,9 @@ def trtllm_fp4_block_scale_moe(
     valid_intermediate_size: Optional[int] = None,
     hidden_states_scale_layout=None,
 ) -> List[torch.Tensor]:
-    """Emulates flashinfer `trtllm_fp4_block_scale_moe` (NVFP4 weights + NVFP4 activations); returns [output]."""
-    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias)
+    """Emulates flashinfer `trtllm_fp4_block_scale_moe` (NVFP4 x NVFP4, MXFP4 x MXFP8 / BF16, biases); returns
+    [output]."""
+    common_unsupported(do_finalize, num_fused_shared_experts)
     _fp4unsupported(per_token_scale, hidden_states_scale_layout)
     ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
                       routing_method_type, norm_topk_prob)
@@ -123,7 +173,7 @@ def trtllm_fp4_block_scale_moe(
                      gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale, output1_scale_scalar,
                      output1_scale_gate_scalar, output2_scale_scalar, intermediate_size, local_expert_offset,
                      local_num_experts, activation_type, output, valid_hidden_size, valid_intermediate_size,
-                     routing_replay_out)
+                     routing_replay_out, gemm1_bias, gemm2_bias)
 
 
 def trtllm_fp4_block_scale_routed_moe(
@@ -165,11 +215,12 @@ def trtllm_fp4_block_scale_routed_moe(
     hidden_states_scale_layout=None,
 ) -> List[torch.Tensor]:
     """Emulates flashinfer `trtllm_fp4_block_scale_routed_moe` (precomputed top-k, packed or (ids, weights))."""
-    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias, gemm1_lora_delta)
+    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_lora_delta=gemm1_lora_delta)
     _fp4unsupported(per_token_scale, hidden_states_scale_layout)
     ids, w = split_routed_input(topk_ids)
     return _fp4_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm1_alpha,
                      gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale, output1_scale_scalar,
                      output1_scale_gate_scalar, output2_scale_scalar, intermediate_size, local_expert_offset,
-                     local_num_experts, activation_type, output, valid_hidden_size, valid_intermediate_size, None)
+                     local_num_experts, activation_type, output, valid_hidden_size, valid_intermediate_size, None,
+                     gemm1_bias, gemm2_bias)
 

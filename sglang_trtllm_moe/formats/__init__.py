@@ -12,10 +12,13 @@ from .bf16 import BF16
 from .ct_nvfp4 import CT_NVFP4
 from .fp8_block import FP8_BLOCK
 from .fp8_tensor import FP8_TENSOR, FP8_TENSOR_MODELOPT
+from .mxfp4_experts import MXFP4_EXPERTS
+from .mxfp4_gptoss import MXFP4_GPTOSS
+from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 
 #: every format the plugin prepares, in the order a checkpoint is matched against them
-FORMATS: tuple[WeightFormat, ...] = (NVFP4, CT_NVFP4, FP8_TENSOR_MODELOPT, FP8_TENSOR, FP8_BLOCK, BF16)
+FORMATS: tuple[WeightFormat, ...] = (NVFP4, CT_NVFP4, FP8_TENSOR_MODELOPT, FP8_TENSOR, MXFP4_EXPERTS, FP8_BLOCK, MXFP8, MXFP4_GPTOSS, BF16)
 
 
 def by_name(name: str) -> WeightFormat:
@@ -25,12 +28,20 @@ def by_name(name: str) -> WeightFormat:
     raise KeyError(f"no weight format {name!r}; known: {[f.name for f in FORMATS]}")
 
 
+def prepared_on(fmt: WeightFormat) -> tuple[str, ...]:
+    """The runner backends on which the plugin prepares `fmt` in place (the TRT-LLM-Gen ones SGLang serves it on)."""
+    return tuple(fmt.quantizations)
+
+
 def for_checkpoint(checkpoint: Checkpoint) -> tuple[WeightFormat | None, str]:
     """(the format holding such a checkpoint's experts on the TRT-LLM-Gen path, its title) — or (None, why not)."""
     for f in FORMATS:
         if f.describes(checkpoint):
             return f, f.title
     q = checkpoint.quantization
+    if q == "mxfp8" and checkpoint.online:
+        return None, ("online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at load time and "
+                      "rebinds the Parameters to fp8, so the plugin leaves the layer to SGLang's own preparation")
     if q == "compressed-tensors":
         return None, f"compressed-tensors scheme {checkpoint.quant_scheme or 'unknown'!r} is not NVFP4"
     if q == "fp8":
@@ -42,5 +53,5 @@ def for_checkpoint(checkpoint: Checkpoint) -> tuple[WeightFormat | None, str]:
 
 
 __all__ = ["BACKENDS", "TRTLLM", "TRTLLM_ROUTED", "Checkpoint", "KernelCall", "ParamLayout", "WeightFormat",
-           "FORMATS", "by_name", "for_checkpoint", "NVFP4", "CT_NVFP4", "FP8_TENSOR", "FP8_TENSOR_MODELOPT",
-           "FP8_BLOCK", "BF16"]
+           "FORMATS", "by_name", "for_checkpoint", "prepared_on", "NVFP4", "CT_NVFP4", "FP8_TENSOR", "FP8_TENSOR_MODELOPT",
+           "FP8_BLOCK", "MXFP8", "MXFP4_EXPERTS", "MXFP4_GPTOSS", "BF16"]

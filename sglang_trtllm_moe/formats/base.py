@@ -109,6 +109,10 @@ class Checkpoint:
     quant_scheme: str | None = None
     #: fp8: "static" | "dynamic" activation scales (None = not said)
     activation_scheme: str | None = None
+    #: fp8: the routed experts are MXFP4 (SGLang's ModelConfig.is_fp4_experts: DeepSeek-V4, MiMo-V2, Bailing-V3)
+    fp4_experts: bool = False
+    #: `--quantization X` on a checkpoint without a quantization_config: SGLang quantizes at load time
+    online: bool = False
 
 
 @dataclass
@@ -123,6 +127,8 @@ class KernelCall:
     hidden: torch.Tensor
     #: True for flashinfer's kernels (SGLang's CUDA quantizers), False for the emulator (pure-torch quantizers)
     on_kernel: bool
+    #: activation scales when the dispatcher already quantized `hidden` (a2a pre-quantized input), else None
+    hidden_scale: Any = None
 
 
 class WeightFormat:
@@ -138,7 +144,11 @@ class WeightFormat:
     MAY define: `hidden_align` (default 128), `scalar_params` + `compute_scalars` (kernel scalars recomputed at every
     flush), `check_layout` (extra shape rules; call super), `row_map` (a format-specific half order),
     `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept),
-    what a weight update may write (`ParamLayout.kind / load_dtypes / values`, `scalar_rules`; see `LoadRule`)."""
+    what a weight update may write (`ParamLayout.kind / load_dtypes / values`, `scalar_rules`, and
+    `converted_by_sglang` for writes SGLang's loader converts itself; see `LoadRule`), `fused` (all experts are
+    written at once: gpt-oss), `own_backend` (the non-trtllm runner backend SGLang serves the format on, e.g.
+    flashinfer_mxfp4: reported by selection, never auto-selected), `accepts_prequantized` (activations quantized by
+    the dispatcher reach `kernel_args` as `KernelCall.hidden_scale`)."""
 
     name: ClassVar[str] = "base"
     params: ClassVar[tuple[ParamLayout, ...]] = ()
@@ -158,6 +168,14 @@ class WeightFormat:
     title: ClassVar[str] = ""
     #: why the activation sets are what they are, added to a refusal (e.g. a kernel that only implements SwiGLU)
     activation_note: ClassVar[str] = ""
+    #: the runner may hand `kernel_args` activations the dispatcher already quantized (KernelCall.hidden_scale)
+    accepts_prequantized: ClassVar[bool] = False
+    #: the loader writes all experts of a parameter at once (gpt-oss: `expert_id=None`); a "partial" update is a
+    #: whole-group write, validated and un-prepared in the FusedMoE.weight_loader hook
+    fused: ClassVar[bool] = False
+    #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
+    #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
+    own_backend: ClassVar[str | None] = None
 
     # ---- what it serves ---------------------------------------------------------------------------------------
     def describes(self, checkpoint: Checkpoint) -> bool:
@@ -212,6 +230,12 @@ class WeightFormat:
                     values=POSITIVE)
             self.__dict__["_load_rules"] = rules
         return rules.get(param_name)
+
+    def converted_by_sglang(self, layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
+        """True when SGLang's loader converts this write itself before storing it (its own dtypes and shapes, e.g. a
+        fused FP8 shared expert requantized into FP4-expert storage): validation checks only the shard and expert id.
+        `scope`: "global" (a checkpoint expert id) or "local"."""
+        return False
 
     def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
@@ -337,6 +361,11 @@ class WeightFormat:
         return {}
 
     # ---- the kernel -------------------------------------------------------------------------------------------
+    def routes_in_kernel(self, call: KernelCall) -> bool:
+        """True when SGLang's own call of this format routes bypassed logits in the kernel whatever the layer
+        declares (gpt-oss: Renormalize); False: the runner asks the layer (runner.routing_declared)."""
+        return False
+
     def routing_method(self, call: KernelCall) -> int | None:
         """The layer's routing method (SGLang's QuantInfo carries it for the quantized leaves)."""
         return call.quant_info.routing_method_type

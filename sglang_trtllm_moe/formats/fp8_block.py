@@ -40,7 +40,8 @@ class Fp8Block(WeightFormat):
     intermediate_align = (BLOCK, BLOCK)
 
     def describes(self, checkpoint: Checkpoint) -> bool:
-        return checkpoint.quantization == "fp8" and tuple(checkpoint.weight_block_size or ()) == (BLOCK, BLOCK)
+        return (checkpoint.quantization == "fp8" and tuple(checkpoint.weight_block_size or ()) == (BLOCK, BLOCK)
+                and not checkpoint.fp4_experts)
     params = (
         ParamLayout("w13_weight", "w13", permute_rows=False),
         ParamLayout("w13_weight_scale_inv", "w13", permute_rows=False),

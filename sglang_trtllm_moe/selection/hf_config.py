@@ -103,15 +103,35 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
     quant = quantization if quantization is not None else detected
     if quant == "modelopt" and detected and detected.startswith("modelopt_"):
         quant = detected
+    online = quantization is not None and detected is None
     return MoeProblem(
         hidden_size=int(hidden), intermediate_size=int(inter), num_experts=int(experts),
         top_k=int(_get(text, "num_experts_per_tok") or _get(text, "moe_topk") or 1),
         quantization=quant, weight_block_size=block if quant == "fp8" else None,
         quant_scheme=scheme if quant == "compressed-tensors" else None,
         activation_scheme=str(act_scheme) if quant == "fp8" and act_scheme else None,
-        activation=act, gated=gated, architecture=arch, no_fused_moe=no_fused_moe_reason(archs, quant), **parallel,
+        activation=act, gated=gated, architecture=arch, no_fused_moe=no_fused_moe_reason(archs, quant),
+        fp4_experts=quant == "fp8" and fp4_experts(cfg, quant_cfg), online_quantization=online, **parallel,
     )
 
 
-__all__ = ["MIXTRAL_FUSED_MOE_QUANTS", "NON_GATED_ARCHS", "detect_quantization", "no_fused_moe_reason",
-           "problem_from_hf_config"]
+#: architectures whose published checkpoints store the routed experts in MXFP4 on an FP8 config (SGLang's
+#: ModelConfig.is_fp4_experts detects DeepSeek-V4's from the expert tensors' I8/U8/F4 dtype, which config.json
+#: alone cannot show)
+FP4_EXPERT_ARCHS = ("DeepseekV4ForCausalLM",)
+
+
+def fp4_experts(cfg: Any, quant_cfg: Any) -> bool:
+    """SGLang's ModelConfig.is_fp4_experts, as far as config.json tells: `routed_experts_quant_method: mxfp4`
+    (0.5.19+), MiMo-V2's `store_dtype: mxfp4`, or a DeepSeek-V4 architecture."""
+    text = _get(cfg, "text_config") or cfg
+    if quant_cfg and str(_get(quant_cfg, "routed_experts_quant_method", "") or "").lower() == "mxfp4":
+        return True
+    if str(_get(text, "store_dtype", "") or _get(quant_cfg or {}, "store_dtype", "") or "").lower() == "mxfp4":
+        return True
+    archs = _get(cfg, "architectures") or _get(text, "architectures") or []
+    return any(a in FP4_EXPERT_ARCHS for a in archs)
+
+
+__all__ = ["FP4_EXPERT_ARCHS", "MIXTRAL_FUSED_MOE_QUANTS", "NON_GATED_ARCHS", "detect_quantization", "fp4_experts",
+           "no_fused_moe_reason", "problem_from_hf_config"]

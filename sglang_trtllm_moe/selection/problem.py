@@ -24,6 +24,10 @@ class MoeProblem:
     quant_scheme: str | None = None
     #: fp8: "static" | "dynamic" activation scales, as the checkpoint's config says (None: not said)
     activation_scheme: str | None = None
+    #: fp8: the routed experts are MXFP4 (SGLang's ModelConfig.is_fp4_experts)
+    fp4_experts: bool = False
+    #: the quantization is SGLang's online one (--quantization on a checkpoint without a quantization_config)
+    online_quantization: bool = False
     activation: str = "silu"
     gated: bool = True
     tp_size: int = 1
@@ -52,7 +56,8 @@ class MoeProblem:
 
     @property
     def checkpoint(self) -> Checkpoint:
-        return Checkpoint(self.quantization, self.weight_block_size, self.quant_scheme, self.activation_scheme)
+        return Checkpoint(self.quantization, self.weight_block_size, self.quant_scheme, self.activation_scheme,
+                          self.fp4_experts, self.online_quantization)
 
     def weight_format(self) -> tuple[WeightFormat | None, str]:
         """(format, its title) — format None (and why) when the plugin does not prepare this checkpoint."""

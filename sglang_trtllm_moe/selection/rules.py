@@ -103,7 +103,9 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
     if fmt is None:
         return no(Code.QUANT_UNSUPPORTED, fmt_why)
     if not fmt.serves(backend, p.checkpoint):
-        return no(Code.QUANT_UNSUPPORTED_BY_BACKEND, f"{backend} has no {fmt_why} path in SGLang")
+        where = (f"; SGLang serves it on {fmt.own_backend} (TRT-LLM-Gen kernels too), where the plugin prepares it in "
+                 "place" if fmt.own_backend else "")
+        return no(Code.QUANT_UNSUPPORTED_BY_BACKEND, f"{backend} has no {fmt_why} path in SGLang{where}")
     problem_act = fmt.activation_problem(p.activation, p.gated)
     if problem_act:
         return no(Code.ACTIVATION_UNSUPPORTED, problem_act)
@@ -186,8 +188,11 @@ def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", up
         where = f"SM{device.sm}" if device.sm is not None else "no CUDA GPU"
         return done(base, Code.NOT_SM100, f"{where} is not SM 10.x: SGLang's choice ({base}) stands")
     if upstream is not None and upstream not in ("auto", *BACKENDS):
+        fmt, _ = problem.weight_format()
+        also = (f"; {upstream} runs the TRT-LLM-Gen kernels on {fmt.title} weights the plugin prepares in place"
+                if fmt is not None and fmt.own_backend == upstream else "")
         return done(upstream, Code.UPSTREAM_MODEL_RULE,
-                    f"SGLang's own rule for this model chose {upstream}: kept")
+                    f"SGLang's own rule for this model chose {upstream}: kept{also}")
     if not eligible:
         first = cands[0]
         return done(base, Code.NO_ELIGIBLE_BACKEND,

@@ -145,6 +145,130 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
     return rows
 
 
+# ---- MX formats: MXFP8 (flashinfer_trtllm), MXFP4 experts and gpt-oss MXFP4 (flashinfer_mxfp4) --------------------
+
+#: format -> (runner backend, shape name, (experts in the real model, hidden, moe intermediate))
+MX_SHAPES = {
+    "mxfp8": ("flashinfer_trtllm", "DeepSeek-V3", SHAPES["DeepSeek-V3"]),
+    "mxfp4_experts": ("flashinfer_mxfp4", "FP4-expert (H 4096, I 2048: an assumed DeepSeek-V4-like shape)", (256, 4096, 2048)),
+    "mxfp4_gptoss": ("flashinfer_mxfp4", "gpt-oss-120b", (128, 2880, 2880)),
+}
+
+
+def _fill_random_mx(layer, seed: int = 0) -> None:
+    """Random weight bytes and sane UE8M0 scale bytes (2^-8 .. 2^2) straight into the parameters (as
+    _fill_random_nvfp4: content is irrelevant to the cost of a permutation)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in layer.named_parameters(recurse=False):
+        u8 = p.data.view(torch.uint8)
+        if "bias" in name:  # bf16-exact values: SGLang's gpt-oss bias Parameters are bf16 until its prep
+            p.data.copy_((torch.randn(p.shape, generator=g) * 0.1).to(torch.bfloat16))
+        elif "scale" in name:
+            u8.copy_(torch.randint(119, 130, u8.shape, dtype=torch.uint8, generator=g))
+        else:
+            u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8, generator=g))
+
+
+def _mx_layers(fmt: str, experts: int):
+    from . import mx_layers
+    from .layers import MoeSpec
+
+    real_e, h, i = MX_SHAPES[fmt][2]
+    spec = MoeSpec(num_experts=experts, hidden=h, intermediate=i, fmt=fmt)
+    ours, theirs = mx_layers.build_layer(spec), mx_layers.sglang_layer(spec)
+    _fill_random_mx(ours)
+    for name, p in ours.named_parameters(recurse=False):  # the same values in SGLang's dtypes (exact but biases)
+        getattr(theirs, name).data.copy_(p.data)
+    return spec, ours, theirs
+
+
+def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
+    """Plugin vs SGLang's own preparation of the same MX layer (SGLang's CUDA-only helpers replaced by CPU ones of the
+    same bytes: testing/mx_layers.sglang_prepare), and an RL update: one expert for MXFP8 / MXFP4 experts (the
+    plugin: loader writes + flush of that expert; SGLang: loader writes + its prep of the whole layer, which is also
+    what re-shuffles the experts it did not reload), the whole layer for gpt-oss (its loader writes all experts).
+    For the MXFP4 paths SGLang's own loader cannot write after its prep (the Parameters it made have no
+    weight_loader): its update figure is its whole-layer prep alone, a lower bound."""
+    from .. import layer_state, layouts
+    from . import mx_layers
+
+    backend, shape, (real_e, h, i) = MX_SHAPES[fmt]
+    spec, ours, theirs = _mx_layers(fmt, experts)
+    label = f"{shape} layer ({experts} of {real_e} experts, H {h}, I {i})"
+    names = [p.name for p in layer_state_fmt(fmt).params]
+    nbytes = sum(getattr(ours, n).numel() * getattr(ours, n).element_size() for n in names)
+    loaded = {n: getattr(ours, n).data.clone() for n in names}
+    layouts.reset_scratch_peak()
+    rss0 = _maxrss()
+    t0 = time.perf_counter()
+    ours.quant_method.process_weights_after_loading(ours)
+    plugin_s = time.perf_counter() - t0
+    rss1 = _maxrss()
+    t0 = time.perf_counter()
+    mx_layers.sglang_prepare(theirs)
+    upstream_s = time.perf_counter() - t0
+    rss2 = _maxrss()
+    same = all(torch.equal(getattr(ours, n).data.view(torch.uint8).reshape(-1),
+                           getattr(theirs, n).data.view(torch.uint8).reshape(-1)) for n in names)
+    rows = [dict(name=f"{fmt} prep, {label}", plugin_s=plugin_s, upstream_s=upstream_s, ratio=upstream_s / plugin_s,
+                 bytes=nbytes, plugin_gbps=2 * nbytes / plugin_s / 1e9, plugin_peak_extra_bytes=rss1 - rss0,
+                 upstream_peak_extra_bytes=rss2 - rss1, plugin_scratch_bytes=layouts.scratch_peak_bytes(),
+                 same_bytes=same)]
+
+    if fmt == "mxfp4_gptoss":
+        def plugin_update():
+            mx_layers.load_fused(ours, {n: loaded[n] for n in names})
+            layer_state.flush(ours)
+
+        what, ids = "whole layer", list(range(experts))
+    else:
+        half = loaded["w13_weight"].shape[1] // 2
+        first, second = ("w3", "w1") if fmt == "mxfp8" else ("w1", "w3")  # Fp8MoEMethod's trtllm loader swaps
+
+        def plugin_update():
+            e = 3 % experts
+            for n in names:
+                p = getattr(ours, n)
+                if n.startswith("w13"):
+                    p.weight_loader(p, loaded[n][e, :half], n, shard_id=first, expert_id=e)
+                    p.weight_loader(p, loaded[n][e, half:], n, shard_id=second, expert_id=e)
+                else:
+                    p.weight_loader(p, loaded[n][e], n, shard_id="w2", expert_id=e)
+            layer_state.flush(ours)
+
+        what, ids = "1 expert", [3 % experts]
+
+    def upstream_update():
+        if fmt == "mxfp8":  # in place: the loader's write, then SGLang's prep of the whole layer
+            for n in names:
+                getattr(theirs, n).data[ids].view(torch.uint8).copy_(loaded[n][ids].view(torch.uint8))
+        mx_layers.sglang_prepare(theirs)
+
+    p_s = _median_time(plugin_update, repeats)
+    u_s = _median_time(upstream_update, 1 if fmt != "mxfp8" else repeats)
+    rows.append(dict(name=f"{fmt} RL update of {what}, {label}", plugin_s=p_s, upstream_s=u_s, ratio=u_s / p_s,
+                     bytes=nbytes * len(ids) // experts))
+    return rows
+
+
+def layer_state_fmt(name: str):
+    from ..formats import by_name
+
+    return by_name(name)
+
+
+def _one_mx_in_this_process(fmt: str, experts: int, repeats: int, threads: int | None) -> list[dict]:
+    from sglang.srt.plugins import load_plugins
+
+    from .runtime import init_single_process
+
+    if threads:
+        torch.set_num_threads(threads)
+    load_plugins()
+    init_single_process(MX_SHAPES[fmt][0])
+    return bench_mx_layer(fmt, experts, repeats)
+
+
 #: what each SGLang process has imported before it calls load_plugins(): the launcher (`sglang serve`,
 #: `python -m sglang.launch_server`) has `sglang.launch_server`; a scheduler then builds the model, which imports
 #: the MoE layer, the quant methods and the weight-update components (the modules the plugin hooks)
@@ -213,15 +337,18 @@ def _one_model_in_this_process(model: str, experts: int, repeats: int, threads: 
     return bench_nvfp4_layer(model, experts, repeats)
 
 
-def run(models=("DeepSeek-V3", "Qwen3-MoE-235B"), experts: int = 32, repeats: int = 3, threads: int | None = None) -> list[dict]:
-    """Each model runs in a fresh process, so its peak-RSS figures start from that layer alone."""
+def run(models=("DeepSeek-V3", "Qwen3-MoE-235B"), experts: int = 32, repeats: int = 3, threads: int | None = None,
+        mx_formats=tuple(MX_SHAPES), mx_experts: int | None = None) -> list[dict]:
+    """Each model (and each MX format) runs in a fresh process, so its peak-RSS figures start from that layer alone."""
     rows = []
-    for m in models:
-        code = ("import json, sys; from sglang_trtllm_moe.testing import bench; "
-                f"print(json.dumps(bench._one_model_in_this_process({m!r}, {experts}, {repeats}, {threads!r})))")
+    jobs = [f"bench._one_model_in_this_process({m!r}, {experts}, {repeats}, {threads!r})" for m in models]
+    mx_e = mx_experts or max(2, experts // 4)  # MX layers are 2-4x the bytes of NVFP4 ones: fewer experts, same RAM
+    jobs += [f"bench._one_mx_in_this_process({f!r}, {mx_e}, {repeats}, {threads!r})" for f in mx_formats]
+    for job in jobs:
+        code = f"import json, sys; from sglang_trtllm_moe.testing import bench; print(json.dumps({job}))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if out.returncode:
-            raise RuntimeError(f"bench for {m} failed:\n{out.stderr[-3000:]}")
+            raise RuntimeError(f"bench {job} failed:\n{out.stderr[-3000:]}")
         rows.extend(json.loads(out.stdout.strip().splitlines()[-1]))
     rows.extend(bench_load_plugins(repeats))
     env = dict(torch_threads=threads or torch.get_num_threads(), torch=torch.__version__, device="cpu")

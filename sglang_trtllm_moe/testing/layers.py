@@ -37,6 +37,10 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts"):
 
     if spec.fmt in ("bf16", "ct_nvfp4"):
         return _build_bf16_or_ct_nvfp4(spec, prefix)
+    from . import mx_layers
+
+    if spec.fmt in mx_layers.MX_FORMATS:
+        return mx_layers.build_layer(spec, prefix)
     if spec.fmt in FP8_CONFIGS:
         return _build_fp8(spec, prefix)
     if spec.fmt != "nvfp4":

@@ -133,11 +133,25 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
     _publish(sa)
     if not model_parallel_is_initialized():
         initialize_model_parallel(backend="gloo")
+    elif features.PUBLISH_WITH_RANKS.present():
+        _republish_groups()  # re-publishing (another backend) reset the context: the groups built before stay valid
     if features.MOE_CONFIG_TAKES_ARGS.present():
         initialize_moe_config(sa)
     else:
         initialize_moe_config()
     _INITIALISED["key"] = key
+
+
+def _republish_groups() -> None:
+    """What initialize_model_parallel writes into the runtime context (0.5.21+), for groups already built."""
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import get_parallel
+
+    built = {"tp_group": "_TP", "pp_group": "_PP", "moe_ep_group": "_MOE_EP", "moe_dp_group": "_MOE_DP",
+             "moe_tp_group": "_MOE_TP", "attn_tp_group": "_ATTN_TP", "attn_cp_group": "_ATTN_CP",
+             "shared_experts_tp_group": "_SHARED_EXPERTS_TP", "dcp_group": "_DCP"}
+    groups = {k: getattr(ps, v, None) for k, v in built.items()}
+    get_parallel().override_permanently(**{k: g for k, g in groups.items() if g is not None})
 
 
 def weight_updater(model, model_config):

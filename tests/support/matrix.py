@@ -36,12 +36,20 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
                                         ("tests/test_rl_updates.py::test_five_updates", None),
                                         ("tests/test_rl_updates.py::test_begin_end", None))),
     ("rl_partial", "RL update: partial", (("tests/test_rl_updates.py::test_partial_update", None),
-                                          ("tests/test_rl_updates.py::test_w2_only", None))),
+                                          ("tests/test_rl_updates.py::test_w2_only", None),
+                                          ("tests/test_mxfp8_layer.py::test_one_expert_update", None),
+                                          ("tests/test_mxfp4_experts_layer.py::test_one_expert_update", None))),
+    ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None),)),
+    ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
+    ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
     ("checker", "weight checker", (("tests/test_checker.py", None),)),
     ("auto", "auto-select", (("tests/test_selection.py::test_the_hook_lands", None),
                              ("tests/test_selection.py::test_sglang_resolution", None),
                              ("tests/test_selection.py::test_speculative_draft", None))),
-    ("threads", "concurrent loaders", (("tests/test_concurrency.py", None),)),
+    ("threads", "concurrent loaders", (("tests/test_concurrency.py", None),
+                                       ("tests/test_mxfp8_layer.py::test_concurrent", None),
+                                       ("tests/test_mxfp4_experts_layer.py::test_concurrent", None),
+                                       ("tests/test_mxfp4_gptoss_layer.py::test_concurrent", None))),
     ("defer", "defer table", (("tests/test_defer.py", None),)),
     # whole SGLang models through SGLang's ModelRunner (0.5.21+: every model and flow; the known gaps of 0.5.21 /
     # 0.5.22 are strict xfails, tests/test_models.py KNOWN), and sglang.Engine(device="cpu") (0.5.23 only)
@@ -63,6 +71,9 @@ class Requirement:
 
 
 REQUIREMENTS: tuple[Requirement, ...] = (
+    Requirement("tests/test_mxfp4_experts_layer.py", ">=0.5.12",
+                "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+                "upstream in 0.5.12"),
     Requirement("tests/test_rl_updates.py::test_begin_end_session", ">=0.5.21",
                 "WeightUpdater.begin_weight_update/end_weight_update sessions do not exist upstream before 0.5.21"),
     Requirement("tests/test_bf16_layer.py::test_routed_scaling_factor_reaches_the_kernel", ">=0.5.23",
@@ -376,6 +387,11 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 | platform facts: `is_sm100_supported()`-style globals / `runtime_context.override_platform` | < 0.5.19 / >= 0.5.19 | `testing/runtime.py` (CPU tests) |
 | ServerArgs published by `set_global_server_args_for_scheduler` / `publish(ranks=SpawnRanks)` | < 0.5.21 / >= 0.5.21 | `testing/runtime.py` |
 | `swizzle_blockscale` ends in `.cuda()` (NVFP4 `create_weights` cannot run without a GPU) | < 0.5.20 | `testing/runtime.py` neutralises `.cuda()` for that call on CUDA-less boxes only |
+| MXFP8 leaf quantizes with `flashinfer.mxfp8_quantize` / `fp8_utils.flashinfer_mxfp8_quantize`; SwiGLU alpha/beta/clamp tensors (`_flashinfer_trtllm_gemm1_*`) | < 0.5.17 / >= 0.5.17; >= 0.5.18 | `formats/mxfp8.py`, `compat/features.py` (MXFP8_*) |
+| non-gated MXFP8 w13 allocated with 2I rows and sliced at SGLang's prep (new storage) | < 0.5.19 | left to SGLang with one log line |
+| FusedMoE's `MoeRunnerConfig` is built without `layer` (the plugin runner finds MXFP8 layers through it; NVFP4's methods set it) | 0.5.16-0.5.21 | `FusedMoE.__init__` AFTER hook sets it |
+| FP4 experts on an FP8 config (`Mxfp4FlashinferTrtllmMoEMethod`); its own prep pads I to 128 | >= 0.5.12; >= 0.5.21 | `builtins/mx_hooks.py`: storage allocated padded from create_weights where the loader can fill it (>= 0.5.17) |
+| gpt-oss MXFP4 pads I and H to 256 (128 from 0.5.17), scales filled 0 (127 from 0.5.17); SM100 path through `Mxfp4MoEMethod.apply` / the flashinfer_trtllm MXFP4 leaf | < 0.5.17; < 0.5.20 / >= 0.5.20 | prepared in place at SGLang's size; the `apply` hook covers both |
 | .post releases (0.5.12.post1, 0.5.13.post1, 0.5.15.post1) | - | no row: their `srt/` diffs touch nothing the plugin hooks |
 
 """
@@ -427,6 +443,10 @@ names, shapes and dtypes, except:
 | compressed-tensors NVFP4 non-gated GEMM1 | allocated with 2I rows | allocated with I rows (the kernel's shape) before anything is loaded | the relu2 kernel reads I rows |
 | NVFP4 per-tensor w13 scales, 0.5.11 - 0.5.22 | stored [up, gate] by the trtllm loader, read as [gate, up] by SGLang's own prep | read as stored | SGLang's alphas are swapped whenever the gate and up scales differ |
 | where hooks are visible | `HookRegistry._hooks` lists every registered target after `load_plugins()` | a target is registered when its module is imported | start-up stays free in processes that never build a MoE layer; `doctor` imports the hooked modules to prove every target lands |
+| MXFP4-expert scale Parameters (DeepSeek-V4 / MiMo-V2, `flashinfer_mxfp4`) | float32 until its prep, then new `float8_e8m0fnu` Parameters (and new padded storage, 0.5.21+) without `weight_loader` | `float8_e8m0fnu` from create_weights on (byte 127 = 1.0 until loaded); weights int8, allocated padded per half when I % 128 != 0 (0.5.17+) | SGLang's loader writes a float32 or e8m0 scale with `copy_`, the same value conversion as its `.to(e8m0)` (measured equal on CPU and H200): SGLang's bytes, one Parameter and storage for the layer's life, 1/4 of the pre-prep scale memory; code that rebinds `param.data` to a new float32 tensor would break it (none in SGLang does) |
+| gpt-oss MXFP4 biases and scales (`flashinfer_mxfp4`, SM100) | bf16 biases widened to fp32 and scales rebound to `float8_e4m3fn` in new Parameters at prep (its reload then raises TypeError, or value-converts every scale byte) | fp32 biases from create_weights on, uint8 scale Parameters kept (the kernel gets an e4m3 view of the same storage) | storage and loaders stable across updates; an fp32 bias from a trainer is kept exactly (SGLang rounds it to bf16) |
+| gpt-oss `gemm1_alpha/beta/clamp_limit` | sized by the global expert count <= 0.5.16 | sized by the local expert count on every release | EP > 1 (the kernel indexes local experts) |
+| MXFP4-expert output scales, MXFP8 SwiGLU tensors | re-registered (new storage) at every prep | made once, updated in place | storage stable for CUDA graphs |
 """
 
 

@@ -29,7 +29,10 @@ SPEC_FMT = {"fp8_tensor_modelopt": "fp8_modelopt"}
 
 
 def _checkpoint(fmt: str, spec, seed: int, experts=None):
-    from sglang_trtllm_moe.testing import layers
+    from sglang_trtllm_moe.testing import layers, mx_layers
+
+    if fmt in mx_layers.MX_FORMATS:  # gpt-oss's fused tensors hold every expert: a "one-expert" update is whole
+        return mx_layers.random_checkpoint(spec, seed, experts)
 
     make = {"nvfp4": layers.random_nvfp4_checkpoint, "bf16": layers.random_bf16_checkpoint,
             "ct_nvfp4": layers.random_ct_nvfp4_checkpoint}.get(fmt, layers.random_fp8_checkpoint)
@@ -76,20 +79,41 @@ class Case:
     def __init__(self, fmt: str):
         from sglang_trtllm_moe.testing import layers
 
+        from sglang_trtllm_moe.testing.runtime import init_single_process
+
         self.fmt = SPEC_FMT.get(fmt, fmt)
         self.spec = layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt=self.fmt)
+        # MX layers: SGLang's own prep needs CPU stand-ins for its CUDA-only helpers (testing/mx_layers.py)
+        init_single_process("flashinfer_mxfp4" if self.fmt in ("mxfp4_experts", "mxfp4_gptoss") else "flashinfer_trtllm")
         self.model = self._prepared(_checkpoint(fmt, self.spec, SEEDS["a"]))
         self.params = dict(self.model.named_parameters())
         self.loaders = {n: getattr(p, "weight_loader", None) for n, p in self.params.items()}
         self.ptrs = {n: p.data_ptr() for n, p in self.params.items()}
         self.intended = _checkpoint(fmt, self.spec, SEEDS["a"])
 
-    def _prepared(self, tensors):
-        from sglang_trtllm_moe.testing import layers
+    def _names(self, tensors) -> dict:
+        from sglang_trtllm_moe.testing import layers, mx_layers
 
-        model = layers.TinyMoeModel(self.spec)
-        model.load_weights(layers.checkpoint_names(tensors).items())
-        model.experts.quant_method.process_weights_after_loading(model.experts)
+        if self.fmt == "mxfp4_gptoss":
+            return mx_layers.gptoss_names(tensors)
+        return layers.checkpoint_names(tensors)
+
+    def _patches(self, model=None):
+        import contextlib
+
+        from sglang_trtllm_moe.testing import mx_layers
+
+        if self.fmt not in mx_layers.MX_FORMATS:
+            return contextlib.nullcontext()
+        return mx_layers.prep_patches((model or self.model).experts.quant_method)
+
+    def _prepared(self, tensors):
+        from sglang_trtllm_moe.testing import layers, mx_layers
+
+        model = (mx_layers.GptOssTinyModel if self.fmt == "mxfp4_gptoss" else layers.TinyMoeModel)(self.spec)
+        model.load_weights(self._names(tensors).items())
+        with self._patches(model):
+            model.experts.quant_method.process_weights_after_loading(model.experts)
         return model
 
     def _updater(self, path=None):
@@ -120,16 +144,20 @@ class Case:
         from sglang_trtllm_moe.testing import layers
 
         d = tempfile.mkdtemp(prefix="upstream-rl-")
+        if self.fmt == "mxfp4_gptoss":
+            from sglang_trtllm_moe.testing import mx_layers
+
+            tensors = mx_layers.gptoss_checkpoint(tensors)
         layers.write_safetensors_checkpoint(d, tensors, self.spec)
-        ok, msg = self._updater(d).update_weights_from_disk(d, "auto")
+        with self._patches():
+            ok, msg = self._updater(d).update_weights_from_disk(d, "auto")
         if not ok:
             raise RuntimeError(msg)
 
     def from_tensor(self, tensors) -> None:
         from sglang_trtllm_moe.compat import features
-        from sglang_trtllm_moe.testing import layers
 
-        named = list(layers.checkpoint_names(tensors).items())
+        named = list(self._names(tensors).items())
         u = self._updater()
         if features.UPDATE_SESSIONS.present():  # the public API requires a session there (0.5.23 enforces it)
             u.begin_weight_update()
@@ -137,7 +165,8 @@ class Case:
                 ok, msg = u.update_weights_from_tensor(part)
                 if not ok:
                     raise RuntimeError(msg)
-            u.end_weight_update(run_post_load=False)
+            with self._patches():
+                u.end_weight_update(run_post_load=False)
             return
         ok, msg = u.update_weights_from_tensor(named)
         if not ok:

@@ -1,0 +1,183 @@
+"""What a tiny checkpoint holds: its architecture, its layer kinds, and the names and shapes of its tensors as the
+released checkpoints spell them. One place for them: the weights (checkpoints.py) and the configs
+(checkpoint_configs.py) both read them from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+ARCHS = ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")
+QUANTS = ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16")
+
+#: (arch, quant) pairs SGLang builds with FusedMoE layers. Quantized Mixtral other than `fp8` / compressed-tensors
+#: is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no FusedMoE).
+#: Nemotron-H's loader has no compressed-tensors expert names; DeepSeek block FP8 is the only block recipe here.
+SUPPORTED = {
+    "qwen3_moe": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16"),
+    "deepseek_v3": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16"),
+    "nemotron_h": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16"),
+    "mixtral": ("ct_nvfp4", "fp8_static", "bf16"),
+}
+
+GATE, UP, DOWN = "gate", "up", "down"
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "qwen3_moe"
+    quant: str = "nvfp4"
+    seed: int = 0
+    hidden: int = 256
+    moe_intermediate: int = 128
+    dense_intermediate: int = 256
+    num_experts: int = 8
+    top_k: int = 2
+    vocab: int = 512
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    #: layer kinds: "moe", "dense" (MLP), "attn" (Nemotron-H attention-only block)
+    layers: tuple[str, ...] = field(default=None)
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r}: one of {ARCHS}")
+        if self.quant not in QUANTS:
+            raise ValueError(f"quant {self.quant!r}: one of {QUANTS}")
+        if self.layers is None:
+            default = {
+                "qwen3_moe": ("moe", "moe"),
+                "mixtral": ("moe", "moe"),
+                "deepseek_v3": ("dense", "moe", "moe"),  # first_k_dense_replace = 1
+                "nemotron_h": ("attn", "moe", "dense", "moe"),  # hybrid_override_pattern "*E-E"
+            }[self.arch]
+            object.__setattr__(self, "layers", default)
+
+    @property
+    def gated(self) -> bool:
+        return self.arch != "nemotron_h"
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.layers) if k == "moe"]
+
+    @property
+    def supported(self) -> bool:
+        return self.quant in SUPPORTED[self.arch]
+
+    def with_seed(self, seed: int) -> "TinySpec":
+        return replace(self, seed=seed)
+
+
+# ---- names ------------------------------------------------------------------------------------------------------
+
+# DeepSeek MLA sizes (tiny, kernel-aligned)
+Q_LORA, KV_LORA, QK_NOPE, QK_ROPE, V_HEAD = 128, 128, 64, 32, 64
+
+
+def _root(spec: TinySpec) -> str:
+    return "backbone" if spec.arch == "nemotron_h" else "model"
+
+
+def layer_prefix(spec: TinySpec, i: int) -> str:
+    return f"{_root(spec)}.layers.{i}"
+
+
+def moe_prefix(spec: TinySpec, i: int) -> str:
+    """Checkpoint prefix of MoE layer i's block (router, experts, shared experts)."""
+    sub = {"qwen3_moe": "mlp", "deepseek_v3": "mlp", "nemotron_h": "mixer", "mixtral": "block_sparse_moe"}[spec.arch]
+    return f"{layer_prefix(spec, i)}.{sub}"
+
+
+def expert_proj_names(spec: TinySpec) -> dict[str, str]:
+    """role (gate/up/down) -> the checkpoint's projection name."""
+    if spec.arch == "mixtral":
+        return {GATE: "w1", UP: "w3", DOWN: "w2"}
+    if spec.arch == "nemotron_h":
+        return {UP: "up_proj", DOWN: "down_proj"}
+    return {GATE: "gate_proj", UP: "up_proj", DOWN: "down_proj"}
+
+
+def expert_base(spec: TinySpec, layer: int, expert: int, role: str) -> str:
+    return f"{moe_prefix(spec, layer)}.experts.{expert}.{expert_proj_names(spec)[role]}"
+
+
+def _attn_shapes(spec: TinySpec, p: str) -> dict[str, tuple]:
+    h, nh, nkv, hd = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
+    if spec.arch == "deepseek_v3":
+        a = f"{p}.self_attn"
+        return {
+            f"{a}.q_a_proj.weight": (Q_LORA, h),
+            f"{a}.q_a_layernorm.weight": (Q_LORA,),
+            f"{a}.q_b_proj.weight": (nh * (QK_NOPE + QK_ROPE), Q_LORA),
+            f"{a}.kv_a_proj_with_mqa.weight": (KV_LORA + QK_ROPE, h),
+            f"{a}.kv_a_layernorm.weight": (KV_LORA,),
+            f"{a}.kv_b_proj.weight": (nh * (QK_NOPE + V_HEAD), KV_LORA),
+            f"{a}.o_proj.weight": (h, nh * V_HEAD),
+        }
+    a = f"{p}.mixer" if spec.arch == "nemotron_h" else f"{p}.self_attn"
+    out = {
+        f"{a}.q_proj.weight": (nh * hd, h),
+        f"{a}.k_proj.weight": (nkv * hd, h),
+        f"{a}.v_proj.weight": (nkv * hd, h),
+        f"{a}.o_proj.weight": (h, nh * hd),
+    }
+    if spec.arch == "qwen3_moe":
+        out[f"{a}.q_norm.weight"] = (hd,)
+        out[f"{a}.k_norm.weight"] = (hd,)
+    return out
+
+
+def dense_shapes(spec: TinySpec) -> dict[str, tuple]:
+    """Every tensor that is not a routed expert: name -> shape."""
+    h, root = spec.hidden, _root(spec)
+    out: dict[str, tuple] = {}
+    out[f"{root}.embeddings.weight" if spec.arch == "nemotron_h" else f"{root}.embed_tokens.weight"] = (spec.vocab, h)
+    for i, kind in enumerate(spec.layers):
+        p = layer_prefix(spec, i)
+        if spec.arch == "nemotron_h":
+            # one block per layer: a mixer (attention, MLP or MoE) behind one norm
+            out[f"{p}.norm.weight"] = (h,)
+            if kind == "attn":
+                out.update(_attn_shapes(spec, p))
+            elif kind == "dense":
+                out[f"{p}.mixer.up_proj.weight"] = (spec.dense_intermediate, h)
+                out[f"{p}.mixer.down_proj.weight"] = (h, spec.dense_intermediate)
+            else:
+                m = moe_prefix(spec, i)
+                out[f"{m}.gate.weight"] = (spec.num_experts, h)
+                out[f"{m}.gate.e_score_correction_bias"] = (spec.num_experts,)
+                out[f"{m}.shared_experts.up_proj.weight"] = (spec.moe_intermediate, h)
+                out[f"{m}.shared_experts.down_proj.weight"] = (h, spec.moe_intermediate)
+            continue
+        out[f"{p}.input_layernorm.weight"] = (h,)
+        out[f"{p}.post_attention_layernorm.weight"] = (h,)
+        out.update(_attn_shapes(spec, p))
+        if kind == "dense":
+            for proj, shape in (("gate_proj", (spec.dense_intermediate, h)), ("up_proj", (spec.dense_intermediate, h)),
+                                ("down_proj", (h, spec.dense_intermediate))):
+                out[f"{p}.mlp.{proj}.weight"] = shape
+            continue
+        m = moe_prefix(spec, i)
+        out[f"{m}.gate.weight"] = (spec.num_experts, h)
+        if spec.arch == "deepseek_v3":
+            out[f"{m}.gate.e_score_correction_bias"] = (spec.num_experts,)
+            for proj, shape in (("gate_proj", (spec.moe_intermediate, h)), ("up_proj", (spec.moe_intermediate, h)),
+                                ("down_proj", (h, spec.moe_intermediate))):
+                out[f"{m}.shared_experts.{proj}.weight"] = shape
+    out[f"{root}.norm_f.weight" if spec.arch == "nemotron_h" else f"{root}.norm.weight"] = (h,)
+    out["lm_head.weight"] = (spec.vocab, h)
+    return out
+
+
+def expert_shapes(spec: TinySpec, layers=None, experts=None, roles=None) -> dict[str, tuple]:
+    """Routed-expert float weights: base name (without `.weight`) -> HF shape [out, in]."""
+    out = {}
+    for i in spec.moe_layers if layers is None else layers:
+        for e in range(spec.num_experts) if experts is None else experts:
+            for role in expert_proj_names(spec):
+                if roles is not None and role not in roles:
+                    continue
+                shape = (spec.hidden, spec.moe_intermediate) if role == DOWN else (spec.moe_intermediate, spec.hidden)
+                out[expert_base(spec, i, e, role)] = shape
+    return out
