@@ -1,8 +1,12 @@
 """The README's user-facing support table, generated from the same compat-matrix results as docs/COMPAT.md.
 
 Rows are what a user asks ("does FP8 RL updating work on my release?"), columns are release ranges (consecutive
-releases whose answers are all the same), a cell is "yes", "no — upstream lacks it", "no — not yet" or "broken",
-with one short note where it is not a plain yes. The per-test matrix with its reasons stays in docs/COMPAT.md.
+releases whose answers are all the same), a cell is "yes", "no — upstream lacks it", "no — not yet", "no — known
+bug", "broken" or "-" (not checked), with one short note where it is not a plain yes. The per-test matrix with its
+reasons stays in docs/COMPAT.md.
+
+`python -m tests.support.matrix render` re-renders it (and docs/COMPAT.md) from docs/compat.json without running
+anything; `ci/matrix` renders it after every run.
 """
 
 from __future__ import annotations
@@ -22,8 +26,29 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("RL update from concurrent loader threads", ("threads",)),
     ("weight checker (snapshot / compare)", ("checker",)),
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
-    ("whole models and sglang.Engine (CPU proof)", ("models",)),
+    ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
+    ("a whole model on sglang.Engine: serve + RL loop end to end", ("models",)),
 )
+
+#: (text in the matrix's reason, what it means for a user): the note of a cell whose reason contains the text; a
+#: reason no entry matches is shown shortened as the matrix gives it
+NOTES: tuple[tuple[str, str], ...] = (
+    ("FP8 (per-tensor / block) preparation hooks",
+     ("the plugin does not prepare FP8 layers on these releases: SGLang's own FP8 path runs (right for DeepSeek block "
+      "FP8; per-tensor FP8 is requantized into new Parameters, so the next RL update fails)")),
+    ("weight-checker",
+     ("SGLang's own weight checker runs unchanged here; the plugin's comparator for the TRT-LLM layouts (which names "
+      "the expert and row that differ) is not attached on these releases")),
+    ("auto-select hook",
+     ("the plugin does not auto-select on these releases: SGLang picks the MoE backend itself; pass "
+      "--moe-runner-backend flashinfer_trtllm to get it")),
+)
+
+LEGEND = ("**yes**: works with the plugin on every release of the column (proven on CPU by the compat matrix with "
+          "real SGLang objects and the kernel emulator). **no — upstream lacks it**: that SGLang release does not "
+          "have the feature. **no — not yet**: the plugin does not provide it on those releases yet. **no — known "
+          "bug** / **broken**: an expected failure / a failed test in the last matrix run. **-**: not checked on "
+          "that release by the last matrix run (the per-test details: [docs/COMPAT.md](docs/COMPAT.md)).")
 
 
 def _answer(cells: dict, keys: tuple[str, ...]) -> tuple[str, str]:
@@ -33,23 +58,30 @@ def _answer(cells: dict, keys: tuple[str, ...]) -> tuple[str, str]:
         return "-", ""
     for c in got:
         if c["status"] == "FAIL":
-            return "broken", c["detail"][:80]
+            return "broken", _note(c["detail"], "")
+    for c in got:
+        if c["status"] == "bug":
+            return "no — known bug", _note(c["detail"], "")
     statuses = {c["status"] for c in got}
     if statuses <= {"pass", "pass (partly n/a)"}:
         return "yes", ""
-    if statuses == {"no test"}:
+    if statuses <= {"no test", "not run"}:
         return "-", ""
     detail = "; ".join(c["detail"] for c in got if c["status"] not in ("pass", "pass (partly n/a)"))
     if "not provided by the plugin" in detail:
-        return "no - not yet", _short(detail, "not provided by the plugin")
+        return "no — not yet", _note(detail, "not provided by the plugin")
     if "absent upstream" in detail:
-        return "no - upstream lacks it", _short(detail, "absent upstream")
-    return "-", _short(detail, "")
+        return "no — upstream lacks it", _note(detail, "absent upstream")
+    return "-", _note(detail, "")
 
 
-def _short(detail: str, after: str) -> str:
+def _note(detail: str, after: str) -> str:
+    """The user's note for a matrix reason: NOTES where one matches, else the reason, shortened."""
     text = detail.split(after + ":", 1)[1] if after and after + ":" in detail else detail
     text = text.split(";")[0].split(" (needs")[0].strip()
+    for key, note in NOTES:
+        if key in text:
+            return note
     return text[:110] + ("..." if len(text) > 110 else "")
 
 
@@ -67,7 +99,7 @@ def render(data: dict) -> str:
         else:
             groups.append([rel])
     heads = [g[0] if len(g) == 1 else f"{g[0]} - {g[-1]}" for g in groups]
-    lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    lines = ["| SGLang release: | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     notes: list[str] = []
     for i, (question, _) in enumerate(ROWS):
         cells = []
@@ -82,7 +114,7 @@ def render(data: dict) -> str:
     out = "\n".join(lines) + "\n"
     if notes:
         out += "\n" + "\n".join(f"{i + 1}. {n}" for i, n in enumerate(notes)) + "\n"
-    return out
+    return out + "\n" + LEGEND + "\n"
 
 
-__all__ = ["ROWS", "render"]
+__all__ = ["LEGEND", "NOTES", "ROWS", "render"]
