@@ -60,7 +60,12 @@ PROBES = {
         importlib.import_module(MODELOPT)),
     "MODELOPT_FP8_OWN_BACKEND": lambda: "self._moe_runner_backend" in _source(
         f"{MODELOPT}:ModelOptFp8MoEMethod.create_moe_runner"),
-    "FP8_TRTLLM_ACTIVATION_PARAMS": lambda: "_owns_moe_runner" in inspect.getsource(
+    "FP8_TRTLLM_ACTIVATION_PARAMS": lambda: hasattr(
+        importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
+        "_prepare_flashinfer_trtllm_activation_params"),
+    "FP8_OWNS_MOE_RUNNER": lambda: "_owns_moe_runner" in inspect.getsource(
+        importlib.import_module("sglang.srt.layers.quantization.fp8")),
+    "FP8_W13_ALWAYS_TWO_HALVES": lambda: "is_concat=True" in inspect.getsource(
         importlib.import_module("sglang.srt.layers.quantization.fp8")),
     "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: "trtllm_fp4_block_scale_moe" in _source(
         "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe:"

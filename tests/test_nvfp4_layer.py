@@ -61,6 +61,13 @@ def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
     # <= 0.5.22 SGLang stores the per-tensor w13 scales [Up, Gate] for trtllm and then reads them as [Gate, Up]:
     # its gate/up alphas are swapped; the plugin reads them as stored (formats/nvfp4.w13_scales_up_first).
     swapped = spec.gated and features.NVFP4_W13_SCALE_2_UP_GATE.present()
+    if not hasattr(upstream, "g1_alphas_up"):
+        # SGLang < 0.5.14 keeps one GEMM1 alpha, from column 0 of w13_weight_scale_2 (it warns when the columns
+        # differ); the other column's alpha by SGLang 0.5.14's own formula (_compute_gemm1_alphas), on this
+        # release's input scale: (max w13_input_scale) * w13_weight_scale_2[:, 1]
+        s2 = upstream.w13_weight_scale_2.data
+        other = s2[:, 1] if spec.gated and s2.dim() == 2 and s2.shape[1] >= 2 else s2.reshape(s2.shape[0])
+        upstream.g1_alphas_up = (upstream.w13_input_scale.data.max().to(torch.float32) * other).to(torch.float32)
     expected = {n: getattr(upstream, n).data for n in SCALARS}
     if swapped:
         expected["g1_alphas"], expected["g1_alphas_up"] = expected["g1_alphas_up"], expected["g1_alphas"]

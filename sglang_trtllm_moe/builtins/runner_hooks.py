@@ -37,5 +37,5 @@ def register_sglang_hooks(register, release):
     register(HookTarget(f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_bf16", bf16_leaf, "around",
                         releases=">=0.5.11", capability="runner", why="BF16 leaf: " + why))
     register(HookTarget(f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp8", fp8_leaf, "around",
-                        releases=">=0.5.19", capability="runner",
+                        releases=">=0.5.11", capability="runner",
                         why="FP8 leaf (ModelOptFp8MoEMethod.apply imports it at call time): " + why))

@@ -83,9 +83,20 @@ MODELOPT_FP8_OWN_BACKEND = Feature(
     "ModelOptFp8MoEMethod keeps its own `_moe_runner_backend`; before, it reads the global get_moe_runner_backend()",
 )
 FP8_TRTLLM_ACTIVATION_PARAMS = Feature(
-    ">=0.5.19",
+    ">=0.5.18",
     "Fp8MoEMethod._prepare_flashinfer_trtllm_activation_params(layer) sets the SwiGLU tensors its apply reads as "
-    "layer._flashinfer_trtllm_gemm1_* (when the method owns its MoeRunner)",
+    "layer._flashinfer_trtllm_gemm1_* (0.5.18 reads them by plain attribute access: a layer without them raises)",
+)
+FP8_OWNS_MOE_RUNNER = Feature(
+    ">=0.5.19",
+    "Fp8MoEMethod._owns_moe_runner: the SwiGLU tensors are set only when the method owns its MoeRunner (0.5.18 "
+    "has no such attribute: every method owns its runner there)",
+)
+FP8_W13_ALWAYS_TWO_HALVES = Feature(
+    "<0.5.19",
+    "Fp8MoEMethod allocates w13 as [E, 2*I, H] (get_moe_weight_sizes(is_concat=True)) whatever the activation; from "
+    "0.5.19 is_concat=is_gated. A non-gated (relu2) per-tensor layer on flashinfer_trtllm then hands the kernel an "
+    "uninitialised second half: the plugin allocates it at the kernel's [E, I, H] before anything is loaded",
 )
 CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
     "<0.5.17",

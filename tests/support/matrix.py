@@ -53,7 +53,9 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
 @dataclass(frozen=True)
 class Requirement:
     selector: str  # node-id prefix
-    #: PEP 440 specifier on the SGLang release, or "capability:<name>" (the plugin has a target of it here)
+    #: PEP 440 specifier on the SGLang release, "capability:<name>" (the plugin has a target of it here), or
+    #: "flashinfer:<dotted name>" (the flashinfer this env imports has it: an oracle function or API of a newer
+    #: flashinfer than the release pins)
     needs: str
     reason: str
 
@@ -65,16 +67,25 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "TopKConfig(routing_method_type=...) (the test's logits-path router) exists upstream from 0.5.23"),
     Requirement("tests/test_bf16_layer.py::test_sglang_restore_hooks_are_harmless", ">=0.5.21",
                 "restore_weights_before_loading and begin/end_weight_update sessions arrive upstream in 0.5.21"),
-    Requirement("tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer", ">=0.5.22",
+    Requirement("tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer", "flashinfer:fused_moe.api.ReLU2",
                 "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
                 "flashinfer 0.6.x this release pins"),
-    Requirement("tests/test_checker.py::test_bf16_prepared_vs_checkpoint", ">=0.5.22",
+    Requirement("tests/test_checker.py::test_bf16_prepared_vs_checkpoint", "flashinfer:fused_moe.api.ReLU2",
                 "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
                 "flashinfer 0.6.x this release pins"),
     Requirement("tests/test_checker.py::test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang[fp8",
                 "capability:fp8-prep", "the plugin's FP8 preparation hooks are declared for >=0.5.19 only; SGLang's own "
                 "FP8 per-tensor path needs sgl_kernel's sgl_per_tensor_quant_fp8 (no CPU build) before 0.5.23"),
-    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare[relu2]", ">=0.5.22",
+    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare",
+                "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_per_tensor_weights",
+                "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, is absent from the flashinfer 0.6.14 / "
+                "0.6.15.post1 this release pins (it arrives in 0.6.17)"),
+    Requirement("tests/test_fp8_layer.py::test_block_bytes_equal_flashinfer_prepare",
+                "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_block_weights",
+                "the oracle, flashinfer's prepare_trtllm_fp8_block_weights, is absent from the flashinfer 0.6.14 / "
+                "0.6.15.post1 this release pins (it arrives in 0.6.17)"),
+    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare[relu2]",
+                "flashinfer:fused_moe.api.ReLU2",
                 "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, takes an activation (non-gated "
                 "ReLU2) from flashinfer 0.7; the 0.6.x this release pins prepares gated SwiGLU weights only"),
     Requirement("tests/test_fp8_layer.py", "capability:fp8-prep",
@@ -122,9 +133,27 @@ def plugin_capabilities(release: Version) -> set[str]:
     return caps
 
 
+def flashinfer_has(name: str) -> bool:
+    """The flashinfer this env imports defines `flashinfer.<name>` (imported only when a selected test asks)."""
+    if name not in _FLASHINFER_HAS:
+        import pkgutil
+
+        try:
+            pkgutil.resolve_name(f"flashinfer.{name}")
+            _FLASHINFER_HAS[name] = True
+        except Exception:  # noqa: BLE001 - not importable here, or not defined by this flashinfer
+            _FLASHINFER_HAS[name] = False
+    return _FLASHINFER_HAS[name]
+
+
+_FLASHINFER_HAS: dict[str, bool] = {}
+
+
 def unmet(needs: str, release: Version, caps: set[str]) -> bool:
     if needs.startswith("capability:"):
         return needs.split(":", 1)[1] not in caps
+    if needs.startswith("flashinfer:"):
+        return not flashinfer_has(needs.split(":", 1)[1])
     return not SpecifierSet(needs).contains(release, prereleases=True)
 
 
@@ -141,7 +170,8 @@ def flashinfer_missing_reason(release) -> str | None:
     if importlib.util.find_spec("flashinfer") is not None:
         return None
     return (f"sglang {release}: flashinfer (the oracle / SGLang's trtllm prep) cannot be imported on CPU in this env: "
-            "the flashinfer-python this release pins (< 0.6.14) asserts libcudart at import (ci/releases.tsv)")
+            "the flashinfer-python this release pins (< 0.6.14) asserts libcudart at import, and this env lacks the "
+            "oracle flashinfer that ci/make-env adds to such envs (ensure_oracle; ci/releases.tsv)")
 
 
 # ---- pytest plugin ---------------------------------------------------------------------------------------------
