@@ -76,6 +76,13 @@ PROBES = {
     "UPDATE_SESSIONS": lambda: _has(UPDATER, "WeightUpdater") and hasattr(
         importlib.import_module(UPDATER).WeightUpdater, "begin_weight_update"),
     "WEIGHT_CHECKER_COMPARATOR": lambda: _has("sglang.srt.utils.weight_checker", "_build_quantized_set"),
+    "WEIGHT_CHECKER_LEGACY_COMPARE": lambda: "_check_tensors(" in _source(
+        "sglang.srt.utils.weight_checker:WeightChecker._compare") and _has("sglang.srt.utils.weight_checker",
+                                                                           "_postprocess_tensors"),
+    "WEIGHT_CHECKER_UE8M0_SCALES_ONLY": lambda: _has("sglang.srt.utils.weight_checker", "_postprocess_tensors")
+    and "torch.int32" not in _source("sglang.srt.utils.weight_checker:_postprocess_tensors"),
+    "WEIGHT_CHECKER_OF_MODEL_RUNNER": lambda: "model_runner" in inspect.signature(
+        importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__).parameters,
     "PUBLISHED_SERVER_ARGS": lambda: _has("sglang.srt.runtime_context", "get_server_args"),
     "PLATFORM_OVERRIDE": lambda: _has("sglang.srt.runtime_context", "override_platform"),
     "PUBLISH_WITH_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks")

@@ -116,9 +116,27 @@ UPDATE_SESSIONS = Feature(
     "WeightUpdater.begin_weight_update / end_weight_update sessions and restore_weights_before_loading exist",
 )
 WEIGHT_CHECKER_COMPARATOR = Feature(
-    ">=0.5.16",
+    ">=0.5.15",
     "utils.weight_checker_comparator (select_comparable_weight / compare_weights) and "
     "weight_checker._build_quantized_set, which the plugin's checker hooks attach to",
+)
+
+WEIGHT_CHECKER_LEGACY_COMPARE = Feature(
+    "<0.5.15",
+    "WeightChecker._compare is _check_tensors(_postprocess_tensors(snapshot), _postprocess_tensors(live)): module "
+    "functions (no comparator module), a bitwise compare of every tensor after .cuda(), FP8 block weights dequantized "
+    "by weight_scale_inv; the plugin's checker hooks attach to those functions there",
+)
+WEIGHT_CHECKER_UE8M0_SCALES_ONLY = Feature(
+    "<0.5.12",
+    "the checker's _postprocess_tensors dequantizes every *weight / *weight_scale_inv pair through "
+    "inverse_transform_scale_ue8m0, which asserts on float32 scales (it expects DeepGEMM's packed int32): a DeepSeek "
+    "FP8 block MoE layer on flashinfer_trtllm (float32 scales, SGLang's own prep) fails every compare; 0.5.12 "
+    "dequantizes float32 scales directly",
+)
+WEIGHT_CHECKER_OF_MODEL_RUNNER = Feature(
+    "<0.5.16",
+    "WeightChecker(model_runner) reads the model as model_runner.model; from 0.5.16 WeightChecker(get_model=, ps=)",
 )
 
 PUBLISHED_SERVER_ARGS = Feature(
@@ -150,7 +168,7 @@ WEIGHT_CACHE_CHECK = Feature(
     "get_model_runner().server_args (0.5.21+ reads the model config namespace instead)",
 )
 WEIGHT_CHECKER_TAKES_PS = Feature(
-    "<0.5.21",
+    ">=0.5.16,<0.5.21",
     "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
 )
 SPAWN_RANKS = Feature(">=0.5.22", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
