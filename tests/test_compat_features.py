@@ -8,6 +8,7 @@ matrix, so a wrong range fails on the release where it is wrong.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 
 import pytest
@@ -42,6 +43,14 @@ def _nvfp4_scales_swapped() -> bool:
     return "ModelOptNvFp4FusedMoEMethod" in src[max(0, i - 700):i]
 
 
+def _modelopt_nvfp4_gelu() -> bool:
+    """ModelOpt NVFP4's apply has no private activation table (0.5.13+), or one that maps gelu."""
+    src = inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.modelopt_quant"))
+    if "ACT_STR_TO_TYPE_MAP = {" not in src:
+        return True
+    return '"gelu"' in src.split("ACT_STR_TO_TYPE_MAP = {", 1)[1].split("}", 1)[0]
+
+
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
@@ -54,6 +63,7 @@ PROBES = {
         "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.__init__").split("MoeRunnerConfig(", 1)[-1][:1500],
     "NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS": lambda: "w13_blockscale_swizzled = None" not in _source(
         f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_weights"),
+    "MODELOPT_NVFP4_GELU": lambda: _modelopt_nvfp4_gelu(),
     "NVFP4_MEGAMOE_LAYOUT": lambda: "use_flashinfer_trtllm_weight_layout" in _source(
         f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.__init__"),
     "NVFP4_W13_INTERLEAVED_CHECKPOINTS": lambda: "inference_moe_w13_interleaved" in inspect.getsource(
@@ -83,6 +93,9 @@ PROBES = {
     and "torch.int32" not in _source("sglang.srt.utils.weight_checker:_postprocess_tensors"),
     "WEIGHT_CHECKER_OF_MODEL_RUNNER": lambda: "model_runner" in inspect.signature(
         importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__).parameters,
+    "FLASHINFER_A2A_TRTLLM_ROUTED": lambda: 'register_fused_func("flashinfer", "flashinfer_trtllm_routed")' in open(
+        importlib.util.find_spec(TRTLLM).origin).read(),
+    "SERVER_ARGS_FIELD_WRITES": lambda: not _has("sglang.srt.arg_groups.overrides", "resolved_view"),
     "PUBLISHED_SERVER_ARGS": lambda: _has("sglang.srt.runtime_context", "get_server_args"),
     "PLATFORM_OVERRIDE": lambda: _has("sglang.srt.runtime_context", "override_platform"),
     "PUBLISH_WITH_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks")

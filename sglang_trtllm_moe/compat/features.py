@@ -68,6 +68,11 @@ NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS = Feature(
     "the trtllm NVFP4 layer registers w13/w2_blockscale_swizzled as placeholder Parameters (None from 0.5.13); "
     "kept, so every registered parameter stays the same object",
 )
+MODELOPT_NVFP4_GELU = Feature(
+    ">=0.5.13",
+    "ModelOptNvFp4FusedMoEMethod.apply maps gelu (its ACT_STR_TO_TYPE_MAP has silu / relu2 only before, and asserts "
+    "on anything else): a ModelOpt NVFP4 gelu layer cannot run on any backend before 0.5.13",
+)
 NVFP4_MEGAMOE_LAYOUT = Feature(
     ">=0.5.22",
     "ModelOptNvFp4FusedMoEMethod.use_flashinfer_trtllm_weight_layout is False under MegaMoE, which consumes the "
@@ -139,6 +144,17 @@ WEIGHT_CHECKER_OF_MODEL_RUNNER = Feature(
     "WeightChecker(model_runner) reads the model as model_runner.model; from 0.5.16 WeightChecker(get_model=, ps=)",
 )
 
+FLASHINFER_A2A_TRTLLM_ROUTED = Feature(
+    ">=0.5.15",
+    "FusedOpPool registers ('flashinfer', 'flashinfer_trtllm_routed'); before, ServerArgs._handle_a2a_moe asserts "
+    "that --moe-a2a-backend flashinfer runs on flashinfer_cutlass (or cutedsl): no TRT-LLM runner behind that A2A",
+)
+SERVER_ARGS_FIELD_WRITES = Feature(
+    "<0.5.15",
+    "ServerArgs.__post_init__'s rules assign moe_runner_backend in place (no arg_groups.overrides stash or "
+    "resolved_view): the model rules overwrite the user's value before _handle_moe_kernel_config, so the plugin "
+    "records it before them and writes its choice into the field as those rules do",
+)
 PUBLISHED_SERVER_ARGS = Feature(
     ">=0.5.15",
     "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "

@@ -77,8 +77,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
                 "flashinfer 0.6.x this release pins"),
     Requirement("tests/test_checker.py::test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang[fp8",
-                "capability:fp8-prep", "the plugin's FP8 preparation hooks are declared for >=0.5.19 only; SGLang's own "
-                "FP8 per-tensor path needs sgl_kernel's sgl_per_tensor_quant_fp8 (no CPU build) before 0.5.23"),
+                "capability:fp8-prep", "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on "
+                "this release (builtins/fp8_hooks.py releases=)"),
     Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare",
                 "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_per_tensor_weights",
                 "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, is absent from the flashinfer 0.6.14 / "
@@ -92,26 +92,21 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, takes an activation (non-gated "
                 "ReLU2) from flashinfer 0.7; the 0.6.x this release pins prepares gated SwiGLU weights only"),
     Requirement("tests/test_fp8_layer.py", "capability:fp8-prep",
-                "the plugin's FP8 (per-tensor / block) preparation hooks are declared for >=0.5.19 only "
-                "(builtins/fp8_hooks.py releases=); on older releases SGLang prepares FP8 itself"),
+                "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
+                "(builtins/fp8_hooks.py releases=)"),
     Requirement("tests/test_checker.py", "capability:weight-check",
-                "SGLang's weight-checker comparator (utils.weight_checker_comparator, _build_quantized_set) is "
-                "absent upstream before 0.5.16, and the plugin's checker hooks attach to it"),
+                "the plugin's weight-checker hooks are not registered on this release (builtins/checker_hooks.py)"),
     Requirement("tests/test_selection.py::test_activation_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (>=0.5.16, "
-                "compat/platform.py ADAPTERS): <= 0.5.15 has no CPU-importable flashinfer to check a choice against"),
+                "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)"),
     Requirement("tests/test_selection.py::test_a2a_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (>=0.5.16, "
-                "compat/platform.py ADAPTERS); FusedOpPool has ('flashinfer', 'flashinfer_trtllm') only from 0.5.19"),
+                "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)"),
 )
 
 
 #: fixtures that stand for a capability (every test using one needs it)
 FIXTURE_REQUIREMENTS = {
     "sglang_runs": ("capability:auto-select",
-                    "the plugin's auto-select hook (compat/platform.py ADAPTERS: 0.5.16+) is not provided on this "
-                    "release: flashinfer cannot be imported on CPU here (ci/releases.tsv), so no choice can be checked "
-                    "against SGLang's resolution, and <= 0.5.14 resolves by direct field writes"),
+                    "the plugin's auto-select hook is not registered on this release (compat/platform.py ADAPTERS)"),
 }
 
 
