@@ -73,6 +73,13 @@ MODELOPT_NVFP4_GELU = Feature(
     "ModelOptNvFp4FusedMoEMethod.apply maps gelu (its ACT_STR_TO_TYPE_MAP has silu / relu2 only before, and asserts "
     "on anything else): a ModelOpt NVFP4 gelu layer cannot run on any backend before 0.5.13",
 )
+NVFP4_AUTO_RUNNER_MISMATCH = Feature(
+    ">=0.5.16",
+    "ModelOptNvFp4FusedMoEMethod.create_moe_runner resolves a global --moe-runner-backend auto to FLASHINFER_TRTLLM "
+    "off SM80-90 (kept as _moe_runner_backend), while its __init__ set enable_flashinfer_trtllm_moe (post-load layout, "
+    "apply's trtllm branch) and FusedMoE its loader flags from the global backend only: weights laid out for CUTLASS, "
+    "run as TRT-LLM (apply raises NotImplementedError on 0.5.16-0.5.20, AttributeError g1_scale_c from 0.5.21)",
+)
 NVFP4_MEGAMOE_LAYOUT = Feature(
     ">=0.5.22",
     "ModelOptNvFp4FusedMoEMethod.use_flashinfer_trtllm_weight_layout is False under MegaMoE, which consumes the "
