@@ -389,7 +389,13 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 
 | what | releases | handled by |
 |---|---|---|
-| flashinfer pin asserts `libcudart` at import (`flashinfer.comm.cuda_ipc`, made lazy in 0.6.14) | 0.5.11-0.5.15 (0.6.8.post1, 0.6.11.post1, 0.6.12) | env without flashinfer; oracle tests skip with that reason |
+| flashinfer pin asserts `libcudart` at import (`flashinfer.comm.cuda_ipc`, made lazy in 0.6.14) | 0.5.11-0.5.15 (0.6.8.post1, 0.6.11.post1, 0.6.12) | env without the pin; the newest flashinfer (the last row's) on the path as an oracle, not the release's pin (`ci/make-env` `ensure_oracle`; docs/TESTING.md says what it changes) |
+| FP8 per-tensor / block on flashinfer_trtllm: SGLang requantizes w1/w3 and replaces the Parameters | 0.5.11-0.5.22 | the plugin prepares in place on every release (`builtins/fp8_hooks.py`); 0.5.18's apply reads `layer._flashinfer_trtllm_gemm1_*` (set like SGLang does) |
+| `Fp8MoEMethod` allocates non-gated w13 with 2I rows | < 0.5.19 | allocated at the kernel's I rows (below) |
+| weight checker: comparator module / module-level `_postprocess_tensors` + `_check_tensors` (bitwise, `.cuda()`); `WeightChecker(model_runner)` | >= 0.5.15 / < 0.5.15; < 0.5.16 | `builtins/checker_hooks.py` targets per range |
+| `--moe-runner-backend` resolution: pipeline / `__post_init__` with the overrides stash / `__post_init__` with in-place field writes (the model rules overwrite the user's value) | >= 0.5.19 / 0.5.15-0.5.18 / < 0.5.15 | `compat/platform.py` (ADAPTERS, SERVER_ARGS_FIELD_WRITES: the requested value recorded before the model rules) |
+| FlashInfer A2A has a TRT-LLM (routed) runner | >= 0.5.15 (before: SGLang asserts flashinfer_cutlass) | selection never picks a TRT-LLM runner under FlashInfer A2A there |
+| ModelOpt NVFP4 maps gelu | >= 0.5.13 (before: SGLang asserts silu / relu2) | selection refuses gelu there |
 | per-tensor w13 scales (`weight_scale_2`) stored [Up, Gate] by the trtllm loader's w1/w3 swap, read as [Gate, Up] by SGLang's own prep (gate/up alphas swapped when they differ) | 0.5.11-0.5.22 | `formats/nvfp4.w13_scales_up_first` reads them as stored |
 | `MoeRunnerConfig.layer` absent | < 0.5.16 | `FusedMoE.__init__` AFTER hook sets it |
 | `w13/w2_blockscale_swizzled` are registered Parameters (placeholders) on the trtllm path | 0.5.11-0.5.12 (None from 0.5.13) | kept, so every registered parameter stays the same object |
@@ -449,6 +455,9 @@ names, shapes and dtypes, except:
 | compressed-tensors NVFP4 non-gated GEMM1 | allocated with 2I rows | allocated with I rows (the kernel's shape) before anything is loaded | the relu2 kernel reads I rows |
 | NVFP4 per-tensor w13 scales, 0.5.11 - 0.5.22 | stored [up, gate] by the trtllm loader, read as [gate, up] by SGLang's own prep | read as stored | SGLang's alphas are swapped whenever the gate and up scales differ |
 | where hooks are visible | `HookRegistry._hooks` lists every registered target after `load_plugins()` | a target is registered when its module is imported | start-up stays free in processes that never build a MoE layer; `doctor` imports the hooked modules to prove every target lands |
+| `Fp8MoEMethod` non-gated (relu2) per-tensor w13 on flashinfer_trtllm, < 0.5.19 | allocated [E, 2I, H] (`is_concat=True`): the kernel reads an uninitialised second half | re-allocated [E, I, H] right after `create_weights`, same attributes (weight_loader, ...), before anything is loaded | the kernel's shape (0.5.19+ SGLang allocates it so itself); SGLang's own path there is broken, so nothing depends on 2I |
+| ModelOpt NVFP4 on a global `auto` (Blackwell), 0.5.16+ | `create_moe_runner` runs flashinfer_trtllm while the weights are laid out for CUTLASS (0.5.16-0.5.20 NotImplementedError, 0.5.21+ AttributeError `g1_scale_c` at the first forward) | right after `create_moe_runner`, the method's `enable_flashinfer_trtllm_moe` / `use_flashinfer_trtllm_weight_layout` and the layer's `use_flashinfer_trtllm_moe` follow the runner SGLang resolved; an intermediate size not allocated for that kernel is a `TrtllmLayerError` at construction | lay out for the runner that actually runs; SGLang's choice is read, not repeated |
+| weight checker, 0.5.11 - 0.5.14 | compares every tensor bitwise (max/mean error only); 0.5.11 asserts on float32 FP8 block scales | plugin-laid-out weights compared by the plugin (raw or layout-aware, expert/row/col); SGLang-prepared FP8 block layers on 0.5.11 dequantized as 0.5.12 does; NVFP4 placeholders (0.5.11-0.5.12) reported, not compared; everything else is SGLang's own compare | a laid-out layer must compare correctly, and a mismatch must say where |
 """
 
 
