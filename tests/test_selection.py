@@ -131,7 +131,7 @@ RELEASE_DIFFS = {
         ("<0.5.19", "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
          "flashinfer_trtllm_routed", Code.AUTO_SELECTED)],
     # SGLang's "modelopt_fp4 on SM120 -> flashinfer_cutlass" rule is new in 0.5.13
-    "mixtral-nvfp4-sm120-q": [("<0.5.13", "auto", "auto", Code.NOT_SM100)],
+    "mixtral-nvfp4-sm120-q": [("<0.5.13", "auto", "auto", Code.NO_FUSED_MOE)],
 }
 
 
