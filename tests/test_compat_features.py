@@ -65,7 +65,8 @@ PROBES = {
         f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_weights"),
     "MODELOPT_NVFP4_GELU": lambda: _modelopt_nvfp4_gelu(),
     "NVFP4_AUTO_RUNNER_MISMATCH": lambda: "self._moe_runner_backend = moe_runner_backend" in _source(
-        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_moe_runner"),
+        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_moe_runner") and "cutlass_moe_fp4(" not in _source(
+        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.apply"),
     "NVFP4_MEGAMOE_LAYOUT": lambda: "use_flashinfer_trtllm_weight_layout" in _source(
         f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.__init__"),
     "NVFP4_W13_INTERLEAVED_CHECKPOINTS": lambda: "inference_moe_w13_interleaved" in inspect.getsource(

@@ -20,9 +20,10 @@ SUPERSEDED = {
         "0.5.16+: delegates to WeightUpdater, which is hooked",
     "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk":
         "0.5.16+: delegates to WeightUpdater.update_weights_from_disk, which is hooked",
-    # Before 0.5.16 it does not resolve a global auto itself: no runner/layout mismatch to repair there.
+    # Before 0.5.16 a global auto is either kept (< 0.5.13) or resolved with apply falling back to sgl-kernel's
+    # cutlass_moe_fp4 for a CUTLASS-laid-out layer (0.5.13-0.5.15): no runner/layout mismatch to repair there.
     "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod.create_moe_runner":
-        "< 0.5.16: keeps the global backend (features.NVFP4_AUTO_RUNNER_MISMATCH)",
+        "< 0.5.16: no runner/layout mismatch on a global auto (features.NVFP4_AUTO_RUNNER_MISMATCH)",
 }
 
 #: capabilities that must be complete on every release 0.5.11+ (plugin loads, NVFP4 prep, RL updates, runner);

@@ -197,8 +197,8 @@ AUTO_NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", 
 
 
 @pytest.mark.sglang(features.NVFP4_AUTO_RUNNER_MISMATCH.releases,
-                    reason="ModelOpt NVFP4's create_moe_runner resolves a global auto on its own from 0.5.16; before, "
-                    "its apply falls back to sgl-kernel's cutlass_moe_fp4, consistent with the CUTLASS weight layout")
+                    reason="SGLang's NVFP4 runner/layout mismatch on a global auto exists from 0.5.16; before, its "
+                    "apply falls back to sgl-kernel's cutlass_moe_fp4, consistent with the CUTLASS weight layout")
 def test_global_auto_is_laid_out_for_the_runner_sglang_resolves():
     """SGLang's own bug (0.5.16-0.5.20 NotImplementedError, 0.5.21+ AttributeError g1_scale_c at the first forward):
     with --moe-runner-backend auto on Blackwell (no rule for the model, SGLANG_TRTLLM_MOE_AUTO=0, ...), the NVFP4

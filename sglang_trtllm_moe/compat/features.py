@@ -78,7 +78,9 @@ NVFP4_AUTO_RUNNER_MISMATCH = Feature(
     "ModelOptNvFp4FusedMoEMethod.create_moe_runner resolves a global --moe-runner-backend auto to FLASHINFER_TRTLLM "
     "off SM80-90 (kept as _moe_runner_backend), while its __init__ set enable_flashinfer_trtllm_moe (post-load layout, "
     "apply's trtllm branch) and FusedMoE its loader flags from the global backend only: weights laid out for CUTLASS, "
-    "run as TRT-LLM (apply raises NotImplementedError on 0.5.16-0.5.20, AttributeError g1_scale_c from 0.5.21)",
+    "run as TRT-LLM (apply raises NotImplementedError on 0.5.16-0.5.20, AttributeError g1_scale_c from 0.5.21); "
+    "0.5.13-0.5.15 resolve auto the same way, but their apply falls back to sgl-kernel's cutlass_moe_fp4 for a layer "
+    "not laid out for TRT-LLM: consistent, left alone",
 )
 NVFP4_MEGAMOE_LAYOUT = Feature(
     ">=0.5.22",
