@@ -67,8 +67,11 @@ def test_every_checker_hook_landed_on_this_release():
 
     declared = []
     checker_hooks.register_sglang_hooks(register=declared.append, release=plugin.state().release.version)
-    rows = [r for r in plugin.state().target_report() if r["capability"] == "weight-check"]
-    assert len(rows) == len([t for t in declared if t.capability == "weight-check"]) >= 5
+    rows = [r for r in plugin.state().target_report() if r["capability"] == "weight-check"
+            and r["state"] != "not_applicable"]
+    here = [t for t in declared if t.capability == "weight-check" and t.applies_to(plugin.state().release.version)]
+    # the comparator module's hooks (0.5.15+), or SGLang's _compare / _postprocess_tensors / _check_tensors + _snapshot
+    assert len(rows) == len(here) >= 4, rows
     assert all(r["state"] == "landed" for r in rows), rows
 
 
@@ -185,6 +188,67 @@ def test_flipped_byte_through_sglang_weight_checker_names_expert_row_col(stored_
     assert "experts.w2_weight:" in msg and "1 of" in msg and "in experts [2]" in msg
     assert f"w2_weight_scale[expert {e}, row {r}, col {c}]" in msg
     assert "experts.w13_weight:" not in msg  # only the corrupted entry fails
+
+
+@pytest.mark.sglang("<0.5.15", reason="SGLang's module-level _check_tensors / _postprocess_tensors compare exists "
+                    "upstream before 0.5.15 only (the comparator module replaces it)")
+def test_before_0_5_15_other_tensors_stream_through_sglangs_own_check_with_cuda(stored_position, monkeypatch):
+    """With CUDA (faked here: `.cuda()` is the identity), every pair that is not the plugin's goes through SGLang's
+    own _check_tensors, pair by pair as SGLang streams them, and its failures and ours come back as one error."""
+    model = prepared(SPEC, seed=3)
+    layer = model.experts
+    wc = weight_checker(model)
+    wc.handle("snapshot", role="target")
+    e, r, c = 1, 5, 3
+    _, rows, cols = layer.w2_weight_scale.shape
+    layer.w2_weight_scale.data.view(torch.uint8).reshape(-1)[stored_position["w2_weight_scale"][(e * rows + r) * cols + c]] ^= 0x08
+    layer.w2_input_scale.data[2] *= 2  # not laid out by the plugin: SGLang's own bitwise compare finds it
+    seen = []
+    real = torch.Tensor.cuda
+
+    def fake_cuda(self, *a, **k):
+        seen.append(self.shape)
+        return self
+
+    from sglang_trtllm_moe.builtins import checker_hooks
+
+    monkeypatch.setattr(checker_hooks, "_sglang_can_compare", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "cuda", fake_cuda)
+    try:
+        with pytest.raises(Exception) as err:
+            wc.handle("compare", role="target")
+    finally:
+        monkeypatch.setattr(torch.Tensor, "cuda", real)
+    msg = str(err.value)
+    assert msg.startswith("check tensor equality failed:") and msg.count("check tensor equality failed") == 1
+    assert "name=experts.w2_input_scale max_abs_err" in msg  # SGLang's message for its pair
+    assert f"w2_weight_scale[expert {e}, row {r}, col {c}]" in msg and "in experts [1]" in msg  # ours
+    assert "name=experts.w13_weight " not in msg
+    assert seen and all(s != layer.w13_weight.shape for s in seen)  # laid-out weights never reached SGLang's compare
+
+
+def test_sglang_prepared_fp8_block_layer_through_sglang_weight_checker(monkeypatch):
+    """DeepSeek FP8 block layers on flashinfer_trtllm are SGLang's own (compat/defer.py); SGLang's checker compares
+    them (0.5.11's asserts on their float32 scales: there the plugin dequantizes them as 0.5.12 does), and a
+    corrupted byte fails the compare, naming the weight."""
+    from sglang_trtllm_moe.compat import defer
+
+    monkeypatch.undo()  # the layer stays SGLang's (the autouse fixture makes the plugin prepare it)
+    assert defer.upstream_prepares("fp8_block")
+    # SGLang's 0.5.15+ block comparator moves chunks with .cuda() (a GPU feature): on this CPU box, in place
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    spec = cpu_layers.MoeSpec(num_experts=4, intermediate=128, fmt="fp8_block")
+    model = prepared(spec, tensors=cpu_layers.random_fp8_checkpoint(spec, seed=9))
+    layer = model.experts
+    assert layer_state.state_of(layer) is None and layer_state.observed(layer) is not None
+    wc = weight_checker(model)
+    wc.handle("snapshot", role="target")
+    wc.handle("compare", role="target")
+    wc.handle("snapshot", role="target")
+    layer.w13_weight.data.view(torch.uint8)[2, 7, 9] ^= 0x11
+    with pytest.raises(Exception) as err:
+        wc.handle("compare", role="target")
+    assert "experts.w13_weight" in str(err.value) and "experts.w2_weight" not in str(err.value)
 
 
 # ---- SGLang's snapshot -> reset_tensors -> update -> compare flow -----------------------------------------------

@@ -8,6 +8,7 @@ matrix, so a wrong range fails on the release where it is wrong.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 
 import pytest
@@ -42,6 +43,14 @@ def _nvfp4_scales_swapped() -> bool:
     return "ModelOptNvFp4FusedMoEMethod" in src[max(0, i - 700):i]
 
 
+def _modelopt_nvfp4_gelu() -> bool:
+    """ModelOpt NVFP4's apply has no private activation table (0.5.13+), or one that maps gelu."""
+    src = inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.modelopt_quant"))
+    if "ACT_STR_TO_TYPE_MAP = {" not in src:
+        return True
+    return '"gelu"' in src.split("ACT_STR_TO_TYPE_MAP = {", 1)[1].split("}", 1)[0]
+
+
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
@@ -55,13 +64,22 @@ PROBES = {
         "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.__init__").split("MoeRunnerConfig(", 1)[-1][:1500],
     "NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS": lambda: "w13_blockscale_swizzled = None" not in _source(
         f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_weights"),
+    "MODELOPT_NVFP4_GELU": lambda: _modelopt_nvfp4_gelu(),
+    "NVFP4_AUTO_RUNNER_MISMATCH": lambda: "self._moe_runner_backend = moe_runner_backend" in _source(
+        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_moe_runner") and "cutlass_moe_fp4(" not in _source(
+        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.apply"),
     "NVFP4_MEGAMOE_LAYOUT": lambda: "use_flashinfer_trtllm_weight_layout" in _source(
         f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.__init__"),
     "NVFP4_W13_INTERLEAVED_CHECKPOINTS": lambda: "inference_moe_w13_interleaved" in inspect.getsource(
         importlib.import_module(MODELOPT)),
     "MODELOPT_FP8_OWN_BACKEND": lambda: "self._moe_runner_backend" in _source(
         f"{MODELOPT}:ModelOptFp8MoEMethod.create_moe_runner"),
-    "FP8_TRTLLM_ACTIVATION_PARAMS": lambda: "_owns_moe_runner" in inspect.getsource(
+    "FP8_TRTLLM_ACTIVATION_PARAMS": lambda: hasattr(
+        importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
+        "_prepare_flashinfer_trtllm_activation_params"),
+    "FP8_OWNS_MOE_RUNNER": lambda: "_owns_moe_runner" in inspect.getsource(
+        importlib.import_module("sglang.srt.layers.quantization.fp8")),
+    "FP8_W13_ALWAYS_TWO_HALVES": lambda: "is_concat=True" in inspect.getsource(
         importlib.import_module("sglang.srt.layers.quantization.fp8")),
     "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: "trtllm_fp4_block_scale_moe" in _source(
         "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe:"
@@ -73,6 +91,16 @@ PROBES = {
     "UPDATE_SESSIONS": lambda: _has(UPDATER, "WeightUpdater") and hasattr(
         importlib.import_module(UPDATER).WeightUpdater, "begin_weight_update"),
     "WEIGHT_CHECKER_COMPARATOR": lambda: _has("sglang.srt.utils.weight_checker", "_build_quantized_set"),
+    "WEIGHT_CHECKER_LEGACY_COMPARE": lambda: "_check_tensors(" in _source(
+        "sglang.srt.utils.weight_checker:WeightChecker._compare") and _has("sglang.srt.utils.weight_checker",
+                                                                           "_postprocess_tensors"),
+    "WEIGHT_CHECKER_UE8M0_SCALES_ONLY": lambda: _has("sglang.srt.utils.weight_checker", "_postprocess_tensors")
+    and "torch.int32" not in _source("sglang.srt.utils.weight_checker:_postprocess_tensors"),
+    "WEIGHT_CHECKER_OF_MODEL_RUNNER": lambda: "model_runner" in inspect.signature(
+        importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__).parameters,
+    "FLASHINFER_A2A_TRTLLM_ROUTED": lambda: 'register_fused_func("flashinfer", "flashinfer_trtllm_routed")' in open(
+        importlib.util.find_spec(TRTLLM).origin).read(),
+    "SERVER_ARGS_FIELD_WRITES": lambda: not _has("sglang.srt.arg_groups.overrides", "resolved_view"),
     "PUBLISHED_SERVER_ARGS": lambda: _has("sglang.srt.runtime_context", "get_server_args"),
     "PLATFORM_OVERRIDE": lambda: _has("sglang.srt.runtime_context", "override_platform"),
     "PUBLISH_WITH_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks")

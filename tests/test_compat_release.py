@@ -20,6 +20,10 @@ SUPERSEDED = {
         "0.5.16+: delegates to WeightUpdater, which is hooked",
     "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk":
         "0.5.16+: delegates to WeightUpdater.update_weights_from_disk, which is hooked",
+    # Before 0.5.16 a global auto is either kept (< 0.5.13) or resolved with apply falling back to sgl-kernel's
+    # cutlass_moe_fp4 for a CUTLASS-laid-out layer (0.5.13-0.5.15): no runner/layout mismatch to repair there.
+    "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod.create_moe_runner":
+        "< 0.5.16: no runner/layout mismatch on a global auto (features.NVFP4_AUTO_RUNNER_MISMATCH)",
 }
 
 #: capabilities that must be complete on every release 0.5.11+ (plugin loads, NVFP4 prep, RL updates, runner);
@@ -141,7 +145,7 @@ def test_matrix_skip_reasons_name_the_release():
     release = Version(installed_version().base_version)
     caps = matrix.plugin_capabilities(release)
     for req in matrix.REQUIREMENTS:
-        assert req.reason and (req.needs.startswith("capability:") or str(req.needs)[0] in "<>=!~")
+        assert req.reason and (req.needs.startswith(("capability:", "flashinfer:")) or str(req.needs)[0] in "<>=!~")
         why = matrix.skip_reason(req.needs, req.reason, release, caps)
         if why is not None:  # does not apply here: the reason names the release, the kind and the requirement
             assert why.startswith(f"sglang {release}: ") and req.reason in why and f"(needs {req.needs})" in why
@@ -151,6 +155,30 @@ def test_matrix_skip_reasons_name_the_release():
     assert "absent upstream: old" in matrix.skip_reason("<0.0.1", "old", release, caps)
     assert "not provided by the plugin: nope" in matrix.skip_reason("capability:no-such-capability", "nope", release, caps)
     json.dumps([c[:2] for c in matrix.CAPABILITIES])
+
+
+def test_the_plugin_provides_every_capability_the_tests_need_on_every_release():
+    """Issue #17: no "not provided by the plugin" cell in the compat matrix. Every capability a test needs (a row of
+    REQUIREMENTS, a fixture's, a marker's) has a hook target the built-ins register on every release of
+    ci/releases.tsv; what remains n/a anywhere is absent upstream (or from the flashinfer a release pins)."""
+    import ast
+
+    from packaging.version import Version
+
+    from tests.support import matrix
+
+    needed = {r.needs for r in matrix.REQUIREMENTS} | {n for n, _ in matrix.FIXTURE_REQUIREMENTS.values()}
+    for path in (REPO / "tests").glob("test_*.py"):  # @pytest.mark.sglang("capability:...") markers
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "sglang" and node.args
+                    and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("capability:")):
+                needed.add(node.args[0].value)
+    needed = {n.split(":", 1)[1] for n in needed if n.startswith("capability:")}
+    rows = [line.split()[0] for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    for rel in rows:
+        missing = needed - matrix.plugin_capabilities(Version(rel))
+        assert not missing, f"sglang {rel}: not provided by the plugin: {sorted(missing)}"
 
 
 def test_newest_tested_and_oldest_supported_are_the_matrix_ends():

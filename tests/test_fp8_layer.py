@@ -17,6 +17,7 @@ import torch
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe import TrtllmLayerError
+from sglang_trtllm_moe.compat import features
 from sglang_trtllm_moe.testing.layers import DOWN, GATE, UP, MoeSpec
 
 from .support import sglang_runtime
@@ -210,7 +211,8 @@ def test_block_bytes_equal_flashinfer_prepare_and_sglang_own_preparation(spec, m
     for n in BLOCK_WEIGHTS:
         assert torch.equal(as_bytes(getattr(ours, n)), as_bytes(getattr(upstream, n))), n
     # SGLang's apply reads these optional SwiGLU tensors off the layer (None = plain SwiGLU)
-    assert ours._flashinfer_trtllm_gemm1_alpha is None and ours._flashinfer_trtllm_gemm1_clamp_limit is None
+    if features.FP8_TRTLLM_ACTIVATION_PARAMS.present():
+        assert ours._flashinfer_trtllm_gemm1_alpha is None and ours._flashinfer_trtllm_gemm1_clamp_limit is None
 
 
 def test_modelopt_unequal_scales_ours_lossless_upstream_requant_is_not():
@@ -335,8 +337,12 @@ _model = sglang_runtime.prepared_model
     pytest.param(MoeSpec(intermediate=96, fmt="fp8_block"), id="fp8_block-gated-I96"),
 ])
 def test_partial_update_from_tensor_equals_fresh_load_and_keeps_storage(spec):
+    """A one-expert update through the release's own update_weights_from_tensor (WeightUpdater, or ModelRunner
+    before 0.5.16): every parameter byte-identical to a fresh load of the mixed checkpoint, the same Parameter
+    objects on the same storage, each still carrying SGLang's weight_loader (the next update needs it)."""
     model = _model(spec, cpu_layers.random_fp8_checkpoint(spec, seed=0))
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    objs = dict(model.named_parameters())
     st = layer_state.state_of(model.experts)
     before = st.experts_prepared_total
     new = cpu_layers.random_fp8_checkpoint(spec, seed=5, experts=[3])
@@ -349,6 +355,12 @@ def test_partial_update_from_tensor_equals_fresh_load_and_keeps_storage(spec):
     names = BLOCK_WEIGHTS if spec.fmt == "fp8_block" else TENSOR_WEIGHTS + SCALARS + ("w13_input_scale_max",)
     for n in names:
         assert torch.equal(as_bytes(getattr(model.experts, n)), as_bytes(getattr(fresh.experts, n))), f"{n} differs from a fresh load"
+    theirs = dict(fresh.named_parameters())
+    loaded_by_sglang = {n for n, p in cpu_layers.TinyMoeModel(spec).named_parameters() if hasattr(p, "weight_loader")}
+    assert {"experts.w13_weight", "experts.w2_weight"} <= loaded_by_sglang
+    for n, p in model.named_parameters():
+        assert p is objs[n] and torch.equal(as_bytes(p), as_bytes(theirs[n])), f"{n} differs from a fresh load"
+        assert n not in loaded_by_sglang or hasattr(p, "weight_loader"), f"{n} lost SGLang's weight_loader"
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
 
 

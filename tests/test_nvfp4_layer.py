@@ -61,6 +61,13 @@ def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
     # <= 0.5.22 SGLang stores the per-tensor w13 scales [Up, Gate] for trtllm and then reads them as [Gate, Up]:
     # its gate/up alphas are swapped; the plugin reads them as stored (formats/nvfp4.w13_scales_up_first).
     swapped = spec.gated and features.NVFP4_W13_SCALE_2_UP_GATE.present()
+    if not hasattr(upstream, "g1_alphas_up"):
+        # SGLang < 0.5.14 keeps one GEMM1 alpha, from column 0 of w13_weight_scale_2 (it warns when the columns
+        # differ); the other column's alpha by SGLang 0.5.14's own formula (_compute_gemm1_alphas), on this
+        # release's input scale: (max w13_input_scale) * w13_weight_scale_2[:, 1]
+        s2 = upstream.w13_weight_scale_2.data
+        other = s2[:, 1] if spec.gated and s2.dim() == 2 and s2.shape[1] >= 2 else s2.reshape(s2.shape[0])
+        upstream.g1_alphas_up = (upstream.w13_input_scale.data.max().to(torch.float32) * other).to(torch.float32)
     expected = {n: getattr(upstream, n).data for n in SCALARS}
     if swapped:
         expected["g1_alphas"], expected["g1_alphas_up"] = expected["g1_alphas_up"], expected["g1_alphas"]
@@ -139,3 +146,84 @@ def test_without_emulator_on_cpu_the_runner_says_what_to_do(monkeypatch):
         _forward(layer, x, torch.randn(2, spec.num_experts))
     msg = str(e.value)
     assert "SM100" in msg and "SGLANG_TRTLLM_MOE_EMULATE=1" in msg and "model.layers.0.mlp.experts" in msg
+
+
+# ---- a global `auto`: SGLang runs NVFP4 on flashinfer_trtllm, the weights must be laid out for it -----------------
+
+AUTO_SCRIPT = """
+    import hashlib, json, os
+    import torch
+    import tests.conftest  # noqa: F401  (torchvision shim)
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_trtllm_moe.testing.runtime import init_single_process
+    init_single_process("auto")
+    from sglang_trtllm_moe import layer_state
+    from sglang_trtllm_moe.testing import layers as L
+    from tests.support import sglang_runtime
+    from tests.support.moe_reference import reference_moe
+
+    out = {}
+    spec = L.MoeSpec(intermediate=128)
+    layer = L.build_layer(spec)
+    out["runner"] = str(layer.quant_method._moe_runner_backend.value)
+    ptrs = {n: p.data_ptr() for n, p in layer.named_parameters()}
+    ck = L.random_nvfp4_checkpoint(spec, seed=0)
+    L.load_checkpoint(layer, ck, spec.num_experts)
+    layer.quant_method.process_weights_after_loading(layer)
+    out["managed"] = layer_state.state_of(layer) is not None
+    out["storage_kept"] = all(getattr(layer, n).data_ptr() == ptrs[n]
+                              for n in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"))
+    out["bytes"] = {n: hashlib.sha256(getattr(layer, n).data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                    for n in json.loads(os.environ["NAMES"])}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, spec.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(6, spec.num_experts, generator=g)
+    try:
+        y, topk = sglang_runtime.forward(layer, x, logits)
+        ref = reference_moe(x, topk.topk_ids, topk.topk_weights, ck, spec, round_like_kernel=True)
+        out["rel_err"] = float((y.float() - ref).norm() / ref.norm())
+    except Exception as e:
+        out["forward_error"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        L.build_layer(L.MoeSpec(intermediate=96))
+        out["unpadded"] = "built"
+    except Exception as e:
+        out["unpadded"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+"""
+AUTO_NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", "g1_alphas", "g1_alphas_up",
+              "g2_alphas", "g1_scale_c", "w13_input_scale_quant", "w2_input_scale_quant")
+
+
+@pytest.mark.sglang(features.NVFP4_AUTO_RUNNER_MISMATCH.releases,
+                    reason="SGLang's NVFP4 runner/layout mismatch on a global auto exists from 0.5.16; before, its "
+                    "apply falls back to sgl-kernel's cutlass_moe_fp4, consistent with the CUTLASS weight layout")
+def test_global_auto_is_laid_out_for_the_runner_sglang_resolves():
+    """SGLang's own bug (0.5.16-0.5.20 NotImplementedError, 0.5.21+ AttributeError g1_scale_c at the first forward):
+    with --moe-runner-backend auto on Blackwell (no rule for the model, SGLANG_TRTLLM_MOE_AUTO=0, ...), the NVFP4
+    method runs flashinfer_trtllm but its weights were laid out for CUTLASS. With the plugin the layer is laid out
+    for the runner SGLang resolved, in place: the same bytes as an explicit flashinfer_trtllm layer, a forward that
+    matches the reference; a layer whose intermediate size is not padded for that kernel fails at construction,
+    naming the layer, the size and the fix. In its own process (the backend is chosen once per process)."""
+    import json
+
+    from .support.helpers import last_json, run_python
+    from .support.moe_reference import reference_moe  # noqa: F401  (imported by the script)
+
+    proc = run_python(AUTO_SCRIPT, env={"SGLANG_TRTLLM_MOE_EMULATE": "1", "NAMES": json.dumps(AUTO_NAMES)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_json(proc)
+    assert got["runner"] == "flashinfer_trtllm", got  # SGLang's own choice, not the plugin's
+    assert "forward_error" not in got, got["forward_error"]
+    assert got["managed"] and got["storage_kept"], got
+    assert got["rel_err"] < 0.02, got["rel_err"]  # the same bound as an explicit layer (rounded like the kernel)
+    explicit = loaded_layer(cpu_layers.MoeSpec(intermediate=128), seed=0)  # this module runs flashinfer_trtllm
+    explicit.quant_method.process_weights_after_loading(explicit)
+    for n in AUTO_NAMES:
+        import hashlib
+
+        want = hashlib.sha256(getattr(explicit, n).data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        assert got["bytes"][n] == want, f"{n} differs from an explicit flashinfer_trtllm layer"
+    msg = got["unpadded"]
+    assert msg.startswith("TrtllmLayerError") and "intermediate size per rank 96" in msg and "Fix:" in msg, msg

@@ -123,8 +123,15 @@ CASES = [
 RELEASE_DIFFS = {
     "nemotron_h-nvfp4-redundant": [("<0.5.23", "flashinfer_trtllm", "flashinfer_trtllm_routed", Code.AUTO_SELECTED)],
     # the same refusal of auto under FlashInfer A2A, worded by ServerArgs._handle_a2a_moe before the pipeline
-    "qwen3_moe-nvfp4-fi_a2a": [("<0.5.19", "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
-                                "flashinfer_trtllm_routed", Code.AUTO_SELECTED)],
+    # before 0.5.15 there is no TRT-LLM runner behind FlashInfer A2A (SGLang asserts flashinfer_cutlass): the plugin
+    # finds nothing eligible and SGLang refuses the launch as it does alone
+    "qwen3_moe-nvfp4-fi_a2a": [
+        ("<0.5.15", "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
+         "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass", Code.NO_ELIGIBLE_BACKEND),
+        ("<0.5.19", "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
+         "flashinfer_trtllm_routed", Code.AUTO_SELECTED)],
+    # SGLang's "modelopt_fp4 on SM120 -> flashinfer_cutlass" rule is new in 0.5.13
+    "mixtral-nvfp4-sm120-q": [("<0.5.13", "auto", "auto", Code.NO_FUSED_MOE)],
 }
 
 
@@ -134,6 +141,18 @@ RELEASE_KWARGS = {
     "qwen3_moe-nvfp4-fi_a2a": [("<0.5.22", {"moe_a2a_backend": "flashinfer", "tp_size": 2, "dp_size": 2,
                                             "enable_dp_attention": True})],
 }
+
+
+def _sel_features():
+    from sglang_trtllm_moe.compat import features
+
+    return features
+
+
+def _sel_installed():
+    from sglang_trtllm_moe.compat.releases import installed_version
+
+    return installed_version()
 
 
 def _kwargs(cid, kw):
@@ -275,13 +294,12 @@ def test_the_hook_lands_in_sglang(sglang_runs):
 def test_sglang_resolution_with_and_without_plugin(sglang_runs, cid, arch, quant, sm, kw, upstream, expected, code):
     plug, up, off = (sglang_runs[k]["cases"][cid] for k in ("plugin", "upstream", "auto_off"))
     upstream, expected, code = _expectations(cid, upstream, expected, code)
-    assert "error" not in plug, plug
-    for row in (up, off):  # SGLang alone, and with the switch off: the same answer, or the same refusal
-        if upstream.startswith("AssertionError"):
-            assert row["error"].startswith(upstream), row
+    for row, want in ((up, upstream), (off, upstream), (plug, expected)):
+        # SGLang alone, with the switch off, with the plugin: an answer, or SGLang's own refusal
+        if want.startswith("AssertionError"):
+            assert row["error"].startswith(want), row
         else:
-            assert "error" not in row and row["moe_runner_backend"] == upstream, row
-    assert plug["moe_runner_backend"] == expected, plug
+            assert "error" not in row and row["moe_runner_backend"] == want, row
     # exactly one decision for the target (plus one for a speculative draft), with the expected reason code
     target = [d for d in plug["decisions"] if d["what"] == "target"]
     assert len(target) == 1 and target[0]["code"] == code, plug["decisions"]
@@ -312,6 +330,8 @@ def test_config_reader_names_quantization_like_sglang(sglang_runs):
     """detect_quantization vs SGLang's ModelConfig on the very same config.json files."""
     for cid, arch, quant, *_ in CASES:
         row = sglang_runs["plugin"]["cases"][cid]
+        if "error" in row:  # SGLang refused the launch (checked above); the same config.json is read by other cases
+            continue
         ours, block, scheme = sel.detect_quantization(QUANTS[quant])
         assert ours == row["model_quantization"], (cid, ours, row)
         if quant == "fp8_block":
@@ -381,25 +401,40 @@ def test_explain_cli_text_rules_only(sglang_runs):
 
 
 def test_activation_table_matches_sglang_and_flashinfer():
+    """What each format accepts on this release is what SGLang's runners and its flashinfer enum mapping take.
+
+    From 0.5.13 (get_activation_type(activation, is_gated)) every accepted activation must be in SGLang's runner
+    set and map to a flashinfer ActivationType. 0.5.11-0.5.12 name silu (gated) and relu2 (non-gated) only and have
+    no BF16 set: there the plugin's runner (its leaf hooks) serves what it prepares with its own flashinfer
+    activation ints, and SGLang's sets bind the formats SGLang prepares itself (compat/defer.py)."""
     import inspect
 
+    import sglang.srt.layers.quantization.fp8  # noqa: F401  (<= 0.5.15: flashinfer_trtllm is circular imported alone)
     from sglang.srt.layers.moe.moe_runner import flashinfer_trtllm as fit
 
+    from sglang_trtllm_moe.compat import defer
+
     src = inspect.getsource(fit)
-    runner_sets = {
-        name: set(re.findall(r'"(\w+)"', re.search(rf"_SUPPORTED_{name}_ACTIVATIONS = \{{([^}}]*)\}}", src).group(1)))
-        for name in ("FP4", "FP8", "BF16")
-    }
+    runner_sets = {}
+    for name in ("FP4", "FP8", "BF16"):
+        m = re.search(rf"_SUPPORTED_{name}_ACTIVATIONS = \{{([^}}]*)\}}", src)
+        runner_sets[name] = set(re.findall(r'"(\w+)"', m.group(1))) if m else None
+    takes_gated = "is_gated" in inspect.signature(fit.get_activation_type).parameters
     per_kernel = {"fp4_block_scale": "FP4", "fp8_per_tensor_scale": "FP8", "fp8_block_scale": "FP8", "bf16": "BF16"}
     for fmt in FORMATS:
-        gated, plain = fmt.gated_activations, fmt.non_gated_activations
-        assert gated | plain <= runner_sets[per_kernel[fmt.kernel]], fmt.name
-        for act in gated:
-            fit.get_activation_type(act, is_gated=True)
-        for act in plain:
-            fit.get_activation_type(act, is_gated=False)
-    with pytest.raises(ValueError):
-        fit.get_activation_type("relu2", is_gated=True)  # why gated relu2 is never eligible
+        accepted = [(a, g) for g, acts in ((True, fmt.gated_activations), (False, fmt.non_gated_activations))
+                    for a in sorted(acts) if not fmt.activation_problem(a, g)]
+        runner = runner_sets[per_kernel[fmt.kernel]]
+        if takes_gated or defer.upstream_prepares(fmt.name):
+            assert runner is not None and {a for a, _ in accepted} <= runner, (fmt.name, accepted, runner)
+        for act, gated in accepted:
+            if takes_gated:
+                fit.get_activation_type(act, is_gated=gated)
+            elif (act, gated) in (("silu", True), ("relu2", False)):  # 0.5.11-0.5.12's whole table
+                fit.get_activation_type(act)
+    if takes_gated:
+        with pytest.raises(ValueError):
+            fit.get_activation_type("relu2", is_gated=True)  # why gated relu2 is never eligible
 
 
 def test_a2a_table_matches_sglang_fused_op_pool():
@@ -407,23 +442,28 @@ def test_a2a_table_matches_sglang_fused_op_pool():
     from sglang.srt.layers.moe.moe_runner.base import FusedOpPool
     from sglang.srt.layers.moe.utils import MoeA2ABackend
 
+    ok = set(sel.A2A_OK) if _FI_A2A else set(sel.A2A_OK) - {"flashinfer"}  # 'flashinfer' from 0.5.15
     for a2a in MoeA2ABackend:
         p = MoeProblem(256, 512, 8, quantization="modelopt_fp4", a2a_backend=a2a.value, tp_size=2, ep_size=2)
         for b in sel.BACKENDS:
             has = (a2a.value, b) in FusedOpPool._fused_funcs
             if b == sel.TRTLLM_ROUTED or a2a.value != "flashinfer":
-                assert has == (a2a.value in sel.A2A_OK), (a2a.value, b)
-            else:  # ('flashinfer', 'flashinfer_trtllm') is registered from 0.5.19 only; the plugin never picks it
+                assert has == (a2a.value in ok), (a2a.value, b)
+            elif _FI_A2A:  # ('flashinfer', 'flashinfer_trtllm') is registered from 0.5.19 only; the plugin never picks it
                 assert can_implement(b, p, SM100).code == Code.A2A_NEEDS_ROUTED
             if can_implement(b, p, SM100).eligible:
                 assert has, (a2a.value, b)  # whatever the plugin may pick, SGLang can run
-        if a2a.value not in sel.A2A_OK:
+        if a2a.value not in ok:
             assert can_implement(sel.TRTLLM_ROUTED, p, SM100).code == Code.A2A_UNSUPPORTED
 
 
 # --- the rules themselves -----------------------------------------------------------------------------------------
 
 P = MoeProblem(hidden_size=256, intermediate_size=512, num_experts=8, top_k=2, quantization="modelopt_fp4")
+#: FlashInfer A2A has a TRT-LLM (routed) runner on the installed release (features.FLASHINFER_A2A_TRTLLM_ROUTED)
+_FI_A2A = _sel_features().FLASHINFER_A2A_TRTLLM_ROUTED.present() or _sel_installed() is None
+#: ModelOpt NVFP4 gelu runs on the installed release (features.MODELOPT_NVFP4_GELU)
+_NVFP4_GELU = _sel_features().MODELOPT_NVFP4_GELU.present() or _sel_installed() is None
 RULES = [
     # (problem changes, device, backend, expected code)
     ({}, SM100, sel.TRTLLM, Code.OK),
@@ -447,7 +487,7 @@ RULES = [
     ({"quantization": "compressed-tensors", "quant_scheme": "int4"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
     ({"quantization": "awq"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
     ({"quantization": None}, SM100, sel.TRTLLM, Code.OK),
-    ({"activation": "gelu"}, SM100, sel.TRTLLM, Code.OK),
+    ({"activation": "gelu"}, SM100, sel.TRTLLM, Code.OK if _NVFP4_GELU else Code.ACTIVATION_UNSUPPORTED),
     ({"activation": "gelu", "quantization": None}, SM100, sel.TRTLLM, Code.ACTIVATION_UNSUPPORTED),
     ({"activation": "relu2"}, SM100, sel.TRTLLM, Code.ACTIVATION_UNSUPPORTED),  # gated relu2
     ({"activation": "relu2", "gated": False, "quantization": "modelopt_fp8"}, SM100, sel.TRTLLM, Code.OK),
@@ -463,8 +503,10 @@ RULES = [
     ({"num_experts": 10, "tp_size": 4, "ep_size": 4}, SM100, sel.TRTLLM, Code.EXPERT_SPLIT),
     ({"a2a_backend": "deepep", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM, Code.A2A_UNSUPPORTED),
     ({"a2a_backend": "mooncake", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM_ROUTED, Code.A2A_UNSUPPORTED),
-    ({"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM, Code.A2A_NEEDS_ROUTED),
-    ({"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM_ROUTED, Code.OK),
+    ({"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM,
+     Code.A2A_NEEDS_ROUTED if _FI_A2A else Code.A2A_UNSUPPORTED),
+    ({"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM_ROUTED,
+     Code.OK if _FI_A2A else Code.A2A_UNSUPPORTED),
     ({"enable_eplb": True}, SM100, sel.TRTLLM, Code.EXPERT_REMAP_NEEDS_ROUTED),
     ({"num_redundant_experts": 8}, SM100, sel.TRTLLM, Code.EXPERT_REMAP_NEEDS_ROUTED),
     ({"init_expert_location": "/x.json"}, SM100, sel.TRTLLM, Code.EXPERT_REMAP_NEEDS_ROUTED),

@@ -12,7 +12,7 @@ from .. import hookimpl
 from ..compat import features
 from ..formats import FP8_BLOCK, FP8_TENSOR, FP8_TENSOR_MODELOPT
 from ..targets import HookTarget
-from ._prepare import take_over
+from ._prepare import kw, take_over
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
@@ -43,10 +43,32 @@ def _fp8_method_format(method):
 def _fp8_side_attrs(method, layer) -> None:
     """What SGLang's Fp8MoEMethod post-load leaves for its apply(): the optional SwiGLU tensors it reads as
     layer._flashinfer_trtllm_gemm1_*, and the dispatcher's wire format."""
-    if features.FP8_TRTLLM_ACTIVATION_PARAMS.present() and method._owns_moe_runner:
+    owns = method._owns_moe_runner if features.FP8_OWNS_MOE_RUNNER.present() else True
+    if features.FP8_TRTLLM_ACTIVATION_PARAMS.present() and owns:
         method._prepare_flashinfer_trtllm_activation_params(layer)
     if hasattr(layer, "dispatcher"):
         layer.dispatcher.set_quant_config({"weight_dtype": layer.w13_weight.dtype, "use_mxfp8": False})
+
+
+def fp8_create_weights(result, method, *args, **kwargs):
+    """AFTER create_weights (features.FP8_W13_ALWAYS_TWO_HALVES): a non-gated per-tensor layer on flashinfer_trtllm
+    gets w13 at the kernel's [E, I, H] before anything is loaded, with the attributes SGLang gave it (weight_loader,
+    ...). w13_weight_scale stays [E, 2]: the loader broadcasts a non-gated layer's one scale into both columns."""
+    import torch
+
+    layer = kw(args, kwargs, 0, "layer")
+    fmt, _ = _fp8_method_format(method)
+    if fmt is not FP8_TENSOR or layer.moe_runner_config.is_gated:
+        return result
+    rows = kw(args, kwargs, 3, "intermediate_size_per_partition")
+    old = layer.w13_weight
+    if old.shape[1] != rows:
+        new = torch.nn.Parameter(torch.empty((old.shape[0], rows, *old.shape[2:]), dtype=old.dtype, device=old.device),
+                                 requires_grad=False)
+        for k, v in vars(old).items():  # weight_loader, ... (set_weight_attrs)
+            setattr(new, k, v)
+        layer.register_parameter("w13_weight", new)
+    return result
 
 
 def fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
@@ -80,12 +102,17 @@ def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, *
 def register_sglang_hooks(register, release):
     register(HookTarget(
         f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading", modelopt_fp8_process_weights_after_loading,
-        "around", releases=">=0.5.19", capability="fp8-prep",
+        "around", releases=">=0.5.11", capability="fp8-prep",
         why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
     ))
     register(HookTarget(
         f"{FP8_METHOD}.process_weights_after_loading", fp8_process_weights_after_loading, "around",
-        releases=">=0.5.19", capability="fp8-prep",
+        releases=">=0.5.11", capability="fp8-prep",
         why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert (MXFP8 / "
             "FP4-expert layers: handed to mx_hooks)",
+    ))
+    register(HookTarget(
+        f"{FP8_METHOD}.create_weights", fp8_create_weights, "after",
+        releases=features.FP8_W13_ALWAYS_TWO_HALVES.releases, capability="fp8-prep",
+        why="non-gated per-tensor w13 allocated at the kernel's [E, I, H] (SGLang allocates 2*I rows before 0.5.19)",
     ))

@@ -7,11 +7,16 @@ prep is in place, per dirty expert (formats/nvfp4.py, formats/ct_nvfp4.py).
 
 from __future__ import annotations
 
-from .. import hookimpl
+import logging
+
+from .. import hookimpl, layer_state
 from ..compat import features
+from ..errors import TrtllmLayerError
 from ..formats import CT_NVFP4, NVFP4
 from ..targets import HookTarget
-from ._prepare import kw, take_over
+from ._prepare import UNREADABLE, kw, take_over
+
+logger = logging.getLogger("sglang_trtllm_moe")
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 CT_NVFP4_SCHEME = ("sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe."
@@ -47,6 +52,50 @@ def modelopt_process_weights_after_loading(original, method, layer, *args, **kwa
         return original(method, layer, *args, **kwargs)
     if not take_over(NVFP4, method, layer, _modelopt_side_attrs):
         return original(method, layer, *args, **kwargs)
+
+
+def modelopt_create_moe_runner(result, method, *args, **kwargs):
+    """AFTER create_moe_runner (features.NVFP4_AUTO_RUNNER_MISMATCH): prepare for the runner that will actually run.
+
+    With a global `auto` on Blackwell, SGLang's NVFP4 method resolves its runner to FLASHINFER_TRTLLM here, after
+    its __init__ (and FusedMoE) keyed the weight layout on the global backend. Before anything is loaded, the method
+    and the layer are told the runner they got, so the loader's w1/w3 order, the post-load layout (the plugin's, or
+    SGLang's own) and apply's trtllm branch all agree. SGLang's rule is read (its result), not repeated. A layer
+    whose shapes the TRT-LLM layout cannot take (SGLang pads the intermediate only for an explicit
+    flashinfer_trtllm) fails here with one clear error instead of at its first forward."""
+    layer = kw(args, kwargs, 0, "layer")
+    backend = getattr(method, "_moe_runner_backend", None)
+    if backend is None or getattr(method, "enable_flashinfer_trtllm_moe", True):
+        return result
+    if not (backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed()):
+        return result
+    if features.NVFP4_MEGAMOE_LAYOUT.present():
+        from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+        if get_moe_a2a_backend().is_megamoe():  # consumes the canonical layout, never runs FusedMoE's runner
+            return result
+    try:
+        problem = NVFP4.check_layout(layer)
+    except UNREADABLE as e:  # not the layer the plugin knows: SGLang's own behaviour, unchanged
+        logger.info("sglang-trtllm-moe: %s: NVFP4 runner/layout agreement not checked (%s: %s)",
+                    layer_state.layer_name(layer), type(e).__name__, e)
+        return result
+    if problem:
+        raise TrtllmLayerError(
+            f"{layer_state.layer_name(layer)}: SGLang's ModelOpt NVFP4 MoE method resolves --moe-runner-backend auto "
+            f"to {backend.value} on this GPU, but the layer (intermediate size per rank "
+            f"{layer.intermediate_size_per_partition}) is not allocated for it: {problem}. SGLang pads the "
+            "intermediate size for that kernel only when it is asked for explicitly. Fix: pass "
+            "--moe-runner-backend flashinfer_trtllm (the layer is then padded), or --moe-runner-backend "
+            "flashinfer_cutlass"
+        )
+    method.enable_flashinfer_trtllm_moe = True
+    if features.NVFP4_MEGAMOE_LAYOUT.present():
+        method.use_flashinfer_trtllm_weight_layout = True
+    layer.use_flashinfer_trtllm_moe = True  # FusedMoE's w1/w3 order and padded loading (global-only before 0.5.23)
+    logger.info("sglang-trtllm-moe: %s: SGLang resolved auto to %s for this NVFP4 layer; its weights are laid out "
+                "for that runner", layer_state.layer_name(layer), backend.value)
+    return result
 
 
 def ct_create_weights(result, scheme, *args, **kwargs):
@@ -114,6 +163,11 @@ def register_sglang_hooks(register, release):
         f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
         modelopt_process_weights_after_loading, "around", releases=">=0.5.11", capability="nvfp4-prep",
         why="NVFP4 layers on flashinfer_trtllm are prepared in place by the plugin, per dirty expert",
+    ))
+    register(HookTarget(
+        f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.create_moe_runner", modelopt_create_moe_runner, "after",
+        releases=features.NVFP4_AUTO_RUNNER_MISMATCH.releases, capability="nvfp4-prep",
+        why="on a global auto, SGLang runs NVFP4 on flashinfer_trtllm: the weights are laid out for it too",
     ))
     register(HookTarget(
         f"{CT_NVFP4_SCHEME}.create_weights", ct_create_weights, "after", releases=">=0.5.11",

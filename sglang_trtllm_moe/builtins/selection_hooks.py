@@ -11,12 +11,12 @@ that resolves the MoE runner from quantization. Why there and not elsewhere:
   `load_plugins()`; `register_model_override` would not see explicit-vs-derived "auto" or the a2a/EPLB fields
   the same way, and per-arch providers would have to be registered for every architecture.
 The choice is written with `declare_resolution` (SGLang's own provenance stash), never by mutating the record.
-That is 0.5.19+. On 0.5.16-0.5.18 the same step is the method `ServerArgs._handle_moe_kernel_config` inside
-`__post_init__` (same position: after the model overrides, before SGLang's own quantization rules and asserts), and
-the choice goes into the declaration stash the way SGLang's post-process passes write. The per-release difference
-(step, write-back, platform fake) is the table `compat.platform.ADAPTERS`; `decide` is one function for all.
-<= 0.5.15: no target (see `compat/platform.py`: flashinfer is not importable on CPU there, so no choice could be
-checked against SGLang's resolution).
+That is 0.5.19+. On 0.5.11-0.5.18 the same step is the method `ServerArgs._handle_moe_kernel_config` inside
+`__post_init__` (same position: after the model rules, before SGLang's own quantization rules and asserts); on
+0.5.15-0.5.18 the choice goes into the declaration stash the way SGLang's post-process passes write, on 0.5.11-0.5.14
+into the field the way that release's own rules write (their model rules overwrite the field first, so what the
+user asked for is recorded BEFORE `_handle_model_specific_adjustments`). The per-release difference (step,
+write-back, platform fake) is `compat.platform` (ADAPTERS and its flags); `decide` is one function for all.
 """
 
 from __future__ import annotations
@@ -90,9 +90,26 @@ def before_handle_moe_kernel_config(server_args, *args, **kwargs):
     return None
 
 
+def before_model_rules(server_args, *args, **kwargs):
+    """BEFORE hook (<= 0.5.14): what the user asked for, before SGLang's model rules assign the fields."""
+    from ..compat.platform import record_requested
+
+    try:
+        record_requested(server_args)
+    except Exception as e:  # noqa: BLE001 - never breaks resolution; the field is read instead
+        logger.warning("sglang-trtllm-moe: could not record the requested MoE runner backend: %s: %s",
+                       type(e).__name__, e)
+    return None
+
+
 @hookimpl
 def register_sglang_hooks(register, release):
-    from ..compat.platform import ADAPTERS
+    from ..compat import features
+    from ..compat.platform import ADAPTERS, RECORD_TARGET
+
+    register(HookTarget(target=RECORD_TARGET, hook=before_model_rules, hook_type="before",
+                        releases=features.SERVER_ARGS_FIELD_WRITES.releases, capability="auto-select",
+                        why="record --moe-runner-backend before SGLang's model rules overwrite it (explicit vs auto)"))
 
     for a in ADAPTERS:  # one resolution step per release range; the decision is the same everywhere
         register(

@@ -68,6 +68,20 @@ NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS = Feature(
     "the trtllm NVFP4 layer registers w13/w2_blockscale_swizzled as placeholder Parameters (None from 0.5.13); "
     "kept, so every registered parameter stays the same object",
 )
+MODELOPT_NVFP4_GELU = Feature(
+    ">=0.5.13",
+    "ModelOptNvFp4FusedMoEMethod.apply maps gelu (its ACT_STR_TO_TYPE_MAP has silu / relu2 only before, and asserts "
+    "on anything else): a ModelOpt NVFP4 gelu layer cannot run on any backend before 0.5.13",
+)
+NVFP4_AUTO_RUNNER_MISMATCH = Feature(
+    ">=0.5.16",
+    "ModelOptNvFp4FusedMoEMethod.create_moe_runner resolves a global --moe-runner-backend auto to FLASHINFER_TRTLLM "
+    "off SM80-90 (kept as _moe_runner_backend), while its __init__ set enable_flashinfer_trtllm_moe (post-load layout, "
+    "apply's trtllm branch) and FusedMoE its loader flags from the global backend only: weights laid out for CUTLASS, "
+    "run as TRT-LLM (apply raises NotImplementedError on 0.5.16-0.5.20, AttributeError g1_scale_c from 0.5.21); "
+    "0.5.13-0.5.15 resolve auto the same way, but their apply falls back to sgl-kernel's cutlass_moe_fp4 for a layer "
+    "not laid out for TRT-LLM: consistent, left alone",
+)
 NVFP4_MEGAMOE_LAYOUT = Feature(
     ">=0.5.22",
     "ModelOptNvFp4FusedMoEMethod.use_flashinfer_trtllm_weight_layout is False under MegaMoE, which consumes the "
@@ -83,9 +97,20 @@ MODELOPT_FP8_OWN_BACKEND = Feature(
     "ModelOptFp8MoEMethod keeps its own `_moe_runner_backend`; before, it reads the global get_moe_runner_backend()",
 )
 FP8_TRTLLM_ACTIVATION_PARAMS = Feature(
-    ">=0.5.19",
+    ">=0.5.18",
     "Fp8MoEMethod._prepare_flashinfer_trtllm_activation_params(layer) sets the SwiGLU tensors its apply reads as "
-    "layer._flashinfer_trtllm_gemm1_* (when the method owns its MoeRunner)",
+    "layer._flashinfer_trtllm_gemm1_* (0.5.18 reads them by plain attribute access: a layer without them raises)",
+)
+FP8_OWNS_MOE_RUNNER = Feature(
+    ">=0.5.19",
+    "Fp8MoEMethod._owns_moe_runner: the SwiGLU tensors are set only when the method owns its MoeRunner (0.5.18 "
+    "has no such attribute: every method owns its runner there)",
+)
+FP8_W13_ALWAYS_TWO_HALVES = Feature(
+    "<0.5.19",
+    "Fp8MoEMethod allocates w13 as [E, 2*I, H] (get_moe_weight_sizes(is_concat=True)) whatever the activation; from "
+    "0.5.19 is_concat=is_gated. A non-gated (relu2) per-tensor layer on flashinfer_trtllm then hands the kernel an "
+    "uninitialised second half: the plugin allocates it at the kernel's [E, I, H] before anything is loaded",
 )
 CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
     "<0.5.17",
@@ -111,11 +136,40 @@ UPDATE_SESSIONS = Feature(
     "WeightUpdater.begin_weight_update / end_weight_update sessions and restore_weights_before_loading exist",
 )
 WEIGHT_CHECKER_COMPARATOR = Feature(
-    ">=0.5.16",
+    ">=0.5.15",
     "utils.weight_checker_comparator (select_comparable_weight / compare_weights) and "
     "weight_checker._build_quantized_set, which the plugin's checker hooks attach to",
 )
 
+WEIGHT_CHECKER_LEGACY_COMPARE = Feature(
+    "<0.5.15",
+    "WeightChecker._compare is _check_tensors(_postprocess_tensors(snapshot), _postprocess_tensors(live)): module "
+    "functions (no comparator module), a bitwise compare of every tensor after .cuda(), FP8 block weights dequantized "
+    "by weight_scale_inv; the plugin's checker hooks attach to those functions there",
+)
+WEIGHT_CHECKER_UE8M0_SCALES_ONLY = Feature(
+    "<0.5.12",
+    "the checker's _postprocess_tensors dequantizes every *weight / *weight_scale_inv pair through "
+    "inverse_transform_scale_ue8m0, which asserts on float32 scales (it expects DeepGEMM's packed int32): a DeepSeek "
+    "FP8 block MoE layer on flashinfer_trtllm (float32 scales, SGLang's own prep) fails every compare; 0.5.12 "
+    "dequantizes float32 scales directly",
+)
+WEIGHT_CHECKER_OF_MODEL_RUNNER = Feature(
+    "<0.5.16",
+    "WeightChecker(model_runner) reads the model as model_runner.model; from 0.5.16 WeightChecker(get_model=, ps=)",
+)
+
+FLASHINFER_A2A_TRTLLM_ROUTED = Feature(
+    ">=0.5.15",
+    "FusedOpPool registers ('flashinfer', 'flashinfer_trtllm_routed'); before, ServerArgs._handle_a2a_moe asserts "
+    "that --moe-a2a-backend flashinfer runs on flashinfer_cutlass (or cutedsl): no TRT-LLM runner behind that A2A",
+)
+SERVER_ARGS_FIELD_WRITES = Feature(
+    "<0.5.15",
+    "ServerArgs.__post_init__'s rules assign moe_runner_backend in place (no arg_groups.overrides stash or "
+    "resolved_view): the model rules overwrite the user's value before _handle_moe_kernel_config, so the plugin "
+    "records it before them and writes its choice into the field as those rules do",
+)
 PUBLISHED_SERVER_ARGS = Feature(
     ">=0.5.15",
     "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "
@@ -181,7 +235,7 @@ WEIGHT_CACHE_CHECK = Feature(
     "get_model_runner().server_args (0.5.21+ reads the model config namespace instead)",
 )
 WEIGHT_CHECKER_TAKES_PS = Feature(
-    "<0.5.21",
+    ">=0.5.16,<0.5.21",
     "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
 )
 SPAWN_RANKS = Feature(">=0.5.22", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")

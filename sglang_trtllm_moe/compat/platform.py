@@ -9,16 +9,17 @@ and that difference lives in `ADAPTERS` (one row per release range):
   `arg_groups.moe_hook.handle_moe_kernel_config`; a choice is declared with `overrides.declare_resolution`; the
   platform is `runtime_context.get_platform()` / `override_platform(**facts)` (each release knows its own fact
   names: 0.5.19-0.5.21 have no `is_sm110`); the answer is `resolved_dict()["moe_runner_backend"]`.
-* 0.5.16 – 0.5.18 ("stash"; 0.5.15 resolves the same way but has no CPU-importable flashinfer, so the plugin's
-  choice cannot be checked there and it gets no row): resolution runs in `ServerArgs.__post_init__`; the step is the method
-  `ServerArgs._handle_moe_kernel_config`, which already reads `overrides.resolved_view`; a choice is declared the
-  way SGLang's own post-process passes declare theirs (`overrides.run_post_process_pass`: the `_resolved_overrides`
-  stash, materialized at the end of `__post_init__`); the platform is the `lru_cache`d `is_sm*_supported` probes,
-  imported by name into many modules — faked by rebinding every loaded reference; the answer is the field.
-* <= 0.5.14: `__post_init__` too, but every rule assigns the fields in place (no declarations, no view), and the
-  model rules overwrite `moe_runner_backend` before `_handle_moe_kernel_config` (so the user's own value would have
-  to be recorded earlier); no adapter: flashinfer (0.6.8-0.6.12) cannot be imported on CPU there, so nothing the
-  plugin would choose can be checked against SGLang's resolution.
+* 0.5.11 – 0.5.18 ("post_init"): resolution runs in `ServerArgs.__post_init__`; the step is the method
+  `ServerArgs._handle_moe_kernel_config` (after the model rules, before SGLang's own quantization rules and asserts);
+  the platform is the `lru_cache`d `is_sm*_supported` probes, imported by name into many modules — faked by
+  rebinding every loaded reference; the answer is the field. How a choice is written differs inside that range:
+  - 0.5.15 – 0.5.18: `_handle_moe_kernel_config` reads `overrides.resolved_view`; a choice is declared the way
+    SGLang's own post-process passes declare theirs (`overrides.run_post_process_pass`: the `_resolved_overrides`
+    stash, materialized at the end of `__post_init__`), and the field keeps the user's own value until then;
+  - 0.5.11 – 0.5.14 (features.SERVER_ARGS_FIELD_WRITES): every rule assigns the fields in place (no declarations,
+    no view), and the model rules overwrite `moe_runner_backend` before `_handle_moe_kernel_config`; the user's own
+    value is recorded on the ServerArgs before them (`REQUESTED_ATTR`, by a BEFORE hook on
+    `_handle_model_specific_adjustments`), and the plugin's choice is assigned to the field as SGLang's rules do.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..selection import DeviceInfo, flashinfer_version
+from . import features
 from .releases import installed_version
+
+#: <= 0.5.14: what the caller asked for, recorded on the ServerArgs before SGLang's model rules overwrite the fields
+REQUESTED_ATTR = "_trtllm_moe_requested"
+#: ... recorded BEFORE this step (the first one that may write moe_runner_backend)
+RECORD_TARGET = "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments"
 
 def _release() -> Version:
     v = installed_version()
@@ -44,7 +51,7 @@ class ReleaseAdapter:
     """Where one release range resolves the MoE runner, and how the plugin's choice goes back into it."""
 
     releases: str
-    #: "pipeline" | "stash" (see the module docstring)
+    #: "pipeline" | "post_init" (see the module docstring)
     kind: str
     #: the resolution step the selection hook runs BEFORE (SGLang's own step then validates our choice)
     hook_target: str
@@ -52,7 +59,7 @@ class ReleaseAdapter:
 
 ADAPTERS: tuple[ReleaseAdapter, ...] = (
     ReleaseAdapter(">=0.5.19", "pipeline", "sglang.srt.arg_groups.moe_hook.handle_moe_kernel_config"),
-    ReleaseAdapter(">=0.5.16,<0.5.19", "stash", "sglang.srt.server_args.ServerArgs._handle_moe_kernel_config"),
+    ReleaseAdapter(">=0.5.11,<0.5.19", "post_init", "sglang.srt.server_args.ServerArgs._handle_moe_kernel_config"),
 )
 
 
@@ -62,8 +69,7 @@ def adapter(release: Version | None = None) -> ReleaseAdapter:
         if release in SpecifierSet(a.releases):
             return a
     raise NotImplementedError(
-        f"sglang {release}: no resolution adapter (auto-select serves {', '.join(a.releases for a in ADAPTERS)}); "
-        "<= 0.5.14 resolves in ServerArgs._handle_model_specific_adjustments by direct field writes"
+        f"sglang {release}: no resolution adapter (auto-select serves {', '.join(a.releases for a in ADAPTERS)})"
     )
 
 
@@ -71,25 +77,35 @@ def adapter(release: Version | None = None) -> ReleaseAdapter:
 
 
 def resolved_view(server_args: Any):
-    """SGLang's read-only view of the half-resolved config (declarations overlaid)."""
+    """SGLang's read-only view of the half-resolved config (declarations overlaid); <= 0.5.14 the fields are it."""
+    if features.SERVER_ARGS_FIELD_WRITES.present():
+        return server_args
     from sglang.srt.arg_groups import overrides
 
     return overrides.resolved_view(server_args)
 
 
 def model_config_of(server_args: Any):
-    from sglang.srt.arg_groups import overrides
+    if not features.SERVER_ARGS_FIELD_WRITES.present():
+        from sglang.srt.arg_groups import overrides
 
-    if hasattr(overrides, "model_config_of"):
-        return overrides.model_config_of(server_args)
+        if hasattr(overrides, "model_config_of"):
+            return overrides.model_config_of(server_args)
     return server_args.get_model_config()
+
+
+def record_requested(server_args: Any) -> None:
+    """<= 0.5.14: keep what the caller asked for before SGLang's model rules assign the fields."""
+    object.__setattr__(server_args, REQUESTED_ATTR, {
+        f: getattr(server_args, f, None) for f in ("moe_runner_backend", "speculative_moe_runner_backend")})
 
 
 def requested_field(server_args: Any, field: str) -> Any:
     """What the caller asked for in `field`, before any resolution rule ran. 0.5.19+: the pipeline's `_raw_input`
-    snapshot (taken before any handler runs; SGLang's own `overrides` reads it the same way). 0.5.16-0.5.18: the
-    field itself — those releases' rules declare into the stash and materialize only at the end of __post_init__."""
-    raw = getattr(server_args, "_raw_input", None) or {}
+    snapshot (taken before any handler runs; SGLang's own `overrides` reads it the same way). 0.5.15-0.5.18: the
+    field itself — those releases' rules declare into the stash and materialize only at the end of __post_init__.
+    <= 0.5.14: the value recorded before the model rules (`record_requested`), else the field."""
+    raw = getattr(server_args, "_raw_input", None) or getattr(server_args, REQUESTED_ATTR, None) or {}
     return raw.get(field, getattr(server_args, field, None))
 
 
@@ -118,6 +134,10 @@ def backend_requested() -> str | None:
 
 def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
     """Write the plugin's choice the way this release's own resolution rules write theirs."""
+    if features.SERVER_ARGS_FIELD_WRITES.present():  # <= 0.5.14: SGLang's own rules assign the fields in place
+        for k, v in fields.items():
+            setattr(server_args, k, v)
+        return
     from sglang.srt.arg_groups import overrides
 
     if adapter().kind == "pipeline":
@@ -150,7 +170,7 @@ def _sm_from_probes() -> int | None:
 
 def device_from_sglang() -> DeviceInfo:
     """The device as SGLang's platform facts describe it (honours `override_platform` / the rebound probes)."""
-    if adapter().kind == "stash":
+    if not features.PLATFORM_OVERRIDE.present():
         return DeviceInfo(sm=_sm_from_probes(), flashinfer_version=flashinfer_version(), source="sglang-probes")
     from sglang.srt.runtime_context import get_platform
 
@@ -177,7 +197,7 @@ def device_from_sglang() -> DeviceInfo:
 
 def resolve_server_args(server_args: Any) -> dict:
     """Run SGLang's own resolution on `server_args` and return the resolved fields."""
-    if adapter().kind == "stash":  # resolved in __post_init__ already; the fields carry the answer
+    if adapter().kind == "post_init":  # resolved in __post_init__ already; the fields carry the answer
         import dataclasses
 
         return {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
@@ -189,5 +209,5 @@ def resolved_moe_runner_backend(server_args: Any) -> str:
     return resolve_server_args(server_args)["moe_runner_backend"]
 
 
-__all__ = ["ADAPTERS", "ReleaseAdapter", "adapter", "backend_requested", "declare_choice", "device_from_sglang", "model_config_of",
+__all__ = ["ADAPTERS", "RECORD_TARGET", "REQUESTED_ATTR", "ReleaseAdapter", "adapter", "backend_requested", "record_requested", "declare_choice", "device_from_sglang", "model_config_of",
            "requested_field", "resolve_server_args", "resolved_moe_runner_backend", "resolved_view"]

@@ -40,6 +40,12 @@ class NvFp4(WeightFormat):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "modelopt_fp4"
 
+    def activation_problem(self, activation: str, gated: bool) -> str | None:
+        if activation == "gelu" and not features.MODELOPT_NVFP4_GELU.present():
+            return (f"{'gated' if gated else 'non-gated'} 'gelu' is not mapped by this SGLang release's ModelOpt NVFP4 "
+                    "MoE method (silu / relu2 only before 0.5.13; it asserts on any other activation)")
+        return super().activation_problem(activation, gated)
+
     def dequantize_param(self, name, weight, scale):
         """Packed e2m1 `[E, M, K/2]` x linear e4m3 `[E, M, K/16]` -> `[E, M, K]` (global scale_2 excluded: it is a
         scalar parameter). Tolerance: the e2m1 grid step above each code's magnitude, times its block scale."""

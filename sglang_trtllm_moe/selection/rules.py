@@ -77,6 +77,15 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def _flashinfer_a2a_has_trtllm() -> bool:
+    """The installed SGLang runs FlashInfer A2A on the TRT-LLM routed runner (any release, when none is installed:
+    the rules then describe the newest)."""
+    from ..compat import features
+    from ..compat.releases import installed_version
+
+    return installed_version() is None or features.FLASHINFER_A2A_TRTLLM_ROUTED.present()
+
+
 def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Eligibility:
     """Can `backend` serve `problem` on `device`, with the plugin's weight preparation? First failing rule wins."""
 
@@ -123,6 +132,10 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
     if p.num_experts % max(1, p.ep_size):
         return no(Code.EXPERT_SPLIT, f"{p.num_experts} experts do not split over EP {p.ep_size}")
 
+    if p.a2a_backend == "flashinfer" and not _flashinfer_a2a_has_trtllm():
+        return no(Code.A2A_UNSUPPORTED,
+                  "this SGLang release runs --moe-a2a-backend flashinfer on flashinfer_cutlass only (its "
+                  "_handle_a2a_moe asserts it; the TRT-LLM routed runner behind FlashInfer A2A arrives in 0.5.15)")
     if p.a2a_backend not in A2A_OK:
         return no(Code.A2A_UNSUPPORTED,
                   f"A2A backend {p.a2a_backend!r} has no fused func for {backend} "

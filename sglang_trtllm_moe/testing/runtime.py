@@ -191,12 +191,13 @@ def weight_checker(model):
     arrived with it), and `_snapshot` takes `param.data.detach().cpu()`: a host copy of GPU weights, but on a CPU
     box the same storage, so the snapshot would follow every later write and no corruption could ever be seen.
     A subclass drops `role` and gives the snapshot its own storage (attributes the plugin's hook set kept); every
-    action still runs SGLang's own code."""
+    action still runs SGLang's own code. Before 0.5.16 the checker is built around the ModelRunner itself
+    (`WeightChecker(model_runner)`, reading `.model` and, for a checksum, the runner's tp/dp/pp ranks and sizes):
+    a shell with exactly those fields, one CPU process."""
     from sglang.srt.utils.weight_checker import WeightChecker
 
-    if not features.WEIGHT_CHECKER_TAKES_PS.present():
+    if not (features.WEIGHT_CHECKER_TAKES_PS.present() or features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present()):
         return WeightChecker(get_model=lambda: model)
-    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
 
     class _RoleAccepted(WeightChecker):
         def handle(self, action, *args, role=None, **kwargs):
@@ -211,6 +212,13 @@ def weight_checker(model):
                 copies[name] = c
             self._snapshot_tensors = copies
             return out
+
+    if features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present():
+        from types import SimpleNamespace
+
+        runner = SimpleNamespace(model=model, tp_rank=0, tp_size=1, dp_rank=None, dp_size=1, pp_rank=0, pp_size=1)
+        return _RoleAccepted(model_runner=runner)
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
 
     return _RoleAccepted(get_model=lambda: model, ps=ParallelState.trivial())
 

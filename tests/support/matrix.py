@@ -65,7 +65,9 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
 @dataclass(frozen=True)
 class Requirement:
     selector: str  # node-id prefix
-    #: PEP 440 specifier on the SGLang release, or "capability:<name>" (the plugin has a target of it here)
+    #: PEP 440 specifier on the SGLang release, "capability:<name>" (the plugin has a target of it here), or
+    #: "flashinfer:<dotted name>" (the flashinfer this env imports has it: an oracle function or API of a newer
+    #: flashinfer than the release pins)
     needs: str
     reason: str
 
@@ -74,45 +76,56 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement("tests/test_mxfp4_experts_layer.py", ">=0.5.12",
                 "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
                 "upstream in 0.5.12"),
+    Requirement("tests/test_checker.py::test_layout_aware_tolerance", ">=0.5.15",
+                "WeightChecker.handle(action, allow_quant_error) (SGLang's tolerance for quantization error) arrives "
+                "upstream in 0.5.15; before, every compare is exact"),
     Requirement("tests/test_rl_updates.py::test_begin_end_session", ">=0.5.21",
                 "WeightUpdater.begin_weight_update/end_weight_update sessions do not exist upstream before 0.5.21"),
     Requirement("tests/test_bf16_layer.py::test_routed_scaling_factor_reaches_the_kernel", ">=0.5.23",
                 "TopKConfig(routing_method_type=...) (the test's logits-path router) exists upstream from 0.5.23"),
     Requirement("tests/test_bf16_layer.py::test_sglang_restore_hooks_are_harmless", ">=0.5.21",
                 "restore_weights_before_loading and begin/end_weight_update sessions arrive upstream in 0.5.21"),
-    Requirement("tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer", ">=0.5.22",
+    Requirement("tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place[relu2",
+                ">=0.5.13", "SGLang's own BF16 trtllm preparation lays out a non-gated w13 with the gated row order "
+                "before 0.5.13 (no is_gated_act_gemm; its BF16 leaf is gated-silu-only on 0.5.11): no upstream oracle "
+                "for non-gated BF16 there (flashinfer's is checked by test_checker's bf16-relu2 case)"),
+    Requirement("tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer", "flashinfer:fused_moe.api.ReLU2",
                 "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
                 "flashinfer 0.6.x this release pins"),
-    Requirement("tests/test_checker.py::test_bf16_prepared_vs_checkpoint", ">=0.5.22",
+    Requirement("tests/test_checker.py::test_bf16_prepared_vs_checkpoint", "flashinfer:fused_moe.api.ReLU2",
                 "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
                 "flashinfer 0.6.x this release pins"),
     Requirement("tests/test_checker.py::test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang[fp8",
-                "capability:fp8-prep", "the plugin's FP8 preparation hooks are declared for >=0.5.19 only; SGLang's own "
-                "FP8 per-tensor path needs sgl_kernel's sgl_per_tensor_quant_fp8 (no CPU build) before 0.5.23"),
-    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare[relu2]", ">=0.5.22",
+                "capability:fp8-prep", "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on "
+                "this release (builtins/fp8_hooks.py releases=)"),
+    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare",
+                "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_per_tensor_weights",
+                "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, is absent from the flashinfer 0.6.14 / "
+                "0.6.15.post1 this release pins (it arrives in 0.6.17)"),
+    Requirement("tests/test_fp8_layer.py::test_block_bytes_equal_flashinfer_prepare",
+                "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_block_weights",
+                "the oracle, flashinfer's prepare_trtllm_fp8_block_weights, is absent from the flashinfer 0.6.14 / "
+                "0.6.15.post1 this release pins (it arrives in 0.6.17)"),
+    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare[relu2]",
+                "flashinfer:fused_moe.api.ReLU2",
                 "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, takes an activation (non-gated "
                 "ReLU2) from flashinfer 0.7; the 0.6.x this release pins prepares gated SwiGLU weights only"),
     Requirement("tests/test_fp8_layer.py", "capability:fp8-prep",
-                "the plugin's FP8 (per-tensor / block) preparation hooks are declared for >=0.5.19 only "
-                "(builtins/fp8_hooks.py releases=); on older releases SGLang prepares FP8 itself"),
+                "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
+                "(builtins/fp8_hooks.py releases=)"),
     Requirement("tests/test_checker.py", "capability:weight-check",
-                "SGLang's weight-checker comparator (utils.weight_checker_comparator, _build_quantized_set) is "
-                "absent upstream before 0.5.16, and the plugin's checker hooks attach to it"),
+                "the plugin's weight-checker hooks are not registered on this release (builtins/checker_hooks.py)"),
     Requirement("tests/test_selection.py::test_activation_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (>=0.5.16, "
-                "compat/platform.py ADAPTERS): <= 0.5.15 has no CPU-importable flashinfer to check a choice against"),
+                "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)"),
     Requirement("tests/test_selection.py::test_a2a_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (>=0.5.16, "
-                "compat/platform.py ADAPTERS); FusedOpPool has ('flashinfer', 'flashinfer_trtllm') only from 0.5.19"),
+                "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)"),
 )
 
 
 #: fixtures that stand for a capability (every test using one needs it)
 FIXTURE_REQUIREMENTS = {
     "sglang_runs": ("capability:auto-select",
-                    "the plugin's auto-select hook (compat/platform.py ADAPTERS: 0.5.16+) is not provided on this "
-                    "release: flashinfer cannot be imported on CPU here (ci/releases.tsv), so no choice can be checked "
-                    "against SGLang's resolution, and <= 0.5.14 resolves by direct field writes"),
+                    "the plugin's auto-select hook is not registered on this release (compat/platform.py ADAPTERS)"),
 }
 
 
@@ -137,9 +150,27 @@ def plugin_capabilities(release: Version) -> set[str]:
     return caps
 
 
+def flashinfer_has(name: str) -> bool:
+    """The flashinfer this env imports defines `flashinfer.<name>` (imported only when a selected test asks)."""
+    if name not in _FLASHINFER_HAS:
+        import pkgutil
+
+        try:
+            pkgutil.resolve_name(f"flashinfer.{name}")
+            _FLASHINFER_HAS[name] = True
+        except Exception:  # noqa: BLE001 - not importable here, or not defined by this flashinfer
+            _FLASHINFER_HAS[name] = False
+    return _FLASHINFER_HAS[name]
+
+
+_FLASHINFER_HAS: dict[str, bool] = {}
+
+
 def unmet(needs: str, release: Version, caps: set[str]) -> bool:
     if needs.startswith("capability:"):
         return needs.split(":", 1)[1] not in caps
+    if needs.startswith("flashinfer:"):
+        return not flashinfer_has(needs.split(":", 1)[1])
     return not SpecifierSet(needs).contains(release, prereleases=True)
 
 
@@ -156,7 +187,8 @@ def flashinfer_missing_reason(release) -> str | None:
     if importlib.util.find_spec("flashinfer") is not None:
         return None
     return (f"sglang {release}: flashinfer (the oracle / SGLang's trtllm prep) cannot be imported on CPU in this env: "
-            "the flashinfer-python this release pins (< 0.6.14) asserts libcudart at import (ci/releases.tsv)")
+            "the flashinfer-python this release pins (< 0.6.14) asserts libcudart at import, and this env lacks the "
+            "oracle flashinfer that ci/make-env adds to such envs (ensure_oracle; ci/releases.tsv)")
 
 
 # ---- pytest plugin ---------------------------------------------------------------------------------------------
@@ -378,7 +410,13 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 
 | what | releases | handled by |
 |---|---|---|
-| flashinfer pin asserts `libcudart` at import (`flashinfer.comm.cuda_ipc`, made lazy in 0.6.14) | 0.5.11-0.5.15 (0.6.8.post1, 0.6.11.post1, 0.6.12) | env without flashinfer; oracle tests skip with that reason |
+| flashinfer pin asserts `libcudart` at import (`flashinfer.comm.cuda_ipc`, made lazy in 0.6.14) | 0.5.11-0.5.15 (0.6.8.post1, 0.6.11.post1, 0.6.12) | env without the pin; the newest flashinfer (the last row's) on the path as an oracle, not the release's pin (`ci/make-env` `ensure_oracle`; docs/TESTING.md says what it changes) |
+| FP8 per-tensor / block on flashinfer_trtllm: SGLang requantizes w1/w3 and replaces the Parameters | 0.5.11-0.5.22 | the plugin prepares in place on every release (`builtins/fp8_hooks.py`); 0.5.18's apply reads `layer._flashinfer_trtllm_gemm1_*` (set like SGLang does) |
+| `Fp8MoEMethod` allocates non-gated w13 with 2I rows | < 0.5.19 | allocated at the kernel's I rows (below) |
+| weight checker: comparator module / module-level `_postprocess_tensors` + `_check_tensors` (bitwise, `.cuda()`); `WeightChecker(model_runner)` | >= 0.5.15 / < 0.5.15; < 0.5.16 | `builtins/checker_hooks.py` targets per range |
+| `--moe-runner-backend` resolution: pipeline / `__post_init__` with the overrides stash / `__post_init__` with in-place field writes (the model rules overwrite the user's value) | >= 0.5.19 / 0.5.15-0.5.18 / < 0.5.15 | `compat/platform.py` (ADAPTERS, SERVER_ARGS_FIELD_WRITES: the requested value recorded before the model rules) |
+| FlashInfer A2A has a TRT-LLM (routed) runner | >= 0.5.15 (before: SGLang asserts flashinfer_cutlass) | selection never picks a TRT-LLM runner under FlashInfer A2A there |
+| ModelOpt NVFP4 maps gelu | >= 0.5.13 (before: SGLang asserts silu / relu2) | selection refuses gelu there |
 | per-tensor w13 scales (`weight_scale_2`) stored [Up, Gate] by the trtllm loader's w1/w3 swap, read as [Gate, Up] by SGLang's own prep (gate/up alphas swapped when they differ) | 0.5.11-0.5.22 | `formats/nvfp4.w13_scales_up_first` reads them as stored |
 | `MoeRunnerConfig.layer` absent | < 0.5.16 | `FusedMoE.__init__` AFTER hook sets it |
 | `w13/w2_blockscale_swizzled` are registered Parameters (placeholders) on the trtllm path | 0.5.11-0.5.12 (None from 0.5.13) | kept, so every registered parameter stays the same object |
@@ -447,6 +485,9 @@ names, shapes and dtypes, except:
 | gpt-oss MXFP4 biases and scales (`flashinfer_mxfp4`, SM100) | bf16 biases widened to fp32 and scales rebound to `float8_e4m3fn` in new Parameters at prep (its reload then raises TypeError, or value-converts every scale byte) | fp32 biases from create_weights on, uint8 scale Parameters kept (the kernel gets an e4m3 view of the same storage) | storage and loaders stable across updates; an fp32 bias from a trainer is kept exactly (SGLang rounds it to bf16) |
 | gpt-oss `gemm1_alpha/beta/clamp_limit` | sized by the global expert count <= 0.5.16 | sized by the local expert count on every release | EP > 1 (the kernel indexes local experts) |
 | MXFP4-expert output scales, MXFP8 SwiGLU tensors | re-registered (new storage) at every prep | made once, updated in place | storage stable for CUDA graphs |
+| `Fp8MoEMethod` non-gated (relu2) per-tensor w13 on flashinfer_trtllm, < 0.5.19 | allocated [E, 2I, H] (`is_concat=True`): the kernel reads an uninitialised second half | re-allocated [E, I, H] right after `create_weights`, same attributes (weight_loader, ...), before anything is loaded | the kernel's shape (0.5.19+ SGLang allocates it so itself); SGLang's own path there is broken, so nothing depends on 2I |
+| ModelOpt NVFP4 on a global `auto` (Blackwell), 0.5.16+ | `create_moe_runner` runs flashinfer_trtllm while the weights are laid out for CUTLASS (0.5.16-0.5.20 NotImplementedError, 0.5.21+ AttributeError `g1_scale_c` at the first forward) | right after `create_moe_runner`, the method's `enable_flashinfer_trtllm_moe` / `use_flashinfer_trtllm_weight_layout` and the layer's `use_flashinfer_trtllm_moe` follow the runner SGLang resolved; an intermediate size not allocated for that kernel is a `TrtllmLayerError` at construction | lay out for the runner that actually runs; SGLang's choice is read, not repeated |
+| weight checker, 0.5.11 - 0.5.14 | compares every tensor bitwise (max/mean error only); 0.5.11 asserts on float32 FP8 block scales | plugin-laid-out weights compared by the plugin (raw or layout-aware, expert/row/col); SGLang-prepared FP8 block layers on 0.5.11 dequantized as 0.5.12 does; NVFP4 placeholders (0.5.11-0.5.12) reported, not compared; everything else is SGLang's own compare | a laid-out layer must compare correctly, and a mismatch must say where |
 """
 
 
