@@ -63,8 +63,14 @@ def timed(fn, nb, copy_bw, repeats=5):
     """Both views of one operation on nb bytes: wall (launch included) and GPU time (launch hidden)."""
     s = cuda_time(fn, repeats=repeats)
     g = cuda_time(fn, repeats=repeats, hide_launch=True)
-    return dict(s=s, gbps=2 * nb / s / 1e9, fraction_of_copy=2 * nb / s / 1e9 / copy_bw,
-                gpu_s=g, gpu_gbps=2 * nb / g / 1e9, gpu_fraction_of_copy=2 * nb / g / 1e9 / copy_bw)
+    return dict(
+        s=s,
+        gbps=2 * nb / s / 1e9,
+        fraction_of_copy=2 * nb / s / 1e9 / copy_bw,
+        gpu_s=g,
+        gpu_gbps=2 * nb / g / 1e9,
+        gpu_fraction_of_copy=2 * nb / g / 1e9 / copy_bw,
+    )
 
 
 def nvfp4_layer(e, h, i, device, gated=True, seed=0):
@@ -77,7 +83,8 @@ def nvfp4_layer(e, h, i, device, gated=True, seed=0):
 
     return SimpleNamespace(
         moe_runner_config=SimpleNamespace(is_gated=gated, activation="silu"),
-        w13_weight=rnd((e, m13, h // 2)), w2_weight=rnd((e, h, i // 2)),
+        w13_weight=rnd((e, m13, h // 2)),
+        w2_weight=rnd((e, h, i // 2)),
         w13_weight_scale=rnd((e, m13, h // 16), 0x7F).view(torch.float8_e4m3fn),
         w2_weight_scale=rnd((e, h, i // 16), 0x7F).view(torch.float8_e4m3fn),
     )
@@ -165,16 +172,22 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--variants", action="store_true",
-                   help="also time the kernels' tile variants (each row: the defaults updated with its config)")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="also time the kernels' tile variants (each row: the defaults updated with its config)",
+    )
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (use few --experts)")
     a = p.parse_args()
     dev = torch.device(a.device)
     fastmod = layouts._triton_layouts()
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "code_commit": os.environ.get("CODE_COMMIT"),
-           "triton": getattr(__import__("triton"), "__version__", None) if fastmod is not None else None,
-           "fast_path_config": dict(fastmod.CONFIG) if fastmod is not None else None}
+    res = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "code_commit": os.environ.get("CODE_COMMIT"),
+        "triton": getattr(__import__("triton"), "__version__", None) if fastmod is not None else None,
+        "fast_path_config": dict(fastmod.CONFIG) if fastmod is not None else None,
+    }
 
     x = torch.empty(4 * 2**30 if dev.type == "cuda" else 2**28, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
@@ -204,11 +217,14 @@ def main():
     with_path(False, lambda: unprep(layer, allx))
     del fast_bytes
     res["whole_layer_checks"] = dict(
-        fast_equals_reference_bytes=same, fast_round_trip_restores_checkpoint=round_trip,
-        data_ptr_unchanged=all(getattr(layer, n).data_ptr() == ptrs[n] for n in NAMES))
+        fast_equals_reference_bytes=same,
+        fast_round_trip_restores_checkpoint=round_trip,
+        data_ptr_unchanged=all(getattr(layer, n).data_ptr() == ptrs[n] for n in NAMES),
+    )
 
     layer_rows = {}
     for fast, label in ((True, "fast"), (False, "reference")):
+
         def one():
             prep(layer, allx)
 
@@ -219,10 +235,18 @@ def main():
         comps = {}
         for n in NAMES:
             nb = nbytes(getattr(layer, n))
-            comps[n] = dict(bytes=nb, prep=with_path(fast, lambda: timed(param_fn(layer, n), nb, copy_bw)),
-                            unprep=with_path(fast, lambda: timed(param_fn(layer, n, inverse=True), nb, copy_bw)))
-        layer_rows[label] = dict(prep=prep_row, unprep=unprep_row, peak_extra_bytes=peak,
-                                 peak_extra_fraction_of_layer=peak / total, components=comps)
+            comps[n] = dict(
+                bytes=nb,
+                prep=with_path(fast, lambda: timed(param_fn(layer, n), nb, copy_bw)),
+                unprep=with_path(fast, lambda: timed(param_fn(layer, n, inverse=True), nb, copy_bw)),
+            )
+        layer_rows[label] = dict(
+            prep=prep_row,
+            unprep=unprep_row,
+            peak_extra_bytes=peak,
+            peak_extra_fraction_of_layer=peak / total,
+            components=comps,
+        )
     res["deepseek_layer"] = dict(experts=e, bytes=total, **layer_rows)
 
     # same-run comparisons: one out-of-place batched gather of w13, SGLang's per-expert loop (out of place)
@@ -230,8 +254,11 @@ def main():
     r13 = layouts.w13_row_map(w13.shape[1], True, device=dev)
     flat_idx = (r13.unsqueeze(0) + torch.arange(0, e * w13.shape[1], w13.shape[1], device=dev).unsqueeze(1)).reshape(-1)
     out = torch.empty_like(w13)
-    oop = timed(lambda: torch.index_select(w13.view(-1, w13.shape[2]), 0, flat_idx, out=out.view(-1, w13.shape[2])),
-                nbytes(w13), copy_bw)
+    oop = timed(
+        lambda: torch.index_select(w13.view(-1, w13.shape[2]), 0, flat_idx, out=out.view(-1, w13.shape[2])),
+        nbytes(w13),
+        copy_bw,
+    )
     t_oop = oop["s"]
     del out, flat_idx
     loop, loop_w13, outs = per_expert_loop(layer)
@@ -250,7 +277,8 @@ def main():
     # the per-expert loop's bytes equal ours (it is out of place; ours in place)
     with_path(True, lambda: prep(layer, allx))
     res["whole_layer_checks"]["fast_equals_per_expert_loop_bytes"] = all(
-        torch.equal(u8(getattr(layer, n)), o) for n, o in zip(NAMES, outs))
+        torch.equal(u8(getattr(layer, n)), o) for n, o in zip(NAMES, outs)
+    )
     with_path(True, lambda: unprep(layer, allx))
     del outs, loop, loop_w13
 
@@ -264,7 +292,7 @@ def main():
 
         def write():  # what the loader does for these experts: copy their new bytes in
             for n in NAMES:
-                u8(getattr(layer, n))[lo:lo + k].copy_(new[n][lo:lo + k])
+                u8(getattr(layer, n))[lo : lo + k].copy_(new[n][lo : lo + k])
 
         def update():
             unprep(layer, ids)
@@ -273,9 +301,12 @@ def main():
 
         row = {}
         for fast, label in ((True, "fast"), (False, "reference")):
-            row[label] = dict(update_s=with_path(fast, lambda: cuda_time(update, repeats=5)),
-                              layout_only_s=with_path(fast, lambda: cuda_time(lambda: (unprep(layer, ids),
-                                                                                       prep(layer, ids)), repeats=5)))
+            row[label] = dict(
+                update_s=with_path(fast, lambda: cuda_time(update, repeats=5)),
+                layout_only_s=with_path(
+                    fast, lambda: cuda_time(lambda: (unprep(layer, ids), prep(layer, ids)), repeats=5)
+                ),
+            )
             row[label]["update_gpu_s"] = with_path(fast, lambda: cuda_time(update, repeats=5, hide_launch=True))
         row["write_only_s"] = cuda_time(write, repeats=5)
         upd[f"{k}_experts"] = row
@@ -353,19 +384,27 @@ def summary(res):
     print(f"\ncopy {c:.0f} GB/s")
     for label in ("fast", "reference"):
         r = L_[label]
-        print(f"{label:9s} layer prep {r['prep']['s'] * 1e3:.2f} ms {100 * r['prep']['fraction_of_copy']:.0f}% "
-              f"(gpu {r['prep']['gpu_s'] * 1e3:.2f} ms {100 * r['prep']['gpu_fraction_of_copy']:.0f}%) "
-              f"unprep {r['unprep']['s'] * 1e3:.2f} ms peak {r['peak_extra_bytes'] / 2**20:.0f} MiB | " + " ".join(
-                  f"{n} {v['prep']['s'] * 1e3:.3f}ms {100 * v['prep']['fraction_of_copy']:.0f}% "
-                  f"(gpu {v['prep']['gpu_s'] * 1e3:.3f} {100 * v['prep']['gpu_fraction_of_copy']:.0f}%)"
-                  for n, v in r["components"].items()))
+        print(
+            f"{label:9s} layer prep {r['prep']['s'] * 1e3:.2f} ms {100 * r['prep']['fraction_of_copy']:.0f}% "
+            f"(gpu {r['prep']['gpu_s'] * 1e3:.2f} ms {100 * r['prep']['gpu_fraction_of_copy']:.0f}%) "
+            f"unprep {r['unprep']['s'] * 1e3:.2f} ms peak {r['peak_extra_bytes'] / 2**20:.0f} MiB | "
+            + " ".join(
+                f"{n} {v['prep']['s'] * 1e3:.3f}ms {100 * v['prep']['fraction_of_copy']:.0f}% "
+                f"(gpu {v['prep']['gpu_s'] * 1e3:.3f} {100 * v['prep']['gpu_fraction_of_copy']:.0f}%)"
+                for n, v in r["components"].items()
+            )
+        )
     s = res["same_run_references"]
-    print(f"per-expert loop {s['per_expert_loop_whole_layer']['s'] * 1e3:.2f} ms, speedup {s['fast_speedup_vs_per_expert_loop']:.1f}x; "
-          f"oop w13 gather {s['w13_out_of_place_batched_gather']['s'] * 1e3:.2f} ms")
+    print(
+        f"per-expert loop {s['per_expert_loop_whole_layer']['s'] * 1e3:.2f} ms, speedup {s['fast_speedup_vs_per_expert_loop']:.1f}x; "
+        f"oop w13 gather {s['w13_out_of_place_batched_gather']['s'] * 1e3:.2f} ms"
+    )
     for k, v in res["rl_update"].items():
-        print(f"update {k}: fast {v['fast']['update_s'] * 1e3:.3f} ms (layout {v['fast']['layout_only_s'] * 1e3:.3f}, "
-              f"gpu {v['fast']['update_gpu_s'] * 1e3:.3f}) "
-              f"ref {v['reference']['update_s'] * 1e3:.3f} ms write {v['write_only_s'] * 1e3:.3f} ms")
+        print(
+            f"update {k}: fast {v['fast']['update_s'] * 1e3:.3f} ms (layout {v['fast']['layout_only_s'] * 1e3:.3f}, "
+            f"gpu {v['fast']['update_gpu_s'] * 1e3:.3f}) "
+            f"ref {v['reference']['update_s'] * 1e3:.3f} ms write {v['write_only_s'] * 1e3:.3f} ms"
+        )
     print("checks", res["whole_layer_checks"], res["cuda_equals_cpu_bytes_and_in_place"])
 
 

@@ -12,10 +12,9 @@ and saves/restores the memory it writes). DRAM bytes read / written show whether
 import argparse
 
 import torch
+from h200_layouts import NAMES, nvfp4_layer, param_fn  # noqa: E402
 
 from sglang_trtllm_moe import layouts
-
-from h200_layouts import NAMES, nvfp4_layer, param_fn  # noqa: E402
 
 
 def main():

@@ -52,8 +52,9 @@ def _sglang_interleave_on_any_device():
 
     missing = object()
     saved = flashinfer.__dict__.get("nvfp4_block_scale_interleave", missing)
-    flashinfer.nvfp4_block_scale_interleave = (
-        lambda sf: swizzle_blockscale(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+    flashinfer.nvfp4_block_scale_interleave = lambda sf: (
+        swizzle_blockscale(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1)
+    )
     try:
         yield
     finally:
@@ -87,8 +88,9 @@ def _layer_name(e: int, h: int, i: int) -> str:
     return f"nvfp4 layer, {e} experts (H {h}, I {i}, gated)"
 
 
-def bench_nvfp4_layer_prep(num_experts: int = 32, hidden: int = 7168, intermediate: int = 2048,
-                           device: str = "cpu", repeats: int = 3) -> list[dict]:
+def bench_nvfp4_layer_prep(
+    num_experts: int = 32, hidden: int = 7168, intermediate: int = 2048, device: str = "cpu", repeats: int = 3
+) -> list[dict]:
     """Best-of-`repeats` wall time of both preparations of one gated NVFP4 MoE layer.
 
     Row keys: name, plugin_s, upstream_s, ratio (upstream/plugin), bytes (all four tensors), peak_extra_bytes
@@ -134,22 +136,26 @@ def bench_nvfp4_layer_prep(num_experts: int = 32, hidden: int = 7168, intermedia
             ours_extra = L.scratch_peak_bytes()
 
     w13, w2, s13, s2 = work
-    same = all(torch.equal(a.view(torch.uint8), b.reshape(a.shape).view(torch.uint8))
-               for a, b in zip((w13, s13, w2, s2), up_out))
-    return [{
-        "name": _layer_name(num_experts, hidden, intermediate),
-        "device": str(dev),
-        "threads": torch.get_num_threads(),
-        "plugin_s": ours_best,
-        "upstream_s": up_best,
-        "ratio": up_best / ours_best,
-        "bytes": total_bytes,
-        "peak_extra_bytes": int(ours_extra),
-        "upstream_extra_bytes": int(up_extra),
-        "plugin_gbps": 2 * total_bytes / ours_best / 1e9,
-        "upstream_gbps": 2 * total_bytes / up_best / 1e9,
-        "same_bytes": bool(same),
-    }]
+    same = all(
+        torch.equal(a.view(torch.uint8), b.reshape(a.shape).view(torch.uint8))
+        for a, b in zip((w13, s13, w2, s2), up_out)
+    )
+    return [
+        {
+            "name": _layer_name(num_experts, hidden, intermediate),
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            "plugin_s": ours_best,
+            "upstream_s": up_best,
+            "ratio": up_best / ours_best,
+            "bytes": total_bytes,
+            "peak_extra_bytes": int(ours_extra),
+            "upstream_extra_bytes": int(up_extra),
+            "plugin_gbps": 2 * total_bytes / ours_best / 1e9,
+            "upstream_gbps": 2 * total_bytes / up_best / 1e9,
+            "same_bytes": bool(same),
+        }
+    ]
 
 
 def main(argv=None) -> int:
@@ -165,10 +171,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     for row in bench_nvfp4_layer_prep(a.experts, a.hidden, a.intermediate, a.device, a.repeats):
         print(f"{row['name']} on {row['device']} ({row['threads']} threads)")
-        print(f"  plugin   {row['plugin_s']:.3f} s  {row['plugin_gbps']:.2f} GB/s  "
-              f"extra {row['peak_extra_bytes'] / 2**20:.1f} MiB")
-        print(f"  upstream {row['upstream_s']:.3f} s  {row['upstream_gbps']:.2f} GB/s  "
-              f"extra {row['upstream_extra_bytes'] / 2**20:.1f} MiB")
+        print(
+            f"  plugin   {row['plugin_s']:.3f} s  {row['plugin_gbps']:.2f} GB/s  "
+            f"extra {row['peak_extra_bytes'] / 2**20:.1f} MiB"
+        )
+        print(
+            f"  upstream {row['upstream_s']:.3f} s  {row['upstream_gbps']:.2f} GB/s  "
+            f"extra {row['upstream_extra_bytes'] / 2**20:.1f} MiB"
+        )
         print(f"  ratio {row['ratio']:.1f}x, {row['bytes'] / 2**30:.2f} GiB, same bytes: {row['same_bytes']}")
     return 0
 

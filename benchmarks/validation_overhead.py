@@ -35,8 +35,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     sglang_runtime.ensure("flashinfer_trtllm")
-    spec = cpu_layers.MoeSpec(num_experts=args.experts, hidden=args.hidden, intermediate=args.intermediate,
-                              fmt=args.fmt)
+    spec = cpu_layers.MoeSpec(
+        num_experts=args.experts, hidden=args.hidden, intermediate=args.intermediate, fmt=args.fmt
+    )
     tensors = bad_updates.checkpoint(spec, seed=0)
     layer = cpu_layers.build_layer(spec)
     writes = bad_updates.writes(spec, tensors)
@@ -83,21 +84,31 @@ def main(argv=None) -> int:
     torch.nn.Module.__init__(model)
     model.experts = layer
     named = list(cpu_layers.checkpoint_names(tensors).items())
+
     def bucket_check():
         t = time.perf_counter()
         validation.check_bucket(model, named)
         return time.perf_counter() - t
 
     bucket = best(bucket_check)
-    print(json.dumps({
-        "fmt": args.fmt, "experts": args.experts, "hidden": args.hidden, "intermediate": args.intermediate,
-        "torch_threads": args.threads, "loader_calls": len(writes),
-        "checkpoint_MiB": round(sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20, 1),
-        "full_load_s_with_validation": round(with_validation, 4), "full_load_s_without": round(without, 4),
-        "overhead_pct": round(100 * (with_validation - without) / without, 1),
-        "check_write_us_per_call": round(1e6 * checks / len(writes), 1),
-        "check_bucket_s": round(bucket, 4),
-    }))
+    print(
+        json.dumps(
+            {
+                "fmt": args.fmt,
+                "experts": args.experts,
+                "hidden": args.hidden,
+                "intermediate": args.intermediate,
+                "torch_threads": args.threads,
+                "loader_calls": len(writes),
+                "checkpoint_MiB": round(sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20, 1),
+                "full_load_s_with_validation": round(with_validation, 4),
+                "full_load_s_without": round(without, 4),
+                "overhead_pct": round(100 * (with_validation - without) / without, 1),
+                "check_write_us_per_call": round(1e6 * checks / len(writes), 1),
+                "check_bucket_s": round(bucket, 4),
+            }
+        )
+    )
     return 0
 
 

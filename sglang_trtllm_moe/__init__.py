@@ -15,5 +15,12 @@ PROJECT_NAME = "sglang_trtllm_moe"
 #: Marker for implementations of the plugin's own hook specifications (see `hookspecs`).
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-__all__ = ["__version__", "PROJECT_NAME", "hookimpl", "TrtllmLayerError", "WeightUpdateRefused", "WeightPrepError",
-           "KernelUnavailableError"]
+__all__ = [
+    "__version__",
+    "PROJECT_NAME",
+    "hookimpl",
+    "TrtllmLayerError",
+    "WeightUpdateRefused",
+    "WeightPrepError",
+    "KernelUnavailableError",
+]

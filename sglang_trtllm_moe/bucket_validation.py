@@ -13,7 +13,16 @@ import torch
 
 from .errors import WeightUpdateRefused
 from .layer_state import layer_name, state_of
-from .validation import PROJECTIONS, Refusal, check_tensor, check_write, format_of, managed_names, param_name, param_view
+from .validation import (
+    PROJECTIONS,
+    Refusal,
+    check_tensor,
+    check_write,
+    format_of,
+    managed_names,
+    param_name,
+    param_view,
+)
 
 
 class BucketRefused(WeightUpdateRefused):
@@ -76,8 +85,14 @@ def _check_full(layer, fmt, pname, param, tensor, name) -> None:
     check_tensor(layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole)
 
 
-def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), headers: bool = False,
-                 what: str = "weight-update bucket") -> list:
+def check_bucket(
+    model,
+    named_tensors,
+    direct: bool = False,
+    skip=frozenset(),
+    headers: bool = False,
+    what: str = "weight-update bucket",
+) -> list:
     """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
     one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
     below a managed layer that no parameter of it takes are refused too; other names are left to SGLang.
@@ -104,16 +119,20 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), h
             param = layer._parameters.get(pname)
             if param is None:
                 if direct:
-                    problems.append(f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
-                                    f"(its checkpoint parameters: {managed_names(layer, fmt)})")
+                    problems.append(
+                        f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
+                        f"(its checkpoint parameters: {managed_names(layer, fmt)})"
+                    )
                 continue
             own = param_name(layer, param, fmt)
             if fmt.load_rule(own) is None:
                 continue  # a parameter the format does not load (kernel scalars): SGLang's behaviour
             if not direct:
-                problems.append(f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
-                                f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
-                                f"through load_format='direct'")
+                problems.append(
+                    f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
+                    f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
+                    f"through load_format='direct'"
+                )
                 continue
             try:
                 _check_full(layer, fmt, own, param, tensor, name)
@@ -127,15 +146,17 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), h
         layer = _layer_at(layers, head[0]) if len(head) == 4 else None
         if layer is None:
             continue
-        hit = _resolve(layer, name[len(head[0]) + 1:])
+        hit = _resolve(layer, name[len(head[0]) + 1 :])
         if hit is None:
             continue
         pname, shard, expert = hit
         fmt = format_of(layer)
         param = layer._parameters.get(pname)
         if param is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
-            problems.append(f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
-                            f"(its checkpoint parameters: {managed_names(layer, fmt)})")
+            problems.append(
+                f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
+                f"(its checkpoint parameters: {managed_names(layer, fmt)})"
+            )
             continue
         if not isinstance(tensor, torch.Tensor):
             continue  # unwrapped later by SGLang; the per-shard check applies
@@ -147,5 +168,8 @@ def check_bucket(model, named_tensors, direct: bool = False, skip=frozenset(), h
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise BucketRefused(
             f"refused the whole {what} ({len(named_tensors)} tensors, {len(problems)} refused): "
-            + " | ".join(problems[:3]) + more + "; nothing of it was written")
+            + " | ".join(problems[:3])
+            + more
+            + "; nothing of it was written"
+        )
     return writes

@@ -111,8 +111,9 @@ def live_side(layer, name: str) -> ParamSide:
         return ParamSide(layer, st.fmt, name, tensors, st.prepared[st.fmt.group_of(name)].clone())
 
 
-def snapshot_side(layer, name: str, tensors: dict[str, torch.Tensor], prepared: torch.Tensor | None = None,
-                  checkpoint: bool = False) -> ParamSide:
+def snapshot_side(
+    layer, name: str, tensors: dict[str, torch.Tensor], prepared: torch.Tensor | None = None, checkpoint: bool = False
+) -> ParamSide:
     """Other tensors of the same layer (a snapshot, or checkpoint-layout tensors with `checkpoint=True`)."""
     live = live_side(layer, name)
     missing = [n for n in live.tensors if n not in tensors]
@@ -122,8 +123,13 @@ def snapshot_side(layer, name: str, tensors: dict[str, torch.Tensor], prepared: 
         prepared = torch.zeros_like(live.prepared)
     elif prepared is None:
         prepared = live.prepared
-    return ParamSide(layer, live.fmt, name, {n: _as_laid_out(live.fmt, n, tensors[n]) for n in live.tensors},
-                     prepared.clone().bool().cpu())
+    return ParamSide(
+        layer,
+        live.fmt,
+        name,
+        {n: _as_laid_out(live.fmt, n, tensors[n]) for n in live.tensors},
+        prepared.clone().bool().cpu(),
+    )
 
 
 class _Shadow:
@@ -221,14 +227,17 @@ class Report:
             + ("" if m.exceeds or self.mode == "raw" else " (within tolerance)")
             for m in self.first
         )
-        return (f"{self.name}: {self.num_mismatch} of {self.numel} elements differ ({self.mode} compare, "
-                f"{self.num_exceed} beyond tolerance) in experts {self.experts}; first, in checkpoint layout: {where}")
+        return (
+            f"{self.name}: {self.num_mismatch} of {self.numel} elements differ ({self.mode} compare, "
+            f"{self.num_exceed} beyond tolerance) in experts {self.experts}; first, in checkpoint layout: {where}"
+        )
 
     __str__ = summary
 
 
-def _note(report: Report, param: str, s: int, diff: torch.Tensor, exceed: torch.Tensor, a: torch.Tensor,
-          b: torch.Tensor) -> None:
+def _note(
+    report: Report, param: str, s: int, diff: torch.Tensor, exceed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> None:
     """Count and locate the differing elements of one chunk (diff/exceed are bool [k, M, K])."""
     n = int(diff.sum())
     if not n:
@@ -243,8 +252,9 @@ def _note(report: Report, param: str, s: int, diff: torch.Tensor, exceed: torch.
     room = MAX_REPORTED - len(report.first)
     if room > 0:
         for e, r, c in diff.nonzero()[:room].tolist():
-            report.first.append(Mismatch(param, s + e, r, c, b[e, r, c].item(), a[e, r, c].item(),
-                                         bool(exceed[e, r, c])))
+            report.first.append(
+                Mismatch(param, s + e, r, c, b[e, r, c].item(), a[e, r, c].item(), bool(exceed[e, r, c]))
+            )
 
 
 def _check_pair(expect: ParamSide, actual: ParamSide, raw: bool) -> None:
@@ -277,8 +287,15 @@ def compare_raw(expect: ParamSide, actual: ParamSide, label: str | None = None) 
             err = (a[n].float() - b[n].float()).abs()[diff]
             rep.max_abs_err = max(rep.max_abs_err, float(err.nan_to_num(nan=float("inf")).max()))
             rep.sum_abs_err += float(err.nan_to_num(nan=0.0).sum())
-            _note(rep, n, s, diff, diff, ia.long() & (256 ** a[n].element_size() - 1),
-                  ib.long() & (256 ** b[n].element_size() - 1))
+            _note(
+                rep,
+                n,
+                s,
+                diff,
+                diff,
+                ia.long() & (256 ** a[n].element_size() - 1),
+                ib.long() & (256 ** b[n].element_size() - 1),
+            )
     return rep
 
 
@@ -320,7 +337,8 @@ def compare(expect: ParamSide, actual: ParamSide, mode: str | None = None, label
     mode = mode or check_mode()
     if mode == "auto":
         same = torch.equal(expect.prepared.cpu(), actual.prepared.cpu()) and all(
-            expect.tensors[n].dtype == actual.tensors[n].dtype for n in actual.tensors)
+            expect.tensors[n].dtype == actual.tensors[n].dtype for n in actual.tensors
+        )
         mode = "raw" if same else "layout"
     if mode == "raw":
         return compare_raw(expect, actual, label)
@@ -354,8 +372,10 @@ class TrtllmMoeComparable:
 
     def __repr__(self) -> str:
         s = self.side
-        head = (f"trtllm_moe_{s.fmt.name}({'+'.join(s.compared)} shape={tuple(s.tensors[s.name].shape)} "
-                f"prepared={int(s.prepared.sum())}/{s.num_experts})")
+        head = (
+            f"trtllm_moe_{s.fmt.name}({'+'.join(s.compared)} shape={tuple(s.tensors[s.name].shape)} "
+            f"prepared={int(s.prepared.sum())}/{s.num_experts})"
+        )
         return head if self.report is None or self.report.equal else f"{head} {self.report.summary()}"
 
 
@@ -367,7 +387,19 @@ def compare_comparables(expect: TrtllmMoeComparable, actual: TrtllmMoeComparable
 
 
 __all__ = [
-    "ENV_MODE", "MODES", "check_mode", "ParamSide", "live_side", "snapshot_side", "group_names", "Mismatch",
-    "Report", "compare_raw", "compare_layout", "compare", "iter_dequantized", "TrtllmMoeComparable",
+    "ENV_MODE",
+    "MODES",
+    "check_mode",
+    "ParamSide",
+    "live_side",
+    "snapshot_side",
+    "group_names",
+    "Mismatch",
+    "Report",
+    "compare_raw",
+    "compare_layout",
+    "compare",
+    "iter_dequantized",
+    "TrtllmMoeComparable",
     "compare_comparables",
 ]

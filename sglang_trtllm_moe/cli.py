@@ -18,11 +18,19 @@ def _cmd_doctor(args) -> int:
 
 def _cmd_explain(args) -> int:
     from .explain import explain_model
-    from .selection import format_report, Resolution, Eligibility
+    from .selection import Eligibility, Resolution, format_report
 
-    r = explain_model(args.model, sm=args.sm, tp_size=args.tp, ep_size=args.ep, quantization=args.quantization,
-                      a2a_backend=args.a2a, enable_eplb=args.eplb, moe_runner_backend=args.moe_runner_backend,
-                      run_sglang=not args.no_sglang)
+    r = explain_model(
+        args.model,
+        sm=args.sm,
+        tp_size=args.tp,
+        ep_size=args.ep,
+        quantization=args.quantization,
+        a2a_backend=args.a2a,
+        enable_eplb=args.eplb,
+        moe_runner_backend=args.moe_runner_backend,
+        run_sglang=not args.no_sglang,
+    )
     if args.json:
         print(json.dumps(r, indent=2, default=str))
         return 0
@@ -32,9 +40,11 @@ def _cmd_explain(args) -> int:
         cands = [Eligibility(**c) for c in r["candidates"]]
         res = Resolution(r["winner"], cands, r["fingerprint"], r["code"], r["reason"], r["requested"], r["upstream"])
         p = r["problem"]
-        print(f"model: {p['architecture']} {p['quantization'] or 'bf16'} H {p['hidden_size']} I {p['intermediate_size']} "
-              f"experts {p['num_experts']} top-k {p['top_k']} {'gated' if p['gated'] else 'non-gated'} {p['activation']}, "
-              f"tp {p['tp_size']} ep {p['ep_size']} a2a {p['a2a_backend']}")
+        print(
+            f"model: {p['architecture']} {p['quantization'] or 'bf16'} H {p['hidden_size']} I {p['intermediate_size']} "
+            f"experts {p['num_experts']} top-k {p['top_k']} {'gated' if p['gated'] else 'non-gated'} {p['activation']}, "
+            f"tp {p['tp_size']} ep {p['ep_size']} a2a {p['a2a_backend']}"
+        )
         print(format_report(res))
         prep = r.get("plugin_prepares") or {}
         if prep:
@@ -43,8 +53,10 @@ def _cmd_explain(args) -> int:
     if "error" in sg:
         print(f"SGLang resolution not run: {sg['error']}")
     elif sg:
-        print(f"SGLang resolution (device=cpu, platform faked): upstream alone -> {sg.get('upstream_alone')}, "
-              f"with the plugin ({sg.get('plugin_status')}) -> {sg.get('with_plugin')}")
+        print(
+            f"SGLang resolution (device=cpu, platform faked): upstream alone -> {sg.get('upstream_alone')}, "
+            f"with the plugin ({sg.get('plugin_status')}) -> {sg.get('with_plugin')}"
+        )
         for k in ("upstream_alone_error", "with_plugin_error"):
             if k in sg:
                 print(f"  {k}: {sg[k]}")
@@ -75,10 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="versions, device, plugin state, and whether every hook landed in SGLang")
     d.add_argument("--json", action="store_true", help="machine-readable output (stable keys, see doctor.py)")
     d.set_defaults(func=_cmd_doctor)
-    e = sub.add_parser("explain", help="which MoE runner backend a model gets on SM100, and why every other one was not")
+    e = sub.add_parser(
+        "explain", help="which MoE runner backend a model gets on SM100, and why every other one was not"
+    )
     e.add_argument("--model", required=True, help="model directory (only config.json is read)")
-    e.add_argument("--sm", type=int, default=None, help="compute capability as SM number (100, 103, 120, 90); "
-                                                        "default: this machine's GPU")
+    e.add_argument(
+        "--sm",
+        type=int,
+        default=None,
+        help="compute capability as SM number (100, 103, 120, 90); default: this machine's GPU",
+    )
     e.add_argument("--tp", type=int, default=1)
     e.add_argument("--ep", type=int, default=1)
     e.add_argument("--quantization", default=None, help="as --quantization (default: from config.json)")
@@ -88,19 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
     e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")
     e.set_defaults(func=_cmd_explain)
-    m = sub.add_parser("demo", help="the whole-model RL loop on sglang.Engine(device=\"cpu\"), on this CPU "
-                                    "(a few minutes)")
+    m = sub.add_parser(
+        "demo", help='the whole-model RL loop on sglang.Engine(device="cpu"), on this CPU (a few minutes)'
+    )
     m.add_argument("--arch", default="qwen3_moe", help="qwen3_moe | nemotron_h | deepseek_v3 (tiny NVFP4 model)")
     m.add_argument("--quant", default="nvfp4", help=argparse.SUPPRESS)
     m.set_defaults(func=_cmd_demo)
-    b = sub.add_parser("bench", help="prep and RL-update time vs SGLang's own code in the same run; load_plugins() cost")
+    b = sub.add_parser(
+        "bench", help="prep and RL-update time vs SGLang's own code in the same run; load_plugins() cost"
+    )
     b.add_argument("--json", action="store_true", help="a list of rows with name, plugin_s, upstream_s, ratio, ...")
     b.add_argument("--experts", type=int, default=32, help="experts per layer (scaled down from the real model)")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     b.set_defaults(func=_cmd_bench)
-    t = sub.add_parser("tiny-checkpoint", help="write a tiny random, calibrated checkpoint of an SGLang MoE model "
-                                               "(config.json, safetensors, quant config, tokenizer)")
+    t = sub.add_parser(
+        "tiny-checkpoint",
+        help="write a tiny random, calibrated checkpoint of an SGLang MoE model "
+        "(config.json, safetensors, quant config, tokenizer)",
+    )
     t.add_argument("--arch", required=True, help="qwen3_moe | deepseek_v3 | nemotron_h | mixtral")
     t.add_argument("--quant", required=True, help="nvfp4 | ct_nvfp4 | fp8 | fp8_static | fp8_block | bf16")
     t.add_argument("--out", required=True, help="model directory to write")

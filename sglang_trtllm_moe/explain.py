@@ -31,7 +31,9 @@ def _sglang_resolutions(model_path: str, sm: int | None, server_kwargs: dict) ->
             scope = fake_platform(sm) if sm is not None else contextlib.nullcontext()
             try:
                 with scope:
-                    out[key] = resolved_moe_runner_backend(ServerArgs(model_path=model_path, device="cpu", **server_kwargs))
+                    out[key] = resolved_moe_runner_backend(
+                        ServerArgs(model_path=model_path, device="cpu", **server_kwargs)
+                    )
             except Exception as e:  # noqa: BLE001 - SGLang rejecting the configuration is an answer too
                 out[key] = None
                 out[f"{key}_error"] = f"{type(e).__name__}: {e}"
@@ -43,10 +45,19 @@ def _sglang_resolutions(model_path: str, sm: int | None, server_kwargs: dict) ->
     return out
 
 
-def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, ep_size: int = 1,
-                  quantization: str | None = None, a2a_backend: str = "none", enable_eplb: bool = False,
-                  moe_runner_backend: str = "auto", run_sglang: bool = True,
-                  server_args: dict | None = None) -> dict:
+def explain_model(
+    model_path: str,
+    *,
+    sm: int | None = None,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    quantization: str | None = None,
+    a2a_backend: str = "none",
+    enable_eplb: bool = False,
+    moe_runner_backend: str = "auto",
+    run_sglang: bool = True,
+    server_args: dict | None = None,
+) -> dict:
     """The resolution report for a model directory (config.json only), without a GPU.
 
     `server_args`: further ServerArgs fields for SGLang's own resolution (e.g. `disable_radix_cache=True` for a
@@ -59,9 +70,14 @@ def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, e
 
     with open(os.path.join(model_path, "config.json")) as f:
         config = json.load(f)
-    problem = problem_from_hf_config(config, quantization=quantization, tp_size=tp_size,
-                                     ep_size=tp_size if a2a_backend != "none" else ep_size,
-                                     a2a_backend=a2a_backend, enable_eplb=enable_eplb)
+    problem = problem_from_hf_config(
+        config,
+        quantization=quantization,
+        tp_size=tp_size,
+        ep_size=tp_size if a2a_backend != "none" else ep_size,
+        a2a_backend=a2a_backend,
+        enable_eplb=enable_eplb,
+    )
     if sm is not None:
         device = DeviceInfo(sm=sm, flashinfer_version=flashinfer_version(), source="cli --sm")
     else:
@@ -69,8 +85,13 @@ def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, e
     sglang: dict = {}
     if run_sglang:
         kwargs = dict(server_args or {})
-        kwargs.update(tp_size=tp_size, ep_size=ep_size, moe_runner_backend=moe_runner_backend,
-                      moe_a2a_backend=a2a_backend, enable_eplb=enable_eplb)
+        kwargs.update(
+            tp_size=tp_size,
+            ep_size=ep_size,
+            moe_runner_backend=moe_runner_backend,
+            moe_a2a_backend=a2a_backend,
+            enable_eplb=enable_eplb,
+        )
         if quantization is not None:
             kwargs["quantization"] = quantization
         try:
@@ -78,9 +99,14 @@ def explain_model(model_path: str, *, sm: int | None = None, tp_size: int = 1, e
         except Exception as e:  # noqa: BLE001 - no SGLang (or an older one): the plugin's rules still answer
             sglang = {"error": f"{type(e).__name__}: {e}"}
     if problem is None:
-        return {"winner": sglang.get("with_plugin") or moe_runner_backend, "code": "NOT_MOE",
-                "reason": "the model has no routed experts (no num_experts / n_routed_experts in config.json)",
-                "candidates": [], "problem": None, "sglang": sglang}
+        return {
+            "winner": sglang.get("with_plugin") or moe_runner_backend,
+            "code": "NOT_MOE",
+            "reason": "the model has no routed experts (no num_experts / n_routed_experts in config.json)",
+            "candidates": [],
+            "problem": None,
+            "sglang": sglang,
+        }
     res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
     return {**res.to_dict(), "problem": asdict(problem), "sglang": sglang, "plugin_prepares": _prepares(problem)}
 
@@ -92,8 +118,12 @@ def _prepares(problem) -> dict:
     fmt, why = problem.weight_format()
     if fmt is None:
         return {"format": None, "backends": [], "reason": why}
-    return {"format": fmt.name, "title": fmt.title, "backends": list(prepared_on(fmt)),
-            "reason": f"{fmt.title}: prepared in place, per dirty expert, on {', '.join(prepared_on(fmt))}"}
+    return {
+        "format": fmt.name,
+        "title": fmt.title,
+        "backends": list(prepared_on(fmt)),
+        "reason": f"{fmt.title}: prepared in place, per dirty expert, on {', '.join(prepared_on(fmt))}",
+    }
 
 
 def _local_device():

@@ -20,7 +20,7 @@ import importlib.abc
 import logging
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from .targets import HookTarget
 

@@ -43,7 +43,6 @@ class Fp8QuantizationType(enum.IntEnum):
     PerChannelFp8 = 4
 
 
-
 class RoutingMethodType(enum.IntEnum):
     """Same values as `flashinfer.tllm_enums.RoutingMethodType` (checked by tests), without importing flashinfer."""
 
@@ -90,5 +89,15 @@ def kernel_function(family: str, routed: bool) -> str:
 
 KERNEL_FUNCTIONS = tuple(kernel_function(f, r) for f in FAMILIES for r in (False, True))
 
-__all__ = ["ActivationType", "WeightLayout", "Fp8QuantizationType", "RoutingMethodType", "GATED", "NON_GATED",
-           "activation_type", "FAMILIES", "kernel_function", "KERNEL_FUNCTIONS"]
+__all__ = [
+    "ActivationType",
+    "WeightLayout",
+    "Fp8QuantizationType",
+    "RoutingMethodType",
+    "GATED",
+    "NON_GATED",
+    "activation_type",
+    "FAMILIES",
+    "kernel_function",
+    "KERNEL_FUNCTIONS",
+]

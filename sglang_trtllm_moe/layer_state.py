@@ -38,7 +38,7 @@ from .formats.base import WeightFormat, set_scalar_
 logger = logging.getLogger("sglang_trtllm_moe")
 
 STATE_ATTR = "_trtllm_moe_state"
-_LAYERS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_LAYERS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 #: guards `_LAYERS` and the creation of a layer's state (two threads must never attach two states to one layer)
 _REGISTRY_LOCK = threading.Lock()
 
@@ -82,8 +82,11 @@ def attach(layer, fmt: WeightFormat) -> LayerState:
         if st is not None:
             return st
         e = fmt.tensor(layer, fmt.params[0]).shape[0]
-        st = LayerState(fmt=fmt, num_experts=e, prepared={
-            g: torch.full((e,), fmt.prepared_at_attach(layer, g), dtype=torch.bool) for g in fmt.groups()})
+        st = LayerState(
+            fmt=fmt,
+            num_experts=e,
+            prepared={g: torch.full((e,), fmt.prepared_at_attach(layer, g), dtype=torch.bool) for g in fmt.groups()},
+        )
         if isinstance(layer, torch.nn.Module):
             object.__setattr__(layer, STATE_ATTR, st)
         else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from . import hookspecs, installer, PROJECT_NAME
+from . import PROJECT_NAME, hookspecs, installer
 from .compat import ReleaseStatus, check_release
 from .targets import LANDED, MISSING, NOT_APPLICABLE, NOT_IMPORTED, HookTarget, target_state
 
@@ -71,8 +71,13 @@ class PluginState:
         rows = []
         for t in self.targets:
             if installer.pending(t):
-                state, reason = NOT_IMPORTED, (f"{t.module} is not imported in this process: the hook is applied when "
-                                               "it is (`sglang-trtllm-moe doctor` imports it to prove that)")
+                state, reason = (
+                    NOT_IMPORTED,
+                    (
+                        f"{t.module} is not imported in this process: the hook is applied when "
+                        "it is (`sglang-trtllm-moe doctor` imports it to prove that)"
+                    ),
+                )
             else:
                 state, reason = target_state(t)
             rows.append(_row(t, state, reason))
@@ -189,7 +194,9 @@ def register() -> None:
         st.status = "enabled"
         logger.info(
             "sglang-trtllm-moe: enabled on sglang %s: %d hook targets registered, %d not applicable, %d extensions",
-            st.release.version, len(st.targets), len(st.not_applicable),
+            st.release.version,
+            len(st.targets),
+            len(st.not_applicable),
             sum(e.state == "loaded" for e in st.extensions),
         )
     except Exception as e:  # noqa: BLE001 - never raise into SGLang

@@ -16,7 +16,7 @@ Conventions (all checked against flashinfer's own sources, see the per-function 
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Union
 
 import torch
 
@@ -96,7 +96,7 @@ def float_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_quantize(
     x: torch.Tensor, global_scale: ScaleLike, block: int = NVFP4_BLOCK
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `[..., K]` to NVFP4: (packed uint8 `[..., K/2]`, linear SF float8_e4m3fn `[..., K/16]`).
 
     Follows TRT-LLM's `cvt_warp_fp16_to_fp4` (quantization_utils.cuh, default fast-math branch):
@@ -159,7 +159,7 @@ def fp8_dequantize(q: torch.Tensor, scale: ScaleLike = 1.0) -> torch.Tensor:
     return q.float() * _as_f32_scalar(scale, q.device)
 
 
-def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek 128x128 block FP8 of `[..., N, K]`: (e4m3 `[..., N, K]`, scale_inv float32 `[..., N/128, K/128]`).
 
     Scale = max(amax/448, 1e-12), q = e4m3(clamp(w / scale)), exactly flashinfer
@@ -183,7 +183,7 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
 
 def fp8_group_quantize(
     x: torch.Tensor, group: int = FP8_BLOCK, min_scale: float = 1e-12
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token 1x`group` FP8 of `[..., K]`: (e4m3 `[..., K]`, scale float32 `[..., K/group]`), scale = amax/448.
 
     Same math as flashinfer `prepare._deepseek_fp8_quantize_activations` (which returns the scales transposed
@@ -209,7 +209,7 @@ def fp8_group_dequantize(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def mxfp8_quantize(x: torch.Tensor, block: int = MXFP8_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+def mxfp8_quantize(x: torch.Tensor, block: int = MXFP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of `[..., K]`: (e4m3 `[..., K]`, ue8m0 scale bytes uint8 `[..., K/32]`, linear layout).
 
     The exponent is rounded *up* (cudaRoundPosInf, like TRT-LLM's UE8M0 path) so amax/scale <= 448; an all-zero
@@ -244,7 +244,7 @@ def mxfp8_dequantize(q: torch.Tensor, sf: torch.Tensor, block: int = MXFP8_BLOCK
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def mxfp4_quantize(x: torch.Tensor, block: int = MXFP8_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_quantize(x: torch.Tensor, block: int = MXFP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 of `[..., K]`: (packed e2m1 uint8 `[..., K/2]`, low nibble = even element; ue8m0 bytes uint8
     `[..., K/32]`). Scale 2^ceil(log2(amax/6)) (no value saturates, like flashinfer's `fp4_quantize(...,
     sf_use_ue8m0=True)` with RoundPosInf), e2m1 round-to-nearest-even; an all-zero block gets byte 0."""

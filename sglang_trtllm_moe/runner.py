@@ -94,11 +94,20 @@ def routing_kwargs(topk_output, method, runner_config, routed: bool, hidden=None
         if hasattr(topk_output, "packed_topk_ids"):
             ids = topk_output.packed_topk_ids
         else:
-            ids = (topk_output.topk_ids.contiguous().to(torch.int32),
-                   topk_output.topk_weights.contiguous().to(torch.bfloat16))
+            ids = (
+                topk_output.topk_ids.contiguous().to(torch.int32),
+                topk_output.topk_weights.contiguous().to(torch.bfloat16),
+            )
         top_k = (ids[0] if isinstance(ids, tuple) else ids).shape[1]
-        return dict(topk_ids=ids, routing_bias=None, top_k=top_k, n_group=0, topk_group=0,
-                    routed_scaling_factor=None, routing_method_type=1), True
+        return dict(
+            topk_ids=ids,
+            routing_bias=None,
+            top_k=top_k,
+            n_group=0,
+            topk_group=0,
+            routed_scaling_factor=None,
+            routing_method_type=1,
+        ), True
     cfg = topk_output.topk_config
     return dict(
         routing_logits=topk_output.router_logits,
@@ -126,14 +135,21 @@ def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_route
             "by the plugin runner yet"
         )
     call = KernelCall(layer, quant_info, runner_config, x, on_kernel, hidden_scale)
-    routing, routed = routing_kwargs(dispatch_output.topk_output, fmt.routing_method(call), runner_config,
-                                     use_routed_topk, hidden=x, layer=None if fmt.routes_in_kernel(call) else layer)
+    routing, routed = routing_kwargs(
+        dispatch_output.topk_output,
+        fmt.routing_method(call),
+        runner_config,
+        use_routed_topk,
+        hidden=x,
+        layer=None if fmt.routes_in_kernel(call) else layer,
+    )
     try:
         kwargs = fmt.kernel_args(call, routing, routed)
     except NotImplementedError as e:
         raise NotImplementedError(f"{layer_state.layer_name(layer)}: {e}") from e
-    kwargs.update(do_finalize=True,
-                  activation_type=kernel_api.activation_type(runner_config.activation, runner_config.is_gated))
+    kwargs.update(
+        do_finalize=True, activation_type=kernel_api.activation_type(runner_config.activation, runner_config.is_gated)
+    )
     out = getattr(backend, kernel_api.kernel_function(fmt.kernel, routed))(**kwargs)
     out = out[0] if isinstance(out, (list, tuple)) else out
     out_dtype = getattr(dispatch_output, "output_dtype", None) or (x.dtype if hidden_scale is None else torch.bfloat16)
@@ -157,5 +173,14 @@ def format_for(leaf: str, runner_config, dispatch_output=None) -> WeightFormat |
     return observed or SGLANG_PREPARED.get(leaf)
 
 
-__all__ = ["ENV_EMULATE", "KernelUnavailableError", "emulating", "ensure_prepared", "format_for", "needs_own_topk",
-           "routing_declared", "routing_kwargs", "run"]
+__all__ = [
+    "ENV_EMULATE",
+    "KernelUnavailableError",
+    "emulating",
+    "ensure_prepared",
+    "format_for",
+    "needs_own_topk",
+    "routing_declared",
+    "routing_kwargs",
+    "run",
+]

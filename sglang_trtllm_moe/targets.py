@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import inspect
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -54,7 +54,9 @@ class HookTarget:
             object.__setattr__(self, "module", module_of(self.target))
 
     def applies_to(self, release: Version) -> bool:
-        return not self.releases or SpecifierSet(self.releases).contains(Version(release.base_version), prereleases=True)
+        return not self.releases or SpecifierSet(self.releases).contains(
+            Version(release.base_version), prereleases=True
+        )
 
 
 def _resolve_attr(target: str):
@@ -95,4 +97,7 @@ def target_state(t: HookTarget) -> tuple[str, str]:
         ok = _chain_holds(current, t.hook)
     if ok:
         return LANDED, ""
-    return MISSING, f"{t.target} resolves, but our {t.hook_type} hook is not in its wrapper chain (HookRegistry did not apply it)"
+    return (
+        MISSING,
+        f"{t.target} resolves, but our {t.hook_type} hook is not in its wrapper chain (HookRegistry did not apply it)",
+    )

@@ -66,17 +66,25 @@ def expert_index(expert_id) -> int | None:
         return None
     if isinstance(expert_id, numbers.Integral):
         return int(expert_id)
-    if (isinstance(expert_id, torch.Tensor) and expert_id.dim() == 0 and expert_id.device.type != "meta"
-            and not expert_id.dtype.is_floating_point and not expert_id.dtype.is_complex
-            and expert_id.dtype != torch.bool):
+    if (
+        isinstance(expert_id, torch.Tensor)
+        and expert_id.dim() == 0
+        and expert_id.device.type != "meta"
+        and not expert_id.dtype.is_floating_point
+        and not expert_id.dtype.is_complex
+        and expert_id.dtype != torch.bool
+    ):
         return int(expert_id)
     return None
 
 
 def _short(x) -> str:
     if isinstance(x, torch.Tensor):
-        r = (f"tensor({x.tolist()!r}, dtype={x.dtype})" if x.numel() <= 4 and x.device.type != "meta"
-             else f"tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})")
+        r = (
+            f"tensor({x.tolist()!r}, dtype={x.dtype})"
+            if x.numel() <= 4 and x.device.type != "meta"
+            else f"tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+        )
     else:
         r = repr(x)
     return r if len(r) <= 80 else r[:77] + "..."
@@ -137,8 +145,10 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     if rule is None:
         if hasattr(param, "weight_loader"):
             return None  # a parameter the format does not manage: SGLang's own loader, unchanged
-        refuse(f"{name} is computed by the plugin from the loaded weights and scales, not loaded",
-               f"one of {managed_names(layer, fmt)}")
+        refuse(
+            f"{name} is computed by the plugin from the loaded weights and scales, not loaded",
+            f"one of {managed_names(layer, fmt)}",
+        )
     _check_name(layer, fmt, param, name, weight_name, refuse)
     gated = fmt.is_gated(layer)
     _check_shard(rule, shard_id, gated, refuse)
@@ -156,8 +166,11 @@ def _check_name(layer, fmt, param, name, weight_name, refuse) -> None:
     tail = weight_name.rsplit(".", 1)[-1]
     if tail != name and fmt.load_rule(tail) is not None and layer._parameters.get(tail) is not param:
         # SGLang routes a write by substrings of weight_name ("input_scale", "weight_scale_2", "scale", ...)
-        refuse(f"weight_name {weight_name!r} names another parameter ({tail}) than the one passed ({name}), so "
-               "SGLang's loader would write it by the wrong rule", f"weight_name ending in {name!r}")
+        refuse(
+            f"weight_name {weight_name!r} names another parameter ({tail}) than the one passed ({name}), so "
+            "SGLang's loader would write it by the wrong rule",
+            f"weight_name ending in {name!r}",
+        )
 
 
 def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse) -> None:
@@ -165,15 +178,20 @@ def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse) -> None:
     if not isinstance(shard_id, str) or shard_id not in allowed:
         why = "" if isinstance(shard_id, str) and shard_id in SHARDS else f" (SGLang's shard ids are {SHARDS})"
         kind = rule.kind.replace("_", " ")
-        refuse(f"{rule.name} ({kind} of the {rule.group} group{'' if gated or rule.group == 'w2' else ', not gated'})"
-               f" does not take shard {shard_id!r}{why}", f"shard {' or '.join(map(repr, allowed))}")
+        refuse(
+            f"{rule.name} ({kind} of the {rule.group} group{'' if gated or rule.group == 'w2' else ', not gated'})"
+            f" does not take shard {shard_id!r}{why}",
+            f"shard {' or '.join(map(repr, allowed))}",
+        )
 
 
 def _check_expert(layer, view, param, expert_id, scope: str, refuse) -> int:
     e = expert_index(expert_id)
     if e is None:
-        refuse(f"expert id {_short(expert_id)} of type {type(expert_id).__name__} is not an integer expert index",
-               "an int (or a 0-dim integer tensor)")
+        refuse(
+            f"expert id {_short(expert_id)} of type {type(expert_id).__name__} is not an integer expert index",
+            "an int (or a 0-dim integer tensor)",
+        )
     if scope == "global":
         n = global_expert_count(layer, param)
         what = "experts of this model"
@@ -188,7 +206,9 @@ def _check_expert(layer, view, param, expert_id, scope: str, refuse) -> int:
 
 def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
     """(allowed extents of the TP-split dim of a loaded tensor, a description, the param's per-rank extent)."""
-    per_rank = int(view.shape[1]) // 2 if (rule.group == "w13" and gated) else int(view.shape[1 if rule.group == "w13" else 2])
+    per_rank = (
+        int(view.shape[1]) // 2 if (rule.group == "w13" and gated) else int(view.shape[1 if rule.group == "w13" else 2])
+    )
     tp = int(getattr(layer, "moe_tp_size", 1) or 1)
     presharded = bool(getattr(layer, "use_presharded_weights", False))
     ranks = 1 if presharded else tp
@@ -204,19 +224,25 @@ def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
     return (logical, padded), f"{logical} (the checkpoint's) or {padded} (the layer's padded size)", per_rank
 
 
-def check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None,
-                  headers: bool = False) -> None:
+def check_tensor(
+    layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None, headers: bool = False
+) -> None:
     """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard."""
     if not isinstance(loaded, torch.Tensor):
         refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
     dev = loaded.device
     if dev != param.device and dev.type != "cpu" and not (headers and dev.type == "meta"):
-        refuse(f"the tensor is on {dev}" + (" (no data)" if dev.type == "meta" else ""),
-               f"a tensor on {param.device}" + ("" if param.device.type == "cpu" else " or on the CPU"))
+        refuse(
+            f"the tensor is on {dev}" + (" (no data)" if dev.type == "meta" else ""),
+            f"a tensor on {param.device}" + ("" if param.device.type == "cpu" else " or on the CPU"),
+        )
     if not rule.accepts_dtype(loaded.dtype, param.dtype):
         extra = f" or {', '.join(map(str, rule.dtypes))}" if rule.dtypes else ""
-        conv = (" (any 16/32/64-bit float is converted)" if param.dtype.is_floating_point and param.dtype.itemsize >= 2
-                else " (copy_ would value-convert it, not copy the bytes)")
+        conv = (
+            " (any 16/32/64-bit float is converted)"
+            if param.dtype.is_floating_point and param.dtype.itemsize >= 2
+            else " (copy_ would value-convert it, not copy the bytes)"
+        )
         refuse(f"dtype {loaded.dtype} cannot be written into {param.dtype} storage{conv}", f"{param.dtype}{extra}")
     shape = tuple(loaded.shape)
     if whole is not None:
@@ -224,8 +250,10 @@ def check_tensor(layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, r
             refuse(f"shape {shape} of a whole-parameter write", f"{tuple(whole)}")
     elif rule.scalar:
         if shape not in ((), (1,)):
-            refuse(f"shape {shape}: {rule.name} holds one {rule.kind.replace('_', ' ')} per expert and shard",
-                   "a 0-dim or [1] tensor")
+            refuse(
+                f"shape {shape}: {rule.name} holds one {rule.kind.replace('_', ' ')} per expert and shard",
+                "a 0-dim or [1] tensor",
+            )
     else:
         extents, want, _ = _intermediate_extents(layer, fmt, rule, view, gated)
         if rule.group == "w13":
@@ -260,6 +288,7 @@ def _bad_value(t: torch.Tensor, positive: bool):
 
 # ---- the FusedMoE loader hooks: validated once per call ---------------------------------------------------------
 
+
 def mark_validated(param, loaded):
     """`FusedMoE.weight_loader` validated this (param, tensor): `_weight_loader_impl` only re-checks the local id."""
     prev = getattr(_TLS, "validated", None)
@@ -284,6 +313,7 @@ def check_local_expert(layer, param, name, expert_id, shard_id) -> int:
 
 # ---- fused all-expert writes (gpt-oss MXFP4) ---------------------------------------------------------------------
 
+
 def validate_fused(layer, name: str, param, loaded) -> None:
     """A write of all experts of one parameter at once (`expert_id=None`, shard None: gpt-oss's MXFP4 loader) into
     a format declared `fused`, refused before a byte changes: SGLang's fast path copies it into the top-left corner
@@ -301,17 +331,28 @@ def validate_fused(layer, name: str, param, loaded) -> None:
         refuse(f"the tensor is on {loaded.device}", f"a tensor on {param.device} or on the CPU")
     if not rule.accepts_dtype(loaded.dtype, param.dtype):
         extra = f" or {', '.join(map(str, rule.dtypes))}" if rule.dtypes else ""
-        refuse(f"dtype {loaded.dtype} cannot be written into {param.dtype} storage (copy_ would value-convert it, "
-               "not copy the bytes)" if param.dtype.itemsize == 1 else f"dtype {loaded.dtype} is not a float dtype",
-               f"{param.dtype}{extra}")
-    fits = loaded.dim() == param.dim() and loaded.shape[0] == param.shape[0] and all(
-        0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:]))
+        refuse(
+            f"dtype {loaded.dtype} cannot be written into {param.dtype} storage (copy_ would value-convert it, "
+            "not copy the bytes)"
+            if param.dtype.itemsize == 1
+            else f"dtype {loaded.dtype} is not a float dtype",
+            f"{param.dtype}{extra}",
+        )
+    fits = (
+        loaded.dim() == param.dim()
+        and loaded.shape[0] == param.shape[0]
+        and all(0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:]))
+    )
     if not fits:
-        refuse(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}",
-               "the layer's experts exactly, every other dimension at most the parameter's")
+        refuse(
+            f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}",
+            "the layer's experts exactly, every other dimension at most the parameter's",
+        )
     values = rule.value_rule(param.dtype)
     if values is not None and loaded.numel():
         bad = _bad_value(loaded, values == POSITIVE)
         if bad is not None:
-            refuse(f"{name} value {bad!r} is not finite" + (" and > 0" if values == POSITIVE else " and >= 0"),
-                   "finite values")
+            refuse(
+                f"{name} value {bad!r} is not finite" + (" and > 0" if values == POSITIVE else " and >= 0"),
+                "finite values",
+            )

@@ -6,7 +6,6 @@ torchvision unconditionally (sglang/srt/configs -> internvl_utils), though it on
 Defining the two op schemas first is enough (ci/cpu_shim/_sglang_trtllm_moe_cpu_shim.py does the same for every process of a CI env).
 """
 
-
 import pytest
 import torch
 

@@ -7,14 +7,12 @@ reached at `__wrapped__`), flashinfer's `prepare_trtllm_bf16_weights` (pure torc
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from sglang_trtllm_moe import layer_state, layouts
+from sglang_trtllm_moe import TrtllmLayerError, layer_state, layouts
 from sglang_trtllm_moe.compat import features
 from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe import TrtllmLayerError
 
 from .support import sglang_runtime
 
@@ -22,7 +20,9 @@ CASES = [
     pytest.param(cpu_layers.MoeSpec(intermediate=128, fmt="bf16"), id="gated-I128"),
     pytest.param(cpu_layers.MoeSpec(intermediate=96, fmt="bf16"), id="gated-I96-padded"),
     pytest.param(cpu_layers.MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="bf16"), id="relu2-I128"),
-    pytest.param(cpu_layers.MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="bf16"), id="relu2-I200-padded"),
+    pytest.param(
+        cpu_layers.MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="bf16"), id="relu2-I200-padded"
+    ),
 ]
 WEIGHTS = ("w13_weight", "w2_weight")
 
@@ -80,7 +80,7 @@ def padded_checkpoint(spec, ck):
     for x in range(e):
         w13[x, :i] = ck[f"experts.{x}.up_proj.weight"]
         if spec.gated:
-            w13[x, ip:ip + i] = ck[f"experts.{x}.gate_proj.weight"]
+            w13[x, ip : ip + i] = ck[f"experts.{x}.gate_proj.weight"]
         w2[x, :, :i] = ck[f"experts.{x}.down_proj.weight"]
     return w13, w2, ip
 
@@ -102,8 +102,13 @@ def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, m
 
     w13, w2, ip = padded_checkpoint(spec, ckpt(spec))
     fi = prepare_trtllm_bf16_weights(
-        w13, w2, num_local_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=ip,
-        activation=SwiGLU() if spec.gated else ReLU2(), permute_cache={},
+        w13,
+        w2,
+        num_local_experts=spec.num_experts,
+        hidden_size=spec.hidden,
+        intermediate_size=ip,
+        activation=SwiGLU() if spec.gated else ReLU2(),
+        permute_cache={},
     )
     for n, fi_name in zip(WEIGHTS, ("gemm1_weights", "gemm2_weights")):
         a, b = getattr(ours, n), getattr(upstream, n)
@@ -112,7 +117,9 @@ def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, m
         assert b.dim() == 4 and a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
         assert layouts.block_major_k_view(a.data.reshape(before[n][2])).shape == b.shape
         assert torch.equal(as_bytes(a), as_bytes(b)), f"{n} differs from SGLang's own trtllm preparation"
-        assert torch.equal(as_bytes(a), as_bytes(fi[fi_name])), f"{n} differs from flashinfer prepare_trtllm_bf16_weights"
+        assert torch.equal(as_bytes(a), as_bytes(fi[fi_name])), (
+            f"{n} differs from flashinfer prepare_trtllm_bf16_weights"
+        )
 
 
 def reference_moe(x, topk_ids, topk_weights, ck, spec):
@@ -152,7 +159,9 @@ def test_forward_through_sglang_layer_with_emulator_matches_reference(spec, monk
     # weights and gives ~100 %.
     assert rel(out, ref) < 0.02, rel(out, ref)
 
-    layer_state.state_of(layer).fmt.unprepare_(layer, "w13", list(range(spec.num_experts)))  # bytes not in kernel layout
+    layer_state.state_of(layer).fmt.unprepare_(
+        layer, "w13", list(range(spec.num_experts))
+    )  # bytes not in kernel layout
     bad, _ = _forward(layer, x, logits)
     assert rel(bad, ref) > 0.5
 
@@ -174,11 +183,28 @@ def test_routed_scaling_factor_reaches_the_kernel_on_the_logits_path(monkeypatch
     outs = {}
     for rsf in (1.0, 2.5):
         monkeypatch.setattr(layer.moe_runner_config, "routed_scaling_factor", rsf)
-        cfg = TopKConfig(top_k=2, use_grouped_topk=True, topk_group=1, num_expert_group=2, renormalize=True,
-                         correction_bias=bias, routed_scaling_factor=rsf, routing_method_type=RoutingMethodType.DeepSeekV3)
+        cfg = TopKConfig(
+            top_k=2,
+            use_grouped_topk=True,
+            topk_group=1,
+            num_expert_group=2,
+            renormalize=True,
+            correction_bias=bias,
+            routed_scaling_factor=rsf,
+            routing_method_type=RoutingMethodType.DeepSeekV3,
+        )
         outs[rsf] = layer(x, BypassedTopKOutput(hidden_states=x, raw_router_logits=logits, topk_config=cfg))
-        w, ids = biased_grouped_topk_impl(x, logits, bias, 2, True, num_expert_group=2, topk_group=1,
-                                          routed_scaling_factor=rsf, apply_routed_scaling_factor_on_output=True)
+        w, ids = biased_grouped_topk_impl(
+            x,
+            logits,
+            bias,
+            2,
+            True,
+            num_expert_group=2,
+            topk_group=1,
+            routed_scaling_factor=rsf,
+            apply_routed_scaling_factor_on_output=True,
+        )
         assert rel(outs[rsf], reference_moe(x, ids, w, ckpt(spec), spec)) < 0.02
     assert rel(outs[2.5], 2.5 * outs[1.0].float()) < 0.01
 
@@ -195,10 +221,13 @@ def test_without_emulator_on_cpu_the_runner_says_what_to_do(monkeypatch):
     assert "SGLANG_TRTLLM_MOE_EMULATE=1" in str(e.value) and "model.layers.0.mlp.experts" in str(e.value)
 
 
-@pytest.mark.parametrize("spec", [
-    pytest.param(cpu_layers.MoeSpec(fmt="bf16", activation="gelu"), id="gelu"),
-    pytest.param(cpu_layers.MoeSpec(fmt="bf16", hidden=96), id="hidden96"),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(cpu_layers.MoeSpec(fmt="bf16", activation="gelu"), id="gelu"),
+        pytest.param(cpu_layers.MoeSpec(fmt="bf16", hidden=96), id="hidden96"),
+    ],
+)
 def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec):
     layer = loaded_layer(spec)
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
@@ -261,7 +290,8 @@ def test_sglang_restore_hooks_are_harmless_and_loader_free_refits_get_checkpoint
     prepared = {n: as_bytes(getattr(layer, n)).clone() for n in WEIGHTS}
     for n in WEIGHTS:
         method.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load(
-            layer=layer, param=getattr(layer, n), weight_name=f"model.layers.0.mlp.experts.{n}")
+            layer=layer, param=getattr(layer, n), weight_name=f"model.layers.0.mlp.experts.{n}"
+        )
         assert torch.equal(as_bytes(getattr(layer, n)), prepared[n])
 
     updater(model).begin_weight_update()  # SGLang's entry point -> DefaultModelLoader.restore_weights_before_loading
@@ -299,9 +329,11 @@ def test_real_kernel_matches_emulator_on_sm100(spec, monkeypatch):
     assert rel(kernel, emulated.float()) < 0.01
 
 
-@pytest.mark.skipif(not features.TRTLLM_ROUTING_GUESSED.present(),
-                    reason="this SGLang release materializes the top-k of a layer that declares no routing method "
-                           "itself (compat.features.TRTLLM_ROUTING_GUESSED: from 0.5.23)")
+@pytest.mark.skipif(
+    not features.TRTLLM_ROUTING_GUESSED.present(),
+    reason="this SGLang release materializes the top-k of a layer that declares no routing method "
+    "itself (compat.features.TRTLLM_ROUTING_GUESSED: from 0.5.23)",
+)
 def test_undeclared_routing_method_gets_sglangs_own_topk(monkeypatch):
     """Mixtral declares no routing method; SGLang before 0.5.23 then lets the kernel route a bypassed TopK with a
     guessed method (BF16: Default = softmax over all experts, no renormalization: the wrong weights). The plugin

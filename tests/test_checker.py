@@ -67,16 +67,22 @@ def test_every_checker_hook_landed_on_this_release():
 
     declared = []
     checker_hooks.register_sglang_hooks(register=declared.append, release=plugin.state().release.version)
-    rows = [r for r in plugin.state().target_report() if r["capability"] == "weight-check"
-            and r["state"] != "not_applicable"]
+    rows = [
+        r
+        for r in plugin.state().target_report()
+        if r["capability"] == "weight-check" and r["state"] != "not_applicable"
+    ]
     here = [t for t in declared if t.capability == "weight-check" and t.applies_to(plugin.state().release.version)]
     # the comparator module's hooks (0.5.15+), or SGLang's _compare / _postprocess_tensors / _check_tensors + _snapshot
     assert len(rows) == len(here) >= 4, rows
     assert all(r["state"] == "landed" for r in rows), rows
 
 
-@pytest.mark.parametrize("spec", [PADDED, cpu_layers.MoeSpec(num_experts=4, intermediate=128, activation="relu2",
-                                                             gated=False)], ids=["gated-padded", "relu2"])
+@pytest.mark.parametrize(
+    "spec",
+    [PADDED, cpu_layers.MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False)],
+    ids=["gated-padded", "relu2"],
+)
 def test_layout_aware_dequant_equals_flashinfer_on_sglang_checkpoint_layout(spec):
     """Undo + dequantize of the prepared bytes == flashinfer's CPU dequantizer on what SGLang's loader wrote."""
     from flashinfer.quantization.fp4_quantization import _e2m1_and_ufp8sf_scale_to_float_cpu as fi_dequant
@@ -98,8 +104,9 @@ def test_sglang_prepared_bytes_compare_equal_to_checkpoint_layout_only_layout_aw
     """SGLang's own trtllm preparation is the forward; the plugin's inverse must bring it back exactly."""
     ckpt_model = loaded(PADDED, seed=1)
     ckpt = clone_params(ckpt_model.experts)
-    sglang_runtime.upstream_process_weights_after_loading(ckpt_model.experts.quant_method, ckpt_model.experts,
-                                                          monkeypatch)
+    sglang_runtime.upstream_process_weights_after_loading(
+        ckpt_model.experts.quant_method, ckpt_model.experts, monkeypatch
+    )
     sglang_prepared = clone_params(ckpt_model.experts)
     geometry = prepared(PADDED, seed=1).experts  # a managed layer of the same shape
     for name in WEIGHTS:
@@ -181,7 +188,9 @@ def test_flipped_byte_through_sglang_weight_checker_names_expert_row_col(stored_
     wc.handle("snapshot", role="target")
     e, r, c = 2, 77, 5
     _, rows, cols = layer.w2_weight_scale.shape
-    layer.w2_weight_scale.data.view(torch.uint8).reshape(-1)[stored_position["w2_weight_scale"][(e * rows + r) * cols + c]] ^= 0x08
+    layer.w2_weight_scale.data.view(torch.uint8).reshape(-1)[
+        stored_position["w2_weight_scale"][(e * rows + r) * cols + c]
+    ] ^= 0x08
     with pytest.raises(Exception) as err:
         wc.handle("compare", role="target")
     msg = str(err.value)
@@ -190,8 +199,11 @@ def test_flipped_byte_through_sglang_weight_checker_names_expert_row_col(stored_
     assert "experts.w13_weight:" not in msg  # only the corrupted entry fails
 
 
-@pytest.mark.sglang("<0.5.15", reason="SGLang's module-level _check_tensors / _postprocess_tensors compare exists "
-                    "upstream before 0.5.15 only (the comparator module replaces it)")
+@pytest.mark.sglang(
+    "<0.5.15",
+    reason="SGLang's module-level _check_tensors / _postprocess_tensors compare exists "
+    "upstream before 0.5.15 only (the comparator module replaces it)",
+)
 def test_before_0_5_15_other_tensors_stream_through_sglangs_own_check_with_cuda(stored_position, monkeypatch):
     """With CUDA (faked here: `.cuda()` is the identity), every pair that is not the plugin's goes through SGLang's
     own _check_tensors, pair by pair as SGLang streams them, and its failures and ours come back as one error."""
@@ -201,7 +213,9 @@ def test_before_0_5_15_other_tensors_stream_through_sglangs_own_check_with_cuda(
     wc.handle("snapshot", role="target")
     e, r, c = 1, 5, 3
     _, rows, cols = layer.w2_weight_scale.shape
-    layer.w2_weight_scale.data.view(torch.uint8).reshape(-1)[stored_position["w2_weight_scale"][(e * rows + r) * cols + c]] ^= 0x08
+    layer.w2_weight_scale.data.view(torch.uint8).reshape(-1)[
+        stored_position["w2_weight_scale"][(e * rows + r) * cols + c]
+    ] ^= 0x08
     layer.w2_input_scale.data[2] *= 2  # not laid out by the plugin: SGLang's own bitwise compare finds it
     seen = []
     real = torch.Tensor.cuda
@@ -359,8 +373,10 @@ def test_layout_aware_tolerance_one_grid_step_passes_only_with_allow_quant_error
 
 BF16_CASES = [
     pytest.param(cpu_layers.MoeSpec(num_experts=4, intermediate=96, fmt="bf16"), id="bf16-gated-padded"),
-    pytest.param(cpu_layers.MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False, fmt="bf16"),
-                 id="bf16-relu2"),
+    pytest.param(
+        cpu_layers.MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False, fmt="bf16"),
+        id="bf16-relu2",
+    ),
 ]
 
 
@@ -370,11 +386,18 @@ def flashinfer_bf16(spec, w13, w2):
     from flashinfer.fused_moe.prepare import prepare_trtllm_bf16_weights
 
     out = prepare_trtllm_bf16_weights(
-        w13.clone(), w2.clone(), num_local_experts=spec.num_experts, hidden_size=spec.hidden,
-        intermediate_size=w2.shape[2], activation=SwiGLU() if spec.gated else ReLU2(), permute_cache={},
+        w13.clone(),
+        w2.clone(),
+        num_local_experts=spec.num_experts,
+        hidden_size=spec.hidden,
+        intermediate_size=w2.shape[2],
+        activation=SwiGLU() if spec.gated else ReLU2(),
+        permute_cache={},
     )
-    return {"w13_weight": out["gemm1_weights"].contiguous().reshape(w13.shape),
-            "w2_weight": out["gemm2_weights"].contiguous().reshape(w2.shape)}
+    return {
+        "w13_weight": out["gemm1_weights"].contiguous().reshape(w13.shape),
+        "w2_weight": out["gemm2_weights"].contiguous().reshape(w2.shape),
+    }
 
 
 @pytest.mark.parametrize("spec", BF16_CASES)
@@ -400,8 +423,12 @@ def test_bf16_prepared_vs_checkpoint_and_a_changed_element_located_through_flash
             e, r, c = (int(torch.randint(0, n, (1,), generator=g)) for n in ck[name].shape)
             changed = {k: v.clone() for k, v in ck.items()}
             changed[name][e, r, c] = -changed[name][e, r, c] - 1
-            rep = checker.compare_raw(theirs, checker.snapshot_side(layer, name, flashinfer_bf16(spec, **{
-                "w13": changed["w13_weight"], "w2": changed["w2_weight"]})))
+            rep = checker.compare_raw(
+                theirs,
+                checker.snapshot_side(
+                    layer, name, flashinfer_bf16(spec, **{"w13": changed["w13_weight"], "w2": changed["w2_weight"]})
+                ),
+            )
             assert rep.num_mismatch == 1 and (rep.first[0].expert, rep.first[0].row, rep.first[0].col) == (e, r, c)
 
 
@@ -425,8 +452,9 @@ def reference_dequant(fmt, weight, scale):
         return block_quant_dequant(weight, scale, [128, 128], torch.float32)
     from flashinfer.quantization.fp4_quantization import _e2m1_and_ufp8sf_scale_to_float_cpu as fi_dequant
 
-    return torch.stack([fi_dequant(weight[e], scale[e].view(torch.uint8), None, 16, 1, False)
-                        for e in range(weight.shape[0])])
+    return torch.stack(
+        [fi_dequant(weight[e], scale[e].view(torch.uint8), None, 16, 1, False) for e in range(weight.shape[0])]
+    )
 
 
 @pytest.mark.parametrize("fmt", list(OTHER_FORMATS))
@@ -450,11 +478,16 @@ def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_throu
         ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
         assert checker.compare_layout(ckpt_side, live).equal
         moved = any(not torch.equal(ck[n].view(torch.uint8), live.tensors[n].view(torch.uint8)) for n in live.tensors)
-        assert checker.compare_raw(ckpt_side, live).equal == (not moved)  # FP8 block: the kernel layout is the loaded one
+        assert checker.compare_raw(ckpt_side, live).equal == (
+            not moved
+        )  # FP8 block: the kernel layout is the loaded one
 
     # SGLang's flow: snapshot, then a corrupted expert-2 shard through SGLang's loader (+ the plugin's flush)
-    key = next(k for k in good if k.startswith("experts.2.gate_proj.weight") and good[k].element_size() == 1
-               and "scale" not in k)
+    key = next(
+        k
+        for k in good
+        if k.startswith("experts.2.gate_proj.weight") and good[k].element_size() == 1 and "scale" not in k
+    )
     bad = dict(good)
     w = good[key].clone()
     w.view(torch.uint8)[5, 3] ^= 0x11
@@ -465,7 +498,7 @@ def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_throu
         a.load_weights(cpu_layers.checkpoint_names(good).items())
         b.load_weights(cpu_layers.checkpoint_names(bad).items())
         for n in laid_out:
-            d = (getattr(a.experts, n).data.view(torch.uint8) != getattr(b.experts, n).data.view(torch.uint8))
+            d = getattr(a.experts, n).data.view(torch.uint8) != getattr(b.experts, n).data.view(torch.uint8)
             if d.any():
                 assert int(d.sum()) == 1
                 return (n, *d.nonzero()[0].tolist())

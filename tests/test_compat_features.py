@@ -40,7 +40,7 @@ def _fields(module: str, cls: str) -> set:
 def _nvfp4_scales_swapped() -> bool:
     src = _source("sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE._weight_loader_impl")
     i = src.index('{"w1": "w3", "w3": "w1"')
-    return "ModelOptNvFp4FusedMoEMethod" in src[max(0, i - 700):i]
+    return "ModelOptNvFp4FusedMoEMethod" in src[max(0, i - 700) : i]
 
 
 def _modelopt_nvfp4_gelu() -> bool:
@@ -60,72 +60,119 @@ PROBES = {
     "NVFP4_W13_SCALE_2_UP_GATE": _nvfp4_scales_swapped,
     "FP4_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp4MoeQuantInfo"),
     "FP8_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp8MoeQuantInfo"),
-    "MOE_RUNNER_CONFIG_LAYER": lambda: "layer=self," in _source(
-        "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.__init__").split("MoeRunnerConfig(", 1)[-1][:1500],
-    "NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS": lambda: "w13_blockscale_swizzled = None" not in _source(
-        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_weights"),
+    "MOE_RUNNER_CONFIG_LAYER": lambda: (
+        "layer=self,"
+        in _source("sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.__init__").split("MoeRunnerConfig(", 1)[-1][
+            :1500
+        ]
+    ),
+    "NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS": lambda: (
+        "w13_blockscale_swizzled = None" not in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_weights")
+    ),
     "MODELOPT_NVFP4_GELU": lambda: _modelopt_nvfp4_gelu(),
-    "NVFP4_AUTO_RUNNER_MISMATCH": lambda: "self._moe_runner_backend = moe_runner_backend" in _source(
-        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_moe_runner") and "cutlass_moe_fp4(" not in _source(
-        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.apply"),
-    "NVFP4_MEGAMOE_LAYOUT": lambda: "use_flashinfer_trtllm_weight_layout" in _source(
-        f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.__init__"),
-    "NVFP4_W13_INTERLEAVED_CHECKPOINTS": lambda: "inference_moe_w13_interleaved" in inspect.getsource(
-        importlib.import_module(MODELOPT)),
-    "MODELOPT_FP8_OWN_BACKEND": lambda: "self._moe_runner_backend" in _source(
-        f"{MODELOPT}:ModelOptFp8MoEMethod.create_moe_runner"),
+    "NVFP4_AUTO_RUNNER_MISMATCH": lambda: (
+        "self._moe_runner_backend = moe_runner_backend"
+        in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_moe_runner")
+        and "cutlass_moe_fp4(" not in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.apply")
+    ),
+    "NVFP4_MEGAMOE_LAYOUT": lambda: (
+        "use_flashinfer_trtllm_weight_layout" in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.__init__")
+    ),
+    "NVFP4_W13_INTERLEAVED_CHECKPOINTS": lambda: (
+        "inference_moe_w13_interleaved" in inspect.getsource(importlib.import_module(MODELOPT))
+    ),
+    "MODELOPT_FP8_OWN_BACKEND": lambda: (
+        "self._moe_runner_backend" in _source(f"{MODELOPT}:ModelOptFp8MoEMethod.create_moe_runner")
+    ),
     "FP8_TRTLLM_ACTIVATION_PARAMS": lambda: hasattr(
         importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
-        "_prepare_flashinfer_trtllm_activation_params"),
-    "FP8_OWNS_MOE_RUNNER": lambda: "_owns_moe_runner" in inspect.getsource(
-        importlib.import_module("sglang.srt.layers.quantization.fp8")),
-    "FP8_W13_ALWAYS_TWO_HALVES": lambda: "is_concat=True" in inspect.getsource(
-        importlib.import_module("sglang.srt.layers.quantization.fp8")),
-    "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: "trtllm_fp4_block_scale_moe" in _source(
-        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe:"
-        "CompressedTensorsW4A4Nvfp4MoE.apply_weights"),
+        "_prepare_flashinfer_trtllm_activation_params",
+    ),
+    "FP8_OWNS_MOE_RUNNER": lambda: (
+        "_owns_moe_runner" in inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.fp8"))
+    ),
+    "FP8_W13_ALWAYS_TWO_HALVES": lambda: (
+        "is_concat=True" in inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.fp8"))
+    ),
+    "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: (
+        "trtllm_fp4_block_scale_moe"
+        in _source(
+            "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe:"
+            "CompressedTensorsW4A4Nvfp4MoE.apply_weights"
+        )
+    ),
     "TRTLLM_ROUTING_GUESSED": lambda: not _has("sglang.srt.layers.moe.topk", "_can_bypass_trtllm_routing"),
     "WEIGHT_UPDATER": lambda: _has(UPDATER, "WeightUpdater"),
-    "DISTRIBUTED_UPDATE_RENAMED": lambda: _has(UPDATER, "WeightUpdater") and hasattr(
-        importlib.import_module(UPDATER).WeightUpdater, "load_weights_from_distributed"),
-    "UPDATE_SESSIONS": lambda: _has(UPDATER, "WeightUpdater") and hasattr(
-        importlib.import_module(UPDATER).WeightUpdater, "begin_weight_update"),
+    "DISTRIBUTED_UPDATE_RENAMED": lambda: (
+        _has(UPDATER, "WeightUpdater")
+        and hasattr(importlib.import_module(UPDATER).WeightUpdater, "load_weights_from_distributed")
+    ),
+    "UPDATE_SESSIONS": lambda: (
+        _has(UPDATER, "WeightUpdater")
+        and hasattr(importlib.import_module(UPDATER).WeightUpdater, "begin_weight_update")
+    ),
     "WEIGHT_CHECKER_COMPARATOR": lambda: _has("sglang.srt.utils.weight_checker", "_build_quantized_set"),
-    "WEIGHT_CHECKER_LEGACY_COMPARE": lambda: "_check_tensors(" in _source(
-        "sglang.srt.utils.weight_checker:WeightChecker._compare") and _has("sglang.srt.utils.weight_checker",
-                                                                           "_postprocess_tensors"),
-    "WEIGHT_CHECKER_UE8M0_SCALES_ONLY": lambda: _has("sglang.srt.utils.weight_checker", "_postprocess_tensors")
-    and "torch.int32" not in _source("sglang.srt.utils.weight_checker:_postprocess_tensors"),
-    "WEIGHT_CHECKER_OF_MODEL_RUNNER": lambda: "model_runner" in inspect.signature(
-        importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__).parameters,
-    "FLASHINFER_A2A_TRTLLM_ROUTED": lambda: 'register_fused_func("flashinfer", "flashinfer_trtllm_routed")' in open(
-        importlib.util.find_spec(TRTLLM).origin).read(),
+    "WEIGHT_CHECKER_LEGACY_COMPARE": lambda: (
+        "_check_tensors(" in _source("sglang.srt.utils.weight_checker:WeightChecker._compare")
+        and _has("sglang.srt.utils.weight_checker", "_postprocess_tensors")
+    ),
+    "WEIGHT_CHECKER_UE8M0_SCALES_ONLY": lambda: (
+        _has("sglang.srt.utils.weight_checker", "_postprocess_tensors")
+        and "torch.int32" not in _source("sglang.srt.utils.weight_checker:_postprocess_tensors")
+    ),
+    "WEIGHT_CHECKER_OF_MODEL_RUNNER": lambda: (
+        "model_runner"
+        in inspect.signature(
+            importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__
+        ).parameters
+    ),
+    "FLASHINFER_A2A_TRTLLM_ROUTED": lambda: (
+        'register_fused_func("flashinfer", "flashinfer_trtllm_routed")'
+        in open(importlib.util.find_spec(TRTLLM).origin).read()
+    ),
     "SERVER_ARGS_FIELD_WRITES": lambda: not _has("sglang.srt.arg_groups.overrides", "resolved_view"),
     "PUBLISHED_SERVER_ARGS": lambda: _has("sglang.srt.runtime_context", "get_server_args"),
     "PLATFORM_OVERRIDE": lambda: _has("sglang.srt.runtime_context", "override_platform"),
-    "PUBLISH_WITH_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks")
-    and "ranks" in inspect.signature(importlib.import_module("sglang.srt.runtime_context").publish).parameters,
-    "MOE_CONFIG_TAKES_ARGS": lambda: len(inspect.signature(
-        importlib.import_module("sglang.srt.layers.moe.utils").initialize_moe_config).parameters) > 0,
+    "PUBLISH_WITH_RANKS": lambda: (
+        _has("sglang.srt.runtime_context", "SpawnRanks")
+        and "ranks" in inspect.signature(importlib.import_module("sglang.srt.runtime_context").publish).parameters
+    ),
+    "MOE_CONFIG_TAKES_ARGS": lambda: (
+        len(inspect.signature(importlib.import_module("sglang.srt.layers.moe.utils").initialize_moe_config).parameters)
+        > 0
+    ),
     "SWIZZLE_MOVES_TO_CUDA": lambda: ".cuda()" in _source("sglang.srt.layers.quantization.utils:swizzle_blockscale"),
-    "WEIGHT_CACHE_CHECK": lambda: _has(UPDATER, "WeightUpdater") and "get_model_runner().server_args.weight_cache_mode" in
-    inspect.getsource(importlib.import_module(UPDATER)),
-    "WEIGHT_CHECKER_TAKES_PS": lambda: "ps" in inspect.signature(
-        importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__).parameters,
+    "WEIGHT_CACHE_CHECK": lambda: (
+        _has(UPDATER, "WeightUpdater")
+        and "get_model_runner().server_args.weight_cache_mode" in inspect.getsource(importlib.import_module(UPDATER))
+    ),
+    "WEIGHT_CHECKER_TAKES_PS": lambda: (
+        "ps"
+        in inspect.signature(
+            importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__
+        ).parameters
+    ),
     "SPAWN_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks"),
     # MX formats
-    "MXFP8_ACTIVATION_PARAMS": lambda: hasattr(importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
-                                               "_prepare_flashinfer_trtllm_activation_params"),
-    "MXFP8_QUANTIZE_IN_FP8_UTILS": lambda: "flashinfer_mxfp8_quantize" in _source(
-        f"{TRTLLM}:fused_experts_none_to_flashinfer_trtllm_fp8"),
-    "MXFP8_NON_GATED_W13_ROWS": lambda: "is_concat=layer.moe_runner_config.is_gated" in inspect.getsource(
-        importlib.import_module("sglang.srt.layers.quantization.fp8")),
+    "MXFP8_ACTIVATION_PARAMS": lambda: hasattr(
+        importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
+        "_prepare_flashinfer_trtllm_activation_params",
+    ),
+    "MXFP8_QUANTIZE_IN_FP8_UTILS": lambda: (
+        "flashinfer_mxfp8_quantize" in _source(f"{TRTLLM}:fused_experts_none_to_flashinfer_trtllm_fp8")
+    ),
+    "MXFP8_NON_GATED_W13_ROWS": lambda: (
+        "is_concat=layer.moe_runner_config.is_gated"
+        in inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.fp8"))
+    ),
     "FP4_EXPERTS_METHOD": lambda: _has(FP4E, "Mxfp4FlashinferTrtllmMoEMethod"),
-    "FP4_EXPERTS_PADDED_LOAD": lambda: "loaded_shard_size" in _source(
-        "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE._load_w13"),
+    "FP4_EXPERTS_PADDED_LOAD": lambda: (
+        "loaded_shard_size" in _source("sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE._load_w13")
+    ),
     "FP4_EXPERTS_SGLANG_PADS": lambda: _has(FP4E, "_pad_intermediate_size"),
-    "GPTOSS_FI_KERNEL_ATTR": lambda: "_fi_kernel" in _source(
-        "sglang.srt.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__"),
+    "GPTOSS_FI_KERNEL_ATTR": lambda: (
+        "_fi_kernel" in _source("sglang.srt.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__")
+    ),
 }
 
 

@@ -14,16 +14,12 @@ from .support.helpers import REPO, last_json, run_python
 #: not-applicable targets whose dotted path still resolves on the releases they are left out of, and why
 SUPERSEDED = {
     # From 0.5.16 ModelRunner keeps thin delegates; the work (and our hooks) moved to WeightUpdater.
-    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_tensor":
-        "0.5.16+: delegates to WeightUpdater.update_weights_from_tensor, which is hooked",
-    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_distributed":
-        "0.5.16+: delegates to WeightUpdater, which is hooked",
-    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk":
-        "0.5.16+: delegates to WeightUpdater.update_weights_from_disk, which is hooked",
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_tensor": "0.5.16+: delegates to WeightUpdater.update_weights_from_tensor, which is hooked",
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_distributed": "0.5.16+: delegates to WeightUpdater, which is hooked",
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk": "0.5.16+: delegates to WeightUpdater.update_weights_from_disk, which is hooked",
     # Before 0.5.16 a global auto is either kept (< 0.5.13) or resolved with apply falling back to sgl-kernel's
     # cutlass_moe_fp4 for a CUTLASS-laid-out layer (0.5.13-0.5.15): no runner/layout mismatch to repair there.
-    "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod.create_moe_runner":
-        "< 0.5.16: no runner/layout mismatch on a global auto (features.NVFP4_AUTO_RUNNER_MISMATCH)",
+    "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod.create_moe_runner": "< 0.5.16: no runner/layout mismatch on a global auto (features.NVFP4_AUTO_RUNNER_MISMATCH)",
 }
 
 #: capabilities that must be complete on every release 0.5.11+ (plugin loads, NVFP4 prep, RL updates, runner);
@@ -71,8 +67,11 @@ def test_plugin_loads_through_sglang_and_every_target_lands_or_is_absent_upstrea
     # provide on this release yet (the matrix reports it per capability). The first-priority capabilities must be
     # complete on every release: nothing of theirs may be left out where SGLang has it.
     gaps = [t for t in by_state.get("not_applicable", []) if t["resolves"] and t["target"] not in SUPERSEDED]
-    essential = [(t["target"], t["capability"]) for t in gaps if t["capability"] in ESSENTIAL
-                 and not any(f in t["target"] for f in OTHER_FORMATS)]
+    essential = [
+        (t["target"], t["capability"])
+        for t in gaps
+        if t["capability"] in ESSENTIAL and not any(f in t["target"] for f in OTHER_FORMATS)
+    ]
     assert essential == [], f"left out on sglang {installed_version()} although present there: {essential}"
 
 
@@ -153,7 +152,9 @@ def test_matrix_skip_reasons_name_the_release():
             assert kind in why
     assert matrix.skip_reason(">=0.0.1", "x", release, caps) is None
     assert "absent upstream: old" in matrix.skip_reason("<0.0.1", "old", release, caps)
-    assert "not provided by the plugin: nope" in matrix.skip_reason("capability:no-such-capability", "nope", release, caps)
+    assert "not provided by the plugin: nope" in matrix.skip_reason(
+        "capability:no-such-capability", "nope", release, caps
+    )
     json.dumps([c[:2] for c in matrix.CAPABILITIES])
 
 
@@ -170,12 +171,20 @@ def test_the_plugin_provides_every_capability_the_tests_need_on_every_release():
     needed = {r.needs for r in matrix.REQUIREMENTS} | {n for n, _ in matrix.FIXTURE_REQUIREMENTS.values()}
     for path in (REPO / "tests").glob("test_*.py"):  # @pytest.mark.sglang("capability:...") markers
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "sglang" and node.args
-                    and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("capability:")):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", "") == "sglang"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("capability:")
+            ):
                 needed.add(node.args[0].value)
     needed = {n.split(":", 1)[1] for n in needed if n.startswith("capability:")}
-    rows = [line.split()[0] for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
+    rows = [
+        line.split()[0]
+        for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     for rel in rows:
         missing = needed - matrix.plugin_capabilities(Version(rel))
         assert not missing, f"sglang {rel}: not provided by the plugin: {sorted(missing)}"
@@ -185,6 +194,9 @@ def test_newest_tested_and_oldest_supported_are_the_matrix_ends():
     """One constant each (compat/releases.py); ci/releases.tsv's first and last rows must agree with them."""
     from sglang_trtllm_moe.compat import NEWEST_TESTED, OLDEST_SUPPORTED
 
-    rows = [line.split()[0] for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
+    rows = [
+        line.split()[0]
+        for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert (rows[0], rows[-1]) == (str(OLDEST_SUPPORTED), str(NEWEST_TESTED))

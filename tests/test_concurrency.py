@@ -85,8 +85,11 @@ def _race_round(spec, make, names, seed: int, flusher: bool) -> list[str]:
     layer_state.flush(layer)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs, "storage moved"
     fresh = sglang_runtime.prepared_model(spec, make(spec, seed=101)).experts
-    return [n for n in names
-            if not torch.equal(getattr(layer, n).data.view(torch.uint8), getattr(fresh, n).data.view(torch.uint8))]
+    return [
+        n
+        for n in names
+        if not torch.equal(getattr(layer, n).data.view(torch.uint8), getattr(fresh, n).data.view(torch.uint8))
+    ]
 
 
 @pytest.mark.parametrize("flusher", [False, True], ids=["writers", "writers+flusher"])

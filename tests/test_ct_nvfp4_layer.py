@@ -9,22 +9,24 @@ serve the layer (non-gated), and a float MoE from flashinfer's own CPU NVFP4 deq
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from sglang_trtllm_moe import layer_state
+from sglang_trtllm_moe import TrtllmLayerError, layer_state
 from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe import TrtllmLayerError
 
 from .support import sglang_runtime
 
 CASES = [
     pytest.param(cpu_layers.MoeSpec(intermediate=128, fmt="ct_nvfp4"), id="gated-I128"),
     pytest.param(cpu_layers.MoeSpec(intermediate=96, fmt="ct_nvfp4"), id="gated-I96-padded"),
-    pytest.param(cpu_layers.MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="ct_nvfp4"), id="relu2-I128"),
+    pytest.param(
+        cpu_layers.MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="ct_nvfp4"), id="relu2-I128"
+    ),
     # NVFP4 needs I % 16 == 0, so the padded non-gated case is I = 208 -> 256.
-    pytest.param(cpu_layers.MoeSpec(intermediate=208, activation="relu2", gated=False, fmt="ct_nvfp4"), id="relu2-I208-padded"),
+    pytest.param(
+        cpu_layers.MoeSpec(intermediate=208, activation="relu2", gated=False, fmt="ct_nvfp4"), id="relu2-I208-padded"
+    ),
 ]
 PREPARED = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SCALARS = ("g1_alphas", "g2_alphas", "g1_scale_c", "w13_input_scale_quant", "w2_input_scale_quant")
@@ -53,8 +55,11 @@ def _interleave_on_cpu(monkeypatch):
     import flashinfer
     from sglang.srt.layers.quantization.utils import swizzle_blockscale
 
-    monkeypatch.setattr(flashinfer, "nvfp4_block_scale_interleave",
-                        lambda x: swizzle_blockscale(x.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+    monkeypatch.setattr(
+        flashinfer,
+        "nvfp4_block_scale_interleave",
+        lambda x: swizzle_blockscale(x.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1),
+    )
 
 
 def upstream_prep(layer, monkeypatch):
@@ -101,8 +106,15 @@ def test_prepared_bytes_equal_sglang_own_preparation_in_place(spec, monkeypatch)
         _interleave_on_cpu(monkeypatch)
         ip = upstream.w2_weight_packed.shape[2] * 2
         out = prepare_static_weights_for_trtllm_fp4_moe(
-            upstream.w13_weight_packed.data, upstream.w2_weight_packed.data, upstream.w13_weight_scale.data,
-            upstream.w2_weight_scale.data, spec.hidden, ip, spec.num_experts, is_gated=False)
+            upstream.w13_weight_packed.data,
+            upstream.w2_weight_packed.data,
+            upstream.w13_weight_scale.data,
+            upstream.w2_weight_scale.data,
+            spec.hidden,
+            ip,
+            spec.num_experts,
+            is_gated=False,
+        )
         expected = dict(zip(PREPARED, out))
         # scalars from the checkpoint: a1/a2 = 1/min(input_global_scale), alpha = a * 1/weight_global_scale,
         # and for relu2 the GEMM1 output only needs the 1/a2 re-quantization factor (as ModelOpt on SGLang)

@@ -30,8 +30,14 @@ FORMATS = sorted({v.fmt for v in defer.TABLE})
 
 @pytest.fixture(scope="module")
 def measured():
-    proc = subprocess.run([sys.executable, "-m", "tests.support.upstream_rl", *FORMATS], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env={**__import__("os").environ, "SGLANG_TRTLLM_MOE_DISABLE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.upstream_rl", *FORMATS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**__import__("os").environ, "SGLANG_TRTLLM_MOE_DISABLE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return last_json(proc)
 
@@ -43,9 +49,12 @@ def test_verdict_matches_what_sglang_does_on_this_release(measured, fmt):
     got = measured[fmt]
     if got.get("upstream_correct") is None:
         assert v.evidence.startswith("read:"), (
-            f"{fmt}: SGLang's own path cannot run here ({got.get('cannot_run')}) but the table claims a measurement")
-        pytest.skip(f"sglang {installed_version()}: SGLang's own {fmt} trtllm preparation cannot run on CPU here "
-                    f"({got['cannot_run'][:120]}); verdict read from its code: {v.evidence}")
+            f"{fmt}: SGLang's own path cannot run here ({got.get('cannot_run')}) but the table claims a measurement"
+        )
+        pytest.skip(
+            f"sglang {installed_version()}: SGLang's own {fmt} trtllm preparation cannot run on CPU here "
+            f"({got['cannot_run'][:120]}); verdict read from its code: {v.evidence}"
+        )
     flows = {k: {kk: vv for kk, vv in x.items() if kk != "trace"} for k, x in got.items() if isinstance(x, dict)}
     assert got["upstream_correct"] is v.upstream_correct, (fmt, v, flows)
 
@@ -99,8 +108,9 @@ def test_deferred_layer_is_sglangs_own_and_watched(fmt, monkeypatch):
     fresh = sglang_runtime.prepared_model(spec, {**_checkpoint(fmt, spec, 0), **one})
     for n, p in fresh.named_parameters():
         mine = dict(model.named_parameters())[n]
-        assert mine.shape == p.shape and torch.equal(mine.detach().reshape(-1).view(torch.uint8),
-                                                     p.detach().reshape(-1).view(torch.uint8)), n
+        assert mine.shape == p.shape and torch.equal(
+            mine.detach().reshape(-1).view(torch.uint8), p.detach().reshape(-1).view(torch.uint8)
+        ), n
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
 
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")

@@ -7,19 +7,44 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.sglang(">=0.5.23", reason="the demo drives sglang.Engine through 0.5.23's weight-update "
-                                                   "sessions and weight-checker request (testing.engine)")
+pytestmark = pytest.mark.sglang(
+    ">=0.5.23",
+    reason="the demo drives sglang.Engine through 0.5.23's weight-update "
+    "sessions and weight-checker request (testing.engine)",
+)
 
-STEPS = ("plugin loaded by SGLang", "explain", "engine up", "reference", "load", "forward vs transformers",
-         "round 1: disk", "round 2: tensor buckets", "round 3: flattened buckets", "partial disk", "weight checker",
-         "corrupted update caught", "restored")
+STEPS = (
+    "plugin loaded by SGLang",
+    "explain",
+    "engine up",
+    "reference",
+    "load",
+    "forward vs transformers",
+    "round 1: disk",
+    "round 2: tensor buckets",
+    "round 3: flattened buckets",
+    "partial disk",
+    "weight checker",
+    "corrupted update caught",
+    "restored",
+)
 
 
 def test_demo_passes_every_check(tmp_path):
     # a fresh process as a user would start it: no rendezvous variables left by this test process
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "demo"], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path, env=env)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_trtllm_moe", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env=env,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     assert "\nsummary" in out and " 0 failed" in out

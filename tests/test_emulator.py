@@ -17,16 +17,15 @@ Shapes: E=8, top_k=2, H=256, T=16 (small, the whole file runs in a few seconds o
 
 import inspect
 
+import flashinfer.fused_moe.api as fi_api
+import flashinfer.fused_moe.core as fi_core
+import flashinfer.fused_moe.prepare as fi_prep
+import flashinfer.quantization.fp4_quantization as fi_fp4
 import pytest
 import torch
 
 from sglang_trtllm_moe import emulator, layouts, quant
 from sglang_trtllm_moe.emulator.routing import pack_topk, route
-
-import flashinfer.fused_moe.api as fi_api
-import flashinfer.fused_moe.core as fi_core
-import flashinfer.fused_moe.prepare as fi_prep
-import flashinfer.quantization.fp4_quantization as fi_fp4
 
 E, H, TOPK, T = 8, 256, 2, 16
 SWIGLU, RELU2 = int(emulator.ActivationType.Swiglu), int(emulator.ActivationType.Relu2)
@@ -75,7 +74,7 @@ def _pad_halves(w13, i, ip):
     """[E, 2I, ...] -> [E, 2Ip, ...], each half zero padded on its own (written here, independent of layouts)."""
     out = w13.new_zeros(w13.shape[0], 2 * ip, *w13.shape[2:])
     out[:, :i] = w13[:, :i]
-    out[:, ip:ip + i] = w13[:, i:]
+    out[:, ip : ip + i] = w13[:, i:]
     return out
 
 
@@ -160,13 +159,33 @@ def _nvfp4_case(I, gated, seed=0):
     g1_alphas_up = a1 / gs_up
     out1 = g1_alphas_up / a2 if gated else torch.full((E,), 1 / a2.item())
     kernel_args = dict(
-        routing_logits=logits, routing_bias=None, hidden_states=xq, hidden_states_scale=xs,
-        gemm1_weights=w13_prep, gemm1_weights_scale=s13_prep, gemm1_bias=None, gemm1_alpha=None, gemm1_beta=None,
-        gemm1_clamp_limit=None, gemm2_weights=w2_prep, gemm2_weights_scale=s2_prep, gemm2_bias=None,
-        output1_scale_scalar=out1.float(), output1_scale_gate_scalar=g1_alphas.float(),
-        output2_scale_scalar=(a2 / gs_w2).float(), num_experts=E, top_k=TOPK, n_group=None, topk_group=None,
-        intermediate_size=ip, local_expert_offset=0, local_num_experts=E, routed_scaling_factor=None,
-        routing_method_type=RENORM, activation_type=SWIGLU if gated else RELU2)
+        routing_logits=logits,
+        routing_bias=None,
+        hidden_states=xq,
+        hidden_states_scale=xs,
+        gemm1_weights=w13_prep,
+        gemm1_weights_scale=s13_prep,
+        gemm1_bias=None,
+        gemm1_alpha=None,
+        gemm1_beta=None,
+        gemm1_clamp_limit=None,
+        gemm2_weights=w2_prep,
+        gemm2_weights_scale=s2_prep,
+        gemm2_bias=None,
+        output1_scale_scalar=out1.float(),
+        output1_scale_gate_scalar=g1_alphas.float(),
+        output2_scale_scalar=(a2 / gs_w2).float(),
+        num_experts=E,
+        top_k=TOPK,
+        n_group=None,
+        topk_group=None,
+        intermediate_size=ip,
+        local_expert_offset=0,
+        local_num_experts=E,
+        routed_scaling_factor=None,
+        routing_method_type=RENORM,
+        activation_type=SWIGLU if gated else RELU2,
+    )
 
     def requant(h):
         hq, hs = quant.nvfp4_quantize(h, 1 / a2)
@@ -174,8 +193,12 @@ def _nvfp4_case(I, gated, seed=0):
 
     tight = _ref_moe(x_true, ids, wts, w13_true, w2_true, gated, requant)
     loose = _ref_moe(x.float(), ids, wts, lambda e: w13p[e].float(), lambda e: w2p[e].float(), gated)
-    return kernel_args, tight, loose, dict(ids=ids, wts=wts, x_true=x_true, w13_true=w13_true, w2_true=w2_true,
-                                           requant=requant, s13=s13, M=M)
+    return (
+        kernel_args,
+        tight,
+        loose,
+        dict(ids=ids, wts=wts, x_true=x_true, w13_true=w13_true, w2_true=w2_true, requant=requant, s13=s13, M=M),
+    )
 
 
 # Tolerances (relative Frobenius error of the [T, H] output):
@@ -203,11 +226,16 @@ def test_nvfp4_matches_references(I, gated):
 def test_nvfp4_detects_layout_errors():
     """The comparison can fail: unprepared weights, or swapped gate/up scalars, are far off."""
     args, tight, _, extra = _nvfp4_case(96, True, seed=1)
-    bad = dict(args, gemm1_weights=layouts.unpermute_rows_(args["gemm1_weights"].clone(),
-                                                           layouts.w13_row_map(extra["M"], True)))
+    bad = dict(
+        args,
+        gemm1_weights=layouts.unpermute_rows_(args["gemm1_weights"].clone(), layouts.w13_row_map(extra["M"], True)),
+    )
     assert _rel_err(emulator.trtllm_fp4_block_scale_moe(**bad)[0], tight) > 0.3
-    bad = dict(args, output1_scale_gate_scalar=args["output1_scale_scalar"],
-               output1_scale_scalar=args["output1_scale_gate_scalar"])
+    bad = dict(
+        args,
+        output1_scale_gate_scalar=args["output1_scale_scalar"],
+        output1_scale_scalar=args["output1_scale_gate_scalar"],
+    )
     assert _rel_err(emulator.trtllm_fp4_block_scale_moe(**bad)[0], tight) > 0.3
 
 
@@ -227,15 +255,30 @@ def test_nvfp4_expert_parallel_ranks_sum_to_whole():
     parts = []
     for off in (0, E // 2):
         sl = slice(off, off + E // 2)
-        local = dict(args, local_expert_offset=off, local_num_experts=E // 2,
-                     gemm1_weights=args["gemm1_weights"][sl], gemm1_weights_scale=args["gemm1_weights_scale"][sl],
-                     gemm2_weights=args["gemm2_weights"][sl], gemm2_weights_scale=args["gemm2_weights_scale"][sl],
-                     output1_scale_scalar=args["output1_scale_scalar"][sl],
-                     output1_scale_gate_scalar=args["output1_scale_gate_scalar"][sl],
-                     output2_scale_scalar=args["output2_scale_scalar"][sl])
+        local = dict(
+            args,
+            local_expert_offset=off,
+            local_num_experts=E // 2,
+            gemm1_weights=args["gemm1_weights"][sl],
+            gemm1_weights_scale=args["gemm1_weights_scale"][sl],
+            gemm2_weights=args["gemm2_weights"][sl],
+            gemm2_weights_scale=args["gemm2_weights_scale"][sl],
+            output1_scale_scalar=args["output1_scale_scalar"][sl],
+            output1_scale_gate_scalar=args["output1_scale_gate_scalar"][sl],
+            output2_scale_scalar=args["output2_scale_scalar"][sl],
+        )
         part = emulator.trtllm_fp4_block_scale_moe(**local)[0]
-        ref = _ref_moe(extra["x_true"], extra["ids"], extra["wts"], extra["w13_true"], extra["w2_true"], True,
-                       extra["requant"], offset=off, n_local=E // 2)
+        ref = _ref_moe(
+            extra["x_true"],
+            extra["ids"],
+            extra["wts"],
+            extra["w13_true"],
+            extra["w2_true"],
+            True,
+            extra["requant"],
+            offset=off,
+            n_local=E // 2,
+        )
         assert _rel_err(part, ref) < NVFP4_TIGHT
         assert _rel_err(part, full) > 0.1  # each rank alone is not the whole
         parts.append(part.float())
@@ -298,29 +341,58 @@ def test_fp8_per_tensor_with_flashinfer_prepared_weights(gated, on_input):
     def w2_true(e):
         return q2[e].float() / s2[e]
 
-    h_all = torch.stack([_act_true(w13_true(int(e)) @ x_true[t] * (wts[t, j].float() if on_input else 1), gated)
-                         for t in range(T) for j, e in enumerate(ids[t])])
+    h_all = torch.stack(
+        [
+            _act_true(w13_true(int(e)) @ x_true[t] * (wts[t, j].float() if on_input else 1), gated)
+            for t in range(T)
+            for j, e in enumerate(ids[t])
+        ]
+    )
     q_int = 448 / h_all.abs().amax()
     prepared = fi_prep.prepare_trtllm_fp8_per_tensor_weights(
-        w1, w2, hidden_states_scale_global=q_in, intermediate_scale_global=q_int, num_local_experts=E,
-        hidden_size=H, intermediate_size=I, activation=fi_api.SwiGLU() if gated else fi_api.ReLU2())
+        w1,
+        w2,
+        hidden_states_scale_global=q_in,
+        intermediate_scale_global=q_int,
+        num_local_experts=E,
+        hidden_size=H,
+        intermediate_size=I,
+        activation=fi_api.SwiGLU() if gated else fi_api.ReLU2(),
+    )
     # our row maps give the same prepared bytes
     mine = layouts.permute_rows_(q1.clone(), layouts.w13_row_map(q1.shape[1], gated))
     assert torch.equal(mine.view(torch.uint8), prepared["gemm1_weights"].view(torch.uint8))
     xq, _ = fi_prep.prepare_trtllm_fp8_per_tensor_activations(x, hidden_states_scale_global=q_in)
     out = emulator.trtllm_fp8_per_tensor_scale_moe(
-        logits, None, xq, prepared["gemm1_weights"], prepared["output1_scales_scalar"].reshape(E),
-        prepared["output1_scales_gate_scalar"].reshape(E), prepared["gemm2_weights"],
-        prepared["output2_scales_scalar"].reshape(E), E, k, None, None, I, 0, E, None, on_input,
-        routing_method_type=method, activation_type=SWIGLU if gated else RELU2)
+        logits,
+        None,
+        xq,
+        prepared["gemm1_weights"],
+        prepared["output1_scales_scalar"].reshape(E),
+        prepared["output1_scales_gate_scalar"].reshape(E),
+        prepared["gemm2_weights"],
+        prepared["output2_scales_scalar"].reshape(E),
+        E,
+        k,
+        None,
+        None,
+        I,
+        0,
+        E,
+        None,
+        on_input,
+        routing_method_type=method,
+        activation_type=SWIGLU if gated else RELU2,
+    )
     assert torch.is_tensor(out) and out.shape == (T, H) and out.dtype == torch.bfloat16
 
     def requant(h):
         return (h * q_int).clamp(-448, 448).to(torch.float8_e4m3fn).float() / q_int
 
     tight = _ref_moe(x_true, ids, wts, w13_true, w2_true, gated, requant, weights_on_input=on_input)
-    loose = _ref_moe(x.float(), ids, wts, lambda e: w1[e].float(), lambda e: w2[e].float(), gated,
-                     weights_on_input=on_input)
+    loose = _ref_moe(
+        x.float(), ids, wts, lambda e: w1[e].float(), lambda e: w2[e].float(), gated, weights_on_input=on_input
+    )
     # tight 1e-2: same e4m3 re-quantization, a code may move one step (2^-3 relative) from fp32 order; observed
     #   0 to 9e-5. loose 0.15: e4m3 costs ~2.7% relative RMS per stage (measured on a Gaussian), four stages (x, W1,
     #   intermediate, W2); observed 0.056-0.068.
@@ -354,8 +426,25 @@ def test_fp8_block_deepseek(layout):
     else:
         g1, g2 = q1, q2
     out = emulator.trtllm_fp8_block_scale_moe(
-        logits, bias, xq, xs.t().contiguous(), g1, s1, g2, s2, E, TOPK, 4, 2, I, 0, E, 2.5,
-        routing_method_type=2, weight_layout=layout)
+        logits,
+        bias,
+        xq,
+        xs.t().contiguous(),
+        g1,
+        s1,
+        g2,
+        s2,
+        E,
+        TOPK,
+        4,
+        2,
+        I,
+        0,
+        E,
+        2.5,
+        routing_method_type=2,
+        weight_layout=layout,
+    )
     assert torch.is_tensor(out) and out.shape == (T, H)
     x_true = quant.fp8_group_dequantize(xq, xs)
 
@@ -397,23 +486,50 @@ def test_bf16_with_flashinfer_prepared_weights(gated):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     logits = torch.randn(T, E, generator=g)
     prepared = fi_prep.prepare_trtllm_bf16_weights(
-        w1, w2, num_local_experts=E, hidden_size=H, intermediate_size=I,
-        activation=fi_api.SwiGLU() if gated else fi_api.ReLU2())
+        w1,
+        w2,
+        num_local_experts=E,
+        hidden_size=H,
+        intermediate_size=I,
+        activation=fi_api.SwiGLU() if gated else fi_api.ReLU2(),
+    )
     assert prepared["gemm1_weights"].shape == (E, H // 64, w1.shape[1], 64)
     # our in-place prep produces the same bytes, and the emulator accepts that [E, M, K] storage as well
     mine = layouts.permute_rows_to_block_major_k_(w1.clone(), layouts.w13_row_map(w1.shape[1], gated))
     assert torch.equal(layouts.block_major_k_view(mine), prepared["gemm1_weights"])
     act = SWIGLU if gated else RELU2
-    out = emulator.trtllm_bf16_moe(logits, None, x, prepared["gemm1_weights"], prepared["gemm2_weights"], E, TOPK,
-                                   None, None, I, 0, E, routing_method_type=RENORM, activation_type=act)
+    out = emulator.trtllm_bf16_moe(
+        logits,
+        None,
+        x,
+        prepared["gemm1_weights"],
+        prepared["gemm2_weights"],
+        E,
+        TOPK,
+        None,
+        None,
+        I,
+        0,
+        E,
+        routing_method_type=RENORM,
+        activation_type=act,
+    )
     ids, wts = route(RENORM, logits, TOPK)
-    ref = _ref_moe(x.float(), ids, wts, lambda e: w1[e].float(), lambda e: w2[e].float(), gated,
-                   requant=lambda h: h.to(torch.bfloat16).float())
+    ref = _ref_moe(
+        x.float(),
+        ids,
+        wts,
+        lambda e: w1[e].float(),
+        lambda e: w2[e].float(),
+        gated,
+        requant=lambda h: h.to(torch.bfloat16).float(),
+    )
     # same math up to fp32 accumulation order (which can flip a bf16 rounding): observed 0 to 3e-6
     assert _rel_err(out, ref) < 1e-3
     ids2 = pack_topk(ids, wts)
-    out2 = emulator.trtllm_bf16_routed_moe(ids2, x, prepared["gemm1_weights"], prepared["gemm2_weights"], E, TOPK,
-                                           None, None, I, 0, E, activation_type=act)
+    out2 = emulator.trtllm_bf16_routed_moe(
+        ids2, x, prepared["gemm1_weights"], prepared["gemm2_weights"], E, TOPK, None, None, I, 0, E, activation_type=act
+    )
     assert torch.equal(out, out2)
     out3 = emulator.trtllm_bf16_routed_moe(ids2, x, mine, w2, E, TOPK, None, None, I, 0, E, activation_type=act)
     assert _rel_err(out3, ref) > 0.3  # unprepared w2 is read as garbage
@@ -437,8 +553,11 @@ def test_signatures_match_flashinfer(name):
 def test_enums_match_flashinfer():
     import flashinfer.tllm_enums as enums
 
-    for mine, fi in ((emulator.ActivationType, enums.ActivationType), (emulator.WeightLayout, enums.WeightLayout),
-                     (emulator.Fp8QuantizationType, enums.Fp8QuantizationType)):
+    for mine, fi in (
+        (emulator.ActivationType, enums.ActivationType),
+        (emulator.WeightLayout, enums.WeightLayout),
+        (emulator.Fp8QuantizationType, enums.Fp8QuantizationType),
+    ):
         assert {m.name: int(m) for m in mine} == {m.name: int(m) for m in fi}
 
 
@@ -475,8 +594,9 @@ def test_emulator_matches_flashinfer_kernel_bf16():
     w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
     logits = torch.randn(T, E, generator=g).cuda()
-    p = fi_prep.prepare_trtllm_bf16_weights(w1.cuda(), w2.cuda(), num_local_experts=E, hidden_size=H,
-                                            intermediate_size=I)
+    p = fi_prep.prepare_trtllm_bf16_weights(
+        w1.cuda(), w2.cuda(), num_local_experts=E, hidden_size=H, intermediate_size=I
+    )
     args = (logits, None, x, p["gemm1_weights"], p["gemm2_weights"], E, TOPK, None, None, I, 0, E)
     got = fm.trtllm_bf16_moe(*args, routing_method_type=RENORM)
     emu = emulator.trtllm_bf16_moe(*args, routing_method_type=RENORM)

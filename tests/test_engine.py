@@ -26,24 +26,49 @@ import pytest
 
 from .support.helpers import REPO, last_json
 
-pytestmark = pytest.mark.sglang(">=0.5.23", reason="sglang.Engine's weight-update sessions (begin/end_weight_update), "
-                                                   "the weight-checker request and the 0.5.23 spawn flow "
-                                                   "(testing.engine)")
+pytestmark = pytest.mark.sglang(
+    ">=0.5.23",
+    reason="sglang.Engine's weight-update sessions (begin/end_weight_update), "
+    "the weight-checker request and the 0.5.23 spawn flow "
+    "(testing.engine)",
+)
 
 MODELS = ("qwen3_moe:nvfp4", "nemotron_h:nvfp4")
-STEPS = ("explain", "engine up", "reference", "load", "forward vs transformers", "round 1: disk",
-         "round 2: tensor buckets", "round 3: flattened buckets", "partial disk", "weight checker",
-         "corrupted update caught", "restored")
+STEPS = (
+    "explain",
+    "engine up",
+    "reference",
+    "load",
+    "forward vs transformers",
+    "round 1: disk",
+    "round 2: tensor buckets",
+    "round 3: flattened buckets",
+    "partial disk",
+    "weight checker",
+    "corrupted update caught",
+    "restored",
+)
 
 _RUN: dict = {}
 
 
 def run() -> dict:
     if not _RUN:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
-        proc = subprocess.run([sys.executable, "-m", "tests.support.engine_worker", ",".join(MODELS)], cwd=str(REPO),
-                              capture_output=True, text=True, timeout=1200, env=env, check=False)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.engine_worker", ",".join(MODELS)],
+            cwd=str(REPO),
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            env=env,
+            check=False,
+        )
         _RUN.update(last_json(proc))
         _RUN["_stderr_tail"] = proc.stderr[-4000:]
     return _RUN
@@ -70,8 +95,14 @@ def test_engine_rl_loop(model, step):
 def test_engine_serves_the_fresh_load_bytes_and_tokens(model):
     """Every served state: no tensor differs from the fresh load, the greedy tokens are the fresh model's."""
     steps = steps_of(model)
-    for name in ("load", "round 1: disk", "round 2: tensor buckets", "round 3: flattened buckets", "partial disk",
-                 "restored"):
+    for name in (
+        "load",
+        "round 1: disk",
+        "round 2: tensor buckets",
+        "round 3: flattened buckets",
+        "partial disk",
+        "restored",
+    ):
         assert steps[name]["differs"] == [] and steps[name]["tokens"] == steps[name]["fresh_tokens"], steps[name]
     # the rounds really changed what is served (not the same bytes every time)
     tokens = [steps[n]["tokens"] for n in ("load", "round 1: disk", "round 2: tensor buckets")]

@@ -14,10 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import layer_state
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe import TrtllmLayerError
+from sglang_trtllm_moe import TrtllmLayerError, layer_state
 from sglang_trtllm_moe.compat import features
+from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.testing.layers import DOWN, GATE, UP, MoeSpec
 
 from .support import sglang_runtime
@@ -26,14 +25,22 @@ SCALARS = ("output1_scales_scalar", "output1_scales_gate_scalar", "output2_scale
 TENSOR_WEIGHTS = ("w13_weight", "w2_weight")
 BLOCK_WEIGHTS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 
-PER_TENSOR = [
-    pytest.param(MoeSpec(intermediate=128, fmt=f), id=f"{f}-gated-I128") for f in ("fp8_modelopt", "fp8_tensor")
-] + [
-    pytest.param(MoeSpec(intermediate=96, fmt=f), id=f"{f}-gated-I96-padded") for f in ("fp8_modelopt", "fp8_tensor")
-] + [
-    pytest.param(MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="fp8_modelopt"), id="fp8_modelopt-relu2-I128"),
-    pytest.param(MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="fp8_tensor"), id="fp8_tensor-relu2-I200-padded"),
-]
+PER_TENSOR = (
+    [pytest.param(MoeSpec(intermediate=128, fmt=f), id=f"{f}-gated-I128") for f in ("fp8_modelopt", "fp8_tensor")]
+    + [
+        pytest.param(MoeSpec(intermediate=96, fmt=f), id=f"{f}-gated-I96-padded")
+        for f in ("fp8_modelopt", "fp8_tensor")
+    ]
+    + [
+        pytest.param(
+            MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="fp8_modelopt"), id="fp8_modelopt-relu2-I128"
+        ),
+        pytest.param(
+            MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="fp8_tensor"),
+            id="fp8_tensor-relu2-I200-padded",
+        ),
+    ]
+)
 BLOCK = [
     pytest.param(MoeSpec(intermediate=128, fmt="fp8_block"), id="fp8_block-gated-I128"),
     pytest.param(MoeSpec(intermediate=96, fmt="fp8_block"), id="fp8_block-gated-I96-padded"),
@@ -135,10 +142,19 @@ def test_per_tensor_bytes_and_scalars_match_flashinfer_prepare(gated):
     if hasattr(api, "SwiGLU"):  # flashinfer >= 0.7 (SGLang 0.5.22+); 0.6.x's prepare is gated SwiGLU only
         kw["activation"] = api.SwiGLU() if gated else api.ReLU2()
     fi = prepare.prepare_trtllm_fp8_per_tensor_weights(
-        w1, w2, hidden_states_scale_global=q_in, intermediate_scale_global=q_int, num_local_experts=E,
-        hidden_size=H, intermediate_size=I, **kw)
+        w1,
+        w2,
+        hidden_states_scale_global=q_in,
+        intermediate_scale_global=q_int,
+        num_local_experts=E,
+        hidden_size=H,
+        intermediate_size=I,
+        **kw,
+    )
     cache = {}
-    p1 = _maybe_get_cached_w3_w1_permute_indices(cache, fi["gemm1_weights"][0].view(torch.uint8), 128, is_gated_act_gemm=gated)
+    p1 = _maybe_get_cached_w3_w1_permute_indices(
+        cache, fi["gemm1_weights"][0].view(torch.uint8), 128, is_gated_act_gemm=gated
+    )
     p2 = get_w2_permute_indices_with_cache(cache, fi["gemm2_weights"][0].view(torch.uint8), 128)
     g1 = torch.empty_like(fi["gemm1_weights"])
     g1[:, p1] = fi["gemm1_weights"]
@@ -160,7 +176,9 @@ def test_per_tensor_bytes_and_scalars_match_flashinfer_prepare(gated):
     assert torch.equal(as_bytes(layer.w13_weight), as_bytes(fi["gemm1_weights"]))
     assert torch.equal(as_bytes(layer.w2_weight), as_bytes(fi["gemm2_weights"]))
     for n in SCALARS:
-        torch.testing.assert_close(getattr(layer, n).data, fi[n].float(), rtol=1e-6, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            getattr(layer, n).data, fi[n].float(), rtol=1e-6, atol=0, msg=lambda m, n=n: f"{n}: {m}"
+        )
 
 
 def _fi_block_checkpoint_and_prepare(spec, seed=3):
@@ -180,11 +198,14 @@ def _fi_block_checkpoint_and_prepare(spec, seed=3):
     down[:, :, :I] = torch.randn(E, H, I, generator=g) * 0.03
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
     if hasattr(api, "QuantFormat"):  # flashinfer >= 0.7 (SGLang 0.5.22+)
-        variant = dict(quant=api.QuantConfig(weight=api.QuantFormat.DeepSeekFp8, activation=api.QuantFormat.DeepSeekFp8))
+        variant = dict(
+            quant=api.QuantConfig(weight=api.QuantFormat.DeepSeekFp8, activation=api.QuantFormat.DeepSeekFp8)
+        )
     else:  # flashinfer 0.6.x: same function, the format named by QuantVariant
         variant = dict(variant=api.QuantVariant.DeepSeekFp8)
     fi = prepare.prepare_trtllm_fp8_block_weights(
-        bf(torch.cat([up, gate], 1)), bf(down), num_local_experts=E, hidden_size=H, intermediate_size=ip, **variant)
+        bf(torch.cat([up, gate], 1)), bf(down), num_local_experts=E, hidden_size=H, intermediate_size=ip, **variant
+    )
     ck = {}
     for proj, w in ((UP, up), (GATE, gate), (DOWN, down)):
         q, s = prepare._deepseek_fp8_quantize_weights(bf(w))
@@ -280,7 +301,11 @@ def reference_moe(x, logits, ck, spec):
     for e in range(spec.num_experts):
         base = f"experts.{e}."
         u = x @ _dequant(ck, base + UP + ".", spec.fmt).t()
-        h = torch.nn.functional.silu(x @ _dequant(ck, base + GATE + ".", spec.fmt).t()) * u if spec.gated else torch.relu(u) ** 2
+        h = (
+            torch.nn.functional.silu(x @ _dequant(ck, base + GATE + ".", spec.fmt).t()) * u
+            if spec.gated
+            else torch.relu(u) ** 2
+        )
         ys.append(h @ _dequant(ck, base + DOWN + ".", spec.fmt).t())
     y = torch.stack(ys)  # [E, T, H]
     t = torch.arange(x.shape[0])
@@ -290,7 +315,9 @@ def reference_moe(x, logits, ck, spec):
 # ModelOptFp8MoEMethod's trtllm apply refuses materialized top-k (SGLang raises), so it runs from logits only.
 FORWARD = [
     pytest.param(p.values[0], bypass, id=f"{p.id}-{'logits' if bypass else 'routed'}")
-    for p in PER_TENSOR + BLOCK for bypass in (True, False) if bypass or p.values[0].fmt != "fp8_modelopt"
+    for p in PER_TENSOR + BLOCK
+    for bypass in (True, False)
+    if bypass or p.values[0].fmt != "fp8_modelopt"
 ]
 
 
@@ -331,11 +358,16 @@ _updater = sglang_runtime.updater
 _model = sglang_runtime.prepared_model
 
 
-@pytest.mark.parametrize("spec", [
-    pytest.param(MoeSpec(intermediate=96, fmt="fp8_modelopt"), id="fp8_modelopt-gated-I96"),
-    pytest.param(MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="fp8_tensor"), id="fp8_tensor-relu2-I200"),
-    pytest.param(MoeSpec(intermediate=96, fmt="fp8_block"), id="fp8_block-gated-I96"),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(MoeSpec(intermediate=96, fmt="fp8_modelopt"), id="fp8_modelopt-gated-I96"),
+        pytest.param(
+            MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="fp8_tensor"), id="fp8_tensor-relu2-I200"
+        ),
+        pytest.param(MoeSpec(intermediate=96, fmt="fp8_block"), id="fp8_block-gated-I96"),
+    ],
+)
 def test_partial_update_from_tensor_equals_fresh_load_and_keeps_storage(spec):
     """A one-expert update through the release's own update_weights_from_tensor (WeightUpdater, or ModelRunner
     before 0.5.16): every parameter byte-identical to a fresh load of the mixed checkpoint, the same Parameter
@@ -354,7 +386,9 @@ def test_partial_update_from_tensor_equals_fresh_load_and_keeps_storage(spec):
     fresh = _model(spec, intended)
     names = BLOCK_WEIGHTS if spec.fmt == "fp8_block" else TENSOR_WEIGHTS + SCALARS + ("w13_input_scale_max",)
     for n in names:
-        assert torch.equal(as_bytes(getattr(model.experts, n)), as_bytes(getattr(fresh.experts, n))), f"{n} differs from a fresh load"
+        assert torch.equal(as_bytes(getattr(model.experts, n)), as_bytes(getattr(fresh.experts, n))), (
+            f"{n} differs from a fresh load"
+        )
     theirs = dict(fresh.named_parameters())
     loaded_by_sglang = {n for n, p in cpu_layers.TinyMoeModel(spec).named_parameters() if hasattr(p, "weight_loader")}
     assert {"experts.w13_weight", "experts.w2_weight"} <= loaded_by_sglang
@@ -368,11 +402,16 @@ def test_partial_update_from_tensor_equals_fresh_load_and_keeps_storage(spec):
 
 
 @pytest.mark.requires_sm100
-@pytest.mark.parametrize("spec", [
-    pytest.param(MoeSpec(intermediate=96, fmt="fp8_modelopt"), id="fp8_modelopt-gated-I96"),
-    pytest.param(MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="fp8_tensor"), id="fp8_tensor-relu2-I200"),
-    pytest.param(MoeSpec(intermediate=96, fmt="fp8_block"), id="fp8_block-gated-I96"),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(MoeSpec(intermediate=96, fmt="fp8_modelopt"), id="fp8_modelopt-gated-I96"),
+        pytest.param(
+            MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="fp8_tensor"), id="fp8_tensor-relu2-I200"
+        ),
+        pytest.param(MoeSpec(intermediate=96, fmt="fp8_block"), id="fp8_block-gated-I96"),
+    ],
+)
 def test_real_kernel_matches_emulator_on_the_same_prepared_bytes(spec, monkeypatch):
     layer = prepared(spec).to("cuda")
     g = torch.Generator().manual_seed(1)
@@ -388,10 +427,17 @@ def test_real_kernel_matches_emulator_on_the_same_prepared_bytes(spec, monkeypat
 # ---- (f) what the kernels cannot serve ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec, reason", [
-    pytest.param(MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="fp8_block"), "SwiGLU", id="block-relu2"),
-    pytest.param(MoeSpec(intermediate=128, activation="gelu", gated=True, fmt="fp8_modelopt"), "'gelu'", id="tensor-gelu"),
-])
+@pytest.mark.parametrize(
+    "spec, reason",
+    [
+        pytest.param(
+            MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="fp8_block"), "SwiGLU", id="block-relu2"
+        ),
+        pytest.param(
+            MoeSpec(intermediate=128, activation="gelu", gated=True, fmt="fp8_modelopt"), "'gelu'", id="tensor-gelu"
+        ),
+    ],
+)
 def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec, reason):
     layer = loaded_layer(spec)
     before = {n: as_bytes(p).clone() for n, p in layer.named_parameters()}

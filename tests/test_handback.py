@@ -49,8 +49,12 @@ class Without:
 HOOKS = [
     ("nvfp4", nvfp4_hooks.modelopt_process_weights_after_loading, "nvfp4", cpu_layers.random_nvfp4_checkpoint),
     ("ct_nvfp4", nvfp4_hooks.ct_process_weights_after_loading, "ct_nvfp4", cpu_layers.random_ct_nvfp4_checkpoint),
-    ("fp8_modelopt", fp8_hooks.modelopt_fp8_process_weights_after_loading, "fp8_tensor_modelopt",
-     cpu_layers.random_fp8_checkpoint),
+    (
+        "fp8_modelopt",
+        fp8_hooks.modelopt_fp8_process_weights_after_loading,
+        "fp8_tensor_modelopt",
+        cpu_layers.random_fp8_checkpoint,
+    ),
     ("fp8_tensor", fp8_hooks.fp8_process_weights_after_loading, "fp8_tensor", cpu_layers.random_fp8_checkpoint),
     ("fp8_block", fp8_hooks.fp8_process_weights_after_loading, "fp8_block", cpu_layers.random_fp8_checkpoint),
     ("bf16", bf16_hooks.process_weights_after_loading, "bf16", cpu_layers.random_bf16_checkpoint),
@@ -72,12 +76,19 @@ def _method(kind, layer):
 
 def _missing(fmt_name):
     fmt = by_name(fmt_name)
-    return [p.name for p in fmt.params] + list(fmt.scalar_params) + ["moe_runner_config"] + [
-        f"moe_runner_config.{f}" for f in CONFIG_FIELDS]
+    return (
+        [p.name for p in fmt.params]
+        + list(fmt.scalar_params)
+        + ["moe_runner_config"]
+        + [f"moe_runner_config.{f}" for f in CONFIG_FIELDS]
+    )
 
 
-CASES = [pytest.param(kind, hook, fmt, make, attr, id=f"{kind}-{attr}")
-         for kind, hook, fmt, make in HOOKS for attr in _missing(fmt)]
+CASES = [
+    pytest.param(kind, hook, fmt, make, attr, id=f"{kind}-{attr}")
+    for kind, hook, fmt, make in HOOKS
+    for attr in _missing(fmt)
+]
 
 
 @pytest.mark.parametrize("kind,hook,fmt,make,attr", CASES)

@@ -59,13 +59,17 @@ def _b12x_interleave():
         from flashinfer.experimental.b12x.moe._shared.kernels.reference_flashinfer import (
             _block_scale_interleave_128x4_torch,
         )
+
         return _block_scale_interleave_128x4_torch
     except ImportError:
-        path = (Path(importlib.util.find_spec("flashinfer").origin).parent
-                / "experimental/b12x/moe/_shared/kernels/reference_flashinfer.py")
+        path = (
+            Path(importlib.util.find_spec("flashinfer").origin).parent
+            / "experimental/b12x/moe/_shared/kernels/reference_flashinfer.py"
+        )
         tree = ast.parse(path.read_text())
-        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
-                  and n.name == "_block_scale_interleave_128x4_torch")
+        fn = next(
+            n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_block_scale_interleave_128x4_torch"
+        )
         ns = {"torch": torch}
         exec(compile(ast.Module([fn], type_ignores=[]), str(path), "exec"), ns)
         return ns[fn.name]
@@ -80,6 +84,7 @@ def _fi_w13_expert(x_u8, gated, etm=128):
 
 
 # ------------------------------------------------------------------------------------------------- sizes and maps
+
 
 def test_padded_intermediate():
     assert [L.padded_intermediate(i, True) for i in (2048, 256, 120, 232, 192, 1)] == [2048, 256, 128, 240, 192, 16]
@@ -97,25 +102,37 @@ def test_maps_equal_flashinfer(k, etm, gated):
     x = _rand((m, 3), seed=k)
     assert torch.equal(x[L.shuffle_map(m, etm)], shuffle_matrix_a(x, etm))
     assert torch.equal(x[L.w13_row_map(m, gated, epilogue_tile_m=etm)], _fi_w13_expert(x, gated, etm))
-    assert torch.equal(L.w13_row_map(m, gated, epilogue_tile_m=etm),
-                       _maybe_get_cached_w3_w1_permute_indices({}, x, etm, is_gated_act_gemm=gated))
+    assert torch.equal(
+        L.w13_row_map(m, gated, epilogue_tile_m=etm),
+        _maybe_get_cached_w3_w1_permute_indices({}, x, etm, is_gated_act_gemm=gated),
+    )
     assert torch.equal(L.w2_row_map(m, epilogue_tile_m=etm), get_w2_permute_indices_with_cache({}, x, etm))
     if gated:
         assert torch.equal(x[L.gated_reorder_map(m)], reorder_rows_for_gated_act_gemm(x))
     if m % 128 == 0:  # the scale-row maps flashinfer builds (they assert M % 128) are the same rows
-        assert torch.equal(L.w13_row_map(m, gated, epilogue_tile_m=etm), _maybe_get_cached_w3_w1_permute_indices(
-            {}, x, etm, num_elts_per_sf=16, is_gated_act_gemm=gated))
-        assert torch.equal(L.w2_row_map(m, epilogue_tile_m=etm),
-                           get_w2_permute_indices_with_cache({}, x, etm, num_elts_per_sf=16))
+        assert torch.equal(
+            L.w13_row_map(m, gated, epilogue_tile_m=etm),
+            _maybe_get_cached_w3_w1_permute_indices({}, x, etm, num_elts_per_sf=16, is_gated_act_gemm=gated),
+        )
+        assert torch.equal(
+            L.w2_row_map(m, epilogue_tile_m=etm), get_w2_permute_indices_with_cache({}, x, etm, num_elts_per_sf=16)
+        )
     inv = L.invert_map(L.w13_row_map(m, gated, epilogue_tile_m=etm))
     assert torch.equal(inv, torch.argsort(L.w13_row_map(m, gated, epilogue_tile_m=etm)))
 
 
 # ------------------------------------------------------------------------------------------------- row permutation
 
+
 @FAST
-@given(e=st.integers(1, 5), k=st.integers(1, 6), cols=st.sampled_from([1, 3, 17, 64, 130]),
-       dtype=st.sampled_from(DTYPES), gated=st.booleans(), chunk=st.sampled_from([None, 1, 2, 9]))
+@given(
+    e=st.integers(1, 5),
+    k=st.integers(1, 6),
+    cols=st.sampled_from([1, 3, 17, 64, 130]),
+    dtype=st.sampled_from(DTYPES),
+    gated=st.booleans(),
+    chunk=st.sampled_from([None, 1, 2, 9]),
+)
 def test_permute_rows_inplace_equals_flashinfer_per_expert(e, k, cols, dtype, gated, chunk):
     m = 32 * k
     orig = _rand((e, m, cols), dtype, seed=e * 100 + k)
@@ -159,6 +176,7 @@ def test_permute_rows_rejects_bad_input_before_writing():
 
 # ------------------------------------------------------------------------------------------------- 128x4 swizzle
 
+
 @FAST
 @given(e=st.integers(1, 3), r=st.integers(1, 300), c=st.integers(1, 13))
 def test_swizzle_equals_sglang_and_flashinfer_including_padding(e, r, c):
@@ -199,8 +217,9 @@ def test_permute_rows_and_swizzle_sf_equals_sglang_steps(gated):
     sf = orig.clone()
     ptr = sf.data_ptr()
     L.permute_rows_and_swizzle_sf_(sf, L.w13_row_map(256, gated), chunk=3)
-    perm = _maybe_get_cached_w3_w1_permute_indices({}, _bytes(orig[0]), 128, num_elts_per_sf=16,
-                                                   is_gated_act_gemm=gated)
+    perm = _maybe_get_cached_w3_w1_permute_indices(
+        {}, _bytes(orig[0]), 128, num_elts_per_sf=16, is_gated_act_gemm=gated
+    )
     ref = torch.stack([swizzle_blockscale(orig[i][perm]) for i in range(4)])
     assert sf.data_ptr() == ptr and _same(sf, ref)
     L.unswizzle_sf_128x4_(sf)
@@ -304,9 +323,16 @@ def test_triton_kernels_interpreted_on_cpu():
 
 # ------------------------------------------------------------------------------------------------- block-major K
 
+
 @FAST
-@given(e=st.integers(1, 3), m=st.integers(1, 40), nb=st.integers(1, 4), bk=st.sampled_from([64, 128, 256]),
-       dtype=st.sampled_from(DTYPES), chunk=st.sampled_from([None, 1, 2]))
+@given(
+    e=st.integers(1, 3),
+    m=st.integers(1, 40),
+    nb=st.integers(1, 4),
+    bk=st.sampled_from([64, 128, 256]),
+    dtype=st.sampled_from(DTYPES),
+    chunk=st.sampled_from([None, 1, 2]),
+)
 def test_block_major_equals_flashinfer_convert_to_block_layout(e, m, nb, bk, dtype, chunk):
     item = torch.empty((), dtype=dtype).element_size()
     orig = _rand((e, m, nb * bk // item), dtype, seed=m * 7 + nb)
@@ -342,8 +368,15 @@ def test_bf16_prep_equals_flashinfer_prepare_trtllm_bf16_weights(gated, i):
     m = 2 * i if gated else i
     w1 = _rand((e, m, h), torch.bfloat16, seed=1)
     w2 = _rand((e, h, i), torch.bfloat16, seed=2)
-    ref = prepare_trtllm_bf16_weights(w1, w2, num_local_experts=e, hidden_size=h, intermediate_size=i,
-                                      activation=SwiGLU() if gated else ReLU2(), permute_cache={})
+    ref = prepare_trtllm_bf16_weights(
+        w1,
+        w2,
+        num_local_experts=e,
+        hidden_size=h,
+        intermediate_size=i,
+        activation=SwiGLU() if gated else ReLU2(),
+        permute_cache={},
+    )
     p1, p2 = w1.clone(), w2.clone()
     L.permute_rows_to_block_major_k_(p1, L.w13_row_map(m, gated), chunk=2)
     L.permute_rows_to_block_major_k_(p2, L.w2_row_map(h))
@@ -353,10 +386,14 @@ def test_bf16_prep_equals_flashinfer_prepare_trtllm_bf16_weights(gated, i):
 
 # ------------------------------------------------------------------------------------------------- NVFP4, whole layer
 
+
 def _sglang_nvfp4_prep(monkeypatch, w13, w2, s13, s2, h, ip, gated):
     """SGLang 0.5.23's per-expert prep; flashinfer's CUDA-only interleave replaced by SGLang's swizzle_blockscale."""
-    monkeypatch.setattr(flashinfer, "nvfp4_block_scale_interleave",
-                        lambda sf: swizzle_blockscale(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+    monkeypatch.setattr(
+        flashinfer,
+        "nvfp4_block_scale_interleave",
+        lambda sf: swizzle_blockscale(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1),
+    )
     return prepare_static_weights_for_trtllm_fp4_moe(w13, w2, s13, s2, h, ip, w13.shape[0], is_gated=gated)
 
 
@@ -392,20 +429,30 @@ def test_nvfp4_layer_prep_equals_sglang(monkeypatch, h, i, gated, e):
     # and back to the checkpoint bytes
     L.unswizzle_sf_128x4_(ours[2])
     L.unswizzle_sf_128x4_(ours[3])
-    for t, rows in ((ours[0], L.w13_row_map(m13, gated)), (ours[2], L.w13_row_map(m13, gated)),
-                    (ours[1], L.w2_row_map(h)), (ours[3], L.w2_row_map(h))):
+    for t, rows in (
+        (ours[0], L.w13_row_map(m13, gated)),
+        (ours[2], L.w13_row_map(m13, gated)),
+        (ours[1], L.w2_row_map(h)),
+        (ours[3], L.w2_row_map(h)),
+    ):
         L.unpermute_rows_(t, rows)
     assert all(_same(a, b) for a, b in zip(ours, (w13, w2, s13, s2)))
 
 
 # ------------------------------------------------------------------------------------------------- per-half padding
 
+
 def _sglang_loader_padded_w13(w1, w3, ip):
     """What SGLang's FusedMoE._load_w13 writes into an [E, 2*ip, K] trtllm buffer (up first, padded loading)."""
     layer = types.SimpleNamespace(
-        moe_runner_config=types.SimpleNamespace(is_gated=True), use_padded_loading=True, moe_tp_rank=0,
-        moe_tp_size=1, use_presharded_weights=True, use_triton_kernels=False,
-        quant_method=types.SimpleNamespace(load_up_proj_weight_first=True))
+        moe_runner_config=types.SimpleNamespace(is_gated=True),
+        use_padded_loading=True,
+        moe_tp_rank=0,
+        moe_tp_size=1,
+        use_presharded_weights=True,
+        use_triton_kernels=False,
+        quant_method=types.SimpleNamespace(load_up_proj_weight_first=True),
+    )
     buf = torch.full((w1.shape[0], 2 * ip, w1.shape[2]), 0xAB, dtype=w1.dtype)
     for e in range(w1.shape[0]):
         FusedMoE._load_w13(layer, expert_data=buf[e], shard_dim=0, shard_id="w1", loaded_weight=w1[e])
@@ -420,7 +467,7 @@ def test_pad_gated_halves_equals_sglang_loader(i, e):
     w1, w3 = _rand((e, i, 5), seed=i), _rand((e, i, 5), seed=i + 1000)  # gate, up
     padded = L.pad_gated_halves(torch.cat([w3, w1], dim=1), ip)
     assert torch.equal(padded, _sglang_loader_padded_w13(w1, w3, ip))
-    assert torch.equal(padded[:, ip:ip + i], w1)  # the gate half starts at ip, where the kernel splits
+    assert torch.equal(padded[:, ip : ip + i], w1)  # the gate half starts at ip, where the kernel splits
     assert torch.equal(L.unpad_gated_halves(padded, i), torch.cat([w3, w1], dim=1))
 
 
@@ -434,11 +481,12 @@ def test_sglang_align_pads_only_at_the_end_which_differs_for_unaligned_gated_i()
     sg_w13 = _align_fp4_moe_weights(w13, s13, w2, s2, is_gated=True)[0]
     ours = L.pad_gated_halves(w13, L.padded_intermediate(i, True))
     assert ours.shape == sg_w13.shape == (e, 256, h // 2)
-    assert torch.equal(sg_w13[:, i:2 * i], w13[:, i:]) and torch.equal(ours[:, 128:128 + i], w13[:, i:])
+    assert torch.equal(sg_w13[:, i : 2 * i], w13[:, i:]) and torch.equal(ours[:, 128 : 128 + i], w13[:, i:])
     assert not torch.equal(ours, sg_w13)
 
 
 # ------------------------------------------------------------------------------------------------- cache and errors
+
 
 def test_cache_per_shape_and_device_and_clear():
     L.clear_caches()

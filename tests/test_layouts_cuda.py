@@ -15,8 +15,10 @@ from sglang_trtllm_moe import layouts as L
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
 
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (the Triton layout kernels run on CUDA): no CUDA device on this machine",
-                allow_module_level=True)
+    pytest.skip(
+        "needs a CUDA GPU (the Triton layout kernels run on CUDA): no CUDA device on this machine",
+        allow_module_level=True,
+    )
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (the layout kernels are Triton kernels): not installed", allow_module_level=True)
 
@@ -38,15 +40,17 @@ def _ref(fn, *args, **kw):
         L.set_fast_path(old)
 
 
-@pytest.fixture(params=[
-    {},  # the defaults
-    dict(rows_tile_words=2048, rows_slice_words=16, sf_cols=8),  # more programs per set (G up to 64 / 448)
-    dict(rows_tile_words=16384, rows_slice_words=4),  # one program holds a whole gated expert column slice (G = 1)
-    dict(programs_per_sm=2, num_warps=8),  # persistent grid: programs loop over tickets
-    dict(tickets=False),  # (set, part) from the program id
-    dict(sf_tiles=2, rows_tile_words=4096, rows_slice_words=32),  # scale programs of two 128-row tiles
-    dict(sf_tiles=4, sf_cols=32, programs_per_sm=1),
-])
+@pytest.fixture(
+    params=[
+        {},  # the defaults
+        dict(rows_tile_words=2048, rows_slice_words=16, sf_cols=8),  # more programs per set (G up to 64 / 448)
+        dict(rows_tile_words=16384, rows_slice_words=4),  # one program holds a whole gated expert column slice (G = 1)
+        dict(programs_per_sm=2, num_warps=8),  # persistent grid: programs loop over tickets
+        dict(tickets=False),  # (set, part) from the program id
+        dict(sf_tiles=2, rows_tile_words=4096, rows_slice_words=32),  # scale programs of two 128-row tiles
+        dict(sf_tiles=4, sf_cols=32, programs_per_sm=1),
+    ]
+)
 def config(request):
     saved = dict(T.CONFIG)
     T.CONFIG.update(request.param)
@@ -120,9 +124,11 @@ def test_nvfp4_layer_cuda_equals_cpu(gated):
     def layer(device):
         return SimpleNamespace(
             moe_runner_config=SimpleNamespace(is_gated=gated, activation="silu"),
-            w13_weight=_rand((e, m13, h // 2), 1).to(device), w2_weight=_rand((e, h, i // 2), 2).to(device),
+            w13_weight=_rand((e, m13, h // 2), 1).to(device),
+            w2_weight=_rand((e, h, i // 2), 2).to(device),
             w13_weight_scale=_rand((e, m13, h // 16), 3, 0x7F).view(torch.float8_e4m3fn).to(device),
-            w2_weight_scale=_rand((e, h, i // 16), 4, 0x7F).view(torch.float8_e4m3fn).to(device))
+            w2_weight_scale=_rand((e, h, i // 16), 4, 0x7F).view(torch.float8_e4m3fn).to(device),
+        )
 
     names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
     cpu, gpu = layer("cpu"), layer(DEV)

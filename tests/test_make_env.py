@@ -33,14 +33,18 @@ def _post_block() -> str:
 
 def _ensure(tmp_path, fi: str, venv):
     script = tmp_path / "run.sh"
-    script.write_text(_post_block() + f'\nensure_oracle "{tmp_path}/pip" "{venv}" "{tmp_path}/root" '
-                      f'"{REPO}/ci/releases.tsv" "{fi}"\n')
+    script.write_text(
+        _post_block() + f'\nensure_oracle "{tmp_path}/pip" "{venv}" "{tmp_path}/root" "{REPO}/ci/releases.tsv" "{fi}"\n'
+    )
     return subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
 
 
 def _newest_pin() -> str:
-    rows = [line.split() for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
+    rows = [
+        line.split()
+        for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     return rows[-1][4]
 
 
@@ -61,9 +65,17 @@ def test_ensure_oracle_puts_the_newest_flashinfer_on_the_path_of_envs_without_th
         assert r.returncode == 0, r.stderr
     assert log.read_text().splitlines() == [f"-m pip install -q --no-deps --target {oracle} flashinfer-python=={pin}"]
     assert (oracle / ".complete").exists()
-    found = subprocess.run([str(venvs["old"] / "bin" / "python"), "-c", textwrap.dedent("""
-        import flashinfer; print(flashinfer.__file__); print(flashinfer.__version__)""")],
-        capture_output=True, text=True, timeout=60)
+    found = subprocess.run(
+        [
+            str(venvs["old"] / "bin" / "python"),
+            "-c",
+            textwrap.dedent("""
+        import flashinfer; print(flashinfer.__file__); print(flashinfer.__version__)"""),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert found.returncode == 0, found.stderr
     origin, version = found.stdout.split()
     assert origin.startswith(str(oracle)) and version == pin
@@ -71,6 +83,7 @@ def test_ensure_oracle_puts_the_newest_flashinfer_on_the_path_of_envs_without_th
     r = _ensure(tmp_path, "0.6.14", venvs["new"])  # a release with its own importable pin: untouched
     assert r.returncode == 0, r.stderr
     assert len(log.read_text().splitlines()) == 1
-    none = subprocess.run([str(venvs["new"] / "bin" / "python"), "-c", "import flashinfer"], capture_output=True,
-                          text=True, timeout=60)
+    none = subprocess.run(
+        [str(venvs["new"] / "bin" / "python"), "-c", "import flashinfer"], capture_output=True, text=True, timeout=60
+    )
     assert none.returncode != 0 and "No module named 'flashinfer'" in none.stderr

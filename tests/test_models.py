@@ -28,10 +28,13 @@ import pytest
 from .support.helpers import REPO, last_json
 from .support.model_worker import JOBS, job_key
 
-pytestmark = pytest.mark.sglang(">=0.5.21", reason="testing.models spells SGLang's runner set-up of 0.5.21+ "
-                                                   "(bench_one_batch flow: bootstrap.init_parallel_runtime, "
-                                                   "runtime_context.publish); older releases set up the process "
-                                                   "differently")
+pytestmark = pytest.mark.sglang(
+    ">=0.5.21",
+    reason="testing.models spells SGLang's runner set-up of 0.5.21+ "
+    "(bench_one_batch flow: bootstrap.init_parallel_runtime, "
+    "runtime_context.publish); older releases set up the process "
+    "differently",
+)
 
 #: models SGLang builds with FusedMoE layers, and the one it builds without
 FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4")]
@@ -42,13 +45,28 @@ FUSED_IDS = [job_key(a, q) for a, q in FUSED]
 #: FP4 at both GEMMs (W4A4), FP8 to e4m3 (static per-tensor scales, or dynamic per 1x128 block): those dominate;
 #: BF16 rounds the activations only.
 FORWARD_BOUND = {
-    ("qwen3_moe", "nvfp4"): 0.22, ("deepseek_v3", "nvfp4"): 0.22, ("nemotron_h", "nvfp4"): 0.25,
-    ("mixtral", "bf16"): 0.04, ("qwen3_moe", "fp8"): 0.08, ("nemotron_h", "fp8"): 0.1, ("mixtral", "fp8_static"): 0.11,
+    ("qwen3_moe", "nvfp4"): 0.22,
+    ("deepseek_v3", "nvfp4"): 0.22,
+    ("nemotron_h", "nvfp4"): 0.25,
+    ("mixtral", "bf16"): 0.04,
+    ("qwen3_moe", "fp8"): 0.08,
+    ("nemotron_h", "fp8"): 0.1,
+    ("mixtral", "fp8_static"): 0.11,
     ("deepseek_v3", "fp8_block"): 0.055,
 }
 
-FULL_FLOWS = ("disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket", "tensor_split_shards",
-              "session_direct", "distributed", "random_rounds", "weight_checker", "greedy")
+FULL_FLOWS = (
+    "disk_full",
+    "disk_partial",
+    "tensor_buckets",
+    "tensor_flattened_bucket",
+    "tensor_split_shards",
+    "session_direct",
+    "distributed",
+    "random_rounds",
+    "weight_checker",
+    "greedy",
+)
 
 #: what is known not to work on older releases, by cause: (release specifier, formats, checks, reason). A test of a
 #: listed (release, format, check) is a strict xfail: it must fail, so a fix shows up as a failure to remove here.
@@ -80,9 +98,19 @@ def reports() -> dict:
     """Every model's report, from one `model_worker --jobs all` run (about a minute on a 2-core box)."""
     if not _REPORTS:
         cmd = [sys.executable, "-m", "tests.support.model_worker", "--jobs", "all"]
-        proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                  [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
+        proc = subprocess.run(
+            cmd,
+            cwd=str(REPO),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+                ),
+            },
+        )
         _REPORTS.update(last_json(proc))
         _REPORTS["_stderr_tail"] = proc.stderr[-3000:]
     return _REPORTS
@@ -97,8 +125,10 @@ def report(arch: str, quant: str) -> dict:
 
 def _check(rep: dict, name: str) -> dict:
     res = rep[name]
-    assert res.get("ok"), f"{name}: {json.dumps({k: v for k, v in res.items() if k != 'traceback'}, default=str)[:3000]}" \
-                          f"\n{res.get('traceback', '')}"
+    assert res.get("ok"), (
+        f"{name}: {json.dumps({k: v for k, v in res.items() if k != 'traceback'}, default=str)[:3000]}"
+        f"\n{res.get('traceback', '')}"
+    )
     return res
 
 

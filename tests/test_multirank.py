@@ -74,7 +74,11 @@ def _launch(world: int, scenarios: list, tmp) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
             [sys.executable, "-m", "tests.support.multirank_worker", str(job), str(r), str(world), str(port), str(tmp)],
-            cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=str(REPO),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(world)
     ]
@@ -153,9 +157,18 @@ def _ok(results, name):
     return [res[name] for res in results]
 
 
-@pytest.mark.parametrize("name", ["tp2-gated-I256", "tp2-gated-I192-padded", "tp2-relu2-I176-padded",
-                                  "tp2-fp8-gated-I192-padded", "tp2-gated-I64-empty-rank", "ep2-gated-I96",
-                                  "ep2-relu2-I128"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tp2-gated-I256",
+        "tp2-gated-I192-padded",
+        "tp2-relu2-I176-padded",
+        "tp2-fp8-gated-I192-padded",
+        "tp2-gated-I64-empty-rank",
+        "ep2-gated-I96",
+        "ep2-relu2-I128",
+    ],
+)
 def test_multi_rank_output_equals_single_rank(world2, name):
     results, refs = world2
     per_rank = _ok(results, name)
@@ -192,15 +205,26 @@ def test_tp_ranks_hold_consecutive_padded_chunks_of_the_checkpoint(world2):
             for e in range(spec.num_experts):
                 for pname in ("w13_weight", "w13_weight_scale"):
                     for h, proj in enumerate(halves):
-                        want = ck[f"experts.{e}.{proj}.{pname[4:]}"][start:start + n]
-                        block = loaded[pname][e][h * pad:(h + 1) * pad]
-                        assert torch.equal(block[:n].view(torch.uint8), want.view(torch.uint8)), (name, rank, e, pname, proj)
+                        want = ck[f"experts.{e}.{proj}.{pname[4:]}"][start : start + n]
+                        block = loaded[pname][e][h * pad : (h + 1) * pad]
+                        assert torch.equal(block[:n].view(torch.uint8), want.view(torch.uint8)), (
+                            name,
+                            rank,
+                            e,
+                            pname,
+                            proj,
+                        )
                         assert not block[n:].view(torch.uint8).any(), (name, rank, e, pname, "padding not zero")
                 for pname, div in (("w2_weight", 2), ("w2_weight_scale", 16)):
                     got = loaded[pname][e]
-                    want = ck[f"experts.{e}.down_proj.{pname[3:]}"][:, start // div:(start + n) // div]
-                    assert torch.equal(got[:, :n // div].view(torch.uint8), want.view(torch.uint8)), (name, rank, e, pname)
-                    assert not got[:, n // div:].view(torch.uint8).any(), (name, rank, e, pname, "padding not zero")
+                    want = ck[f"experts.{e}.down_proj.{pname[3:]}"][:, start // div : (start + n) // div]
+                    assert torch.equal(got[:, : n // div].view(torch.uint8), want.view(torch.uint8)), (
+                        name,
+                        rank,
+                        e,
+                        pname,
+                    )
+                    assert not got[:, n // div :].view(torch.uint8).any(), (name, rank, e, pname, "padding not zero")
         assert held == spec.intermediate, (name, held)  # every channel on exactly one rank
 
 
@@ -211,10 +235,15 @@ def _selection_padded(spec, tp):
     """The per-rank padded intermediate size that selection's report names (`I/rank 88, padded to 128`)."""
     import re
 
-    p = selection.MoeProblem(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                             num_experts=spec.num_experts, quantization=_QUANT_OF_FMT[spec.fmt],
-                             activation=spec.activation,
-                             gated=spec.gated, tp_size=tp)
+    p = selection.MoeProblem(
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_experts=spec.num_experts,
+        quantization=_QUANT_OF_FMT[spec.fmt],
+        activation=spec.activation,
+        gated=spec.gated,
+        tp_size=tp,
+    )
     e = selection.can_implement(selection.TRTLLM, p, selection.DeviceInfo(sm=100, flashinfer_version="0.7.2"))
     assert e.eligible, e
     m = re.search(r"padded to (\d+)", e.reason)
@@ -244,7 +273,7 @@ def test_ep_ranks_get_their_expert_slice_and_the_kernel_its_offset(world2):
             # local expert j of this rank is global expert rank*n + j (SGLang's contiguous EP placement)
             for j in range(n):
                 want = ck[f"experts.{rank * n + j}.down_proj.weight"]
-                assert torch.equal(res["loaded"]["w2_weight"][j][:, :want.shape[1]], want), (name, rank, j)
+                assert torch.equal(res["loaded"]["w2_weight"][j][:, : want.shape[1]], want), (name, rank, j)
 
 
 def test_uneven_expert_split_is_refused_by_sglang_and_by_selection(world2):
@@ -255,8 +284,9 @@ def test_uneven_expert_split_is_refused_by_sglang_and_by_selection(world2):
         err = res["ep2-uneven-7-experts"].get("error", "")
         assert err.startswith("AssertionError"), err or "SGLang accepted 7 experts over EP 2"
         assert "_num_global_routed % storage_ep_size" in res["ep2-uneven-7-experts"]["traceback"]
-    p = selection.MoeProblem(hidden_size=H, intermediate_size=128, num_experts=7, quantization="modelopt_fp4",
-                             tp_size=2, ep_size=2)
+    p = selection.MoeProblem(
+        hidden_size=H, intermediate_size=128, num_experts=7, quantization="modelopt_fp4", tp_size=2, ep_size=2
+    )
     e = selection.can_implement(selection.TRTLLM, p, selection.DeviceInfo(sm=100, flashinfer_version="0.7.2"))
     assert not e.eligible and e.code == selection.Code.EXPERT_SPLIT, e
 
@@ -290,8 +320,9 @@ def test_selection_decides_with_per_rank_facts():
     dev = selection.DeviceInfo(sm=100, flashinfer_version="0.7.2")
 
     def decide(**kw):
-        base = dict(hidden_size=7168, intermediate_size=1536, num_experts=256, quantization="fp8",
-                    weight_block_size=(128, 128))
+        base = dict(
+            hidden_size=7168, intermediate_size=1536, num_experts=256, quantization="fp8", weight_block_size=(128, 128)
+        )
         return selection.can_implement(selection.TRTLLM, selection.MoeProblem(**{**base, **kw}), dev)
 
     # DeepSeek FP8 block: 1536 is 12 scale blocks at TP=1; at TP=8 each rank would hold 192 = 1.5 blocks

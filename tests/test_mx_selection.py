@@ -14,20 +14,31 @@ B200 = DeviceInfo(sm=100, flashinfer_version="0.7.2", source="test")
 
 
 def config(arch, quant=None, **extra):
-    cfg = {"architectures": [arch], "hidden_size": 4096, "moe_intermediate_size": 2048, "n_routed_experts": 64,
-           "num_experts_per_tok": 4, "hidden_act": "silu", **extra}
+    cfg = {
+        "architectures": [arch],
+        "hidden_size": 4096,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 4,
+        "hidden_act": "silu",
+        **extra,
+    }
     if quant is not None:
         cfg["quantization_config"] = quant
     return cfg
 
 
 MXFP8 = config("DeepseekV3ForCausalLM", {"quant_method": "mxfp8", "activation_scheme": "dynamic"})
-DSV4 = config("DeepseekV4ForCausalLM", {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                        "weight_block_size": [128, 128]})
-MIMO = config("MiMoV2ForCausalLM", {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                    "routed_experts_quant_method": "mxfp4"})
-GPTOSS = config("GptOssForCausalLM", {"quant_method": "mxfp4"}, num_local_experts=32, hidden_size=2880,
-                intermediate_size=2880)
+DSV4 = config(
+    "DeepseekV4ForCausalLM", {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+)
+MIMO = config(
+    "MiMoV2ForCausalLM",
+    {"quant_method": "fp8", "weight_block_size": [128, 128], "routed_experts_quant_method": "mxfp4"},
+)
+GPTOSS = config(
+    "GptOssForCausalLM", {"quant_method": "mxfp4"}, num_local_experts=32, hidden_size=2880, intermediate_size=2880
+)
 
 
 def test_mxfp8_checkpoint_is_served_on_both_trtllm_backends_and_sglang_choice_agrees():
@@ -47,8 +58,11 @@ def test_online_mxfp8_is_left_to_sglang_with_the_reason():
     assert "online MXFP8" in res.reason and "SGLang's own preparation" in res.reason
 
 
-@pytest.mark.parametrize("cfg,fmt_name", [(DSV4, "mxfp4_experts"), (MIMO, "mxfp4_experts"), (GPTOSS, "mxfp4_gptoss")],
-                         ids=["deepseek-v4", "mimo-v2", "gpt-oss"])
+@pytest.mark.parametrize(
+    "cfg,fmt_name",
+    [(DSV4, "mxfp4_experts"), (MIMO, "mxfp4_experts"), (GPTOSS, "mxfp4_gptoss")],
+    ids=["deepseek-v4", "mimo-v2", "gpt-oss"],
+)
 def test_mxfp4_layers_are_reported_on_flashinfer_mxfp4_and_never_auto_switched(cfg, fmt_name):
     p = problem_from_hf_config(cfg)
     fmt, _ = p.weight_format()

@@ -24,11 +24,17 @@ from .support import sglang_runtime
 
 PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 BACKEND = "flashinfer_mxfp4"
-PADDED = pytest.mark.sglang(">=0.5.17", reason="FusedMoE's plain loader writes a smaller shard into a larger expert "
-                            "buffer from 0.5.17; before, an intermediate that is not a multiple of 128 cannot be "
-                            "padded (and SGLang's own prep asserts until 0.5.21): the plugin leaves such layers to SGLang")
-SGLANG_PADS = pytest.mark.sglang(">=0.5.21", reason="SGLang's own FP4-expert prep pads the intermediate to 128 from "
-                                 "0.5.21 (it asserts before), so there is no SGLang answer to compare with")
+PADDED = pytest.mark.sglang(
+    ">=0.5.17",
+    reason="FusedMoE's plain loader writes a smaller shard into a larger expert "
+    "buffer from 0.5.17; before, an intermediate that is not a multiple of 128 cannot be "
+    "padded (and SGLang's own prep asserts until 0.5.21): the plugin leaves such layers to SGLang",
+)
+SGLANG_PADS = pytest.mark.sglang(
+    ">=0.5.21",
+    reason="SGLang's own FP4-expert prep pads the intermediate to 128 from "
+    "0.5.21 (it asserts before), so there is no SGLang answer to compare with",
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,8 +93,9 @@ def test_storage_is_allocated_at_the_kernel_width_with_sglang_attributes():
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["e8m0-scales", "f32-scales"])
-@pytest.mark.parametrize("intermediate", [pytest.param(128, id="I128"),
-                                          pytest.param(96, id="I96-padded", marks=[PADDED, SGLANG_PADS])])
+@pytest.mark.parametrize(
+    "intermediate", [pytest.param(128, id="I128"), pytest.param(96, id="I96-padded", marks=[PADDED, SGLANG_PADS])]
+)
 def test_prepared_bytes_equal_sglang_own_preparation(intermediate, scale_dtype):
     spec = spec_of(intermediate)
     ck = mx_layers.random_checkpoint(spec, 0, scale_dtype=scale_dtype)
@@ -101,8 +108,11 @@ def test_prepared_bytes_equal_sglang_own_preparation(intermediate, scale_dtype):
         assert ours.intermediate_size_per_partition == upstream.intermediate_size_per_partition == 128
 
 
-@pytest.mark.sglang(">=0.5.18", reason="flashinfer's prepare_trtllm_fp4_weights (the oracle) takes an MXFP4 variant "
-                    "from the flashinfer 0.6.17 SGLang 0.5.18 pins (NVFP4 only before)")
+@pytest.mark.sglang(
+    ">=0.5.18",
+    reason="flashinfer's prepare_trtllm_fp4_weights (the oracle) takes an MXFP4 variant "
+    "from the flashinfer 0.6.17 SGLang 0.5.18 pins (NVFP4 only before)",
+)
 def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp4_weights():
     """FlashInfer's own MXFP4 x MXFP8 preparation of bf16 [up; gate] weights (its CUDA quantizer and interleave
     replaced by torch ones); the same numbers as a checkpoint through SGLang's loader and the plugin give its bytes."""
@@ -140,8 +150,12 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp4_weights():
             ck[f"experts.{e}.{proj}.weight"] = q.view(torch.int8)
             ck[f"experts.{e}.{proj}.weight_scale_inv"] = s.view(torch.float8_e8m0fnu)
     ours = prepared_layer(spec, ck)
-    for n, k in (("w13_weight", "gemm1_weights"), ("w13_weight_scale_inv", "gemm1_weights_scale"),
-                 ("w2_weight", "gemm2_weights"), ("w2_weight_scale_inv", "gemm2_weights_scale")):
+    for n, k in (
+        ("w13_weight", "gemm1_weights"),
+        ("w13_weight_scale_inv", "gemm1_weights_scale"),
+        ("w2_weight", "gemm2_weights"),
+        ("w2_weight_scale_inv", "gemm2_weights_scale"),
+    ):
         assert torch.equal(as_bytes(getattr(ours, n)), as_bytes(fi[k])), f"{n} differs from flashinfer's {k}"
 
 
@@ -152,7 +166,9 @@ def _mixed(base, new, experts):
     return {k: (new[k] if int(k.split(".")[1]) in experts else v) for k, v in base.items()}
 
 
-@pytest.mark.parametrize("intermediate", [pytest.param(128, id="I128"), pytest.param(96, id="I96-padded", marks=PADDED)])
+@pytest.mark.parametrize(
+    "intermediate", [pytest.param(128, id="I128"), pytest.param(96, id="I96-padded", marks=PADDED)]
+)
 def test_one_expert_update_equals_a_fresh_load_of_the_mixed_checkpoint(intermediate):
     spec = spec_of(intermediate)
     base = mx_layers.random_checkpoint(spec, 0)
@@ -199,7 +215,11 @@ def test_refused_update_leaves_every_byte(bad):
     elif bad == "bf16-weight":
         param, t, shard = layer.w13_weight, new["experts.1.gate_proj.weight"].to(torch.bfloat16), "w1"
     elif bad == "fp8-weight-routed-expert":  # FP8 is only requantized by SGLang for fused *shared* experts
-        param, t, shard = layer.w2_weight, torch.zeros(spec.hidden, spec.intermediate // 2, dtype=torch.float8_e4m3fn), "w2"
+        param, t, shard = (
+            layer.w2_weight,
+            torch.zeros(spec.hidden, spec.intermediate // 2, dtype=torch.float8_e4m3fn),
+            "w2",
+        )
     else:
         param, t, shard = layer.w2_weight, new["experts.1.down_proj.weight"][:-32], "w2"
     name = next(n for n, p in layer.named_parameters() if p is param)
@@ -219,7 +239,9 @@ def test_refused_update_leaves_every_byte(bad):
 
 
 @pytest.mark.parametrize("precision", ["default", "bf16"], ids=["mxfp8-activations", "bf16-activations"])
-@pytest.mark.parametrize("intermediate", [pytest.param(128, id="I128"), pytest.param(96, id="I96-padded", marks=PADDED)])
+@pytest.mark.parametrize(
+    "intermediate", [pytest.param(128, id="I128"), pytest.param(96, id="I96-padded", marks=PADDED)]
+)
 def test_emulated_forward_matches_the_dequantized_reference(precision, intermediate, monkeypatch):
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     spec = spec_of(intermediate)
@@ -233,8 +255,15 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, intermedi
     out, topk = sglang_runtime.forward(layer, x, logits)
     w = mx_layers.dequantized_experts(spec, ck)
     ref = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, w, spec, limit=limit)
-    tight = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, w, spec, limit=limit,
-                                    round_like_kernel="mxfp8" if precision == "default" else "bf16")
+    tight = mx_layers.reference_moe(
+        x,
+        topk.topk_ids,
+        topk.topk_weights,
+        w,
+        spec,
+        limit=limit,
+        round_like_kernel="mxfp8" if precision == "default" else "bf16",
+    )
     # The weights are exact (the reference dequantizes the same MXFP4 bytes); only the kernel's own roundings
     # remain: MXFP8 activations and intermediate (measured 0.044-0.047 on 0.5.23, bound 0.08) or bf16 (measured
     # 0.0033-0.0038, bound 0.01). Against a reference rounding at the same points: measured <= 0.0028 (bound 0.01).
@@ -268,9 +297,14 @@ def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_f
         live = checker.live_side(layer, name)
         assert live.scale_name == scale
         got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
-        want = torch.stack([MXFP4QuantizeUtil.dequantize(ck[name][e].view(torch.uint8), torch.float32,
-                                                         ck[scale][e].view(torch.uint8), [1, 32]).reshape(got.shape[1:])
-                            for e in range(spec.num_experts)])
+        want = torch.stack(
+            [
+                MXFP4QuantizeUtil.dequantize(
+                    ck[name][e].view(torch.uint8), torch.float32, ck[scale][e].view(torch.uint8), [1, 32]
+                ).reshape(got.shape[1:])
+                for e in range(spec.num_experts)
+            ]
+        )
         assert torch.equal(got, want.float()), name
         ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
         assert checker.compare_layout(ckpt_side, live).equal
@@ -301,12 +335,13 @@ def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_f
 def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
     """flashinfer's trtllm_fp4_block_scale_routed_moe on the plugin's storage views (uint8 weights, UE8M0 scale bytes
     with float8_e4m3fn metadata, MXFP8 activations with e4m3-viewed linear scales) against the emulator."""
+    from types import SimpleNamespace
+
     import flashinfer.fused_moe as fi
 
     from sglang_trtllm_moe import emulator
     from sglang_trtllm_moe.formats import KernelCall
     from sglang_trtllm_moe.runner import routing_kwargs
-    from types import SimpleNamespace
 
     spec = MoeSpec(num_experts=8, hidden=512, intermediate=256, fmt="mxfp4_experts")
     ck = mx_layers.random_checkpoint(spec, 0)
@@ -318,9 +353,15 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
     from sglang.srt.layers.moe.topk import TopK
 
     topk = TopK(top_k=2, renormalize=True, layer_id=0)(x, torch.randn(16, spec.num_experts, device="cuda"))
-    qi = SimpleNamespace(global_num_experts=8, local_num_experts=8, local_expert_offset=0, routing_method_type=None,
-                         gemm1_clamp_limit=layer.quant_method._gemm1_clamp_limit_tensor, precision=precision,
-                         bypassed_routing={})
+    qi = SimpleNamespace(
+        global_num_experts=8,
+        local_num_experts=8,
+        local_expert_offset=0,
+        routing_method_type=None,
+        gemm1_clamp_limit=layer.quant_method._gemm1_clamp_limit_tensor,
+        precision=precision,
+        bypassed_routing={},
+    )
     outs = []
     for mod, on_kernel in ((fi, True), (emulator, False)):
         routing, routed = routing_kwargs(topk, None, layer.moe_runner_config, True)

@@ -96,10 +96,12 @@ def test_prepared_bytes_equal_flashinfer_permute_indices_on_the_up_gate_checkpoi
     p2 = get_w2_permute_indices_with_cache(cache, fresh.w2_weight.data[0], 128)
     r13 = up_gate[p13]
     want = {
-        "w13_weight": fresh.w13_weight.data[:, r13], "w2_weight": fresh.w2_weight.data[:, p2],
+        "w13_weight": fresh.w13_weight.data[:, r13],
+        "w2_weight": fresh.w2_weight.data[:, p2],
         "w13_weight_scale": layouts.swizzle_sf_128x4(fresh.w13_weight_scale.data[:, r13]),
         "w2_weight_scale": layouts.swizzle_sf_128x4(fresh.w2_weight_scale.data[:, p2]),
-        "w13_weight_bias": fresh.w13_weight_bias.data[:, r13], "w2_weight_bias": fresh.w2_weight_bias.data[:, p2],
+        "w13_weight_bias": fresh.w13_weight_bias.data[:, r13],
+        "w2_weight_bias": fresh.w2_weight_bias.data[:, p2],
     }
     for n, t in want.items():
         assert torch.equal(as_bytes(getattr(ours, n)), as_bytes(t)), n
@@ -181,7 +183,9 @@ def _forward(layer, x, logits):
     from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
 
     # SGLang's CPU dispatch of TopK always materializes; the CUDA path only wraps the logits (what gpt-oss runs on)
-    bypassed = TopK(top_k=2, renormalize=True, layer_id=0, output_format=TopKOutputFormat.BYPASSED).forward_cuda(x, logits)
+    bypassed = TopK(top_k=2, renormalize=True, layer_id=0, output_format=TopKOutputFormat.BYPASSED).forward_cuda(
+        x, logits
+    )
     standard = TopK(top_k=2, renormalize=True, layer_id=0)(x, logits)
     return layer(x, bypassed), standard
 
@@ -200,8 +204,15 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypat
     w = mx_layers.dequantized_experts(SPEC, ck)
     kw = dict(alpha=mx_layers.GPTOSS_ALPHA, beta=1.0, limit=mx_layers.GPTOSS_LIMIT, biases=w)
     ref = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, w, SPEC, **kw)
-    tight = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, w, SPEC, **kw,
-                                    round_like_kernel="mxfp8" if precision == "default" else "bf16")
+    tight = mx_layers.reference_moe(
+        x,
+        topk.topk_ids,
+        topk.topk_weights,
+        w,
+        SPEC,
+        **kw,
+        round_like_kernel="mxfp8" if precision == "default" else "bf16",
+    )
     # gpt-oss's SwiGLU (alpha 1.702, beta 1, clamp 7) with both biases, on the exact MXFP4 weights: measured on
     # 0.5.23 0.044 (MXFP8 activations, bound 0.08) and 0.0037 (bf16, bound 0.01) against the float reference;
     # against a reference rounding at the same points 0.0030 (bound 0.01). A wrong layout gives ~1.
@@ -229,16 +240,26 @@ def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_f
     layer = model.experts
     ck = {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}
     layer.quant_method.process_weights_after_loading(layer)
-    for name, scale in (("w13_weight", "w13_weight_scale"), ("w2_weight", "w2_weight_scale"),
-                        ("w13_weight_bias", None), ("w2_weight_bias", None)):
+    for name, scale in (
+        ("w13_weight", "w13_weight_scale"),
+        ("w2_weight", "w2_weight_scale"),
+        ("w13_weight_bias", None),
+        ("w2_weight_bias", None),
+    ):
         live = checker.live_side(layer, name)
         assert live.scale_name == scale
         got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
         if scale is None:
             want = ck[name].unsqueeze(-1)
         else:
-            want = torch.stack([MXFP4QuantizeUtil.dequantize(ck[name][e], torch.float32, ck[scale][e], [1, 32])
-                                .reshape(got.shape[1:]) for e in range(SPEC.num_experts)])
+            want = torch.stack(
+                [
+                    MXFP4QuantizeUtil.dequantize(ck[name][e], torch.float32, ck[scale][e], [1, 32]).reshape(
+                        got.shape[1:]
+                    )
+                    for e in range(SPEC.num_experts)
+                ]
+            )
         assert torch.equal(got, want.float()), name
         ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
         assert checker.compare_layout(ckpt_side, live).equal
@@ -283,7 +304,8 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
     fmt = layer_state.state_of(layer).fmt
     x = torch.randn(16, spec.hidden, device="cuda").to(torch.bfloat16)
     topk = TopK(top_k=2, renormalize=True, layer_id=0, output_format=TopKOutputFormat.BYPASSED).forward_cuda(
-        x, torch.randn(16, spec.num_experts, device="cuda"))
+        x, torch.randn(16, spec.num_experts, device="cuda")
+    )
     qi = SimpleNamespace(global_num_experts=8, local_num_experts=8, local_expert_offset=0, precision=precision)
     outs = []
     for mod, on_kernel in ((fi, True), (emulator, False)):

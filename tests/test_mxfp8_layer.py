@@ -28,10 +28,16 @@ CASES = [
     pytest.param(TRTLLM, MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8"), id="trtllm-gated-I128"),
     pytest.param(TRTLLM, MoeSpec(num_experts=4, intermediate=96, fmt="mxfp8"), id="trtllm-gated-I96-padded"),
     pytest.param(ROUTED, MoeSpec(num_experts=4, intermediate=96, fmt="mxfp8"), id="routed-gated-I96-padded"),
-    pytest.param(TRTLLM, MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False, fmt="mxfp8"),
-                 id="trtllm-relu2-I128",
-                 marks=pytest.mark.sglang(">=0.5.19", reason="before 0.5.19 SGLang allocates a non-gated MXFP8 w13 "
-                                          "with 2I rows and slices it at prep: the plugin leaves it to SGLang")),
+    pytest.param(
+        TRTLLM,
+        MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False, fmt="mxfp8"),
+        id="trtllm-relu2-I128",
+        marks=pytest.mark.sglang(
+            ">=0.5.19",
+            reason="before 0.5.19 SGLang allocates a non-gated MXFP8 w13 "
+            "with 2I rows and slices it at prep: the plugin leaves it to SGLang",
+        ),
+    ),
 ]
 
 
@@ -83,8 +89,11 @@ def test_prepared_bytes_equal_sglang_own_preparation(backend, spec):
             assert (a is None and b is None) or torch.equal(a, b), n
 
 
-@pytest.mark.sglang(">=0.5.18", reason="flashinfer's prepare_trtllm_fp8_block_weights (the oracle) ships with the "
-                    "flashinfer 0.6.17+ that SGLang 0.5.18+ pins")
+@pytest.mark.sglang(
+    ">=0.5.18",
+    reason="flashinfer's prepare_trtllm_fp8_block_weights (the oracle) ships with the "
+    "flashinfer 0.6.17+ that SGLang 0.5.18+ pins",
+)
 def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
     """FlashInfer's own MXFP8 preparation of bf16 [up; gate] weights (its CUDA quantizer and interleave replaced by
     torch ones of the same math); the same quantized numbers as a checkpoint through SGLang's loader and the plugin
@@ -113,8 +122,9 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
             how = dict(quant=api.QuantConfig(api.QuantFormat.MXFP8, api.QuantFormat.MXFP8))
         else:  # 0.6.x
             how = dict(variant=api.QuantVariant.MxFp8)
-        fi = prepare.prepare_trtllm_fp8_block_weights(w1, w2, num_local_experts=E, hidden_size=H, intermediate_size=I,
-                                                      **how)
+        fi = prepare.prepare_trtllm_fp8_block_weights(
+            w1, w2, num_local_experts=E, hidden_size=H, intermediate_size=I, **how
+        )
     finally:
         fq8.mxfp8_quantize, fq4.block_scale_interleave = saved
     ck = {}
@@ -123,8 +133,12 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
             q, s = quant.mxfp8_quantize(w.float())
             ck[f"experts.{e}.{proj}.weight"], ck[f"experts.{e}.{proj}.weight_scale_inv"] = q, s
     ours = prepared_layer(TRTLLM, spec, ck)
-    for n, k in (("w13_weight", "gemm1_weights"), ("w13_weight_scale_inv", "gemm1_weights_scale"),
-                 ("w2_weight", "gemm2_weights"), ("w2_weight_scale_inv", "gemm2_weights_scale")):
+    for n, k in (
+        ("w13_weight", "gemm1_weights"),
+        ("w13_weight_scale_inv", "gemm1_weights_scale"),
+        ("w2_weight", "gemm2_weights"),
+        ("w2_weight_scale_inv", "gemm2_weights_scale"),
+    ):
         assert torch.equal(as_bytes(getattr(ours, n)), as_bytes(fi[k])), f"{n} differs from flashinfer's {k}"
 
 
@@ -187,7 +201,11 @@ def test_refused_update_leaves_every_byte(bad):
     snap = {n: p.detach().clone() for n, p in layer.named_parameters()}
     new = mx_layers.random_checkpoint(spec, 1, experts=[1])
     if bad == "e8m0-scale":  # UE8M0 bytes as float8_e8m0fnu: the uint8 parameter would store the integers 2^k
-        param, t, shard = layer.w13_weight_scale_inv, new["experts.1.up_proj.weight_scale_inv"].view(torch.float8_e8m0fnu), "w3"
+        param, t, shard = (
+            layer.w13_weight_scale_inv,
+            new["experts.1.up_proj.weight_scale_inv"].view(torch.float8_e8m0fnu),
+            "w3",
+        )
     elif bad == "bf16-weight":
         param, t, shard = layer.w13_weight, new["experts.1.gate_proj.weight"].to(torch.bfloat16), "w1"
     else:
@@ -209,12 +227,24 @@ def test_refused_update_leaves_every_byte(bad):
 EMULATED = [
     pytest.param(TRTLLM, MoeSpec(num_experts=4, intermediate=96, fmt="mxfp8"), {}, id="trtllm-swiglu-I96"),
     pytest.param(ROUTED, MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8"), {}, id="routed-swiglu-I128"),
-    pytest.param(TRTLLM, MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8"),
-                 dict(gemm1_alpha=1.702, gemm1_clamp_limit=0.2), id="trtllm-swiglu-alpha-clamp",
-                 marks=pytest.mark.sglang(">=0.5.18", reason="Fp8MoEMethod passes gemm1_alpha/beta/clamp_limit to "
-                                          "the MXFP8 kernel from SGLang 0.5.18 (FlashInferTrtllmFp8MoeQuantInfo)")),
-    pytest.param(TRTLLM, MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False, fmt="mxfp8"), {},
-                 id="trtllm-relu2-I128", marks=CASES[-1].marks),
+    pytest.param(
+        TRTLLM,
+        MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8"),
+        dict(gemm1_alpha=1.702, gemm1_clamp_limit=0.2),
+        id="trtllm-swiglu-alpha-clamp",
+        marks=pytest.mark.sglang(
+            ">=0.5.18",
+            reason="Fp8MoEMethod passes gemm1_alpha/beta/clamp_limit to "
+            "the MXFP8 kernel from SGLang 0.5.18 (FlashInferTrtllmFp8MoeQuantInfo)",
+        ),
+    ),
+    pytest.param(
+        TRTLLM,
+        MoeSpec(num_experts=4, intermediate=128, activation="relu2", gated=False, fmt="mxfp8"),
+        {},
+        id="trtllm-relu2-I128",
+        marks=CASES[-1].marks,
+    ),
 ]
 
 
@@ -230,11 +260,25 @@ def test_emulated_forward_matches_the_dequantized_reference(backend, spec, act, 
     x = torch.randn(6, spec.hidden, generator=g).to(torch.bfloat16)
     logits = torch.randn(6, spec.num_experts, generator=g)
     out, topk = sglang_runtime.forward(layer, x, logits)
-    ref = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, mx_layers.dequantized_experts(spec, ck), spec,
-                                  alpha=act.get("gemm1_alpha"), limit=act.get("gemm1_clamp_limit"))
-    tight = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, mx_layers.dequantized_experts(spec, ck),
-                                    spec, alpha=act.get("gemm1_alpha"), limit=act.get("gemm1_clamp_limit"),
-                                    round_like_kernel="mxfp8")
+    ref = mx_layers.reference_moe(
+        x,
+        topk.topk_ids,
+        topk.topk_weights,
+        mx_layers.dequantized_experts(spec, ck),
+        spec,
+        alpha=act.get("gemm1_alpha"),
+        limit=act.get("gemm1_clamp_limit"),
+    )
+    tight = mx_layers.reference_moe(
+        x,
+        topk.topk_ids,
+        topk.topk_weights,
+        mx_layers.dequantized_experts(spec, ck),
+        spec,
+        alpha=act.get("gemm1_alpha"),
+        limit=act.get("gemm1_clamp_limit"),
+        round_like_kernel="mxfp8",
+    )
     # The kernel quantizes the activations and the intermediate to MXFP8 (e4m3: 3 mantissa bits) and rounds each
     # expert's output to bf16: measured 0.038-0.061 relative to the float reference of the dequantized checkpoint
     # (bound 0.1). Against a reference that rounds at the same points only the accumulation order is left: measured
@@ -251,8 +295,11 @@ def test_emulated_forward_matches_the_dequantized_reference(backend, spec, act, 
 # ---- weight checker -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.sglang(">=0.5.16", reason="SGLang's weight checker (utils.weight_checker_comparator) and its pure-torch "
-                    "MXFP8 dequantizer (mxfp8_block_convert) exist from 0.5.16")
+@pytest.mark.sglang(
+    ">=0.5.16",
+    reason="SGLang's weight checker (utils.weight_checker_comparator) and its pure-torch "
+    "MXFP8 dequantizer (mxfp8_block_convert) exist from 0.5.16",
+)
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp8_block_convert import dequant_mxfp8_2d_to_bf16
 
@@ -270,7 +317,9 @@ def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_f
         live = checker.live_side(layer, name)
         assert live.scale_name == scale
         got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
-        want = torch.stack([dequant_mxfp8_2d_to_bf16(ck[name][e], ck[scale][e]).float() for e in range(spec.num_experts)])
+        want = torch.stack(
+            [dequant_mxfp8_2d_to_bf16(ck[name][e], ck[scale][e]).float() for e in range(spec.num_experts)]
+        )
         assert torch.equal(got, want), name
         ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
         assert checker.compare_layout(ckpt_side, live).equal
@@ -304,11 +353,11 @@ def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_f
 def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(backend):
     """flashinfer's MxFp8 kernel on the plugin's bytes (uint8 weight and activation scales, as its launcher demands)
     against the emulator on the same bytes and the dequantized reference."""
+    import flashinfer.fused_moe as fi
+
     from sglang_trtllm_moe import emulator
     from sglang_trtllm_moe.formats import KernelCall
     from sglang_trtllm_moe.runner import routing_kwargs
-
-    import flashinfer.fused_moe as fi
 
     spec = MoeSpec(num_experts=8, hidden=512, intermediate=256, fmt="mxfp8")
     sglang_runtime.ensure(backend)
@@ -324,9 +373,18 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(backend):
     topk = TopK(top_k=2, renormalize=True, layer_id=0)(x, logits)
     outs = []
     for mod, on_kernel in ((fi, True), (emulator, False)):
-        qi = type("QI", (), dict(global_num_experts=spec.num_experts, local_expert_offset=0,
-                                 local_num_experts=spec.num_experts, gemm1_alpha=None, gemm1_beta=None,
-                                 gemm1_clamp_limit=None))()
+        qi = type(
+            "QI",
+            (),
+            dict(
+                global_num_experts=spec.num_experts,
+                local_expert_offset=0,
+                local_num_experts=spec.num_experts,
+                gemm1_alpha=None,
+                gemm1_beta=None,
+                gemm1_clamp_limit=None,
+            ),
+        )()
         routing, routed = routing_kwargs(topk, None, layer.moe_runner_config, True)
         kw = fmt.kernel_args(KernelCall(layer, qi, layer.moe_runner_config, x, on_kernel), routing, routed)
         assert kw["gemm1_weights_scale"].dtype == torch.uint8 and kw["hidden_states_scale"].dtype == torch.uint8
@@ -346,8 +404,11 @@ def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
 
     sglang_runtime.ensure(TRTLLM)
     spec = MoeSpec(num_experts=8, intermediate=128, fmt="mxfp8")
-    wrong = {r: bad for r in range(3)
-             if (bad := _race_round(spec, lambda s, seed: mx_layers.random_checkpoint(s, seed), PARAMS, r, True))}
+    wrong = {
+        r: bad
+        for r in range(3)
+        if (bad := _race_round(spec, lambda s, seed: mx_layers.random_checkpoint(s, seed), PARAMS, r, True))
+    }
     assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"
 
 
@@ -366,9 +427,17 @@ def test_online_mxfp8_stays_on_sglang_own_preparation_with_one_log_line(monkeypa
 
     sglang_runtime.ensure(TRTLLM)
     spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
-    layer = FusedMoE(num_experts=4, hidden_size=spec.hidden, intermediate_size=128, top_k=2, layer_id=0,
-                     params_dtype=torch.bfloat16, quant_config=Fp8Config(is_checkpoint_fp8_serialized=False, use_mxfp8=True),
-                     prefix="model.layers.0.mlp.experts", routing_method_type=RoutingMethodType.Renormalize)
+    layer = FusedMoE(
+        num_experts=4,
+        hidden_size=spec.hidden,
+        intermediate_size=128,
+        top_k=2,
+        layer_id=0,
+        params_dtype=torch.bfloat16,
+        quant_config=Fp8Config(is_checkpoint_fp8_serialized=False, use_mxfp8=True),
+        prefix="model.layers.0.mlp.experts",
+        routing_method_type=RoutingMethodType.Renormalize,
+    )
     ran = []
     monkeypatch.setattr(mx_hooks, "_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="sglang_trtllm_moe"):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import layer_state
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe import TrtllmLayerError
+from sglang_trtllm_moe import TrtllmLayerError, layer_state
 from sglang_trtllm_moe.compat import features
+from sglang_trtllm_moe.testing import layers as cpu_layers
 
 from .support import sglang_runtime
 
@@ -192,13 +191,25 @@ AUTO_SCRIPT = """
         out["unpadded"] = f"{type(e).__name__}: {e}"
     print(json.dumps(out))
 """
-AUTO_NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", "g1_alphas", "g1_alphas_up",
-              "g2_alphas", "g1_scale_c", "w13_input_scale_quant", "w2_input_scale_quant")
+AUTO_NAMES = (
+    "w13_weight",
+    "w13_weight_scale",
+    "w2_weight",
+    "w2_weight_scale",
+    "g1_alphas",
+    "g1_alphas_up",
+    "g2_alphas",
+    "g1_scale_c",
+    "w13_input_scale_quant",
+    "w2_input_scale_quant",
+)
 
 
-@pytest.mark.sglang(features.NVFP4_AUTO_RUNNER_MISMATCH.releases,
-                    reason="SGLang's NVFP4 runner/layout mismatch on a global auto exists from 0.5.16; before, its "
-                    "apply falls back to sgl-kernel's cutlass_moe_fp4, consistent with the CUTLASS weight layout")
+@pytest.mark.sglang(
+    features.NVFP4_AUTO_RUNNER_MISMATCH.releases,
+    reason="SGLang's NVFP4 runner/layout mismatch on a global auto exists from 0.5.16; before, its "
+    "apply falls back to sgl-kernel's cutlass_moe_fp4, consistent with the CUTLASS weight layout",
+)
 def test_global_auto_is_laid_out_for_the_runner_sglang_resolves():
     """SGLang's own bug (0.5.16-0.5.20 NotImplementedError, 0.5.21+ AttributeError g1_scale_c at the first forward):
     with --moe-runner-backend auto on Blackwell (no rule for the model, SGLANG_TRTLLM_MOE_AUTO=0, ...), the NVFP4
@@ -223,7 +234,9 @@ def test_global_auto_is_laid_out_for_the_runner_sglang_resolves():
     for n in AUTO_NAMES:
         import hashlib
 
-        want = hashlib.sha256(getattr(explicit, n).data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        want = hashlib.sha256(
+            getattr(explicit, n).data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
         assert got["bytes"][n] == want, f"{n} differs from an explicit flashinfer_trtllm layer"
     msg = got["unpadded"]
     assert msg.startswith("TrtllmLayerError") and "intermediate size per rank 96" in msg and "Fix:" in msg, msg

@@ -49,7 +49,9 @@ def test_entry_point_is_declared_for_sglang():
 def test_sglang_load_plugins_runs_register_and_every_target_lands():
     # Witness that SGLang really calls through a landed hook: a weight-update entry point of this release must
     # drop the layout index-map cache before it runs (sglang#28676), whatever the call itself then does.
-    proc = run_python(LOAD_AND_REPORT + """
+    proc = run_python(
+        LOAD_AND_REPORT
+        + """
     import pkgutil
     from packaging.version import Version
     from sglang_trtllm_moe import layouts
@@ -65,7 +67,8 @@ def test_sglang_load_plugins_runs_register_and_every_target_lands():
     except Exception:
         pass  # a bare object is no WeightUpdater; the BEFORE hook has run by then
     print(json.dumps({"target": target, "cache_before": before, "cache_after": layouts.cache_size()}))
-    """)
+    """
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
     r, calls = lines[-2], lines[-1]
@@ -88,11 +91,15 @@ def test_disable_switch_registers_nothing():
 
 def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path):
     make_distribution(
-        tmp_path, "trtllm-moe-demo-ext", "0.0.1",
+        tmp_path,
+        "trtllm-moe-demo-ext",
+        "0.0.1",
         entry_points="[sglang_trtllm_moe]\ndemo = demo_ext_mod\n",
         modules={"demo_ext_mod": EXT_MODULE},
     )
-    proc = run_python(LOAD_AND_REPORT + """
+    proc = run_python(
+        LOAD_AND_REPORT
+        + """
     import demo_ext_mod
     from sglang.srt.layers.moe import utils
     try:
@@ -100,7 +107,9 @@ def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path)
     except Exception:
         pass
     print(json.dumps({"ext_calls": len(demo_ext_mod.CALLS)}))
-    """, pythonpath=[tmp_path])
+    """,
+        pythonpath=[tmp_path],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
     r, calls = lines[-2], lines[-1]
@@ -114,7 +123,9 @@ def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path)
 @pytest.mark.parametrize("allow,expected", [("", "skipped"), ("other", "skipped"), ("demo", "loaded")])
 def test_extension_allowlist(tmp_path, allow, expected):
     make_distribution(
-        tmp_path, "trtllm-moe-demo-ext", "0.0.1",
+        tmp_path,
+        "trtllm-moe-demo-ext",
+        "0.0.1",
         entry_points="[sglang_trtllm_moe]\ndemo = demo_ext_mod\n",
         modules={"demo_ext_mod": EXT_MODULE},
     )
@@ -125,7 +136,9 @@ def test_extension_allowlist(tmp_path, allow, expected):
 
 def test_broken_extensions_break_neither_sglang_nor_builtins(tmp_path):
     make_distribution(
-        tmp_path, "trtllm-moe-broken-ext", "0.0.1",
+        tmp_path,
+        "trtllm-moe-broken-ext",
+        "0.0.1",
         entry_points=(
             "[sglang_trtllm_moe]\n"
             "import_fails = broken_import_mod\n"
@@ -172,14 +185,17 @@ def _next_patch(v) -> str:
     return ".".join(map(str, (*v.release[:2], v.release[2] + 1)))
 
 
-@pytest.mark.parametrize("version,status,runs", [
-    ("0.5.10", "unsupported", False),
-    ("0.5.4", "unsupported", False),
-    (str(OLDEST_SUPPORTED), "tested", True),
-    (str(NEWEST_TESTED), "tested", True),
-    (f"{NEWEST_TESTED}.post1", "tested", True),
-    (_next_patch(NEWEST_TESTED), "untested", True),
-])
+@pytest.mark.parametrize(
+    "version,status,runs",
+    [
+        ("0.5.10", "unsupported", False),
+        ("0.5.4", "unsupported", False),
+        (str(OLDEST_SUPPORTED), "tested", True),
+        (str(NEWEST_TESTED), "tested", True),
+        (f"{NEWEST_TESTED}.post1", "tested", True),
+        (_next_patch(NEWEST_TESTED), "untested", True),
+    ],
+)
 def test_release_gate(version, status, runs):
     r = check_release(version)
     assert (r.status, r.runs) == (status, runs)
@@ -188,6 +204,7 @@ def test_release_gate(version, status, runs):
 def test_missing_sglang_is_reported():
     assert check_release(None).status in ("tested", "untested")  # the env has sglang
     import sglang_trtllm_moe.compat.releases as rel
+
     orig = rel.installed_version
     rel.installed_version = lambda: None
     try:
@@ -200,7 +217,8 @@ def test_missing_sglang_is_reported():
 def test_unsupported_release_stands_down(tmp_path):
     # A dist-info ahead of site-packages makes importlib.metadata report sglang 0.5.10 — the same lookup the gate uses.
     make_distribution(tmp_path, "sglang", "0.5.10")
-    proc = run_python("""
+    proc = run_python(
+        """
         import json
         from sglang_trtllm_moe import doctor, plugin
         from sglang.srt.plugins.hook_registry import HookRegistry
@@ -208,7 +226,9 @@ def test_unsupported_release_stands_down(tmp_path):
         r = doctor.report(load=False, import_targets=True)
         r["registry_targets"] = sorted(HookRegistry._hooks)
         print(json.dumps(r))
-    """, pythonpath=[tmp_path])
+    """,
+        pythonpath=[tmp_path],
+    )
     r = last_json(proc)
     assert r["status"] == "stood_down" and r["enabled"] is False
     assert "0.5.10" in r["reason"] and "0.5.11" in r["reason"]
@@ -256,8 +276,9 @@ def test_register_is_idempotent_and_never_raises(monkeypatch):
 def test_doctor_cli_json_loads_the_plugin_through_sglang_and_proves_every_target():
     """`doctor` (its own process) runs SGLang's load_plugins(), imports every hooked module and reports each target
     landed (or absent on this release): proof after the fact, in the process that reports it."""
-    proc = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "doctor", "--json"], capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_trtllm_moe", "doctor", "--json"], capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = last_json(proc)
     assert r["enabled"] is True and r["errors"] == []
@@ -267,7 +288,9 @@ def test_doctor_cli_json_loads_the_plugin_through_sglang_and_proves_every_target
     assert "landed" in states.values()
     for t in r["targets"]:
         assert set(t) >= {"target", "state", "module", "capability", "hook_type", "source"}
-    text = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "doctor"], capture_output=True, text=True, timeout=240)
+    text = subprocess.run(
+        [sys.executable, "-m", "sglang_trtllm_moe", "doctor"], capture_output=True, text=True, timeout=240
+    )
     assert text.returncode == 0 and "enabled" in text.stdout and "[        landed]" in text.stdout
 
 
@@ -306,11 +329,17 @@ def test_load_plugins_imports_no_hooked_module_and_no_harness_and_hooks_land_on_
     assert "missing" not in r["after_fused_moe"].values()
 
 
-@pytest.mark.parametrize("target,module", [
-    ("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader", "sglang.srt.layers.moe.fused_moe_triton.layer"),
-    ("sglang.srt.layers.moe.utils.initialize_moe_config", "sglang.srt.layers.moe.utils"),
-    ("sglang.srt.server_args.ServerArgs._handle_moe_kernel_config", "sglang.srt.server_args"),
-])
+@pytest.mark.parametrize(
+    "target,module",
+    [
+        (
+            "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader",
+            "sglang.srt.layers.moe.fused_moe_triton.layer",
+        ),
+        ("sglang.srt.layers.moe.utils.initialize_moe_config", "sglang.srt.layers.moe.utils"),
+        ("sglang.srt.server_args.ServerArgs._handle_moe_kernel_config", "sglang.srt.server_args"),
+    ],
+)
 def test_module_of_a_target(target, module):
     from sglang_trtllm_moe.targets import module_of
 

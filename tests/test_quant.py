@@ -8,14 +8,13 @@ Oracles nobody here wrote:
 * `flashinfer.fused_moe.prepare.prepare_trtllm_fp8_per_tensor_activations` (per-tensor e4m3 cast)
 """
 
+import flashinfer.fused_moe.prepare as prep
+import flashinfer.quantization.fp4_quantization as fp4q
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_trtllm_moe import quant
-
-import flashinfer.fused_moe.prepare as prep
-import flashinfer.quantization.fp4_quantization as fp4q
 
 GRID = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32)
 

@@ -37,23 +37,38 @@ def test_the_readme_has_a_runnable_example_and_it_compiles():
         compile(code, f"README.md block {i}", "exec")
 
 
-@pytest.mark.sglang(">=0.5.23", reason="the README example drives sglang.Engine(device=\"cpu\") with begin/end "
-                                       "weight-update sessions and the weight-checker request (testing.engine: the "
-                                       "0.5.23 spawn flow)")
+@pytest.mark.sglang(
+    ">=0.5.23",
+    reason='the README example drives sglang.Engine(device="cpu") with begin/end '
+    "weight-update sessions and the weight-checker request (testing.engine: the "
+    "0.5.23 spawn flow)",
+)
 @pytest.mark.parametrize("index", range(len(runnable_blocks(README.read_text()))))
 def test_readme_example_runs(tmp_path, index):
-    pytest.importorskip("xgrammar", reason="sglang.Engine's detokenizer imports xgrammar (ci/releases.tsv installs "
-                                           "the pin of 0.5.23); this env has none")
+    pytest.importorskip(
+        "xgrammar",
+        reason="sglang.Engine's detokenizer imports xgrammar (ci/releases.tsv installs "
+        "the pin of 0.5.23); this env has none",
+    )
     script = tmp_path / f"readme_example_{index}.py"
     script.write_text(runnable_blocks(README.read_text())[index])
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_TRTLLM_MOE_") and k != "SGLANG_PLUGINS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                      else []))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    )
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, f"README example {index} failed (exit {proc.returncode}):\n" \
-                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"README example {index} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
 
 
 def test_the_support_table_is_rendered_from_the_compat_results():
@@ -65,8 +80,9 @@ def test_the_support_table_is_rendered_from_the_compat_results():
     assert matrix.BEGIN in text and matrix.END in text, "README.md lost its support-table markers"
     shown = text.split(matrix.BEGIN, 1)[1].split(matrix.END, 1)[0].strip()
     data = json.loads((REPO / "docs" / "compat.json").read_text())
-    assert shown == support_table.render(data).strip(), \
+    assert shown == support_table.render(data).strip(), (
         "README.md's support table is stale: run `python -m tests.support.matrix render`"
+    )
 
 
 def test_every_error_class_has_a_remedy_in_the_readme():

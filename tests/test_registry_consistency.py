@@ -30,16 +30,22 @@ KINDS = {
     "bf16": (dict(quantization=None), cpu_layers.random_bf16_checkpoint),
     "mxfp8": (dict(quantization="mxfp8"), lambda spec, seed: mx_layers.random_checkpoint(spec, seed)),
     # SGLang has no MXFP4 path on flashinfer_trtllm: selection refuses it there, the layer is a TrtllmLayerError
-    "mxfp4_experts": (dict(quantization="fp8", weight_block_size=(128, 128), fp4_experts=True),
-                      lambda spec, seed: mx_layers.random_checkpoint(spec, seed)),
+    "mxfp4_experts": (
+        dict(quantization="fp8", weight_block_size=(128, 128), fp4_experts=True),
+        lambda spec, seed: mx_layers.random_checkpoint(spec, seed),
+    ),
 }
 #: every (activation, gated) SGLang can name, plus gated relu2 (never a kernel activation)
-ACTIVATIONS = sorted({(a, True) for a in kernel_api.GATED} | {(a, False) for a in kernel_api.NON_GATED}
-                     | {("relu2", True)})
+ACTIVATIONS = sorted(
+    {(a, True) for a in kernel_api.GATED} | {(a, False) for a in kernel_api.NON_GATED} | {("relu2", True)}
+)
 SM100 = DeviceInfo(sm=100, flashinfer_version="0.7.2", source="test")
 
-CASES = [pytest.param(kind, act, gated, id=f"{kind}-{'gated' if gated else 'plain'}-{act}")
-         for kind in KINDS for act, gated in ACTIVATIONS]
+CASES = [
+    pytest.param(kind, act, gated, id=f"{kind}-{'gated' if gated else 'plain'}-{act}")
+    for kind in KINDS
+    for act, gated in ACTIVATIONS
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,11 +56,11 @@ def runtime():
 @pytest.mark.parametrize("kind,activation,gated", CASES)
 def test_what_selection_accepts_a_real_layer_serves(kind, activation, gated, monkeypatch):
     ck, make = KINDS[kind]
-    problem = MoeProblem(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, activation=activation,
-                         gated=gated, **ck)
+    problem = MoeProblem(
+        hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, activation=activation, gated=gated, **ck
+    )
     verdict = can_implement("flashinfer_trtllm", problem, SM100)
-    spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, activation=activation, gated=gated,
-                              fmt=kind)
+    spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, activation=activation, gated=gated, fmt=kind)
 
     def build_and_prepare():
         layer = cpu_layers.build_layer(spec)
@@ -73,12 +79,15 @@ def test_what_selection_accepts_a_real_layer_serves(kind, activation, gated, mon
         except Exception as e:  # noqa: BLE001 - SGLang's own refusal (its layer or quant method rejects the shape)
             assert "sglang" in type(e).__module__ or type(e).__module__ == "builtins", (type(e), e)
             return
-        pytest.fail(f"selection refuses ({verdict.code}: {verdict.reason}) but the layer was prepared: "
-                    f"managed={layer_state.state_of(layer) is not None}, observed={layer_state.observed(layer)}")
+        pytest.fail(
+            f"selection refuses ({verdict.code}: {verdict.reason}) but the layer was prepared: "
+            f"managed={layer_state.state_of(layer) is not None}, observed={layer_state.observed(layer)}"
+        )
 
     layer = build_and_prepare()
-    assert layer_state.state_of(layer) is not None or layer_state.observed(layer) is not None, \
+    assert layer_state.state_of(layer) is not None or layer_state.observed(layer) is not None, (
         "an eligible layer must be prepared by the plugin, or left to SGLang where it is right (and watched)"
+    )
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, spec.hidden, generator=g).to(torch.bfloat16)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import layer_state
-from sglang_trtllm_moe.testing import layers as cpu_layers
 from sglang_trtllm_moe.formats.nvfp4 import NvFp4
+from sglang_trtllm_moe.testing import layers as cpu_layers
 
 from .support import sglang_runtime
 
@@ -151,7 +151,9 @@ def test_refused_bad_update_leaves_every_byte(bad):
         layer.weight_loader(param, loaded, **kwargs)
     assert "model.layers.0.mlp.experts" in str(e.value) or bad == "expert"
     for n, p in model.named_parameters():
-        assert torch.equal(p.data.reshape(-1).view(torch.uint8), snapshot[n].reshape(-1).view(torch.uint8)), f"{n} changed"
+        assert torch.equal(p.data.reshape(-1).view(torch.uint8), snapshot[n].reshape(-1).view(torch.uint8)), (
+            f"{n} changed"
+        )
     assert layer_state.state_of(layer).clean
 
 
@@ -191,7 +193,7 @@ def test_begin_end_session_with_direct_writes_into_parameters():
     u.begin_weight_update()
     assert layer_state.state_of(model.experts).dirty_experts(), "begin must return the layer to checkpoint layout"
     # two writes in one session: nothing may be prepared between them, or the second lands on kernel layout
-    for part in (direct[: len(direct) // 2], direct[len(direct) // 2:]):
+    for part in (direct[: len(direct) // 2], direct[len(direct) // 2 :]):
         ok, msg = u.update_weights_from_tensor(part, load_format="direct")
         assert ok, msg
         assert not layer_state.state_of(model.experts).clean, "prepared inside an open begin/end session"

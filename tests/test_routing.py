@@ -47,7 +47,7 @@ def _ref_token(method, s, k, bias, n_group, topk_group, rsf, norm):
             gsz = E // n_group
             gscore = []
             for g in range(n_group):
-                top2 = sorted(b[g * gsz:(g + 1) * gsz], reverse=True)[:2]
+                top2 = sorted(b[g * gsz : (g + 1) * gsz], reverse=True)[:2]
                 gscore.append(sum(top2))
             keep = sorted(range(n_group), key=lambda g: (-gscore[g], g))[:topk_group]
             allowed = {e for g in keep for e in range(g * gsz, (g + 1) * gsz)}
@@ -71,8 +71,16 @@ def _ref_token(method, s, k, bias, n_group, topk_group, rsf, norm):
 
 
 def _check(method, logits, k, bias=None, n_group=None, topk_group=None, rsf=None, norm=True):
-    ids, w = route(method, logits, k, bias=bias, n_group=n_group, topk_group=topk_group,
-                   routed_scaling_factor=rsf, norm_topk_prob=norm)
+    ids, w = route(
+        method,
+        logits,
+        k,
+        bias=bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=rsf,
+        norm_topk_prob=norm,
+    )
     assert ids.dtype == torch.int32 and w.dtype == torch.bfloat16
     assert ids.shape == (logits.shape[0], k) == w.shape
     s_all = logits.float().tolist()
@@ -104,8 +112,13 @@ def test_enum_values_match_flashinfer():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), method=st.sampled_from(ALL_CUSTOM), k=st.integers(1, 8),
-       T=st.integers(1, 6), bf16=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    method=st.sampled_from(ALL_CUSTOM),
+    k=st.integers(1, 8),
+    T=st.integers(1, 6),
+    bf16=st.booleans(),
+)
 def test_custom_methods_vs_reference(seed, method, k, T, bf16):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, 32, generator=g) * 2
@@ -125,8 +138,12 @@ def test_sigmoid_renorm_without_norm_equals_sigmoid():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), grouped=st.booleans(), rsf=st.sampled_from([None, 1.0, 2.5]),
-       bias_bf16=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    grouped=st.booleans(),
+    rsf=st.sampled_from([None, 1.0, 2.5]),
+    bias_bf16=st.booleans(),
+)
 def test_deepseek_v3_vs_reference(seed, grouped, rsf, bias_bf16):
     g = torch.Generator().manual_seed(seed)
     E, k = 64, 6

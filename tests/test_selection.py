@@ -38,38 +38,113 @@ MODELOPT_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8"}
 FP8_BLOCK = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 FP8_TENSOR = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 CT_NVFP4 = {
-    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group", "symmetric": True},
-        "input_activations": {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group",
-                              "dynamic": "local", "symmetric": True},
-    }},
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "group_size": 16,
+                "strategy": "tensor_group",
+                "symmetric": True,
+            },
+            "input_activations": {
+                "num_bits": 4,
+                "type": "float",
+                "group_size": 16,
+                "strategy": "tensor_group",
+                "dynamic": "local",
+                "symmetric": True,
+            },
+        }
+    },
     "ignore": ["lm_head"],
 }
-QUANTS = {"nvfp4": NVFP4, "modelopt_fp8": MODELOPT_FP8, "fp8_block": FP8_BLOCK, "fp8_tensor": FP8_TENSOR,
-          "ct_nvfp4": CT_NVFP4, "bf16": None}
+QUANTS = {
+    "nvfp4": NVFP4,
+    "modelopt_fp8": MODELOPT_FP8,
+    "fp8_block": FP8_BLOCK,
+    "fp8_tensor": FP8_TENSOR,
+    "ct_nvfp4": CT_NVFP4,
+    "bf16": None,
+}
 
-BASE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, vocab_size=1000,
-            max_position_embeddings=4096, torch_dtype="bfloat16")
+BASE = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_hidden_layers=2,
+    vocab_size=1000,
+    max_position_embeddings=4096,
+    torch_dtype="bfloat16",
+)
 ARCHS = {
-    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=512,
-                    num_local_experts=8, num_experts_per_tok=2, hidden_act="silu"),
-    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", intermediate_size=512,
-                      moe_intermediate_size=256, shared_expert_intermediate_size=512, num_experts=8,
-                      num_experts_per_tok=2, hidden_act="silu"),
-    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=512,
-                      moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, hidden_act="silu", head_dim=64),
-    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", intermediate_size=1024,
-                        moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                        hidden_act="silu", kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
-                        qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0),
-    "nemotron_h": dict(architectures=["NemotronHForCausalLM"], model_type="nemotron_h", intermediate_size=512,
-                       moe_intermediate_size=512, n_routed_experts=8, num_experts_per_tok=2, mlp_hidden_act="relu2",
-                       hybrid_override_pattern="ME", mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16,
-                       mamba_n_groups=1, head_dim=64),
-    "eagle_draft": dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", intermediate_size=512,
-                        hidden_act="silu"),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        intermediate_size=512,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        hidden_act="silu",
+    ),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=512,
+        num_experts=8,
+        num_experts_per_tok=2,
+        hidden_act="silu",
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        hidden_act="silu",
+        head_dim=64,
+    ),
+    "deepseek_v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        hidden_act="silu",
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+    ),
+    "nemotron_h": dict(
+        architectures=["NemotronHForCausalLM"],
+        model_type="nemotron_h",
+        intermediate_size=512,
+        moe_intermediate_size=512,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        mlp_hidden_act="relu2",
+        hybrid_override_pattern="ME",
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=16,
+        mamba_n_groups=1,
+        head_dim=64,
+    ),
+    "eagle_draft": dict(
+        architectures=["LlamaForCausalLMEagle3"], model_type="llama", intermediate_size=512, hidden_act="silu"
+    ),
 }
 NEMOTRON_KW = {"disable_radix_cache": True}  # the mamba extra_buffer snapshot check needs a real GPU platform
 
@@ -84,37 +159,123 @@ CASES = [
     ("mixtral-bf16", "mixtral", "bf16", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
     ("mixtral-fp8_tensor", "mixtral", "fp8_tensor", 100, {}, "auto", "auto", Code.NO_ELIGIBLE_BACKEND),
     ("mixtral-nvfp4-sm120", "mixtral", "nvfp4", 120, {}, "auto", "auto", Code.NO_FUSED_MOE),
-    ("mixtral-nvfp4-sm120-q", "mixtral", "nvfp4", 120, {"quantization": "modelopt_fp4"},
-     "flashinfer_cutlass", "flashinfer_cutlass", Code.NO_FUSED_MOE),
+    (
+        "mixtral-nvfp4-sm120-q",
+        "mixtral",
+        "nvfp4",
+        120,
+        {"quantization": "modelopt_fp4"},
+        "flashinfer_cutlass",
+        "flashinfer_cutlass",
+        Code.NO_FUSED_MOE,
+    ),
     ("mixtral-bf16-sm90", "mixtral", "bf16", 90, {}, "auto", "auto", Code.NOT_SM100),
-    ("mixtral-nvfp4-explicit", "mixtral", "nvfp4", 100, {"moe_runner_backend": "triton"}, "triton", "triton",
-     Code.NO_FUSED_MOE),
-    ("mixtral-fp8_block-explicit", "mixtral", "fp8_block", 100, {"moe_runner_backend": "triton"}, "triton", "triton",
-     Code.EXPLICIT),
+    (
+        "mixtral-nvfp4-explicit",
+        "mixtral",
+        "nvfp4",
+        100,
+        {"moe_runner_backend": "triton"},
+        "triton",
+        "triton",
+        Code.NO_FUSED_MOE,
+    ),
+    (
+        "mixtral-fp8_block-explicit",
+        "mixtral",
+        "fp8_block",
+        100,
+        {"moe_runner_backend": "triton"},
+        "triton",
+        "triton",
+        Code.EXPLICIT,
+    ),
     ("qwen2_moe-modelopt_fp8", "qwen2_moe", "modelopt_fp8", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
     ("qwen3_moe-nvfp4", "qwen3_moe", "nvfp4", 100, {}, "flashinfer_trtllm", "flashinfer_trtllm", Code.UPSTREAM_AGREES),
     ("qwen3_moe-modelopt_fp8", "qwen3_moe", "modelopt_fp8", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
     ("qwen3_moe-ct_nvfp4", "qwen3_moe", "ct_nvfp4", 100, {}, "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
-    ("qwen3_moe-nvfp4-deepep", "qwen3_moe", "nvfp4", 100, {"moe_a2a_backend": "deepep", "tp_size": 2},
-     "auto", "auto", Code.NO_ELIGIBLE_BACKEND),
-    ("qwen3_moe-nvfp4-fi_a2a", "qwen3_moe", "nvfp4", 100,
-     {"moe_a2a_backend": "flashinfer", "tp_size": 2, "attn_dp_size": 2},  # SGLang alone rejects auto here
-     "AssertionError: FlashInfer MoE A2A is supported with", "flashinfer_trtllm_routed", Code.AUTO_SELECTED),
+    (
+        "qwen3_moe-nvfp4-deepep",
+        "qwen3_moe",
+        "nvfp4",
+        100,
+        {"moe_a2a_backend": "deepep", "tp_size": 2},
+        "auto",
+        "auto",
+        Code.NO_ELIGIBLE_BACKEND,
+    ),
+    (
+        "qwen3_moe-nvfp4-fi_a2a",
+        "qwen3_moe",
+        "nvfp4",
+        100,
+        {"moe_a2a_backend": "flashinfer", "tp_size": 2, "attn_dp_size": 2},  # SGLang alone rejects auto here
+        "AssertionError: FlashInfer MoE A2A is supported with",
+        "flashinfer_trtllm_routed",
+        Code.AUTO_SELECTED,
+    ),
     ("qwen3_moe-modelopt_fp8-sm90", "qwen3_moe", "modelopt_fp8", 90, {}, "auto", "auto", Code.NOT_SM100),
-    ("deepseek_v3-nvfp4", "deepseek_v3", "nvfp4", 100, {}, "flashinfer_trtllm", "flashinfer_trtllm",
-     Code.UPSTREAM_AGREES),
-    ("deepseek_v3-nvfp4-eplb", "deepseek_v3", "nvfp4", 100, {"enable_eplb": True, "tp_size": 2, "ep_size": 2},
-     "flashinfer_trtllm", "flashinfer_trtllm_routed", Code.AUTO_SELECTED),
+    (
+        "deepseek_v3-nvfp4",
+        "deepseek_v3",
+        "nvfp4",
+        100,
+        {},
+        "flashinfer_trtllm",
+        "flashinfer_trtllm",
+        Code.UPSTREAM_AGREES,
+    ),
+    (
+        "deepseek_v3-nvfp4-eplb",
+        "deepseek_v3",
+        "nvfp4",
+        100,
+        {"enable_eplb": True, "tp_size": 2, "ep_size": 2},
+        "flashinfer_trtllm",
+        "flashinfer_trtllm_routed",
+        Code.AUTO_SELECTED,
+    ),
     ("deepseek_v3-fp8_block-sm120", "deepseek_v3", "fp8_block", 120, {}, "auto", "auto", Code.NOT_SM100),
-    ("nemotron_h-nvfp4", "nemotron_h", "nvfp4", 100, NEMOTRON_KW, "flashinfer_trtllm", "flashinfer_trtllm",
-     Code.UPSTREAM_AGREES),
-    ("nemotron_h-nvfp4-redundant", "nemotron_h", "nvfp4", 100,
-     {**NEMOTRON_KW, "ep_num_redundant_experts": 2, "tp_size": 2, "ep_size": 2},
-     "flashinfer_trtllm_routed", "flashinfer_trtllm_routed", Code.UPSTREAM_AGREES),
-    ("nemotron_h-modelopt_fp8-sm90", "nemotron_h", "modelopt_fp8", 90, NEMOTRON_KW,
-     "flashinfer_cutlass", "flashinfer_cutlass", Code.NOT_SM100),
-    ("qwen3_moe-fp8-eagle", "qwen3_moe", "modelopt_fp8", 100, {"speculative_algorithm": "EAGLE3", "draft": True},
-     "auto", "flashinfer_trtllm", Code.AUTO_SELECTED),
+    (
+        "nemotron_h-nvfp4",
+        "nemotron_h",
+        "nvfp4",
+        100,
+        NEMOTRON_KW,
+        "flashinfer_trtllm",
+        "flashinfer_trtllm",
+        Code.UPSTREAM_AGREES,
+    ),
+    (
+        "nemotron_h-nvfp4-redundant",
+        "nemotron_h",
+        "nvfp4",
+        100,
+        {**NEMOTRON_KW, "ep_num_redundant_experts": 2, "tp_size": 2, "ep_size": 2},
+        "flashinfer_trtllm_routed",
+        "flashinfer_trtllm_routed",
+        Code.UPSTREAM_AGREES,
+    ),
+    (
+        "nemotron_h-modelopt_fp8-sm90",
+        "nemotron_h",
+        "modelopt_fp8",
+        90,
+        NEMOTRON_KW,
+        "flashinfer_cutlass",
+        "flashinfer_cutlass",
+        Code.NOT_SM100,
+    ),
+    (
+        "qwen3_moe-fp8-eagle",
+        "qwen3_moe",
+        "modelopt_fp8",
+        100,
+        {"speculative_algorithm": "EAGLE3", "draft": True},
+        "auto",
+        "flashinfer_trtllm",
+        Code.AUTO_SELECTED,
+    ),
 ]
 #: Where an older release's own rules answer differently for the same model and flags:
 #: case id -> [(release specifier, upstream alone, with the plugin, plugin decision code)], first match wins.
@@ -126,10 +287,19 @@ RELEASE_DIFFS = {
     # before 0.5.15 there is no TRT-LLM runner behind FlashInfer A2A (SGLang asserts flashinfer_cutlass): the plugin
     # finds nothing eligible and SGLang refuses the launch as it does alone
     "qwen3_moe-nvfp4-fi_a2a": [
-        ("<0.5.15", "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
-         "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass", Code.NO_ELIGIBLE_BACKEND),
-        ("<0.5.19", "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
-         "flashinfer_trtllm_routed", Code.AUTO_SELECTED)],
+        (
+            "<0.5.15",
+            "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
+            "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
+            Code.NO_ELIGIBLE_BACKEND,
+        ),
+        (
+            "<0.5.19",
+            "AssertionError: Flashinfer MoE A2A is only supported with flashinfer_cutlass",
+            "flashinfer_trtllm_routed",
+            Code.AUTO_SELECTED,
+        ),
+    ],
     # SGLang's "modelopt_fp4 on SM120 -> flashinfer_cutlass" rule is new in 0.5.13
     "mixtral-nvfp4-sm120-q": [("<0.5.13", "auto", "auto", Code.NO_FUSED_MOE)],
 }
@@ -138,8 +308,9 @@ RELEASE_DIFFS = {
 #: Where an older release spells the same flags differently: case id -> [(release specifier, ServerArgs kwargs)].
 #: Attention-DP size is `attn_dp_size` from 0.5.22; before it, `dp_size` with `enable_dp_attention`.
 RELEASE_KWARGS = {
-    "qwen3_moe-nvfp4-fi_a2a": [("<0.5.22", {"moe_a2a_backend": "flashinfer", "tp_size": 2, "dp_size": 2,
-                                            "enable_dp_attention": True})],
+    "qwen3_moe-nvfp4-fi_a2a": [
+        ("<0.5.22", {"moe_a2a_backend": "flashinfer", "tp_size": 2, "dp_size": 2, "enable_dp_attention": True})
+    ],
 }
 
 
@@ -251,14 +422,25 @@ def sglang_runs(tmp_path_factory):
         if kw.pop("draft", False):
             kw["speculative_draft_model_path"] = _write_model(root, "eagle_draft", None)
         cases.append((cid, _write_model(root, arch, quant), sm, kw))
-    asserts = [(f"{b}|{q}", _write_model(root, "mixtral", q), 100,
-                {"moe_runner_backend": b, "quantization": SGLANG_QUANT_NAME[q]}) for b, q in ASSERT_CASES]
+    asserts = [
+        (
+            f"{b}|{q}",
+            _write_model(root, "mixtral", q),
+            100,
+            {"moe_runner_backend": b, "quantization": SGLANG_QUANT_NAME[q]},
+        )
+        for b, q in ASSERT_CASES
+    ]
     spec = json.dumps({"cases": cases, "asserts": asserts})
     mixtral = _write_model(root, "mixtral", "fp8_block")
 
     def explain():
-        return subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model", mixtral, "--sm", "100",
-                               "--json"], capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            [sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model", mixtral, "--sm", "100", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     jobs = {
         "plugin": lambda: run_python(RESOLVE_SCRIPT, env={"SEL_SPEC": spec}),
@@ -309,7 +491,8 @@ def test_sglang_resolution_with_and_without_plugin(sglang_runs, cid, arch, quant
         assert target[0]["winner"] == target[0]["upstream"]
     # the switch: SGLANG_TRTLLM_MOE_AUTO=0 gives SGLang's own answer (checked above), and says so
     assert [d["code"] for d in off["decisions"] if d["what"] == "target"] == [
-        code if code in (Code.EXPLICIT, Code.NO_FUSED_MOE) else Code.AUTO_DISABLED]
+        code if code in (Code.EXPLICIT, Code.NO_FUSED_MOE) else Code.AUTO_DISABLED
+    ]
     if expected.startswith("flashinfer_trtllm"):
         # SGLang's own step ran on our choice: its shared-expert-fusion disable for trtllm runners fired
         assert plug["disable_shared_experts_fusion"] is True
@@ -367,14 +550,33 @@ def test_explain_cli_json(sglang_runs):
 def test_explain_says_when_sglang_builds_no_fused_moe(sglang_runs):
     """Mixtral NVFP4 is built as QuantMixtralForCausalLM: explain names no winner and no candidate (the whole-model
     check that SGLang really builds it so is tests/test_models.py)."""
-    proc = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model",
-                           sglang_runs["quant_mixtral_dir"], "--sm", "100", "--no-sglang"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_trtllm_moe",
+            "explain",
+            "--model",
+            sglang_runs["quant_mixtral_dir"],
+            "--sm",
+            "100",
+            "--no-sglang",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no FusedMoE layer  [NO_FUSED_MOE]" in proc.stdout and "QuantMixtralForCausalLM" in proc.stdout
     assert "winner:" not in proc.stdout and "candidates:" in proc.stdout and "eligible" not in proc.stdout
-    for quant, fused in (("nvfp4", False), ("modelopt_fp8", False), ("fp8_block", True), ("ct_nvfp4", True),
-                         ("bf16", True)):
+    for quant, fused in (
+        ("nvfp4", False),
+        ("modelopt_fp8", False),
+        ("fp8_block", True),
+        ("ct_nvfp4", True),
+        ("bf16", True),
+    ):
         cfg = dict(BASE, **ARCHS["mixtral"])
         if QUANTS[quant]:
             cfg["quantization_config"] = QUANTS[quant]
@@ -389,8 +591,24 @@ def test_explain_says_when_sglang_builds_no_fused_moe(sglang_runs):
 
 
 def test_explain_cli_text_rules_only(sglang_runs):
-    proc = subprocess.run([sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model", sglang_runs["model_dir"],
-                           "--sm", "120", "--tp", "2", "--no-sglang"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_trtllm_moe",
+            "explain",
+            "--model",
+            sglang_runs["model_dir"],
+            "--sm",
+            "120",
+            "--tp",
+            "2",
+            "--no-sglang",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "winner: auto  [NOT_SM100]" in proc.stdout
     assert proc.stdout.count("rejected SM_UNSUPPORTED") == 2 and "SM12x" in proc.stdout
@@ -422,8 +640,12 @@ def test_activation_table_matches_sglang_and_flashinfer():
     takes_gated = "is_gated" in inspect.signature(fit.get_activation_type).parameters
     per_kernel = {"fp4_block_scale": "FP4", "fp8_per_tensor_scale": "FP8", "fp8_block_scale": "FP8", "bf16": "BF16"}
     for fmt in FORMATS:
-        accepted = [(a, g) for g, acts in ((True, fmt.gated_activations), (False, fmt.non_gated_activations))
-                    for a in sorted(acts) if not fmt.activation_problem(a, g)]
+        accepted = [
+            (a, g)
+            for g, acts in ((True, fmt.gated_activations), (False, fmt.non_gated_activations))
+            for a in sorted(acts)
+            if not fmt.activation_problem(a, g)
+        ]
         runner = runner_sets[per_kernel[fmt.kernel]]
         if takes_gated or defer.upstream_prepares(fmt.name):
             assert runner is not None and {a for a, _ in accepted} <= runner, (fmt.name, accepted, runner)
@@ -449,7 +671,9 @@ def test_a2a_table_matches_sglang_fused_op_pool():
             has = (a2a.value, b) in FusedOpPool._fused_funcs
             if b == sel.TRTLLM_ROUTED or a2a.value != "flashinfer":
                 assert has == (a2a.value in ok), (a2a.value, b)
-            elif _FI_A2A:  # ('flashinfer', 'flashinfer_trtllm') is registered from 0.5.19 only; the plugin never picks it
+            elif (
+                _FI_A2A
+            ):  # ('flashinfer', 'flashinfer_trtllm') is registered from 0.5.19 only; the plugin never picks it
                 assert can_implement(b, p, SM100).code == Code.A2A_NEEDS_ROUTED
             if can_implement(b, p, SM100).eligible:
                 assert has, (a2a.value, b)  # whatever the plugin may pick, SGLang can run
@@ -472,8 +696,12 @@ RULES = [
     ({}, replace(SM100, sm=90), sel.TRTLLM_ROUTED, Code.SM_UNSUPPORTED),
     ({}, replace(SM100, sm=None), sel.TRTLLM, Code.SM_UNSUPPORTED),
     ({}, replace(SM100, flashinfer_version=None), sel.TRTLLM, Code.FLASHINFER_MISSING),
-    ({"gated": False, "activation": "relu2"}, replace(SM100, flashinfer_version="0.6.1"), sel.TRTLLM,
-     Code.FLASHINFER_TOO_OLD),
+    (
+        {"gated": False, "activation": "relu2"},
+        replace(SM100, flashinfer_version="0.6.1"),
+        sel.TRTLLM,
+        Code.FLASHINFER_TOO_OLD,
+    ),
     ({}, SM100, "triton", Code.UNKNOWN_BACKEND),
     ({"speculative_draft": True}, SM100, sel.TRTLLM, Code.SPEC_DRAFT_KEEPS_UPSTREAM),
     ({"quantization": "fp8"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
@@ -482,8 +710,12 @@ RULES = [
     ({"quantization": "modelopt_fp8"}, SM100, sel.TRTLLM, Code.OK),
     ({"quantization": "modelopt_fp8"}, SM100, sel.TRTLLM_ROUTED, Code.QUANT_UNSUPPORTED_BY_BACKEND),
     ({"quantization": "compressed-tensors", "quant_scheme": "nvfp4"}, SM100, sel.TRTLLM, Code.OK),
-    ({"quantization": "compressed-tensors", "quant_scheme": "nvfp4"}, SM100, sel.TRTLLM_ROUTED,
-     Code.QUANT_UNSUPPORTED_BY_BACKEND),
+    (
+        {"quantization": "compressed-tensors", "quant_scheme": "nvfp4"},
+        SM100,
+        sel.TRTLLM_ROUTED,
+        Code.QUANT_UNSUPPORTED_BY_BACKEND,
+    ),
     ({"quantization": "compressed-tensors", "quant_scheme": "int4"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
     ({"quantization": "awq"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
     ({"quantization": None}, SM100, sel.TRTLLM, Code.OK),
@@ -491,22 +723,38 @@ RULES = [
     ({"activation": "gelu", "quantization": None}, SM100, sel.TRTLLM, Code.ACTIVATION_UNSUPPORTED),
     ({"activation": "relu2"}, SM100, sel.TRTLLM, Code.ACTIVATION_UNSUPPORTED),  # gated relu2
     ({"activation": "relu2", "gated": False, "quantization": "modelopt_fp8"}, SM100, sel.TRTLLM, Code.OK),
-    ({"activation": "gelu", "gated": False, "quantization": "modelopt_fp8"}, SM100, sel.TRTLLM,
-     Code.ACTIVATION_UNSUPPORTED),
+    (
+        {"activation": "gelu", "gated": False, "quantization": "modelopt_fp8"},
+        SM100,
+        sel.TRTLLM,
+        Code.ACTIVATION_UNSUPPORTED,
+    ),
     ({"hidden_size": 2688}, SM100, sel.TRTLLM, Code.OK),  # Nemotron-H 2688 = 21 * 128
     ({"hidden_size": 200}, SM100, sel.TRTLLM, Code.HIDDEN_ALIGNMENT),
     ({"intermediate_size": 500, "tp_size": 8}, SM100, sel.TRTLLM, Code.INTERMEDIATE_SPLIT),
     ({"intermediate_size": 704, "tp_size": 8}, SM100, sel.TRTLLM, Code.OK),  # 88 per rank, padded
     ({"intermediate_size": 704, "tp_size": 8, "ep_size": 8}, SM100, sel.TRTLLM, Code.OK),  # EP: no split
-    ({"quantization": "fp8", "weight_block_size": (128, 128), "intermediate_size": 1536, "tp_size": 8}, SM100,
-     sel.TRTLLM, Code.BLOCK_ALIGNMENT),  # 192 per rank cuts a 128x128 scale block
+    (
+        {"quantization": "fp8", "weight_block_size": (128, 128), "intermediate_size": 1536, "tp_size": 8},
+        SM100,
+        sel.TRTLLM,
+        Code.BLOCK_ALIGNMENT,
+    ),  # 192 per rank cuts a 128x128 scale block
     ({"num_experts": 10, "tp_size": 4, "ep_size": 4}, SM100, sel.TRTLLM, Code.EXPERT_SPLIT),
     ({"a2a_backend": "deepep", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM, Code.A2A_UNSUPPORTED),
     ({"a2a_backend": "mooncake", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM_ROUTED, Code.A2A_UNSUPPORTED),
-    ({"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM,
-     Code.A2A_NEEDS_ROUTED if _FI_A2A else Code.A2A_UNSUPPORTED),
-    ({"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2}, SM100, sel.TRTLLM_ROUTED,
-     Code.OK if _FI_A2A else Code.A2A_UNSUPPORTED),
+    (
+        {"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2},
+        SM100,
+        sel.TRTLLM,
+        Code.A2A_NEEDS_ROUTED if _FI_A2A else Code.A2A_UNSUPPORTED,
+    ),
+    (
+        {"a2a_backend": "flashinfer", "tp_size": 2, "ep_size": 2},
+        SM100,
+        sel.TRTLLM_ROUTED,
+        Code.OK if _FI_A2A else Code.A2A_UNSUPPORTED,
+    ),
     ({"enable_eplb": True}, SM100, sel.TRTLLM, Code.EXPERT_REMAP_NEEDS_ROUTED),
     ({"num_redundant_experts": 8}, SM100, sel.TRTLLM, Code.EXPERT_REMAP_NEEDS_ROUTED),
     ({"init_expert_location": "/x.json"}, SM100, sel.TRTLLM, Code.EXPERT_REMAP_NEEDS_ROUTED),
@@ -521,17 +769,27 @@ def test_can_implement_rules(changes, device, backend, code):
     assert e.reason and isinstance(e.reason, str)
 
 
-@pytest.mark.parametrize("quant,scheme,gated,inter,tp,padded", [
-    ("modelopt_fp4", None, True, 704, 8, 128),   # 88 -> 128: 2*Ip % 128 for the NVFP4 scale rows (flashinfer#3206)
-    ("compressed-tensors", "nvfp4", True, 960, 8, 128),  # 120 -> 128
-    ("modelopt_fp8", None, True, 704, 8, 128),   # 88 -> 128: SGLang's FusedMoE allocates non-NVFP4 padded to 128
-    ("modelopt_fp8", None, False, 704, 8, 128),  # non-gated: 128
-    (None, None, True, 704, 8, 128),             # BF16 gated: 128 likewise (the kernel alone needs 64)
-    ("modelopt_fp4", None, True, 512, 4, None),  # 128: aligned already, no padding
-])
+@pytest.mark.parametrize(
+    "quant,scheme,gated,inter,tp,padded",
+    [
+        ("modelopt_fp4", None, True, 704, 8, 128),  # 88 -> 128: 2*Ip % 128 for the NVFP4 scale rows (flashinfer#3206)
+        ("compressed-tensors", "nvfp4", True, 960, 8, 128),  # 120 -> 128
+        ("modelopt_fp8", None, True, 704, 8, 128),  # 88 -> 128: SGLang's FusedMoE allocates non-NVFP4 padded to 128
+        ("modelopt_fp8", None, False, 704, 8, 128),  # non-gated: 128
+        (None, None, True, 704, 8, 128),  # BF16 gated: 128 likewise (the kernel alone needs 64)
+        ("modelopt_fp4", None, True, 512, 4, None),  # 128: aligned already, no padding
+    ],
+)
 def test_padding_is_reported(quant, scheme, gated, inter, tp, padded):
-    p = replace(P, quantization=quant, quant_scheme=scheme, gated=gated, activation="silu" if gated else "relu2",
-                intermediate_size=inter, tp_size=tp)
+    p = replace(
+        P,
+        quantization=quant,
+        quant_scheme=scheme,
+        gated=gated,
+        activation="silu" if gated else "relu2",
+        intermediate_size=inter,
+        tp_size=tp,
+    )
     e = can_implement(sel.TRTLLM, p, SM100)
     assert e.eligible, e
     assert (f"padded to {padded}" in e.reason) if padded else ("padded" not in e.reason)
@@ -576,7 +834,12 @@ def test_one_log_line_per_decision(caplog):
 def test_problem_from_config_reads_sizes_and_gating():
     nh = sel.problem_from_hf_config(dict(BASE, **ARCHS["nemotron_h"], quantization_config=NVFP4), tp_size=2)
     assert (nh.gated, nh.activation, nh.intermediate_size, nh.num_experts, nh.quantization) == (
-        False, "relu2", 512, 8, "modelopt_fp4")
+        False,
+        "relu2",
+        512,
+        8,
+        "modelopt_fp4",
+    )
     ds = sel.problem_from_hf_config(dict(BASE, **ARCHS["deepseek_v3"], quantization_config=FP8_BLOCK))
     assert (ds.gated, ds.intermediate_size, ds.weight_block_size, ds.top_k) == (True, 256, (128, 128), 2)
     mx = sel.problem_from_hf_config(dict(BASE, **ARCHS["mixtral"]), quantization="modelopt_fp8")
@@ -584,9 +847,18 @@ def test_problem_from_config_reads_sizes_and_gating():
     assert sel.problem_from_hf_config(dict(BASE, architectures=["LlamaForCausalLM"], intermediate_size=512)) is None
 
 
-CHECKPOINTS = st.sampled_from([("modelopt_fp4", None, None), ("modelopt_fp8", None, None), ("fp8", (128, 128), None),
-                           ("fp8", None, None), ("compressed-tensors", None, "nvfp4"), (None, None, None),
-                           ("compressed-tensors", None, "int4"), ("awq", None, None)])
+CHECKPOINTS = st.sampled_from(
+    [
+        ("modelopt_fp4", None, None),
+        ("modelopt_fp8", None, None),
+        ("fp8", (128, 128), None),
+        ("fp8", None, None),
+        ("compressed-tensors", None, "nvfp4"),
+        (None, None, None),
+        ("compressed-tensors", None, "int4"),
+        ("awq", None, None),
+    ]
+)
 
 
 @st.composite
@@ -597,22 +869,37 @@ def problems(draw):
     return MoeProblem(
         hidden_size=draw(st.sampled_from([256, 2688, 7168, 200, 4000])),
         intermediate_size=draw(st.sampled_from([120, 512, 704, 1536, 2048, 1000])),
-        num_experts=draw(st.sampled_from([8, 64, 10, 256])), top_k=2, quantization=quant, weight_block_size=block,
-        quant_scheme=scheme, activation=draw(st.sampled_from(["silu", "gelu", "relu2", "situ"])), gated=gated,
-        tp_size=tp, ep_size=draw(st.sampled_from([1, tp])),
+        num_experts=draw(st.sampled_from([8, 64, 10, 256])),
+        top_k=2,
+        quantization=quant,
+        weight_block_size=block,
+        quant_scheme=scheme,
+        activation=draw(st.sampled_from(["silu", "gelu", "relu2", "situ"])),
+        gated=gated,
+        tp_size=tp,
+        ep_size=draw(st.sampled_from([1, tp])),
         a2a_backend=draw(st.sampled_from(["none", "none", "flashinfer", "deepep", "mooncake"])),
-        enable_eplb=draw(st.booleans()), num_redundant_experts=draw(st.sampled_from([0, 0, 4])),
+        enable_eplb=draw(st.booleans()),
+        num_redundant_experts=draw(st.sampled_from([0, 0, 4])),
         speculative_draft=draw(st.booleans()),
     )
 
 
-devices = st.builds(DeviceInfo, sm=st.sampled_from([100, 103, 110, 120, 90, 80, None]),
-                    flashinfer_version=st.sampled_from(["0.7.2.post1", "0.6.1", None]), source=st.just("h"))
+devices = st.builds(
+    DeviceInfo,
+    sm=st.sampled_from([100, 103, 110, 120, 90, 80, None]),
+    flashinfer_version=st.sampled_from(["0.7.2.post1", "0.6.1", None]),
+    source=st.just("h"),
+)
 
 
 @settings(max_examples=50, deadline=None)
-@given(problems(), devices, st.sampled_from(["auto", "auto", "triton", sel.TRTLLM]),
-       st.sampled_from(["auto", sel.TRTLLM, sel.TRTLLM_ROUTED, "marlin", "flashinfer_cutlass"]))
+@given(
+    problems(),
+    devices,
+    st.sampled_from(["auto", "auto", "triton", sel.TRTLLM]),
+    st.sampled_from(["auto", sel.TRTLLM, sel.TRTLLM_ROUTED, "marlin", "flashinfer_cutlass"]),
+)
 def test_resolution_invariants(problem, device, requested, upstream):
     res = resolve(problem, device, requested=requested, upstream=upstream)
     eligible = {c.backend for c in res.candidates if c.eligible}

@@ -39,7 +39,12 @@ def test_partial_checkpoint_is_a_byte_subset_of_the_full_one():
         full = ck.checkpoint(spec)
         layer = spec.moe_layers[-1]
         part = ck.checkpoint(spec, layers=[layer], experts=[2, 6], dense=False)
-        assert part and all(torch.equal(full[n].view(torch.uint8) if full[n].dtype.itemsize == 1 else full[n], t
-                                        if t.dtype.itemsize != 1 else t.view(torch.uint8)) for n, t in part.items())
+        assert part and all(
+            torch.equal(
+                full[n].view(torch.uint8) if full[n].dtype.itemsize == 1 else full[n],
+                t if t.dtype.itemsize != 1 else t.view(torch.uint8),
+            )
+            for n, t in part.items()
+        )
         assert all(f".layers.{layer}." in n and (".experts.2." in n or ".experts.6." in n) for n in part)
         assert json.dumps(ck.config(spec))  # serializable config with its quant config

@@ -49,8 +49,12 @@ def layer_for(config: str):
     """A prepared layer per config, shared by the tests of this module; `state` = checkpoint seed per expert."""
     if config not in _LAYERS:
         spec, _, layer = B.build(config)
-        _LAYERS[config] = {"spec": spec, "layer": layer, "state": [0] * spec.num_experts,
-                           "catalogue": B.catalogue(layer, spec)}
+        _LAYERS[config] = {
+            "spec": spec,
+            "layer": layer,
+            "state": [0] * spec.num_experts,
+            "catalogue": B.catalogue(layer, spec),
+        }
     return _LAYERS[config]
 
 
@@ -97,35 +101,53 @@ def _write(config, param, **changes):
     return w
 
 
-@pytest.mark.parametrize("config,param,shard", [
-    ("nvfp4", "w13_weight_scale_2", "w2"),  # would broadcast over the gate and up scales
-    ("nvfp4", "w2_weight_scale_2", "w1"),  # would end in a raw IndexError
-    pytest.param("fp8_modelopt", "w13_weight_scale", "w2", marks=FP8),
-    pytest.param("fp8_tensor", "w13_weight_scale", "w2", marks=FP8),
-    pytest.param("fp8_tensor", "w2_weight_scale", "w3", marks=FP8),
-    ("nvfp4", "w13_input_scale", "w2"),
-    ("ct_nvfp4", "w13_weight_global_scale", "w2"),
-])
+@pytest.mark.parametrize(
+    "config,param,shard",
+    [
+        ("nvfp4", "w13_weight_scale_2", "w2"),  # would broadcast over the gate and up scales
+        ("nvfp4", "w2_weight_scale_2", "w1"),  # would end in a raw IndexError
+        pytest.param("fp8_modelopt", "w13_weight_scale", "w2", marks=FP8),
+        pytest.param("fp8_tensor", "w13_weight_scale", "w2", marks=FP8),
+        pytest.param("fp8_tensor", "w2_weight_scale", "w3", marks=FP8),
+        ("nvfp4", "w13_input_scale", "w2"),
+        ("ct_nvfp4", "w13_weight_global_scale", "w2"),
+    ],
+)
 def test_issue_22_per_tensor_scales_check_the_shard_id(config, param, shard):
     layer = layer_for(config)["layer"]
     msg = assert_refused_unchanged(layer, _write(config, param, shard_id=shard))
     assert f"does not take shard '{shard}'" in msg
 
 
-@pytest.mark.parametrize("expert_id", ["1", None, 2.5, 1.0, True, torch.tensor(1.0), torch.tensor([1])],
-                         ids=["str", "None", "float-2.5", "float-1.0", "bool", "float-tensor", "1-elem-tensor"])
-@pytest.mark.parametrize("config,param", [("nvfp4", "w13_weight"), ("nvfp4", "w2_input_scale"),
-                                          pytest.param("fp8_tensor", "w13_weight", marks=FP8),
-                                          pytest.param("fp8_tensor", "w13_weight_scale", marks=FP8)])
+@pytest.mark.parametrize(
+    "expert_id",
+    ["1", None, 2.5, 1.0, True, torch.tensor(1.0), torch.tensor([1])],
+    ids=["str", "None", "float-2.5", "float-1.0", "bool", "float-tensor", "1-elem-tensor"],
+)
+@pytest.mark.parametrize(
+    "config,param",
+    [
+        ("nvfp4", "w13_weight"),
+        ("nvfp4", "w2_input_scale"),
+        pytest.param("fp8_tensor", "w13_weight", marks=FP8),
+        pytest.param("fp8_tensor", "w13_weight_scale", marks=FP8),
+    ],
+)
 def test_issue_22_expert_ids_are_type_checked(config, param, expert_id):
     layer = layer_for(config)["layer"]
     msg = assert_refused_unchanged(layer, _write(config, param, expert_id=expert_id))
     assert "is not an integer expert index" in msg
 
 
-@pytest.mark.parametrize("config,param", [("nvfp4", "w13_weight"), ("nvfp4", "w13_weight_scale_2"),
-                                          pytest.param("fp8_modelopt", "w2_weight", marks=FP8),
-                                          ("bf16", "w13_weight")])
+@pytest.mark.parametrize(
+    "config,param",
+    [
+        ("nvfp4", "w13_weight"),
+        ("nvfp4", "w13_weight_scale_2"),
+        pytest.param("fp8_modelopt", "w2_weight", marks=FP8),
+        ("bf16", "w13_weight"),
+    ],
+)
 def test_issue_22_the_device_is_checked(config, param):
     layer = layer_for(config)["layer"]
     w = _write(config, param)
@@ -143,7 +165,9 @@ def test_short_tensor_into_an_unpadded_layer_is_refused_and_the_padded_layer_tak
     layer = layer_for("bf16-I96-padded")["layer"]
     w = _write("bf16-I96-padded", "w13_weight")
     w.tensor = w.tensor[:64]
-    assert "expected [96 (the checkpoint's) or 128 (the layer's padded size), 128]" in assert_refused_unchanged(layer, w)
+    assert "expected [96 (the checkpoint's) or 128 (the layer's padded size), 128]" in assert_refused_unchanged(
+        layer, w
+    )
 
 
 # ---- hypothesis: refused sequences, then a correct update equals a fresh load ------------------------------------
@@ -192,16 +216,24 @@ def valid_variant(w: B.Write, data, scalar: bool, managed: bool) -> B.Write:
     if t.dtype in (torch.bfloat16, torch.float32) and data.draw(st.booleans(), label="wider float"):
         t = t.to(torch.float64 if t.dtype == torch.float32 else torch.float32)  # exact: values are representable
     eid = data.draw(st.sampled_from(["int", "int64-tensor", "int32-tensor", "numpy"]), label="expert id type")
-    expert = {"int": w.expert_id, "int64-tensor": torch.tensor(w.expert_id), "numpy": np.int64(w.expert_id),
-              "int32-tensor": torch.tensor(w.expert_id, dtype=torch.int32)}[eid]
+    expert = {
+        "int": w.expert_id,
+        "int64-tensor": torch.tensor(w.expert_id),
+        "numpy": np.int64(w.expert_id),
+        "int32-tensor": torch.tensor(w.expert_id, dtype=torch.int32),
+    }[eid]
     # the bare parameter name works where the plugin prepares the layer; SGLang's own BF16 restore (a watched
     # layer) needs the ".experts.<param>" suffix its model loaders always pass
     name = w.param if managed and data.draw(st.booleans(), label="bare name") else w.weight_name
     return B.Write(w.param, t, name, w.shard_id, expert)
 
 
-@settings(max_examples=60, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data(), config=st.sampled_from(sorted(B.CONFIGS)))
 def test_property_refused_updates_change_nothing_and_a_correct_one_equals_a_fresh_load(data, config):
     if config.startswith("fp8") and not _fp8_prepared():
@@ -225,8 +257,12 @@ def _refused_then_correct(data, config):
         assert_refused_unchanged(layer, w, snap)
     e = data.draw(st.integers(0, spec.num_experts - 1), label="expert")
     seed = data.draw(st.sampled_from([s for s in (0, 1, 2) if s != L["state"][e]]), label="seed")
-    for w in B.writes(spec, B.checkpoint(spec, seed=seed, experts=[e]) if seed else
-                      {k: v for k, v in B.checkpoint(spec, seed=0).items() if k.startswith(f"experts.{e}.")}):
+    for w in B.writes(
+        spec,
+        B.checkpoint(spec, seed=seed, experts=[e])
+        if seed
+        else {k: v for k, v in B.checkpoint(spec, seed=0).items() if k.startswith(f"experts.{e}.")},
+    ):
         valid_variant(w, data, fmt.load_rule(w.param).scalar, managed).call(layer)
     layer.quant_method.process_weights_after_loading(layer)  # a flush, or SGLang's own prep of a watched layer
     L["state"][e] = seed
@@ -237,6 +273,7 @@ def _refused_then_correct(data, config):
 
 # ---- EP: an expert this rank does not own -------------------------------------------------------------------------
 
+
 def test_expert_of_another_ep_rank_is_dropped_when_valid_and_refused_when_not(monkeypatch):
     """SGLang's documented EP behaviour: a rank drops the shards of experts it does not own (the owning rank writes
     them). Validation runs before that mapping, so a bad tensor is refused on every rank alike. Simulated here by
@@ -244,8 +281,9 @@ def test_expert_of_another_ep_rank_is_dropped_when_valid_and_refused_when_not(mo
     L = layer_for("nvfp4")
     layer = L["layer"]
     real = layer._map_global_expert_id_to_local_expert_id
-    monkeypatch.setattr(layer, "_map_global_expert_id_to_local_expert_id", lambda e: real(e) if e < 2 else -1,
-                        raising=False)
+    monkeypatch.setattr(
+        layer, "_map_global_expert_id_to_local_expert_id", lambda e: real(e) if e < 2 else -1, raising=False
+    )
     snap = B.snapshot(layer)
     w = _write("nvfp4", "w13_weight", expert_id=3)
     w.call(layer)  # valid, not owned: dropped here
@@ -255,6 +293,7 @@ def test_expert_of_another_ep_rank_is_dropped_when_valid_and_refused_when_not(mo
 
 
 # ---- entry points: whole buckets ----------------------------------------------------------------------------------
+
 
 def _model(config):
     spec = B.CONFIGS[config]
@@ -316,7 +355,8 @@ def test_distributed_and_flattened_buckets_are_refused_whole():
     flat = FlattenedTensorBucket(named_tensors=bucket)
     ok, msg = u.update_weights_from_tensor(
         {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()},
-        load_format="flattened_bucket")
+        load_format="flattened_bucket",
+    )
     assert not ok and "refused the whole weight-update bucket" in msg
     assert B.changed(model.experts, snap) == []
 

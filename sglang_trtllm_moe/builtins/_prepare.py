@@ -40,8 +40,9 @@ def _forced() -> bool:
 
 
 def _hand_back(layer, fmt, why: str) -> bool:
-    logger.info("sglang-trtllm-moe: %s: %s left to SGLang's own preparation: %s",
-                layer_state.layer_name(layer), fmt.name, why)
+    logger.info(
+        "sglang-trtllm-moe: %s: %s left to SGLang's own preparation: %s", layer_state.layer_name(layer), fmt.name, why
+    )
     return False
 
 
@@ -71,8 +72,12 @@ def take_over(fmt, method, layer, side_attrs=None) -> bool:
         return _hand_back(layer, fmt, f"upstream is right for {fmt.name} on this release ({v.evidence})")
     layer_state.attach(layer, fmt)
     n = layer_state.flush(layer)
-    logger.info("sglang-trtllm-moe: %s: %s prepared in place for flashinfer_trtllm (%d expert groups)",
-                layer_state.layer_name(layer), fmt.name, n)
+    logger.info(
+        "sglang-trtllm-moe: %s: %s prepared in place for flashinfer_trtllm (%d expert groups)",
+        layer_state.layer_name(layer),
+        fmt.name,
+        n,
+    )
     if side_attrs is not None:
         side_attrs(method, layer)
     return True

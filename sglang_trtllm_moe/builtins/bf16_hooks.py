@@ -67,22 +67,44 @@ def restore_weights_before_loading(original, method, layer, *args, **kwargs):
 
 @hookimpl
 def register_sglang_hooks(register, release):
-    register(HookTarget(
-        f"{UNQUANT}.process_weights_after_loading", process_weights_after_loading, "around",
-        releases=">=0.5.11", capability="bf16-prep",
-        why="BF16 layers on flashinfer_trtllm are prepared in place (shape [E, M, K] kept), per dirty expert",
-    ))
-    register(HookTarget(
-        f"{UNQUANT}.apply", apply, "around", releases=">=0.5.11", capability="bf16-prep",
-        why="a prepared BF16 layer always takes SGLang's flashinfer_trtllm branch, never a path that reads it as plain weights",
-    ))
-    register(HookTarget(
-        f"{UNQUANT}.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load", restore_shape_for_load,
-        "around", releases=">=0.5.23", capability="rl-update",
-        why="SGLang's whole-layer un-block before each load is unnecessary for in-place [E, M, K] layers",
-    ))
+    register(
+        HookTarget(
+            f"{UNQUANT}.process_weights_after_loading",
+            process_weights_after_loading,
+            "around",
+            releases=">=0.5.11",
+            capability="bf16-prep",
+            why="BF16 layers on flashinfer_trtllm are prepared in place (shape [E, M, K] kept), per dirty expert",
+        )
+    )
+    register(
+        HookTarget(
+            f"{UNQUANT}.apply",
+            apply,
+            "around",
+            releases=">=0.5.11",
+            capability="bf16-prep",
+            why="a prepared BF16 layer always takes SGLang's flashinfer_trtllm branch, never a path that reads it as plain weights",
+        )
+    )
+    register(
+        HookTarget(
+            f"{UNQUANT}.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load",
+            restore_shape_for_load,
+            "around",
+            releases=">=0.5.23",
+            capability="rl-update",
+            why="SGLang's whole-layer un-block before each load is unnecessary for in-place [E, M, K] layers",
+        )
+    )
     for method in (UNQUANT, CT_MOE):
-        register(HookTarget(
-            f"{method}.restore_weights_before_loading", restore_weights_before_loading, "around", releases=">=0.5.21",
-            capability="rl-update", why="managed layers are un-prepared per written expert, not by SGLang's whole-layer restore",
-        ))
+        register(
+            HookTarget(
+                f"{method}.restore_weights_before_loading",
+                restore_weights_before_loading,
+                "around",
+                releases=">=0.5.21",
+                capability="rl-update",
+                why="managed layers are un-prepared per written expert, not by SGLang's whole-layer restore",
+            )
+        )

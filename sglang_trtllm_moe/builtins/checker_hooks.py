@@ -244,8 +244,11 @@ def _dequant_as_sglang_0_5_12(weight, scale):
 def legacy_postprocess_tensors(original, raw, *args, **kwargs):
     model = _COMPARING.get()
     managed = _managed(model) if model is not None else []
-    blocks = _float_block_scales(model, raw) if (
-        model is not None and features.WEIGHT_CHECKER_UE8M0_SCALES_ONLY.present()) else {}
+    blocks = (
+        _float_block_scales(model, raw)
+        if (model is not None and features.WEIGHT_CHECKER_UE8M0_SCALES_ONLY.present())
+        else {}
+    )
     if not managed and not blocks:  # a checksum, a model without plugin layers: SGLang's own
         yield from original(raw, *args, **kwargs)
         return
@@ -302,6 +305,7 @@ def legacy_check_tensors(original, expect_tensors, actual_tensors, *args, **kwar
                 (errors if should else infos).append(f"name={ename} {rep.summary()}")
 
     if _sglang_can_compare():
+
         def expect_side():
             for e, a in theirs():
                 pending.append(a)
@@ -316,7 +320,7 @@ def legacy_check_tensors(original, expect_tensors, actual_tensors, *args, **kwar
         except Exception as e:  # noqa: BLE001 - SGLang's own failures are merged with ours below
             if not str(e).startswith(_FAILED):
                 raise
-            errors.insert(0, str(e)[len(_FAILED):])
+            errors.insert(0, str(e)[len(_FAILED) :])
     else:
         for (name, should, exp), (_, _, act) in theirs():
             _bitwise_here(name, should, exp, act, errors, infos)
@@ -331,22 +335,85 @@ def legacy_check_tensors(original, expect_tensors, actual_tensors, *args, **kwar
 @hookimpl
 def register_sglang_hooks(register, release):
     legacy_why = "weight checker before 0.5.15: plugin-laid-out MoE weights compared raw or layout-aware, located"
-    register(HookTarget(f"{WC}.WeightChecker._compare", legacy_compare, "around", releases=LEGACY,
-                        capability="weight-check", why=legacy_why + " (which model is being compared)"))
-    register(HookTarget(f"{WC}._postprocess_tensors", legacy_postprocess_tensors, "around", releases=LEGACY,
-                        capability="weight-check", why=legacy_why + " (our comparable per laid-out weight)"))
-    register(HookTarget(f"{WC}._check_tensors", legacy_check_tensors, "around", releases=LEGACY,
-                        capability="weight-check", why=legacy_why + " (our compare, with expert/row/col)"))
+    register(
+        HookTarget(
+            f"{WC}.WeightChecker._compare",
+            legacy_compare,
+            "around",
+            releases=LEGACY,
+            capability="weight-check",
+            why=legacy_why + " (which model is being compared)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{WC}._postprocess_tensors",
+            legacy_postprocess_tensors,
+            "around",
+            releases=LEGACY,
+            capability="weight-check",
+            why=legacy_why + " (our comparable per laid-out weight)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{WC}._check_tensors",
+            legacy_check_tensors,
+            "around",
+            releases=LEGACY,
+            capability="weight-check",
+            why=legacy_why + " (our compare, with expert/row/col)",
+        )
+    )
     why = "weight checker: plugin-laid-out MoE weights compared raw or layout-aware, mismatches located"
-    register(HookTarget(f"{WC}._build_quantized_set", build_quantized_set, "around", releases=RELEASES,
-                        capability="weight-check", why=why + " (hide managed layers from SGLang's selection)"))
-    register(HookTarget(f"{WC}._build_check_entries", build_check_entries, "around", releases=RELEASES,
-                        capability="weight-check", why=why + " (our comparable per laid-out weight)"))
-    register(HookTarget(f"{CMP}.compare_weights", compare_weights, "around", releases=RELEASES,
-                        capability="weight-check", why=why + " (our compare, with expert/row/col)"))
-    register(HookTarget(f"{WC}.WeightChecker._snapshot", record_snapshot_state, "around", releases=">=0.5.11",
-                        capability="weight-check", why="remember the layout each snapshot tensor was taken in"))
+    register(
+        HookTarget(
+            f"{WC}._build_quantized_set",
+            build_quantized_set,
+            "around",
+            releases=RELEASES,
+            capability="weight-check",
+            why=why + " (hide managed layers from SGLang's selection)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{WC}._build_check_entries",
+            build_check_entries,
+            "around",
+            releases=RELEASES,
+            capability="weight-check",
+            why=why + " (our comparable per laid-out weight)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{CMP}.compare_weights",
+            compare_weights,
+            "around",
+            releases=RELEASES,
+            capability="weight-check",
+            why=why + " (our compare, with expert/row/col)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{WC}.WeightChecker._snapshot",
+            record_snapshot_state,
+            "around",
+            releases=">=0.5.11",
+            capability="weight-check",
+            why="remember the layout each snapshot tensor was taken in",
+        )
+    )
     for comparable in ("RawComparable", "Fp8BlockComparable"):
-        register(HookTarget(f"{CMP}.{comparable}.iter_chunks", chunks_on_this_host, "around", releases=RELEASES,
-                            capability="weight-check", why=f"SGLang's {comparable} calls .cuda(); on a host without "
-                            "CUDA the chunks stay where they are"))
+        register(
+            HookTarget(
+                f"{CMP}.{comparable}.iter_chunks",
+                chunks_on_this_host,
+                "around",
+                releases=RELEASES,
+                capability="weight-check",
+                why=f"SGLang's {comparable} calls .cuda(); on a host without CUDA the chunks stay where they are",
+            )
+        )

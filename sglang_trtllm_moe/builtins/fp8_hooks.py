@@ -63,8 +63,9 @@ def fp8_create_weights(result, method, *args, **kwargs):
     rows = kw(args, kwargs, 3, "intermediate_size_per_partition")
     old = layer.w13_weight
     if old.shape[1] != rows:
-        new = torch.nn.Parameter(torch.empty((old.shape[0], rows, *old.shape[2:]), dtype=old.dtype, device=old.device),
-                                 requires_grad=False)
+        new = torch.nn.Parameter(
+            torch.empty((old.shape[0], rows, *old.shape[2:]), dtype=old.dtype, device=old.device), requires_grad=False
+        )
         for k, v in vars(old).items():  # weight_loader, ... (set_weight_attrs)
             setattr(new, k, v)
         layer.register_parameter("w13_weight", new)
@@ -100,19 +101,34 @@ def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, *
 
 @hookimpl
 def register_sglang_hooks(register, release):
-    register(HookTarget(
-        f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading", modelopt_fp8_process_weights_after_loading,
-        "around", releases=">=0.5.11", capability="fp8-prep",
-        why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
-    ))
-    register(HookTarget(
-        f"{FP8_METHOD}.process_weights_after_loading", fp8_process_weights_after_loading, "around",
-        releases=">=0.5.11", capability="fp8-prep",
-        why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert (MXFP8 / "
+    register(
+        HookTarget(
+            f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading",
+            modelopt_fp8_process_weights_after_loading,
+            "around",
+            releases=">=0.5.11",
+            capability="fp8-prep",
+            why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{FP8_METHOD}.process_weights_after_loading",
+            fp8_process_weights_after_loading,
+            "around",
+            releases=">=0.5.11",
+            capability="fp8-prep",
+            why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert (MXFP8 / "
             "FP4-expert layers: handed to mx_hooks)",
-    ))
-    register(HookTarget(
-        f"{FP8_METHOD}.create_weights", fp8_create_weights, "after",
-        releases=features.FP8_W13_ALWAYS_TWO_HALVES.releases, capability="fp8-prep",
-        why="non-gated per-tensor w13 allocated at the kernel's [E, I, H] (SGLang allocates 2*I rows before 0.5.19)",
-    ))
+        )
+    )
+    register(
+        HookTarget(
+            f"{FP8_METHOD}.create_weights",
+            fp8_create_weights,
+            "after",
+            releases=features.FP8_W13_ALWAYS_TWO_HALVES.releases,
+            capability="fp8-prep",
+            why="non-gated per-tensor w13 allocated at the kernel's [E, I, H] (SGLang allocates 2*I rows before 0.5.19)",
+        )
+    )

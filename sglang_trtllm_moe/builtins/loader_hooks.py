@@ -104,13 +104,35 @@ def remember_prefix(result, layer, *args, **kwargs):
 
 @hookimpl
 def register_sglang_hooks(register, release):
-    register(HookTarget(f"{FUSED_MOE}.weight_loader", weight_loader, "around", releases=">=0.5.11",
-                        capability="rl-update",
-                        why="validate every write (shard, expert id, dtype, shape, device, scale values) before SGLang "
-                            "maps expert ids to ranks, so every rank refuses the same bad tensor"))
-    register(HookTarget(f"{FUSED_MOE}.__init__", remember_prefix, "after", releases=">=0.5.11", capability="core",
-                        why="remember each MoE layer's checkpoint prefix (errors and reports name it) and logical "
-                            "intermediate size (validation tells a short tensor from a padded one)"))
-    register(HookTarget(f"{FUSED_MOE}._weight_loader_impl", weight_loader_impl, "around", releases=">=0.5.11",
-                        capability="rl-update",
-                        why="validate shards and un-prepare an expert before SGLang's loader writes into it"))
+    register(
+        HookTarget(
+            f"{FUSED_MOE}.weight_loader",
+            weight_loader,
+            "around",
+            releases=">=0.5.11",
+            capability="rl-update",
+            why="validate every write (shard, expert id, dtype, shape, device, scale values) before SGLang "
+            "maps expert ids to ranks, so every rank refuses the same bad tensor",
+        )
+    )
+    register(
+        HookTarget(
+            f"{FUSED_MOE}.__init__",
+            remember_prefix,
+            "after",
+            releases=">=0.5.11",
+            capability="core",
+            why="remember each MoE layer's checkpoint prefix (errors and reports name it) and logical "
+            "intermediate size (validation tells a short tensor from a padded one)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{FUSED_MOE}._weight_loader_impl",
+            weight_loader_impl,
+            "around",
+            releases=">=0.5.11",
+            capability="rl-update",
+            why="validate shards and un-prepare an expert before SGLang's loader writes into it",
+        )
+    )

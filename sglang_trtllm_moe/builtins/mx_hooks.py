@@ -48,8 +48,12 @@ def hand_back(layer, what: str, why: str) -> None:
     key = (what, why)
     if key not in _LOGGED:
         _LOGGED.add(key)
-        logger.info("sglang-trtllm-moe: %s (first: %s) stays on SGLang's own preparation: %s", what,
-                    layer_state.layer_name(layer), why)
+        logger.info(
+            "sglang-trtllm-moe: %s (first: %s) stays on SGLang's own preparation: %s",
+            what,
+            layer_state.layer_name(layer),
+            why,
+        )
 
 
 def _on_trtllm() -> bool:
@@ -62,11 +66,15 @@ def _on_trtllm() -> bool:
 def mxfp8_problem(method, layer) -> str | None:
     """None when the plugin prepares this MXFP8 layer; else why SGLang keeps it."""
     if not method.quant_config.is_checkpoint_fp8_serialized:
-        return ("online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at prep and rebinds the "
-                "Parameters to fp8, so RL updates must send BF16 weights through SGLang's own path")
+        return (
+            "online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at prep and rebinds the "
+            "Parameters to fp8, so RL updates must send BF16 weights through SGLang's own path"
+        )
     if not layer.moe_runner_config.is_gated and not features.MXFP8_NON_GATED_W13_ROWS.present():
-        return ("non-gated MXFP8 before SGLang 0.5.19: w13 is allocated with 2 x intermediate rows and sliced "
-                "(new storage) by SGLang's prep")
+        return (
+            "non-gated MXFP8 before SGLang 0.5.19: w13 is allocated with 2 x intermediate rows and sliced "
+            "(new storage) by SGLang's prep"
+        )
     if getattr(method, "convert_mxfp8_to_block", False):
         return "MXFP8 converted to block FP8 at load (ROCm gfx94x)"
     return None
@@ -81,8 +89,11 @@ def _mxfp8_side_attrs(method, layer) -> None:
     layer.w2_weight_scale_inv.format_ue8m0 = True
     layer.w13_input_scale = None
     layer.w2_input_scale = None
-    if (features.MXFP8_ACTIVATION_PARAMS.present() and getattr(method, "_owns_moe_runner", True)
-            and not hasattr(layer, "_flashinfer_trtllm_gemm1_alpha")):
+    if (
+        features.MXFP8_ACTIVATION_PARAMS.present()
+        and getattr(method, "_owns_moe_runner", True)
+        and not hasattr(layer, "_flashinfer_trtllm_gemm1_alpha")
+    ):
         method._prepare_flashinfer_trtllm_activation_params(layer)
     if hasattr(layer, "dispatcher"):
         layer.dispatcher.set_quant_config({"weight_dtype": torch.float8_e4m3fn, "use_mxfp8": True})
@@ -121,8 +132,11 @@ def fp4_experts_create_weights(result, method, *args, **kwargs):
     layer = kw(args, kwargs, 0, "layer")
     hidden = int(kw(args, kwargs, 2, "hidden_size"))
     inter = int(kw(args, kwargs, 3, "intermediate_size_per_partition"))
-    problem = "MegaMoE consumes the canonical layout" if _megamoe() else MXFP4_EXPERTS.allocation_problem(
-        layer, inter, hidden)
+    problem = (
+        "MegaMoE consumes the canonical layout"
+        if _megamoe()
+        else MXFP4_EXPERTS.allocation_problem(layer, inter, hidden)
+    )
     if problem:
         hand_back(layer, "MXFP4-expert layer", problem)
         return result
@@ -139,8 +153,11 @@ def _fp4_experts_side_attrs(method, layer) -> None:
 
     for name in ("output1_scale_scalar", "output1_scale_gate_scalar", "output2_scale_scalar"):
         if getattr(layer, name, None) is None:
-            layer.register_buffer(name, torch.ones(layer.num_local_experts, dtype=torch.float32,
-                                                   device=layer.w13_weight.device), persistent=False)
+            layer.register_buffer(
+                name,
+                torch.ones(layer.num_local_experts, dtype=torch.float32, device=layer.w13_weight.device),
+                persistent=False,
+            )
     if features.FP4_EXPERTS_SGLANG_PADS.present():
         layer.intermediate_size_per_partition = layer.w2_weight.shape[2] * 2
     if hasattr(layer, "dispatcher"):
@@ -171,11 +188,15 @@ def fp4_experts_apply(original, method, layer, dispatch_output, *args, **kwargs)
             raise NotImplementedError("MxFP4 bypassed routing is not configured")
         cfg = topk_output.topk_config
         rsf = cfg.routed_scaling_factor
-        bypassed = dict(norm_topk_prob=cfg.renormalize,
-                        routed_scaling_factor=rsf if getattr(cfg, "apply_routed_scaling_factor_on_output", False)
-                        and rsf is not None else 1.0)
+        bypassed = dict(
+            norm_topk_prob=cfg.renormalize,
+            routed_scaling_factor=rsf
+            if getattr(cfg, "apply_routed_scaling_factor_on_output", False) and rsf is not None
+            else 1.0,
+        )
     qi = SimpleNamespace(
-        global_num_experts=layer.num_experts, local_num_experts=layer.num_local_experts,
+        global_num_experts=layer.num_experts,
+        local_num_experts=layer.num_local_experts,
         local_expert_offset=layer.moe_ep_rank * layer.num_local_experts,
         routing_method_type=getattr(method, "_bypassed_routing_method", None),
         gemm1_clamp_limit=getattr(method, "_gemm1_clamp_limit_tensor", None),
@@ -189,7 +210,8 @@ def _refuse_unsupported_dispatch(layer, dispatch_output) -> None:
     if getattr(dispatch_output, "hidden_states_pre_quant", None) is not None:
         raise NotImplementedError(
             f"{layer_state.layer_name(layer)}: a dispatcher-quantized MXFP8 input (hidden_states_pre_quant) is not "
-            "supported by the plugin runner yet; run without the flashinfer a2a pre-quantization")
+            "supported by the plugin runner yet; run without the flashinfer a2a pre-quantization"
+        )
     try:
         from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import is_deferred_finalize_enabled
     except ImportError:
@@ -197,7 +219,8 @@ def _refuse_unsupported_dispatch(layer, dispatch_output) -> None:
     if is_deferred_finalize_enabled():
         raise NotImplementedError(
             f"{layer_state.layer_name(layer)}: deferred MoE finalize (SGLANG_ENABLE_MOE_DEFERRED_FINALIZE) is not "
-            "supported by the plugin runner yet; unset it")
+            "supported by the plugin runner yet; unset it"
+        )
 
 
 # ---- gpt-oss MXFP4 ------------------------------------------------------------------------------------------------
@@ -238,9 +261,12 @@ def gptoss_apply(original, method, layer, dispatch_output, *args, **kwargs):
     if layer_state.state_of(layer) is None:
         return original(method, layer, dispatch_output, *args, **kwargs)
     _refuse_unsupported_dispatch(layer, dispatch_output)
-    qi = SimpleNamespace(global_num_experts=layer.num_experts, local_num_experts=layer.num_local_experts,
-                         local_expert_offset=layer.moe_ep_rank * layer.num_local_experts,
-                         precision=getattr(method, "flashinfer_mxfp4_moe_precision", "default"))
+    qi = SimpleNamespace(
+        global_num_experts=layer.num_experts,
+        local_num_experts=layer.num_local_experts,
+        local_expert_offset=layer.moe_ep_rank * layer.num_local_experts,
+        precision=getattr(method, "flashinfer_mxfp4_moe_precision", "default"),
+    )
     return runner.run(MXFP4_GPTOSS, dispatch_output, qi, method.moe_runner_config)
 
 
@@ -256,42 +282,79 @@ FP8_HOOK_RELEASES = "<0.5.19"
 
 @hookimpl
 def register_sglang_hooks(register, release):
-    register(HookTarget(
-        f"{FP8_METHOD}.process_weights_after_loading", fp8_method_process_weights_after_loading, "around",
-        releases=">=0.5.11," + FP8_HOOK_RELEASES, capability="mxfp8-prep",
-        why="MXFP8 layers on flashinfer_trtllm(_routed) are prepared in place, per dirty expert (SGLang re-shuffles "
+    register(
+        HookTarget(
+            f"{FP8_METHOD}.process_weights_after_loading",
+            fp8_method_process_weights_after_loading,
+            "around",
+            releases=">=0.5.11," + FP8_HOOK_RELEASES,
+            capability="mxfp8-prep",
+            why="MXFP8 layers on flashinfer_trtllm(_routed) are prepared in place, per dirty expert (SGLang re-shuffles "
             "every expert at every flush); FP4 experts on flashinfer_trtllm are a clear error",
-    ))
+        )
+    )
     rel = features.FP4_EXPERTS_METHOD.releases
-    register(HookTarget(
-        f"{FP4_EXPERTS}.create_weights", fp4_experts_create_weights, "after", releases=rel,
-        capability="mxfp4-experts-prep",
-        why="MXFP4-expert storage at the kernel's final width from the start (e8m0 scales, padded per half): the "
+    register(
+        HookTarget(
+            f"{FP4_EXPERTS}.create_weights",
+            fp4_experts_create_weights,
+            "after",
+            releases=rel,
+            capability="mxfp4-experts-prep",
+            why="MXFP4-expert storage at the kernel's final width from the start (e8m0 scales, padded per half): the "
             "Parameters, their storage and weight_loader stay the same for the layer's life",
-    ))
-    register(HookTarget(
-        f"{FP4_EXPERTS}.process_weights_after_loading", fp4_experts_process_weights_after_loading, "around",
-        releases=rel, capability="mxfp4-experts-prep",
-        why="MXFP4-expert layers on flashinfer_mxfp4 are prepared in place, per dirty expert (SGLang replaces the "
+        )
+    )
+    register(
+        HookTarget(
+            f"{FP4_EXPERTS}.process_weights_after_loading",
+            fp4_experts_process_weights_after_loading,
+            "around",
+            releases=rel,
+            capability="mxfp4-experts-prep",
+            why="MXFP4-expert layers on flashinfer_mxfp4 are prepared in place, per dirty expert (SGLang replaces the "
             "Parameters and drops their weight_loader)",
-    ))
-    register(HookTarget(
-        f"{FP4_EXPERTS}.apply", fp4_experts_apply, "around", releases=rel, capability="mxfp4-experts-prep",
-        why="managed MXFP4-expert layers run on the plugin runner (flashinfer's kernel, or the emulator)",
-    ))
-    register(HookTarget(
-        f"{GPTOSS}.create_weights", gptoss_create_weights, "after", releases=">=0.5.11",
-        capability="mxfp4-gptoss-prep",
-        why="gpt-oss MXFP4 biases at the kernel's fp32 width from the start: Parameters, storage and weight_loader "
+        )
+    )
+    register(
+        HookTarget(
+            f"{FP4_EXPERTS}.apply",
+            fp4_experts_apply,
+            "around",
+            releases=rel,
+            capability="mxfp4-experts-prep",
+            why="managed MXFP4-expert layers run on the plugin runner (flashinfer's kernel, or the emulator)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{GPTOSS}.create_weights",
+            gptoss_create_weights,
+            "after",
+            releases=">=0.5.11",
+            capability="mxfp4-gptoss-prep",
+            why="gpt-oss MXFP4 biases at the kernel's fp32 width from the start: Parameters, storage and weight_loader "
             "stay the same for the layer's life",
-    ))
-    register(HookTarget(
-        f"{GPTOSS}.process_weights_after_loading", gptoss_process_weights_after_loading, "around",
-        releases=">=0.5.11", capability="mxfp4-gptoss-prep",
-        why="gpt-oss MXFP4 layers on flashinfer_mxfp4 (SM100) are prepared in place (SGLang replaces the Parameters: "
+        )
+    )
+    register(
+        HookTarget(
+            f"{GPTOSS}.process_weights_after_loading",
+            gptoss_process_weights_after_loading,
+            "around",
+            releases=">=0.5.11",
+            capability="mxfp4-gptoss-prep",
+            why="gpt-oss MXFP4 layers on flashinfer_mxfp4 (SM100) are prepared in place (SGLang replaces the Parameters: "
             "its next reload raises TypeError or value-converts every scale byte)",
-    ))
-    register(HookTarget(
-        f"{GPTOSS}.apply", gptoss_apply, "around", releases=">=0.5.11", capability="mxfp4-gptoss-prep",
-        why="managed gpt-oss MXFP4 layers run on the plugin runner (flashinfer's kernel, or the emulator)",
-    ))
+        )
+    )
+    register(
+        HookTarget(
+            f"{GPTOSS}.apply",
+            gptoss_apply,
+            "around",
+            releases=">=0.5.11",
+            capability="mxfp4-gptoss-prep",
+            why="managed gpt-oss MXFP4 layers run on the plugin runner (flashinfer's kernel, or the emulator)",
+        )
+    )

@@ -19,8 +19,10 @@ from ._prepare import UNREADABLE, kw, take_over
 logger = logging.getLogger("sglang_trtllm_moe")
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
-CT_NVFP4_SCHEME = ("sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe."
-                   "CompressedTensorsW4A4Nvfp4MoE")
+CT_NVFP4_SCHEME = (
+    "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe."
+    "CompressedTensorsW4A4Nvfp4MoE"
+)
 
 
 def _modelopt_serves(method, layer) -> tuple[bool, str]:
@@ -77,8 +79,12 @@ def modelopt_create_moe_runner(result, method, *args, **kwargs):
     try:
         problem = NVFP4.check_layout(layer)
     except UNREADABLE as e:  # not the layer the plugin knows: SGLang's own behaviour, unchanged
-        logger.info("sglang-trtllm-moe: %s: NVFP4 runner/layout agreement not checked (%s: %s)",
-                    layer_state.layer_name(layer), type(e).__name__, e)
+        logger.info(
+            "sglang-trtllm-moe: %s: NVFP4 runner/layout agreement not checked (%s: %s)",
+            layer_state.layer_name(layer),
+            type(e).__name__,
+            e,
+        )
         return result
     if problem:
         raise TrtllmLayerError(
@@ -93,8 +99,12 @@ def modelopt_create_moe_runner(result, method, *args, **kwargs):
     if features.NVFP4_MEGAMOE_LAYOUT.present():
         method.use_flashinfer_trtllm_weight_layout = True
     layer.use_flashinfer_trtllm_moe = True  # FusedMoE's w1/w3 order and padded loading (global-only before 0.5.23)
-    logger.info("sglang-trtllm-moe: %s: SGLang resolved auto to %s for this NVFP4 layer; its weights are laid out "
-                "for that runner", layer_state.layer_name(layer), backend.value)
+    logger.info(
+        "sglang-trtllm-moe: %s: SGLang resolved auto to %s for this NVFP4 layer; its weights are laid out "
+        "for that runner",
+        layer_state.layer_name(layer),
+        backend.value,
+    )
     return result
 
 
@@ -111,8 +121,9 @@ def ct_create_weights(result, scheme, *args, **kwargs):
         old = getattr(layer, name)
         if old.shape[1] == rows:
             continue
-        new = torch.nn.Parameter(torch.empty((old.shape[0], rows, *old.shape[2:]), dtype=old.dtype,
-                                             device=old.device), requires_grad=False)
+        new = torch.nn.Parameter(
+            torch.empty((old.shape[0], rows, *old.shape[2:]), dtype=old.dtype, device=old.device), requires_grad=False
+        )
         for k, v in vars(old).items():  # weight_loader, quant_method, ... (set_weight_attrs)
             setattr(new, k, v)
         layer.register_parameter(name, new)
@@ -143,9 +154,13 @@ def ct_apply_weights(original, scheme, layer, dispatch_output, *args, **kwargs):
     from .. import runner
 
     quant_info = SimpleNamespace(
-        w13_weight=layer.w13_weight, w2_weight=layer.w2_weight,
-        w13_weight_scale=layer.w13_weight_scale, w2_weight_scale=layer.w2_weight_scale,
-        g1_scale_c=layer.g1_scale_c, g1_alphas=layer.g1_alphas, g2_alphas=layer.g2_alphas,
+        w13_weight=layer.w13_weight,
+        w2_weight=layer.w2_weight,
+        w13_weight_scale=layer.w13_weight_scale,
+        w2_weight_scale=layer.w2_weight_scale,
+        g1_scale_c=layer.g1_scale_c,
+        g1_alphas=layer.g1_alphas,
+        g2_alphas=layer.g2_alphas,
         w13_input_scale_quant=layer.w13_input_scale_quant[:1],
         global_num_experts=layer.num_experts,
         local_expert_offset=layer.moe_ep_rank * layer.num_local_experts,
@@ -159,27 +174,53 @@ def ct_apply_weights(original, scheme, layer, dispatch_output, *args, **kwargs):
 
 @hookimpl
 def register_sglang_hooks(register, release):
-    register(HookTarget(
-        f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
-        modelopt_process_weights_after_loading, "around", releases=">=0.5.11", capability="nvfp4-prep",
-        why="NVFP4 layers on flashinfer_trtllm are prepared in place by the plugin, per dirty expert",
-    ))
-    register(HookTarget(
-        f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.create_moe_runner", modelopt_create_moe_runner, "after",
-        releases=features.NVFP4_AUTO_RUNNER_MISMATCH.releases, capability="nvfp4-prep",
-        why="on a global auto, SGLang runs NVFP4 on flashinfer_trtllm: the weights are laid out for it too",
-    ))
-    register(HookTarget(
-        f"{CT_NVFP4_SCHEME}.create_weights", ct_create_weights, "after", releases=">=0.5.11",
-        capability="ct-nvfp4-prep", why="non-gated GEMM1 allocated at the kernel's [E, I, ...] (SGLang allocates 2I rows)",
-    ))
-    register(HookTarget(
-        f"{CT_NVFP4_SCHEME}.process_weights_after_loading", ct_process_weights_after_loading, "around",
-        releases=">=0.5.11", capability="ct-nvfp4-prep",
-        why="compressed-tensors NVFP4 layers on flashinfer_trtllm are prepared in place, per dirty expert",
-    ))
-    register(HookTarget(
-        f"{CT_NVFP4_SCHEME}.apply_weights", ct_apply_weights, "around",
-        releases=features.CT_NVFP4_APPLY_CALLS_FLASHINFER.releases, capability="ct-nvfp4-prep",
-        why=features.CT_NVFP4_APPLY_CALLS_FLASHINFER.why,
-    ))
+    register(
+        HookTarget(
+            f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
+            modelopt_process_weights_after_loading,
+            "around",
+            releases=">=0.5.11",
+            capability="nvfp4-prep",
+            why="NVFP4 layers on flashinfer_trtllm are prepared in place by the plugin, per dirty expert",
+        )
+    )
+    register(
+        HookTarget(
+            f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.create_moe_runner",
+            modelopt_create_moe_runner,
+            "after",
+            releases=features.NVFP4_AUTO_RUNNER_MISMATCH.releases,
+            capability="nvfp4-prep",
+            why="on a global auto, SGLang runs NVFP4 on flashinfer_trtllm: the weights are laid out for it too",
+        )
+    )
+    register(
+        HookTarget(
+            f"{CT_NVFP4_SCHEME}.create_weights",
+            ct_create_weights,
+            "after",
+            releases=">=0.5.11",
+            capability="ct-nvfp4-prep",
+            why="non-gated GEMM1 allocated at the kernel's [E, I, ...] (SGLang allocates 2I rows)",
+        )
+    )
+    register(
+        HookTarget(
+            f"{CT_NVFP4_SCHEME}.process_weights_after_loading",
+            ct_process_weights_after_loading,
+            "around",
+            releases=">=0.5.11",
+            capability="ct-nvfp4-prep",
+            why="compressed-tensors NVFP4 layers on flashinfer_trtllm are prepared in place, per dirty expert",
+        )
+    )
+    register(
+        HookTarget(
+            f"{CT_NVFP4_SCHEME}.apply_weights",
+            ct_apply_weights,
+            "around",
+            releases=features.CT_NVFP4_APPLY_CALLS_FLASHINFER.releases,
+            capability="ct-nvfp4-prep",
+            why=features.CT_NVFP4_APPLY_CALLS_FLASHINFER.why,
+        )
+    )

@@ -32,11 +32,34 @@ fp4_leaf, bf16_leaf, fp8_leaf = _leaf("fp4"), _leaf("bf16"), _leaf("fp8")
 @hookimpl
 def register_sglang_hooks(register, release):
     why = "layers the plugin prepared run on their format's kernel (or the emulator); others on SGLang's leaf"
-    register(HookTarget(f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp4", fp4_leaf, "around",
-                        releases=">=0.5.11", capability="runner", why="NVFP4 leaf: " + why))
-    register(HookTarget(f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_bf16", bf16_leaf, "around",
-                        releases=">=0.5.11", capability="runner", why="BF16 leaf: " + why))
-    register(HookTarget(f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp8", fp8_leaf, "around",
-                        releases=">=0.5.11", capability="runner",
-                        why="FP8 / MXFP8 leaf (the trtllm dispatchers and ModelOptFp8MoEMethod.apply look it up at "
-                            "call time): " + why))
+    register(
+        HookTarget(
+            f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp4",
+            fp4_leaf,
+            "around",
+            releases=">=0.5.11",
+            capability="runner",
+            why="NVFP4 leaf: " + why,
+        )
+    )
+    register(
+        HookTarget(
+            f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_bf16",
+            bf16_leaf,
+            "around",
+            releases=">=0.5.11",
+            capability="runner",
+            why="BF16 leaf: " + why,
+        )
+    )
+    register(
+        HookTarget(
+            f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp8",
+            fp8_leaf,
+            "around",
+            releases=">=0.5.11",
+            capability="runner",
+            why="FP8 / MXFP8 leaf (the trtllm dispatchers and ModelOptFp8MoEMethod.apply look it up at "
+            "call time): " + why,
+        )
+    )

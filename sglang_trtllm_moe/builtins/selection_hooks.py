@@ -46,9 +46,15 @@ def _problem(server_args: Any, draft: bool = False):
     # A2A backends make EP span the TP group (SGLang declares that one step later, in handle_a2a_moe).
     ep = view.tp_size if a2a not in (None, "none") else view.ep_size
     return problem_from_hf_config(
-        model_config.hf_config, quantization=quant, tp_size=view.tp_size, ep_size=ep, a2a_backend=a2a or "none",
-        enable_eplb=bool(view.enable_eplb), num_redundant_experts=int(view.ep_num_redundant_experts or 0),
-        init_expert_location=str(view.init_expert_location or "trivial"), speculative_draft=draft,
+        model_config.hf_config,
+        quantization=quant,
+        tp_size=view.tp_size,
+        ep_size=ep,
+        a2a_backend=a2a or "none",
+        enable_eplb=bool(view.enable_eplb),
+        num_redundant_experts=int(view.ep_num_redundant_experts or 0),
+        init_expert_location=str(view.init_expert_location or "trivial"),
+        speculative_draft=draft,
     ), view
 
 
@@ -85,8 +91,12 @@ def before_handle_moe_kernel_config(server_args, *args, **kwargs):
     try:
         decide(server_args)
     except Exception as e:  # noqa: BLE001 - a bug here must leave SGLang's own resolution untouched
-        logger.warning("sglang-trtllm-moe: auto-selection skipped, SGLang's choice stands: %s: %s",
-                       type(e).__name__, e, exc_info=True)
+        logger.warning(
+            "sglang-trtllm-moe: auto-selection skipped, SGLang's choice stands: %s: %s",
+            type(e).__name__,
+            e,
+            exc_info=True,
+        )
     return None
 
 
@@ -97,8 +107,9 @@ def before_model_rules(server_args, *args, **kwargs):
     try:
         record_requested(server_args)
     except Exception as e:  # noqa: BLE001 - never breaks resolution; the field is read instead
-        logger.warning("sglang-trtllm-moe: could not record the requested MoE runner backend: %s: %s",
-                       type(e).__name__, e)
+        logger.warning(
+            "sglang-trtllm-moe: could not record the requested MoE runner backend: %s: %s", type(e).__name__, e
+        )
     return None
 
 
@@ -107,9 +118,16 @@ def register_sglang_hooks(register, release):
     from ..compat import features
     from ..compat.platform import ADAPTERS, RECORD_TARGET
 
-    register(HookTarget(target=RECORD_TARGET, hook=before_model_rules, hook_type="before",
-                        releases=features.SERVER_ARGS_FIELD_WRITES.releases, capability="auto-select",
-                        why="record --moe-runner-backend before SGLang's model rules overwrite it (explicit vs auto)"))
+    register(
+        HookTarget(
+            target=RECORD_TARGET,
+            hook=before_model_rules,
+            hook_type="before",
+            releases=features.SERVER_ARGS_FIELD_WRITES.releases,
+            capability="auto-select",
+            why="record --moe-runner-backend before SGLang's model rules overwrite it (explicit vs auto)",
+        )
+    )
 
     for a in ADAPTERS:  # one resolution step per release range; the decision is the same everywhere
         register(

@@ -68,8 +68,13 @@ def check_buckets_around(original, owner, *args, **kwargs):
             bucket_validation.check_bucket(model, named)
         except bucket_validation.BucketRefused as e:
             return False, str(e)
-        seen = {id(t) for item in named if isinstance(item, (list, tuple)) and len(item) == 2
-                for t in item[1:] if isinstance(t, torch.Tensor)}
+        seen = {
+            id(t)
+            for item in named
+            if isinstance(item, (list, tuple)) and len(item) == 2
+            for t in item[1:]
+            if isinstance(t, torch.Tensor)
+        }
 
     def load_weights(weights, *a, **k):
         if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
@@ -140,22 +145,77 @@ DIRECT = (
 @hookimpl
 def register_sglang_hooks(register, release):
     for target, rel in LOAD_ONLY_ENTRY_POINTS:
-        register(HookTarget(target, check_buckets_around, "around", releases=rel, capability="rl-update",
-                            why="validate a whole update bucket before any of it is written (never a partial write)"))
+        register(
+            HookTarget(
+                target,
+                check_buckets_around,
+                "around",
+                releases=rel,
+                capability="rl-update",
+                why="validate a whole update bucket before any of it is written (never a partial write)",
+            )
+        )
     for target, rel in RELOAD_START:
-        register(HookTarget(target, check_disk_around, "around", releases=rel, capability="rl-update",
-                            why="refuse a malformed checkpoint from its headers before SGLang restores or loads any layer"))
+        register(
+            HookTarget(
+                target,
+                check_disk_around,
+                "around",
+                releases=rel,
+                capability="rl-update",
+                why="refuse a malformed checkpoint from its headers before SGLang restores or loads any layer",
+            )
+        )
     for target, rel in DIRECT:
-        register(HookTarget(target, check_direct_before, "before", releases=rel, capability="rl-update",
-                            why="validate whole-parameter writes and return their groups to checkpoint layout first"))
+        register(
+            HookTarget(
+                target,
+                check_direct_before,
+                "before",
+                releases=rel,
+                capability="rl-update",
+                why="validate whole-parameter writes and return their groups to checkpoint layout first",
+            )
+        )
     for target, rel in LOAD_ONLY_ENTRY_POINTS:
-        register(HookTarget(target, flush_after, "after", releases=rel, capability="rl-update",
-                            why="prepare the experts this update wrote (load_weights alone never does)"))
+        register(
+            HookTarget(
+                target,
+                flush_after,
+                "after",
+                releases=rel,
+                capability="rl-update",
+                why="prepare the experts this update wrote (load_weights alone never does)",
+            )
+        )
     for target, rel in RELOAD_START + LOAD_ONLY_ENTRY_POINTS:
-        register(HookTarget(target, drop_caches_before, "before", releases=rel, capability="rl-update",
-                            why="drop cached layout index maps so none survives a pause/resume"))
-    register(HookTarget(f"{UPDATER}.end_weight_update", end_session_after, "after", releases=">=0.5.21",
-                        capability="rl-update", why="the session is over: prepare everything it wrote"))
-    register(HookTarget(f"{UPDATER}.begin_weight_update", unprepare_all_before, "before", releases=">=0.5.21",
-                        capability="rl-update",
-                        why="a begin/end session may write straight into parameters: every managed layer to checkpoint layout"))
+        register(
+            HookTarget(
+                target,
+                drop_caches_before,
+                "before",
+                releases=rel,
+                capability="rl-update",
+                why="drop cached layout index maps so none survives a pause/resume",
+            )
+        )
+    register(
+        HookTarget(
+            f"{UPDATER}.end_weight_update",
+            end_session_after,
+            "after",
+            releases=">=0.5.21",
+            capability="rl-update",
+            why="the session is over: prepare everything it wrote",
+        )
+    )
+    register(
+        HookTarget(
+            f"{UPDATER}.begin_weight_update",
+            unprepare_all_before,
+            "before",
+            releases=">=0.5.21",
+            capability="rl-update",
+            why="a begin/end session may write straight into parameters: every managed layer to checkpoint layout",
+        )
+    )

@@ -38,50 +38,90 @@ class Verdict:
         return Feature(self.releases, self.evidence).present(release)
 
 
-_NO_CPU_ORACLE = ("SGLang's trtllm prep imports flashinfer, which cannot be imported on CPU at this release's pin; "
-                  "the code is the one measured on 0.5.16")
+_NO_CPU_ORACLE = (
+    "SGLang's trtllm prep imports flashinfer, which cannot be imported on CPU at this release's pin; "
+    "the code is the one measured on 0.5.16"
+)
 
 TABLE: tuple[Verdict, ...] = (
-    Verdict("bf16", ">=0.5.23", True,
-            "measured: every flow exact, storage, Parameters and weight_loaders kept (SGLang packs only canonical "
-            "weights and restores whole layers before loads and at begin_weight_update, in place)"),
-    Verdict("bf16", ">=0.5.16,<0.5.23", False,
-            "measured: a one-expert disk update fails (RuntimeError: the loader writes 3-D shards into the 4-D "
-            "block-layout Parameter; the routed backend's shape-only restore leaves the bytes blocked and the "
-            "next prep re-packs every expert)"),
+    Verdict(
+        "bf16",
+        ">=0.5.23",
+        True,
+        "measured: every flow exact, storage, Parameters and weight_loaders kept (SGLang packs only canonical "
+        "weights and restores whole layers before loads and at begin_weight_update, in place)",
+    ),
+    Verdict(
+        "bf16",
+        ">=0.5.16,<0.5.23",
+        False,
+        "measured: a one-expert disk update fails (RuntimeError: the loader writes 3-D shards into the 4-D "
+        "block-layout Parameter; the routed backend's shape-only restore leaves the bytes blocked and the "
+        "next prep re-packs every expert)",
+    ),
     Verdict("bf16", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
-    Verdict("nvfp4", ">=0.5.11", False,
-            "measured: a one-expert update re-shuffles the experts that were not reloaded (w13/w2 weights and "
-            "block scales differ from a fresh load); a tensor update is never prepared (kernel scalars stale)"),
-    Verdict("ct_nvfp4", ">=0.5.16", False,
-            "measured: SGLang renames the *_packed Parameters at prep, so the next load by checkpoint name "
-            "raises KeyError"),
+    Verdict(
+        "nvfp4",
+        ">=0.5.11",
+        False,
+        "measured: a one-expert update re-shuffles the experts that were not reloaded (w13/w2 weights and "
+        "block scales differ from a fresh load); a tensor update is never prepared (kernel scalars stale)",
+    ),
+    Verdict(
+        "ct_nvfp4",
+        ">=0.5.16",
+        False,
+        "measured: SGLang renames the *_packed Parameters at prep, so the next load by checkpoint name raises KeyError",
+    ),
     Verdict("ct_nvfp4", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
-    Verdict("fp8_tensor_modelopt", ">=0.5.16", False,
-            "measured: SGLang requantizes w1/w3 to one scale and replaces the Parameters, so the next update "
-            "raises AttributeError (no weight_loader)"),
+    Verdict(
+        "fp8_tensor_modelopt",
+        ">=0.5.16",
+        False,
+        "measured: SGLang requantizes w1/w3 to one scale and replaces the Parameters, so the next update "
+        "raises AttributeError (no weight_loader)",
+    ),
     Verdict("fp8_tensor_modelopt", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
-    Verdict("fp8_tensor", ">=0.5.16", False,
-            "measured: SGLang requantizes w1/w3 to one scale and replaces the Parameters, so the next update "
-            "raises AttributeError (no weight_loader)"),
+    Verdict(
+        "fp8_tensor",
+        ">=0.5.16",
+        False,
+        "measured: SGLang requantizes w1/w3 to one scale and replaces the Parameters, so the next update "
+        "raises AttributeError (no weight_loader)",
+    ),
     Verdict("fp8_tensor", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
-    Verdict("mxfp8", ">=0.5.16", False,
-            "measured: a one-expert update re-shuffles every expert that was not reloaded (SGLang's "
-            "align_mxfp8_moe_weights_for_flashinfer_trtllm lays the whole layer out again at each prep; storage and "
-            "loaders are kept)"),
+    Verdict(
+        "mxfp8",
+        ">=0.5.16",
+        False,
+        "measured: a one-expert update re-shuffles every expert that was not reloaded (SGLang's "
+        "align_mxfp8_moe_weights_for_flashinfer_trtllm lays the whole layer out again at each prep; storage and "
+        "loaders are kept)",
+    ),
     Verdict("mxfp8", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
-    Verdict("mxfp4_experts", ">=0.5.16", False,
-            "measured: SGLang's prep replaces the Parameters (e8m0 scales, uint8 weights) without weight_loader, so "
-            "the next load raises AttributeError"),
-    Verdict("mxfp4_experts", "<0.5.16", False,
-            "read: " + _NO_CPU_ORACLE + " (no FP4-expert path before 0.5.12)"),
-    Verdict("mxfp4_gptoss", ">=0.5.16", False,
-            "measured: SGLang's prep replaces the Parameters (scales viewed e4m3, biases fp32) without "
-            "weight_loader, so the next fused load raises TypeError (default_weight_loader)"),
+    Verdict(
+        "mxfp4_experts",
+        ">=0.5.16",
+        False,
+        "measured: SGLang's prep replaces the Parameters (e8m0 scales, uint8 weights) without weight_loader, so "
+        "the next load raises AttributeError",
+    ),
+    Verdict("mxfp4_experts", "<0.5.16", False, "read: " + _NO_CPU_ORACLE + " (no FP4-expert path before 0.5.12)"),
+    Verdict(
+        "mxfp4_gptoss",
+        ">=0.5.16",
+        False,
+        "measured: SGLang's prep replaces the Parameters (scales viewed e4m3, biases fp32) without "
+        "weight_loader, so the next fused load raises TypeError (default_weight_loader)",
+    ),
     Verdict("mxfp4_gptoss", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
-    Verdict("fp8_block", ">=0.5.11", True,
-            "measured: every flow exact, storage, Parameters and weight_loaders kept (the kernel layout is the "
-            "loaded layout: FusedMoE loads w13 as [up; gate] on trtllm and nothing is permuted)"),
+    Verdict(
+        "fp8_block",
+        ">=0.5.11",
+        True,
+        "measured: every flow exact, storage, Parameters and weight_loaders kept (the kernel layout is the "
+        "loaded layout: FusedMoE loads w13 as [up; gate] on trtllm and nothing is permuted)",
+    ),
 )
 
 
@@ -108,7 +148,7 @@ __all__ = ["TABLE", "Verdict", "releases_of", "upstream_prepares", "verdict"]
 def _check_table() -> None:
     """No release has two verdicts for one format (checked at import: the table is data, not code paths)."""
     for i, a in enumerate(TABLE):
-        for b in TABLE[i + 1:]:
+        for b in TABLE[i + 1 :]:
             if a.fmt == b.fmt and SpecifierSet(a.releases) & SpecifierSet(b.releases):
                 probe = [f"0.5.{n}" for n in range(0, 60)]
                 both = [r for r in probe if a.holds(r) and b.holds(r)]

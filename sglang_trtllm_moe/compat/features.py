@@ -11,7 +11,7 @@ they are facts about SGLang releases as well.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -19,7 +19,7 @@ from packaging.version import Version
 from .releases import installed_version
 
 
-@lru_cache(maxsize=None)
+@cache
 def _running() -> Version | None:
     v = installed_version()
     return None if v is None else Version(v.base_version)

@@ -39,6 +39,7 @@ REQUESTED_ATTR = "_trtllm_moe_requested"
 #: ... recorded BEFORE this step (the first one that may write moe_runner_backend)
 RECORD_TARGET = "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments"
 
+
 def _release() -> Version:
     v = installed_version()
     if v is None:
@@ -96,8 +97,11 @@ def model_config_of(server_args: Any):
 
 def record_requested(server_args: Any) -> None:
     """<= 0.5.14: keep what the caller asked for before SGLang's model rules assign the fields."""
-    object.__setattr__(server_args, REQUESTED_ATTR, {
-        f: getattr(server_args, f, None) for f in ("moe_runner_backend", "speculative_moe_runner_backend")})
+    object.__setattr__(
+        server_args,
+        REQUESTED_ATTR,
+        {f: getattr(server_args, f, None) for f in ("moe_runner_backend", "speculative_moe_runner_backend")},
+    )
 
 
 def requested_field(server_args: Any, field: str) -> Any:
@@ -155,6 +159,7 @@ def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
 
 # --- the platform as SGLang describes it ---------------------------------------------------------------------
 
+
 def _sm_from_probes() -> int | None:
     from sglang.srt.utils import common
 
@@ -209,5 +214,19 @@ def resolved_moe_runner_backend(server_args: Any) -> str:
     return resolve_server_args(server_args)["moe_runner_backend"]
 
 
-__all__ = ["ADAPTERS", "RECORD_TARGET", "REQUESTED_ATTR", "ReleaseAdapter", "adapter", "backend_requested", "record_requested", "declare_choice", "device_from_sglang", "model_config_of",
-           "requested_field", "resolve_server_args", "resolved_moe_runner_backend", "resolved_view"]
+__all__ = [
+    "ADAPTERS",
+    "RECORD_TARGET",
+    "REQUESTED_ATTR",
+    "ReleaseAdapter",
+    "adapter",
+    "backend_requested",
+    "record_requested",
+    "declare_choice",
+    "device_from_sglang",
+    "model_config_of",
+    "requested_field",
+    "resolve_server_args",
+    "resolved_moe_runner_backend",
+    "resolved_view",
+]

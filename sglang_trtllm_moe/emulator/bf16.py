@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
-
 import torch
 
 from .. import layouts
 from ..kernel_api import ActivationType, WeightLayout
 from .common import (
-    _activate, _bf16, _check_local, _gemm1_rows, _run, _scalar, _unshuffle_rows, common_unsupported, is_gated, routing, unsupported,
+    _activate,
+    _bf16,
+    _check_local,
+    _gemm1_rows,
+    _run,
+    _scalar,
+    _unshuffle_rows,
+    common_unsupported,
+    is_gated,
+    routing,
+    unsupported,
 )
 from .routing import split_routed_input
 
@@ -20,18 +28,35 @@ def _bf16_weights(w: torch.Tensor, rows: int, cols: int, inv: torch.Tensor, e: i
     if we.dim() == 3:  # [K/bk, M, bk]
         we = layouts.from_block_major_k(we.unsqueeze(0))[0]
     elif we.dim() == 2:  # block-major bytes kept in an [M, K] shaped tensor
-        we = layouts.from_block_major_k(layouts.block_major_k_view(w[e:e + 1]))[0]
+        we = layouts.from_block_major_k(layouts.block_major_k_view(w[e : e + 1]))[0]
     if tuple(we.shape) != (rows, cols):
         raise ValueError(f"bf16 weight of shape {tuple(w.shape)} does not hold [{rows}, {cols}] per expert")
     return _unshuffle_rows(we, inv).float()
 
 
-def _bf16_impl(ids, weights, hidden_states, gemm1_weights, gemm2_weights, intermediate_size, local_expert_offset,
-               local_num_experts, use_shuffled_weight, weight_layout, activation_type, gemm1_alpha, gemm1_beta,
-               gemm1_clamp_limit, output, routing_replay_out):
+def _bf16_impl(
+    ids,
+    weights,
+    hidden_states,
+    gemm1_weights,
+    gemm2_weights,
+    intermediate_size,
+    local_expert_offset,
+    local_num_experts,
+    use_shuffled_weight,
+    weight_layout,
+    activation_type,
+    gemm1_alpha,
+    gemm1_beta,
+    gemm1_clamp_limit,
+    output,
+    routing_replay_out,
+):
     act = int(activation_type)
-    unsupported(weight_layout=(weight_layout, int(weight_layout) == WeightLayout.BlockMajorK),
-                 use_shuffled_weight=(use_shuffled_weight, bool(use_shuffled_weight)))
+    unsupported(
+        weight_layout=(weight_layout, int(weight_layout) == WeightLayout.BlockMajorK),
+        use_shuffled_weight=(use_shuffled_weight, bool(use_shuffled_weight)),
+    )
     if hidden_states.dtype != torch.bfloat16:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (BF16 MoE takes bf16 activations)")
     T, H = hidden_states.shape
@@ -45,29 +70,42 @@ def _bf16_impl(ids, weights, hidden_states, gemm1_weights, gemm2_weights, interm
     def expert(e, rows, _w):
         w1 = _bf16_weights(gemm1_weights, M, H, inv1, e)
         w2 = _bf16_weights(gemm2_weights, H, I, inv2, e)
-        h = _activate(rows @ w1.t(), act, alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-                      beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-                      limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0))
+        h = _activate(
+            rows @ w1.t(),
+            act,
+            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+        )
         return _bf16(_bf16(h) @ w2.t())  # the FC1 epilogue writes bf16; GEMM2 output is bf16
 
-    return _run(hidden_states.float(), ids, weights, local_expert_offset, local_num_experts, expert, H, output,
-                routing_replay_out)
+    return _run(
+        hidden_states.float(),
+        ids,
+        weights,
+        local_expert_offset,
+        local_num_experts,
+        expert,
+        H,
+        output,
+        routing_replay_out,
+    )
 
 
 def trtllm_bf16_moe(
     routing_logits: torch.Tensor,
-    routing_bias: Optional[torch.Tensor],
+    routing_bias: torch.Tensor | None,
     hidden_states: torch.Tensor,
     gemm1_weights: torch.Tensor,
     gemm2_weights: torch.Tensor,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float] = None,
+    routed_scaling_factor: float | None = None,
     routing_method_type: int = 0,
     use_shuffled_weight: bool = True,
     weight_layout: int = WeightLayout.BlockMajorK,
@@ -76,52 +114,89 @@ def trtllm_bf16_moe(
     tune_max_num_tokens: int = 8192,
     activation_type: int = ActivationType.Swiglu.value,
     norm_topk_prob: bool = True,
-    routing_replay_out: Optional[torch.Tensor] = None,
-    gemm1_alpha: Optional[torch.Tensor] = None,
-    gemm1_beta: Optional[torch.Tensor] = None,
-    gemm1_clamp_limit: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
-) -> Union[List[torch.Tensor], torch.Tensor]:
+    routing_replay_out: torch.Tensor | None = None,
+    gemm1_alpha: torch.Tensor | None = None,
+    gemm1_beta: torch.Tensor | None = None,
+    gemm1_clamp_limit: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_bf16_moe`."""
     common_unsupported(do_finalize)
-    ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
-                      routing_method_type, norm_topk_prob)
-    return _bf16_impl(ids, w, hidden_states, gemm1_weights, gemm2_weights, intermediate_size, local_expert_offset,
-                      local_num_experts, use_shuffled_weight, weight_layout, activation_type, gemm1_alpha, gemm1_beta,
-                      gemm1_clamp_limit, output, routing_replay_out)
+    ids, w = routing(
+        routing_logits,
+        routing_bias,
+        top_k,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        routing_method_type,
+        norm_topk_prob,
+    )
+    return _bf16_impl(
+        ids,
+        w,
+        hidden_states,
+        gemm1_weights,
+        gemm2_weights,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        use_shuffled_weight,
+        weight_layout,
+        activation_type,
+        gemm1_alpha,
+        gemm1_beta,
+        gemm1_clamp_limit,
+        output,
+        routing_replay_out,
+    )
 
 
 def trtllm_bf16_routed_moe(
-    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     hidden_states: torch.Tensor,
     gemm1_weights: torch.Tensor,
     gemm2_weights: torch.Tensor,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float] = None,
+    routed_scaling_factor: float | None = None,
     routing_method_type: int = 0,
     use_shuffled_weight: bool = True,
     weight_layout: int = WeightLayout.BlockMajorK,
     do_finalize: bool = True,
     enable_pdl: bool = True,
-    gemm1_lora_delta: Optional[torch.Tensor] = None,
+    gemm1_lora_delta: torch.Tensor | None = None,
     tune_max_num_tokens: int = 8192,
     activation_type: int = ActivationType.Swiglu.value,
-    routing_replay_out: Optional[torch.Tensor] = None,
-    gemm1_alpha: Optional[torch.Tensor] = None,
-    gemm1_beta: Optional[torch.Tensor] = None,
-    gemm1_clamp_limit: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, List[torch.Tensor]]:
+    routing_replay_out: torch.Tensor | None = None,
+    gemm1_alpha: torch.Tensor | None = None,
+    gemm1_beta: torch.Tensor | None = None,
+    gemm1_clamp_limit: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
     """Emulates flashinfer `trtllm_bf16_routed_moe`."""
     common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)
     ids, w = split_routed_input(topk_ids)
-    return _bf16_impl(ids, w, hidden_states, gemm1_weights, gemm2_weights, intermediate_size, local_expert_offset,
-                      local_num_experts, use_shuffled_weight, weight_layout, activation_type, gemm1_alpha, gemm1_beta,
-                      gemm1_clamp_limit, output, routing_replay_out)
-
+    return _bf16_impl(
+        ids,
+        w,
+        hidden_states,
+        gemm1_weights,
+        gemm2_weights,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        use_shuffled_weight,
+        weight_layout,
+        activation_type,
+        gemm1_alpha,
+        gemm1_beta,
+        gemm1_clamp_limit,
+        output,
+        routing_replay_out,
+    )

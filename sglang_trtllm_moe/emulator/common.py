@@ -19,7 +19,7 @@ raise NotImplementedError naming the option, never silently compute something el
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -28,8 +28,13 @@ from ..kernel_api import ActivationType
 from .routing import route
 
 GATED_ACTIVATIONS = {ActivationType.Swiglu, ActivationType.Geglu, ActivationType.GegluTanh}
-NON_GATED_ACTIVATIONS = {ActivationType.Gelu, ActivationType.Relu, ActivationType.Silu, ActivationType.Relu2,
-                         ActivationType.Identity}
+NON_GATED_ACTIVATIONS = {
+    ActivationType.Gelu,
+    ActivationType.Relu,
+    ActivationType.Silu,
+    ActivationType.Relu2,
+    ActivationType.Identity,
+}
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)
 
 
@@ -40,8 +45,10 @@ def is_gated(activation_type: int) -> bool:
         return True
     if a in NON_GATED_ACTIVATIONS:
         return False
-    raise NotImplementedError(f"activation_type={a} ({_act_name(a)}) is not emulated; supported: "
-                              f"{sorted(x.name for x in GATED_ACTIVATIONS | NON_GATED_ACTIVATIONS)}")
+    raise NotImplementedError(
+        f"activation_type={a} ({_act_name(a)}) is not emulated; supported: "
+        f"{sorted(x.name for x in GATED_ACTIVATIONS | NON_GATED_ACTIVATIONS)}"
+    )
 
 
 def _act_name(a: int) -> str:
@@ -56,7 +63,7 @@ def _act_name(a: int) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _scalar(t: Optional[torch.Tensor], e: int, default: float) -> float:
+def _scalar(t: torch.Tensor | None, e: int, default: float) -> float:
     return default if t is None else float(t.reshape(-1)[e])
 
 
@@ -64,9 +71,17 @@ def _gelu(x: torch.Tensor, tanh: bool = False) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh" if tanh else "none")
 
 
-def _activate(a1: torch.Tensor, act: int, gate_scale: float = 1.0, out_scale: float = 1.0, *,
-              alpha: Optional[float] = None, beta: Optional[float] = None, limit: Optional[float] = None,
-              valid_intermediate: Optional[int] = None) -> torch.Tensor:
+def _activate(
+    a1: torch.Tensor,
+    act: int,
+    gate_scale: float = 1.0,
+    out_scale: float = 1.0,
+    *,
+    alpha: float | None = None,
+    beta: float | None = None,
+    limit: float | None = None,
+    valid_intermediate: int | None = None,
+) -> torch.Tensor:
     """GEMM1 output (raw accumulator units) -> activation, as the kernels' epilogue computes it.
 
     Gated: x1 = up = first half, x2 = gate = second half (dev_kernel.cu gatedSilu(xLinear=x1, xGlu=x2)). The OAI
@@ -136,9 +151,18 @@ def _groups(ids: torch.Tensor, offset: int, n_local: int):
         yield e, s
 
 
-def _run(x: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor], offset: int, n_local: int,
-         expert_fn: ExpertFn, hidden_out: int, output: Optional[torch.Tensor],
-         routing_replay_out: Optional[torch.Tensor] = None, weights_on_input: bool = False) -> torch.Tensor:
+def _run(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    offset: int,
+    n_local: int,
+    expert_fn: ExpertFn,
+    hidden_out: int,
+    output: torch.Tensor | None,
+    routing_replay_out: torch.Tensor | None = None,
+    weights_on_input: bool = False,
+) -> torch.Tensor:
     """x [T, H] float32 (dequantized activations); expert_fn(e, rows, slot_weights) -> bf16-valued [n, hidden_out]."""
     T, K = ids.shape
     if routing_replay_out is not None:
@@ -161,10 +185,19 @@ def _run(x: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor], of
     return out
 
 
-def routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
-             routing_method_type, norm_topk_prob):
-    return route(routing_method_type, routing_logits, top_k, bias=routing_bias, n_group=n_group,
-                 topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob)
+def routing(
+    routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor, routing_method_type, norm_topk_prob
+):
+    return route(
+        routing_method_type,
+        routing_logits,
+        top_k,
+        bias=routing_bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        norm_topk_prob=norm_topk_prob,
+    )
 
 
 def unsupported(**opts) -> None:
@@ -174,8 +207,9 @@ def unsupported(**opts) -> None:
             raise NotImplementedError(f"the TRT-LLM-Gen MoE emulator does not model {name}={value!r}")
 
 
-def common_unsupported(do_finalize, num_fused_shared_experts=None, gemm1_bias=None, gemm2_bias=None,
-                        gemm1_lora_delta=None):
+def common_unsupported(
+    do_finalize, num_fused_shared_experts=None, gemm1_bias=None, gemm2_bias=None, gemm1_lora_delta=None
+):
     unsupported(
         do_finalize=(do_finalize, bool(do_finalize)),
         num_fused_shared_experts=(num_fused_shared_experts, not num_fused_shared_experts),
@@ -187,8 +221,10 @@ def common_unsupported(do_finalize, num_fused_shared_experts=None, gemm1_bias=No
 
 def _check_local(name: str, w: torch.Tensor, local_num_experts: int) -> None:
     if w.shape[0] != local_num_experts:
-        raise ValueError(f"{name} has {w.shape[0]} experts but local_num_experts={local_num_experts}: "
-                         "weights hold only this rank's experts")
+        raise ValueError(
+            f"{name} has {w.shape[0]} experts but local_num_experts={local_num_experts}: "
+            "weights hold only this rank's experts"
+        )
 
 
 def _gemm1_rows(intermediate_size: int, act: int) -> int:
@@ -209,11 +245,12 @@ def _expert_sf(sf: torch.Tensor, e: int, n_experts: int, rows: int, cols: int) -
     rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
     flat = sf.reshape(-1).view(torch.uint8) if sf.is_contiguous() else sf.contiguous().reshape(-1).view(torch.uint8)
     if flat.numel() != n_experts * rp * cp:
-        raise ValueError(f"scale tensor of shape {tuple(sf.shape)} does not hold {n_experts} experts of "
-                         f"{rows}x{cols} scales swizzled to {rp}x{cp}")
-    return layouts.unswizzle_sf_128x4(flat[e * rp * cp:(e + 1) * rp * cp].view(rp, cp), rows, cols)
+        raise ValueError(
+            f"scale tensor of shape {tuple(sf.shape)} does not hold {n_experts} experts of "
+            f"{rows}x{cols} scales swizzled to {rp}x{cp}"
+        )
+    return layouts.unswizzle_sf_128x4(flat[e * rp * cp : (e + 1) * rp * cp].view(rp, cp), rows, cols)
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
-

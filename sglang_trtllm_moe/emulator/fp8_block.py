@@ -9,15 +9,24 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
-
 import torch
 
 from .. import layouts, quant
 from ..kernel_api import ActivationType, Fp8QuantizationType, WeightLayout
 from .common import (
-    _FLT_MIN, _activate, _act_name, _bf16, _check_local, _expert_sf, _run, _scalar, _unshuffle_rows,
-    common_unsupported, is_gated, routing, unsupported,
+    _FLT_MIN,
+    _act_name,
+    _activate,
+    _bf16,
+    _check_local,
+    _expert_sf,
+    _run,
+    _scalar,
+    _unshuffle_rows,
+    common_unsupported,
+    is_gated,
+    routing,
+    unsupported,
 )
 from .routing import split_routed_input
 
@@ -28,21 +37,61 @@ def _block_requant(x: torch.Tensor) -> torch.Tensor:
     return quant.fp8_group_dequantize(q, s, 128)
 
 
-def _fp8_block_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
-                    gemm2_weights, gemm2_weights_scale, intermediate_size, local_expert_offset, local_num_experts,
-                    use_shuffled_weight, weight_layout, fp8_quantization_type, activation_type, gemm1_alpha,
-                    gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size, valid_intermediate_size,
-                    routing_replay_out):
+def _fp8_block_impl(
+    ids,
+    weights,
+    hidden_states,
+    hidden_states_scale,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    intermediate_size,
+    local_expert_offset,
+    local_num_experts,
+    use_shuffled_weight,
+    weight_layout,
+    fp8_quantization_type,
+    activation_type,
+    gemm1_alpha,
+    gemm1_beta,
+    gemm1_clamp_limit,
+    output,
+    valid_hidden_size,
+    valid_intermediate_size,
+    routing_replay_out,
+):
     act = int(activation_type)
     if int(fp8_quantization_type) == Fp8QuantizationType.MxFp8:
-        return _mxfp8_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
-                           gemm2_weights, gemm2_weights_scale, intermediate_size, local_num_experts,
-                           local_expert_offset, use_shuffled_weight, weight_layout, act, gemm1_alpha, gemm1_beta,
-                           gemm1_clamp_limit, output, valid_hidden_size, valid_intermediate_size, routing_replay_out)
-    unsupported(fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) in (1, 2)),
-                 use_shuffled_weight=(use_shuffled_weight, not use_shuffled_weight),
-                 weight_layout=(weight_layout, int(weight_layout) in (0, 2)),
-                 activation_type=(_act_name(act), act == ActivationType.Swiglu))
+        return _mxfp8_impl(
+            ids,
+            weights,
+            hidden_states,
+            hidden_states_scale,
+            gemm1_weights,
+            gemm1_weights_scale,
+            gemm2_weights,
+            gemm2_weights_scale,
+            intermediate_size,
+            local_num_experts,
+            local_expert_offset,
+            use_shuffled_weight,
+            weight_layout,
+            act,
+            gemm1_alpha,
+            gemm1_beta,
+            gemm1_clamp_limit,
+            output,
+            valid_hidden_size,
+            valid_intermediate_size,
+            routing_replay_out,
+        )
+    unsupported(
+        fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) in (1, 2)),
+        use_shuffled_weight=(use_shuffled_weight, not use_shuffled_weight),
+        weight_layout=(weight_layout, int(weight_layout) in (0, 2)),
+        activation_type=(_act_name(act), act == ActivationType.Swiglu),
+    )
     if hidden_states.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (only e4m3 activations are emulated)")
     T, H = hidden_states.shape
@@ -56,18 +105,24 @@ def _fp8_block_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weig
     else:
         w1_all, w2_all = gemm1_weights, gemm2_weights
     if tuple(w1_all.shape[1:]) != (M, H) or tuple(w2_all.shape[1:]) != (H, I):
-        raise ValueError(f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
-                         f"[E, {M}, {H}]/[E, {H}, {I}] in layout {int(weight_layout)}")
+        raise ValueError(
+            f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
+            f"[E, {M}, {H}]/[E, {H}, {I}] in layout {int(weight_layout)}"
+        )
     x = quant.fp8_group_dequantize(hidden_states, hidden_states_scale.t().reshape(T, H // 128), 128)
 
     def expert(e, rows, _w):
         w1 = quant.fp8_block_dequantize(w1_all[e], gemm1_weights_scale[e])
         w2 = quant.fp8_block_dequantize(w2_all[e], gemm2_weights_scale[e])
         a1 = _block_requant(rows @ w1.t())  # GEMM1 writes e4m3 + per-128-column dequant scales
-        h = _activate(a1, act, alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-                      beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-                      limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
-                      valid_intermediate=valid_intermediate_size)
+        h = _activate(
+            a1,
+            act,
+            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+            valid_intermediate=valid_intermediate_size,
+        )
         return _bf16(_block_requant(h) @ w2.t())
 
     out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
@@ -79,17 +134,41 @@ def _fp8_block_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weig
     return out
 
 
-def _mxfp8_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights,
-                gemm2_weights_scale, intermediate_size, local_num_experts, local_expert_offset, use_shuffled_weight,
-                weight_layout, act, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size,
-                valid_intermediate_size, routing_replay_out):
-    unsupported(use_shuffled_weight=(use_shuffled_weight, bool(use_shuffled_weight)),
-                weight_layout=(weight_layout, int(weight_layout) == WeightLayout.MajorK),
-                activation_type=(_act_name(act), act in (ActivationType.Swiglu, ActivationType.Relu2)))
+def _mxfp8_impl(
+    ids,
+    weights,
+    hidden_states,
+    hidden_states_scale,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    intermediate_size,
+    local_num_experts,
+    local_expert_offset,
+    use_shuffled_weight,
+    weight_layout,
+    act,
+    gemm1_alpha,
+    gemm1_beta,
+    gemm1_clamp_limit,
+    output,
+    valid_hidden_size,
+    valid_intermediate_size,
+    routing_replay_out,
+):
+    unsupported(
+        use_shuffled_weight=(use_shuffled_weight, bool(use_shuffled_weight)),
+        weight_layout=(weight_layout, int(weight_layout) == WeightLayout.MajorK),
+        activation_type=(_act_name(act), act in (ActivationType.Swiglu, ActivationType.Relu2)),
+    )
     if hidden_states.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (MxFp8 takes e4m3 activations)")
-    for name, t in (("hidden_states_scale", hidden_states_scale), ("gemm1_weights_scale", gemm1_weights_scale),
-                    ("gemm2_weights_scale", gemm2_weights_scale)):
+    for name, t in (
+        ("hidden_states_scale", hidden_states_scale),
+        ("gemm1_weights_scale", gemm1_weights_scale),
+        ("gemm2_weights_scale", gemm2_weights_scale),
+    ):
         if t is None or t.dtype != torch.uint8:  # the MxFp8 launcher checks this (trtllm_fused_moe_kernel_launcher.cu)
             raise ValueError(f"MxFp8: {name} must be uint8 UE8M0 bytes, got {None if t is None else t.dtype}")
     gated = is_gated(act)
@@ -101,8 +180,9 @@ def _mxfp8_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights,
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, I):
-        raise ValueError(f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
-                         f"[E, {M}, {H}]/[E, {H}, {I}]")
+        raise ValueError(
+            f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold [E, {M}, {H}]/[E, {H}, {I}]"
+        )
     dev = hidden_states.device
     E = local_num_experts
     inv1 = layouts.invert_map(layouts.w13_row_map(M, gated, dev))
@@ -115,10 +195,14 @@ def _mxfp8_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights,
         w2 = _unshuffle_rows(gemm2_weights[e], inv2)
         s2 = _expert_sf(gemm2_weights_scale, e, E, H, I // 32).index_select(0, inv2)
         a1 = rows @ quant.mxfp8_dequantize(w1, s1).t()
-        h = _activate(a1, act, alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-                      beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-                      limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
-                      valid_intermediate=valid_intermediate_size)
+        h = _activate(
+            a1,
+            act,
+            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+            valid_intermediate=valid_intermediate_size,
+        )
         hq, hs = quant.mxfp8_quantize(_bf16(h))
         return _bf16(quant.mxfp8_dequantize(hq, hs) @ quant.mxfp8_dequantize(w2, s2).t())
 
@@ -133,7 +217,7 @@ def _mxfp8_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights,
 
 def trtllm_fp8_block_scale_moe(
     routing_logits: torch.Tensor,
-    routing_bias: Optional[torch.Tensor],
+    routing_bias: torch.Tensor | None,
     hidden_states: torch.Tensor,
     hidden_states_scale: torch.Tensor,
     gemm1_weights: torch.Tensor,
@@ -142,47 +226,74 @@ def trtllm_fp8_block_scale_moe(
     gemm2_weights_scale: torch.Tensor,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float],
+    routed_scaling_factor: float | None,
     routing_method_type: int = 0,
     use_shuffled_weight: bool = False,
     weight_layout: int = 0,
     do_finalize: bool = True,
-    enable_pdl: Optional[bool] = None,
+    enable_pdl: bool | None = None,
     tune_max_num_tokens: int = 8192,
     fp8_quantization_type: Fp8QuantizationType = Fp8QuantizationType.DeepSeekFp8,
-    num_fused_shared_experts: Optional[int] = None,
+    num_fused_shared_experts: int | None = None,
     activation_type: int = ActivationType.Swiglu.value,
     norm_topk_prob: bool = True,
-    routing_replay_out: Optional[torch.Tensor] = None,
-    gemm1_alpha: Optional[torch.Tensor] = None,
-    gemm1_beta: Optional[torch.Tensor] = None,
-    gemm1_clamp_limit: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
-    valid_hidden_size: Optional[int] = None,
-    valid_intermediate_size: Optional[int] = None,
+    routing_replay_out: torch.Tensor | None = None,
+    gemm1_alpha: torch.Tensor | None = None,
+    gemm1_beta: torch.Tensor | None = None,
+    gemm1_clamp_limit: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    valid_hidden_size: int | None = None,
+    valid_intermediate_size: int | None = None,
     *,
-    gemm1_bias: Optional[torch.Tensor] = None,
-    gemm2_bias: Optional[torch.Tensor] = None,
-) -> Union[List[torch.Tensor], torch.Tensor]:
+    gemm1_bias: torch.Tensor | None = None,
+    gemm2_bias: torch.Tensor | None = None,
+) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_block_scale_moe` (DeepSeekFp8 MajorK/BlockMajorK unshuffled; MxFp8 shuffled)."""
     common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias)
-    ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
-                      routing_method_type, norm_topk_prob)
-    return _fp8_block_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
-                           gemm2_weights, gemm2_weights_scale, intermediate_size, local_expert_offset,
-                           local_num_experts, use_shuffled_weight, weight_layout, fp8_quantization_type,
-                           activation_type, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size,
-                           valid_intermediate_size, routing_replay_out)
+    ids, w = routing(
+        routing_logits,
+        routing_bias,
+        top_k,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        routing_method_type,
+        norm_topk_prob,
+    )
+    return _fp8_block_impl(
+        ids,
+        w,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        use_shuffled_weight,
+        weight_layout,
+        fp8_quantization_type,
+        activation_type,
+        gemm1_alpha,
+        gemm1_beta,
+        gemm1_clamp_limit,
+        output,
+        valid_hidden_size,
+        valid_intermediate_size,
+        routing_replay_out,
+    )
 
 
 def trtllm_fp8_block_scale_routed_moe(
-    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
-    routing_bias: Optional[torch.Tensor],
+    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    routing_bias: torch.Tensor | None,
     hidden_states: torch.Tensor,
     hidden_states_scale: torch.Tensor,
     gemm1_weights: torch.Tensor,
@@ -191,34 +302,52 @@ def trtllm_fp8_block_scale_routed_moe(
     gemm2_weights_scale: torch.Tensor,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float],
+    routed_scaling_factor: float | None,
     routing_method_type: int = 0,
     use_shuffled_weight: bool = False,
     weight_layout: int = 0,
     do_finalize: bool = True,
-    enable_pdl: Optional[bool] = None,
-    gemm1_lora_delta: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
+    enable_pdl: bool | None = None,
+    gemm1_lora_delta: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
     tune_max_num_tokens: int = 8192,
     fp8_quantization_type: Fp8QuantizationType = Fp8QuantizationType.DeepSeekFp8,
     activation_type: int = ActivationType.Swiglu.value,
-    gemm1_alpha: Optional[torch.Tensor] = None,
-    gemm1_beta: Optional[torch.Tensor] = None,
-    gemm1_clamp_limit: Optional[torch.Tensor] = None,
-    valid_hidden_size: Optional[int] = None,
-    valid_intermediate_size: Optional[int] = None,
-) -> Union[List[torch.Tensor], torch.Tensor]:
+    gemm1_alpha: torch.Tensor | None = None,
+    gemm1_beta: torch.Tensor | None = None,
+    gemm1_clamp_limit: torch.Tensor | None = None,
+    valid_hidden_size: int | None = None,
+    valid_intermediate_size: int | None = None,
+) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_block_scale_routed_moe`."""
     common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)
     ids, w = split_routed_input(topk_ids)
-    return _fp8_block_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
-                           gemm2_weights, gemm2_weights_scale, intermediate_size, local_expert_offset,
-                           local_num_experts, use_shuffled_weight, weight_layout, fp8_quantization_type,
-                           activation_type, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, output, valid_hidden_size,
-                           valid_intermediate_size, None)
-
+    return _fp8_block_impl(
+        ids,
+        w,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        use_shuffled_weight,
+        weight_layout,
+        fp8_quantization_type,
+        activation_type,
+        gemm1_alpha,
+        gemm1_beta,
+        gemm1_clamp_limit,
+        output,
+        valid_hidden_size,
+        valid_intermediate_size,
+        None,
+    )

@@ -2,21 +2,44 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
-
 import torch
 
 from .. import layouts, quant
 from ..kernel_api import ActivationType
 from .common import (
-    _activate, _bf16, _check_local, _gemm1_rows, _run, _scalar, _unshuffle_rows, common_unsupported, is_gated, routing, unsupported,
+    _activate,
+    _bf16,
+    _check_local,
+    _gemm1_rows,
+    _run,
+    _scalar,
+    _unshuffle_rows,
+    common_unsupported,
+    is_gated,
+    routing,
+    unsupported,
 )
 from .routing import split_routed_input
 
 
-def _fp8_tensor_impl(ids, weights, hidden_states, gemm1_weights, output1_scales_scalar, output1_scales_gate_scalar,
-                     gemm2_weights, output2_scales_scalar, intermediate_size, local_expert_offset, local_num_experts,
-                     use_routing_scales_on_input, activation_type, output, gemm1_clamp_limit, routing_replay_out):
+def _fp8_tensor_impl(
+    ids,
+    weights,
+    hidden_states,
+    gemm1_weights,
+    output1_scales_scalar,
+    output1_scales_gate_scalar,
+    gemm2_weights,
+    output2_scales_scalar,
+    intermediate_size,
+    local_expert_offset,
+    local_num_experts,
+    use_routing_scales_on_input,
+    activation_type,
+    output,
+    gemm1_clamp_limit,
+    routing_replay_out,
+):
     act = int(activation_type)
     unsupported(gemm1_clamp_limit=("<tensor>", gemm1_clamp_limit is None))
     if hidden_states.dtype != torch.float8_e4m3fn:
@@ -26,8 +49,9 @@ def _fp8_tensor_impl(ids, weights, hidden_states, gemm1_weights, output1_scales_
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, I):
-        raise ValueError(f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} != [E, {M}, {H}]/"
-                         f"[E, {H}, {I}]")
+        raise ValueError(
+            f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} != [E, {M}, {H}]/[E, {H}, {I}]"
+        )
     dev = hidden_states.device
     inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
     inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
@@ -42,13 +66,23 @@ def _fp8_tensor_impl(ids, weights, hidden_states, gemm1_weights, output1_scales_
         hq = quant.fp8_quantize(h, 1.0)  # re-quantized to e4m3 with scale 1 (output1 scale already holds 1/a2)
         return _bf16((hq.float() @ w2.t()) * _scalar(output2_scales_scalar, e, 1.0))
 
-    return _run(hidden_states.float(), ids, weights, local_expert_offset, local_num_experts, expert, H, output,
-                routing_replay_out, weights_on_input=bool(use_routing_scales_on_input))
+    return _run(
+        hidden_states.float(),
+        ids,
+        weights,
+        local_expert_offset,
+        local_num_experts,
+        expert,
+        H,
+        output,
+        routing_replay_out,
+        weights_on_input=bool(use_routing_scales_on_input),
+    )
 
 
 def trtllm_fp8_per_tensor_scale_moe(
     routing_logits: torch.Tensor,
-    routing_bias: Optional[torch.Tensor],
+    routing_bias: torch.Tensor | None,
     hidden_states: torch.Tensor,
     gemm1_weights: torch.Tensor,
     output1_scales_scalar: torch.Tensor,
@@ -57,36 +91,58 @@ def trtllm_fp8_per_tensor_scale_moe(
     output2_scales_scalar: torch.Tensor,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float],
+    routed_scaling_factor: float | None,
     use_routing_scales_on_input: bool,
     routing_method_type: int = 0,
     do_finalize: bool = True,
-    enable_pdl: Optional[bool] = None,
+    enable_pdl: bool | None = None,
     tune_max_num_tokens: int = 8192,
     activation_type: int = ActivationType.Swiglu.value,
     norm_topk_prob: bool = True,
-    routing_replay_out: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
-    gemm1_clamp_limit: Optional[torch.Tensor] = None,
-) -> Union[List[torch.Tensor], torch.Tensor]:
+    routing_replay_out: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    gemm1_clamp_limit: torch.Tensor | None = None,
+) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_per_tensor_scale_moe`; returns the output tensor (do_finalize=True)."""
     common_unsupported(do_finalize)
-    ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
-                      routing_method_type, norm_topk_prob)
-    return _fp8_tensor_impl(ids, w, hidden_states, gemm1_weights, output1_scales_scalar, output1_scales_gate_scalar,
-                            gemm2_weights, output2_scales_scalar, intermediate_size, local_expert_offset,
-                            local_num_experts, use_routing_scales_on_input, activation_type, output,
-                            gemm1_clamp_limit, routing_replay_out)
+    ids, w = routing(
+        routing_logits,
+        routing_bias,
+        top_k,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        routing_method_type,
+        norm_topk_prob,
+    )
+    return _fp8_tensor_impl(
+        ids,
+        w,
+        hidden_states,
+        gemm1_weights,
+        output1_scales_scalar,
+        output1_scales_gate_scalar,
+        gemm2_weights,
+        output2_scales_scalar,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        use_routing_scales_on_input,
+        activation_type,
+        output,
+        gemm1_clamp_limit,
+        routing_replay_out,
+    )
 
 
 def trtllm_fp8_per_tensor_scale_routed_moe(
-    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
-    routing_bias: Optional[torch.Tensor],
+    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    routing_bias: torch.Tensor | None,
     hidden_states: torch.Tensor,
     gemm1_weights: torch.Tensor,
     output1_scales_scalar: torch.Tensor,
@@ -95,27 +151,40 @@ def trtllm_fp8_per_tensor_scale_routed_moe(
     output2_scales_scalar: torch.Tensor,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float],
+    routed_scaling_factor: float | None,
     use_routing_scales_on_input: bool,
     routing_method_type: int = 0,
     do_finalize: bool = True,
-    enable_pdl: Optional[bool] = None,
+    enable_pdl: bool | None = None,
     tune_max_num_tokens: int = 8192,
     activation_type: int = ActivationType.Swiglu.value,
-    routing_replay_out: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
-    gemm1_clamp_limit: Optional[torch.Tensor] = None,
-) -> Union[List[torch.Tensor], torch.Tensor]:
+    routing_replay_out: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    gemm1_clamp_limit: torch.Tensor | None = None,
+) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_per_tensor_scale_routed_moe`."""
     common_unsupported(do_finalize)
     ids, w = split_routed_input(topk_ids)
-    return _fp8_tensor_impl(ids, w, hidden_states, gemm1_weights, output1_scales_scalar, output1_scales_gate_scalar,
-                            gemm2_weights, output2_scales_scalar, intermediate_size, local_expert_offset,
-                            local_num_experts, use_routing_scales_on_input, activation_type, output,
-                            gemm1_clamp_limit, routing_replay_out)
-
+    return _fp8_tensor_impl(
+        ids,
+        w,
+        hidden_states,
+        gemm1_weights,
+        output1_scales_scalar,
+        output1_scales_gate_scalar,
+        gemm2_weights,
+        output2_scales_scalar,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        use_routing_scales_on_input,
+        activation_type,
+        output,
+        gemm1_clamp_limit,
+        routing_replay_out,
+    )

@@ -8,23 +8,55 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
-
 import torch
 
 from .. import layouts, quant
 from ..kernel_api import ActivationType
 from .common import (
-    _activate, _act_name, _bf16, _check_local, _expert_sf, _gemm1_rows, _run, _scalar, _sf_numel, _unshuffle_rows, common_unsupported, is_gated, routing, unsupported,
+    _act_name,
+    _activate,
+    _bf16,
+    _check_local,
+    _expert_sf,
+    _gemm1_rows,
+    _run,
+    _scalar,
+    _sf_numel,
+    _unshuffle_rows,
+    common_unsupported,
+    is_gated,
+    routing,
+    unsupported,
 )
 from .routing import split_routed_input
 
 
-def _fp4_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale,
-              gemm1_alpha, gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale,
-              output1_scale_scalar, output1_scale_gate_scalar, output2_scale_scalar, intermediate_size,
-              local_expert_offset, local_num_experts, activation_type, output, valid_hidden_size,
-              valid_intermediate_size, routing_replay_out, gemm1_bias=None, gemm2_bias=None):
+def _fp4_impl(
+    ids,
+    weights,
+    hidden_states,
+    hidden_states_scale,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm1_alpha,
+    gemm1_beta,
+    gemm1_clamp_limit,
+    gemm2_weights,
+    gemm2_weights_scale,
+    output1_scale_scalar,
+    output1_scale_gate_scalar,
+    output2_scale_scalar,
+    intermediate_size,
+    local_expert_offset,
+    local_num_experts,
+    activation_type,
+    output,
+    valid_hidden_size,
+    valid_intermediate_size,
+    routing_replay_out,
+    gemm1_bias=None,
+    gemm2_bias=None,
+):
     """NVFP4 weights x NVFP4 activations, or MXFP4 weights (UE8M0 scales per 32, picked by the scale count as the
     launcher does) x MXFP8 (e4m3 + linear scales) or BF16 activations, with optional fp32 GEMM biases in the
     kernel's row layout (gpt-oss)."""
@@ -49,18 +81,23 @@ def _fp4_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, g
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H // 2):
-        raise ValueError(f"gemm1_weights shape {tuple(gemm1_weights.shape)} != [E, {M}, {H // 2}] for "
-                         f"intermediate_size={intermediate_size}, activation {_act_name(act)}, hidden {H}")
+        raise ValueError(
+            f"gemm1_weights shape {tuple(gemm1_weights.shape)} != [E, {M}, {H // 2}] for "
+            f"intermediate_size={intermediate_size}, activation {_act_name(act)}, hidden {H}"
+        )
     if tuple(gemm2_weights.shape[1:]) != (H, I // 2):
         raise ValueError(f"gemm2_weights shape {tuple(gemm2_weights.shape)} != [E, {H}, {I // 2}]")
     E = local_num_experts
     mx = gemm1_weights_scale.numel() != _sf_numel(E, M, H // 16)  # the launcher's rule: NVFP4 iff numel == K/16
     if mx and gemm1_weights_scale.numel() != _sf_numel(E, M, H // 32):
-        raise ValueError(f"gemm1_weights_scale has {gemm1_weights_scale.numel()} elements: neither NVFP4 (per 16) "
-                         f"nor MXFP4 (per 32) scales of [E={E}, {M}, {H}]")
+        raise ValueError(
+            f"gemm1_weights_scale has {gemm1_weights_scale.numel()} elements: neither NVFP4 (per 16) "
+            f"nor MXFP4 (per 32) scales of [E={E}, {M}, {H}]"
+        )
     if mx and acts == "nvfp4":
-        raise NotImplementedError("MXFP4 weights with NVFP4 activations: the kernel takes MXFP8 or BF16 "
-                                  "activations with MXFP4 weights")
+        raise NotImplementedError(
+            "MXFP4 weights with NVFP4 activations: the kernel takes MXFP8 or BF16 activations with MXFP4 weights"
+        )
     if not mx and acts != "nvfp4":
         raise NotImplementedError(f"NVFP4 weights with {acts} activations (only NVFP4 activations are emulated)")
     block = 32 if mx else 16
@@ -99,11 +136,16 @@ def _fp4_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, g
         a1 = rows @ dequant_w(w1, s1).t()
         if gemm1_bias is not None:
             a1 = a1 + gemm1_bias[e].float().index_select(0, inv1)
-        h = _activate(a1, act, _scalar(output1_scale_gate_scalar, e, 1.0), _scalar(output1_scale_scalar, e, 1.0),
-                      alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-                      beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-                      limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
-                      valid_intermediate=valid_intermediate_size)
+        h = _activate(
+            a1,
+            act,
+            _scalar(output1_scale_gate_scalar, e, 1.0),
+            _scalar(output1_scale_scalar, e, 1.0),
+            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+            valid_intermediate=valid_intermediate_size,
+        )
         a2 = requant(h) @ dequant_w(w2, s2).t()
         if gemm2_bias is not None:
             a2 = a2 + gemm2_bias[e].float().index_select(0, inv2)
@@ -120,107 +162,158 @@ def _fp4_impl(ids, weights, hidden_states, hidden_states_scale, gemm1_weights, g
 
 def _fp4unsupported(per_token_scale, hidden_states_scale_layout) -> None:
     linear = hidden_states_scale_layout is None or int(hidden_states_scale_layout) == 2  # SfLayout.layout_linear
-    unsupported(per_token_scale=("<tensor>", per_token_scale is None),
-                 hidden_states_scale_layout=(hidden_states_scale_layout, linear))
+    unsupported(
+        per_token_scale=("<tensor>", per_token_scale is None),
+        hidden_states_scale_layout=(hidden_states_scale_layout, linear),
+    )
 
 
 def trtllm_fp4_block_scale_moe(
     routing_logits: torch.Tensor,
-    routing_bias: Optional[torch.Tensor],
+    routing_bias: torch.Tensor | None,
     hidden_states: torch.Tensor,
-    hidden_states_scale: Optional[torch.Tensor],
+    hidden_states_scale: torch.Tensor | None,
     gemm1_weights: torch.Tensor,
     gemm1_weights_scale: torch.Tensor,
-    gemm1_bias: Optional[torch.Tensor],
-    gemm1_alpha: Optional[torch.Tensor],
-    gemm1_beta: Optional[torch.Tensor],
-    gemm1_clamp_limit: Optional[torch.Tensor],
+    gemm1_bias: torch.Tensor | None,
+    gemm1_alpha: torch.Tensor | None,
+    gemm1_beta: torch.Tensor | None,
+    gemm1_clamp_limit: torch.Tensor | None,
     gemm2_weights: torch.Tensor,
     gemm2_weights_scale: torch.Tensor,
-    gemm2_bias: Optional[torch.Tensor],
-    output1_scale_scalar: Optional[torch.Tensor],
-    output1_scale_gate_scalar: Optional[torch.Tensor],
-    output2_scale_scalar: Optional[torch.Tensor],
+    gemm2_bias: torch.Tensor | None,
+    output1_scale_scalar: torch.Tensor | None,
+    output1_scale_gate_scalar: torch.Tensor | None,
+    output2_scale_scalar: torch.Tensor | None,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float],
+    routed_scaling_factor: float | None,
     routing_method_type: int = 0,
     do_finalize: bool = True,
-    enable_pdl: Optional[bool] = None,
+    enable_pdl: bool | None = None,
     activation_type: int = ActivationType.Swiglu.value,
-    per_token_scale: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
+    per_token_scale: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
     tune_max_num_tokens: int = 8192,
     norm_topk_prob: bool = True,
-    routing_replay_out: Optional[torch.Tensor] = None,
-    num_fused_shared_experts: Optional[int] = None,
-    valid_hidden_size: Optional[int] = None,
-    valid_intermediate_size: Optional[int] = None,
+    routing_replay_out: torch.Tensor | None = None,
+    num_fused_shared_experts: int | None = None,
+    valid_hidden_size: int | None = None,
+    valid_intermediate_size: int | None = None,
     hidden_states_scale_layout=None,
-) -> List[torch.Tensor]:
+) -> list[torch.Tensor]:
     """Emulates flashinfer `trtllm_fp4_block_scale_moe` (NVFP4 x NVFP4, MXFP4 x MXFP8 / BF16, biases); returns
     [output]."""
     common_unsupported(do_finalize, num_fused_shared_experts)
     _fp4unsupported(per_token_scale, hidden_states_scale_layout)
-    ids, w = routing(routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor,
-                      routing_method_type, norm_topk_prob)
-    return _fp4_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm1_alpha,
-                     gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale, output1_scale_scalar,
-                     output1_scale_gate_scalar, output2_scale_scalar, intermediate_size, local_expert_offset,
-                     local_num_experts, activation_type, output, valid_hidden_size, valid_intermediate_size,
-                     routing_replay_out, gemm1_bias, gemm2_bias)
+    ids, w = routing(
+        routing_logits,
+        routing_bias,
+        top_k,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        routing_method_type,
+        norm_topk_prob,
+    )
+    return _fp4_impl(
+        ids,
+        w,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm1_alpha,
+        gemm1_beta,
+        gemm1_clamp_limit,
+        gemm2_weights,
+        gemm2_weights_scale,
+        output1_scale_scalar,
+        output1_scale_gate_scalar,
+        output2_scale_scalar,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        activation_type,
+        output,
+        valid_hidden_size,
+        valid_intermediate_size,
+        routing_replay_out,
+        gemm1_bias,
+        gemm2_bias,
+    )
 
 
 def trtllm_fp4_block_scale_routed_moe(
-    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
-    routing_bias: Optional[torch.Tensor],
+    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    routing_bias: torch.Tensor | None,
     hidden_states: torch.Tensor,
-    hidden_states_scale: Optional[torch.Tensor],
+    hidden_states_scale: torch.Tensor | None,
     gemm1_weights: torch.Tensor,
     gemm1_weights_scale: torch.Tensor,
-    gemm1_bias: Optional[torch.Tensor],
-    gemm1_alpha: Optional[torch.Tensor],
-    gemm1_beta: Optional[torch.Tensor],
-    gemm1_clamp_limit: Optional[torch.Tensor],
+    gemm1_bias: torch.Tensor | None,
+    gemm1_alpha: torch.Tensor | None,
+    gemm1_beta: torch.Tensor | None,
+    gemm1_clamp_limit: torch.Tensor | None,
     gemm2_weights: torch.Tensor,
     gemm2_weights_scale: torch.Tensor,
-    gemm2_bias: Optional[torch.Tensor],
-    output1_scale_scalar: Optional[torch.Tensor],
-    output1_scale_gate_scalar: Optional[torch.Tensor],
-    output2_scale_scalar: Optional[torch.Tensor],
+    gemm2_bias: torch.Tensor | None,
+    output1_scale_scalar: torch.Tensor | None,
+    output1_scale_gate_scalar: torch.Tensor | None,
+    output2_scale_scalar: torch.Tensor | None,
     num_experts: int,
     top_k: int,
-    n_group: Optional[int],
-    topk_group: Optional[int],
+    n_group: int | None,
+    topk_group: int | None,
     intermediate_size: int,
     local_expert_offset: int,
     local_num_experts: int,
-    routed_scaling_factor: Optional[float],
+    routed_scaling_factor: float | None,
     routing_method_type: int = 0,
     do_finalize: bool = True,
-    enable_pdl: Optional[bool] = None,
+    enable_pdl: bool | None = None,
     activation_type: int = ActivationType.Swiglu.value,
-    per_token_scale: Optional[torch.Tensor] = None,
-    output: Optional[torch.Tensor] = None,
+    per_token_scale: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
     tune_max_num_tokens: int = 8192,
-    gemm1_lora_delta: Optional[torch.Tensor] = None,
-    valid_hidden_size: Optional[int] = None,
-    valid_intermediate_size: Optional[int] = None,
-    num_fused_shared_experts: Optional[int] = None,
+    gemm1_lora_delta: torch.Tensor | None = None,
+    valid_hidden_size: int | None = None,
+    valid_intermediate_size: int | None = None,
+    num_fused_shared_experts: int | None = None,
     hidden_states_scale_layout=None,
-) -> List[torch.Tensor]:
+) -> list[torch.Tensor]:
     """Emulates flashinfer `trtllm_fp4_block_scale_routed_moe` (precomputed top-k, packed or (ids, weights))."""
     common_unsupported(do_finalize, num_fused_shared_experts, gemm1_lora_delta=gemm1_lora_delta)
     _fp4unsupported(per_token_scale, hidden_states_scale_layout)
     ids, w = split_routed_input(topk_ids)
-    return _fp4_impl(ids, w, hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm1_alpha,
-                     gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale, output1_scale_scalar,
-                     output1_scale_gate_scalar, output2_scale_scalar, intermediate_size, local_expert_offset,
-                     local_num_experts, activation_type, output, valid_hidden_size, valid_intermediate_size, None,
-                     gemm1_bias, gemm2_bias)
-
+    return _fp4_impl(
+        ids,
+        w,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm1_alpha,
+        gemm1_beta,
+        gemm1_clamp_limit,
+        gemm2_weights,
+        gemm2_weights_scale,
+        output1_scale_scalar,
+        output1_scale_gate_scalar,
+        output2_scale_scalar,
+        intermediate_size,
+        local_expert_offset,
+        local_num_experts,
+        activation_type,
+        output,
+        valid_hidden_size,
+        valid_intermediate_size,
+        None,
+        gemm1_bias,
+        gemm2_bias,
+    )

@@ -11,8 +11,6 @@ packs (value, ~index)); `_topk` reproduces that with a stable sort.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import torch
 
 from ..kernel_api import RoutingMethodType
@@ -20,7 +18,7 @@ from ..kernel_api import RoutingMethodType
 _SUM_EPS = 1e-20  # mSumEpsilon of the DeepSeekV3 / MiniMax2 ScaledSumNormalize, and SumNormalize's floor
 
 
-def _topk(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, largest first, equal scores ordered by lower expert index (the kernel's warp reduceTopK rule).
 
     A stable descending sort gives that tie order; `torch.topk` does not promise any, and ties are common with
@@ -49,16 +47,16 @@ def _group_limited_selection(biased: torch.Tensor, n_group: int, topk_group: int
 
 
 def route(
-    method: Union[int, RoutingMethodType],
+    method: int | RoutingMethodType,
     logits: torch.Tensor,
     top_k: int,
     *,
-    bias: Optional[torch.Tensor] = None,
-    n_group: Optional[int] = None,
-    topk_group: Optional[int] = None,
-    routed_scaling_factor: Optional[float] = None,
+    bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float | None = None,
     norm_topk_prob: bool = True,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Route `logits [T, E]` -> (`topk_ids` int32 `[T, k]`, `topk_weights` bf16 `[T, k]`), best expert first.
 
     `method` is a `RoutingMethodType` value (ours or flashinfer's enum, or a plain int). `routed_scaling_factor`
@@ -113,7 +111,7 @@ def pack_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
     return (topk_ids.contiguous().to(torch.int32) << 16) | bits
 
 
-def unpack_topk(packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def unpack_topk(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack_topk`: int32 -> (ids int32, weights bf16)."""
     p = packed.to(torch.int32)
     ids = p >> 16
@@ -123,8 +121,8 @@ def unpack_topk(packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_routed_input(
-    topk_ids: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed kernels' `topk_ids` argument (packed tensor or (ids, weights) pair) -> (ids int32, weights).
 
     Unpacked weights keep their dtype (bf16 or fp32): the kernel consumes them "at their native dtype (no cast)".

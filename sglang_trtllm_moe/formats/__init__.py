@@ -18,7 +18,17 @@ from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 
 #: every format the plugin prepares, in the order a checkpoint is matched against them
-FORMATS: tuple[WeightFormat, ...] = (NVFP4, CT_NVFP4, FP8_TENSOR_MODELOPT, FP8_TENSOR, MXFP4_EXPERTS, FP8_BLOCK, MXFP8, MXFP4_GPTOSS, BF16)
+FORMATS: tuple[WeightFormat, ...] = (
+    NVFP4,
+    CT_NVFP4,
+    FP8_TENSOR_MODELOPT,
+    FP8_TENSOR,
+    MXFP4_EXPERTS,
+    FP8_BLOCK,
+    MXFP8,
+    MXFP4_GPTOSS,
+    BF16,
+)
 
 
 def by_name(name: str) -> WeightFormat:
@@ -40,18 +50,41 @@ def for_checkpoint(checkpoint: Checkpoint) -> tuple[WeightFormat | None, str]:
             return f, f.title
     q = checkpoint.quantization
     if q == "mxfp8" and checkpoint.online:
-        return None, ("online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at load time and "
-                      "rebinds the Parameters to fp8, so the plugin leaves the layer to SGLang's own preparation")
+        return None, (
+            "online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at load time and "
+            "rebinds the Parameters to fp8, so the plugin leaves the layer to SGLang's own preparation"
+        )
     if q == "compressed-tensors":
         return None, f"compressed-tensors scheme {checkpoint.quant_scheme or 'unknown'!r} is not NVFP4"
     if q == "fp8":
         if checkpoint.weight_block_size is not None:
             return None, f"fp8 with weight_block_size {list(checkpoint.weight_block_size)} (only [128, 128] is served)"
-        return None, (f"fp8 per-tensor with {checkpoint.activation_scheme or 'unstated'} activation scales: the "
-                      "TRT-LLM per-tensor kernel takes one static input scale")
+        return None, (
+            f"fp8 per-tensor with {checkpoint.activation_scheme or 'unstated'} activation scales: the "
+            "TRT-LLM per-tensor kernel takes one static input scale"
+        )
     return None, f"quantization {q!r} is not a format the plugin prepares"
 
 
-__all__ = ["BACKENDS", "TRTLLM", "TRTLLM_ROUTED", "Checkpoint", "KernelCall", "ParamLayout", "WeightFormat",
-           "FORMATS", "by_name", "for_checkpoint", "prepared_on", "NVFP4", "CT_NVFP4", "FP8_TENSOR", "FP8_TENSOR_MODELOPT",
-           "FP8_BLOCK", "MXFP8", "MXFP4_EXPERTS", "MXFP4_GPTOSS", "BF16"]
+__all__ = [
+    "BACKENDS",
+    "TRTLLM",
+    "TRTLLM_ROUTED",
+    "Checkpoint",
+    "KernelCall",
+    "ParamLayout",
+    "WeightFormat",
+    "FORMATS",
+    "by_name",
+    "for_checkpoint",
+    "prepared_on",
+    "NVFP4",
+    "CT_NVFP4",
+    "FP8_TENSOR",
+    "FP8_TENSOR_MODELOPT",
+    "FP8_BLOCK",
+    "MXFP8",
+    "MXFP4_EXPERTS",
+    "MXFP4_GPTOSS",
+    "BF16",
+]

@@ -14,8 +14,9 @@ the whole group of that expert to checkpoint layout. Scalars are recomputed from
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -86,8 +87,13 @@ class LoadRule:
     def accepts_dtype(self, loaded: torch.dtype, storage: torch.dtype) -> bool:
         if loaded == storage or loaded in self.dtypes:
             return True
-        return (storage.is_floating_point and storage.itemsize >= 2
-                and loaded.is_floating_point and loaded.itemsize >= 2 and not loaded.is_complex)
+        return (
+            storage.is_floating_point
+            and storage.itemsize >= 2
+            and loaded.is_floating_point
+            and loaded.itemsize >= 2
+            and not loaded.is_complex
+        )
 
     def value_rule(self, storage: torch.dtype) -> str | None:
         if self.values is not None or self.scalar:
@@ -195,8 +201,10 @@ class WeightFormat:
             return None
         kind = "gated" if gated else "non-gated"
         note = f"; {self.activation_note}" if self.activation_note else ""
-        return (f"{kind} {activation!r} is not computed by the TRT-LLM-Gen {self.title or self.name} kernel "
-                f"(supported {kind}: {sorted(allowed) or 'none'}{note})")
+        return (
+            f"{kind} {activation!r} is not computed by the TRT-LLM-Gen {self.title or self.name} kernel "
+            f"(supported {kind}: {sorted(allowed) or 'none'}{note})"
+        )
 
     def padded_intermediate(self, per_rank: int, gated: bool) -> int:
         align = self.intermediate_align[0 if gated else 1]
@@ -226,8 +234,11 @@ class WeightFormat:
                 rules[p.name] = LoadRule(p.name, p.group, kind, tuple(p.load_dtypes), p.values)
             for n in self.scalar_params:
                 rules[n] = self.scalar_rules.get(n) or LoadRule(
-                    n, "w2" if n.startswith("w2") else "w13", INPUT_SCALE if "input" in n else TENSOR_SCALE,
-                    values=POSITIVE)
+                    n,
+                    "w2" if n.startswith("w2") else "w13",
+                    INPUT_SCALE if "input" in n else TENSOR_SCALE,
+                    values=POSITIVE,
+                )
             self.__dict__["_load_rules"] = rules
         return rules.get(param_name)
 

@@ -58,6 +58,7 @@ class Bf16(WeightFormat):
             param = getattr(layer, p.name)
             flat = self.tensor(layer, p)
             param.data = layouts.block_major_k_view(flat, BLOCK_K_BYTES) if all_prepared else flat
+
     params = (
         ParamLayout("w13_weight", "w13", block_major_k=True),
         ParamLayout("w2_weight", "w2", block_major_k=True),
@@ -66,8 +67,10 @@ class Bf16(WeightFormat):
     def check_layout(self, layer) -> str | None:
         cfg = layer.moe_runner_config
         if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None:
-            return ("SwiGLU-OAI parameters (gemm1_alpha / gemm1_clamp_limit) are not passed to the BF16 kernel by "
-                    "SGLang's flashinfer_trtllm path, so the layer would compute a different activation")
+            return (
+                "SwiGLU-OAI parameters (gemm1_alpha / gemm1_clamp_limit) are not passed to the BF16 kernel by "
+                "SGLang's flashinfer_trtllm path, so the layer would compute a different activation"
+            )
         if getattr(cfg, "num_fused_shared_experts", 0):
             return "fused shared experts are not supported by the flashinfer_trtllm BF16 MoE"
         problem = super().check_layout(layer)
@@ -78,8 +81,10 @@ class Bf16(WeightFormat):
             if t.dtype.itemsize != 2:
                 return f"{p.name} is {t.dtype}; the BF16 kernel takes 16-bit weights"
             if (t.shape[2] * t.element_size()) % BLOCK_K_BYTES:
-                return (f"{p.name} rows are {t.shape[2]} elements; BlockMajorK needs a multiple of "
-                        f"{BLOCK_K_BYTES // t.element_size()} (pad the {'hidden' if p.group == 'w13' else 'intermediate'} size)")
+                return (
+                    f"{p.name} rows are {t.shape[2]} elements; BlockMajorK needs a multiple of "
+                    f"{BLOCK_K_BYTES // t.element_size()} (pad the {'hidden' if p.group == 'w13' else 'intermediate'} size)"
+                )
         return None
 
     def routing_method(self, call: KernelCall) -> int | None:

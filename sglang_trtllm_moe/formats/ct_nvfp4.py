@@ -22,7 +22,6 @@ from .nvfp4 import NvFp4
 
 
 class CtNvFp4(NvFp4):
-
     name = "ct_nvfp4"
     title = "NVFP4 (compressed-tensors nvfp4)"
     #: SGLang has no routed path for compressed-tensors (handle_moe_kernel_config asserts)
@@ -33,8 +32,13 @@ class CtNvFp4(NvFp4):
         ParamLayout("w2_weight_packed", "w2"),
         ParamLayout("w2_weight_scale", "w2", sf_swizzle=True),
     )
-    scalar_params = ("w13_weight_global_scale", "w2_weight_global_scale", "w13_input_global_scale",
-                     "w2_input_global_scale")
+    scalar_params = (
+        "w13_weight_global_scale",
+        "w2_weight_global_scale",
+        "w13_input_global_scale",
+        "w2_input_global_scale",
+    )
+
     def activation_problem(self, activation: str, gated: bool) -> str | None:
         # its apply is compressed-tensors' (or the plugin's runner, before 0.5.17), not ModelOpt's activation table
         return WeightFormat.activation_problem(self, activation, gated)

@@ -40,8 +40,12 @@ class Fp8Block(WeightFormat):
     intermediate_align = (BLOCK, BLOCK)
 
     def describes(self, checkpoint: Checkpoint) -> bool:
-        return (checkpoint.quantization == "fp8" and tuple(checkpoint.weight_block_size or ()) == (BLOCK, BLOCK)
-                and not checkpoint.fp4_experts)
+        return (
+            checkpoint.quantization == "fp8"
+            and tuple(checkpoint.weight_block_size or ()) == (BLOCK, BLOCK)
+            and not checkpoint.fp4_experts
+        )
+
     params = (
         ParamLayout("w13_weight", "w13", permute_rows=False),
         ParamLayout("w13_weight_scale_inv", "w13", permute_rows=False),
@@ -56,15 +60,18 @@ class Fp8Block(WeightFormat):
         e, m, h = layer.w13_weight.shape
         i = layer.w2_weight.shape[2]
         if h % BLOCK or i % BLOCK or m != 2 * i:
-            return (f"w13 {tuple(layer.w13_weight.shape)} / w2 {tuple(layer.w2_weight.shape)}: the kernel needs hidden and "
-                    f"(padded) intermediate sizes that are multiples of {BLOCK} and w13 = [up; gate] of 2 x intermediate rows")
+            return (
+                f"w13 {tuple(layer.w13_weight.shape)} / w2 {tuple(layer.w2_weight.shape)}: the kernel needs hidden and "
+                f"(padded) intermediate sizes that are multiples of {BLOCK} and w13 = [up; gate] of 2 x intermediate rows"
+            )
         want13 = (e, m // BLOCK, h // BLOCK)
         want2 = (e, h // BLOCK, i // BLOCK)
         if tuple(layer.w13_weight_scale_inv.shape) != want13 or tuple(layer.w2_weight_scale_inv.shape) != want2:
-            return (f"block scales {tuple(layer.w13_weight_scale_inv.shape)} / {tuple(layer.w2_weight_scale_inv.shape)} "
-                    f"are not one per 128x128 block ({want13} / {want2})")
+            return (
+                f"block scales {tuple(layer.w13_weight_scale_inv.shape)} / {tuple(layer.w2_weight_scale_inv.shape)} "
+                f"are not one per 128x128 block ({want13} / {want2})"
+            )
         return None
-
 
     def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
         """Activations per token and 128 columns, scales handed over transposed [H/128, T] as the kernel reads them;
@@ -83,15 +90,20 @@ class Fp8Block(WeightFormat):
             hs, sf = fp8_group_quantize(call.hidden, BLOCK)
             sf_t = sf.t().contiguous()
         return dict(
-            hidden_states=hs, hidden_states_scale=sf_t,
-            gemm1_weights=layer.w13_weight, gemm1_weights_scale=layer.w13_weight_scale_inv,
-            gemm2_weights=layer.w2_weight, gemm2_weights_scale=layer.w2_weight_scale_inv,
+            hidden_states=hs,
+            hidden_states_scale=sf_t,
+            gemm1_weights=layer.w13_weight,
+            gemm1_weights_scale=layer.w13_weight_scale_inv,
+            gemm2_weights=layer.w2_weight,
+            gemm2_weights_scale=layer.w2_weight_scale_inv,
             **_swiglu_limits(qi),
             num_experts=qi.global_num_experts,
             intermediate_size=int(layer.w2_weight.shape[2]),
             local_expert_offset=qi.local_expert_offset,
             local_num_experts=qi.local_num_experts,
-            use_shuffled_weight=False, weight_layout=0, fp8_quantization_type=1,  # MajorK, DeepSeekFp8
+            use_shuffled_weight=False,
+            weight_layout=0,
+            fp8_quantization_type=1,  # MajorK, DeepSeekFp8
             **routing,
         )
 

@@ -52,8 +52,11 @@ class Fp8PerTensor(WeightFormat):
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         want = self._checkpoint
-        return (checkpoint.quantization == want.quantization and checkpoint.weight_block_size is None
-                and (want.activation_scheme is None or checkpoint.activation_scheme == want.activation_scheme))
+        return (
+            checkpoint.quantization == want.quantization
+            and checkpoint.weight_block_size is None
+            and (want.activation_scheme is None or checkpoint.activation_scheme == want.activation_scheme)
+        )
 
     def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         base = super().row_map(layer, p, t)
@@ -73,9 +76,11 @@ class Fp8PerTensor(WeightFormat):
                 return f"{knob} is set, but the FP8 per-tensor kernel has no SwiGLU alpha/beta/clamp"
         for n in ("w13_input_scale", "w2_input_scale", "w13_weight_scale", "w2_weight_scale"):
             if getattr(layer, n) is None:
-                return (f"{n} is not allocated: the TRT-LLM per-tensor kernel takes one static input scale per GEMM "
-                        "and per-tensor weight scales (a checkpoint with activation_scheme 'static'; dynamic "
-                        "activation scales are not served)")
+                return (
+                    f"{n} is not allocated: the TRT-LLM per-tensor kernel takes one static input scale per GEMM "
+                    "and per-tensor weight scales (a checkpoint with activation_scheme 'static'; dynamic "
+                    "activation scales are not served)"
+                )
         return None
 
     def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
@@ -95,7 +100,6 @@ class Fp8PerTensor(WeightFormat):
             "output2_scales_scalar": (a2 * layer.w2_weight_scale.data.to(torch.float32)).contiguous(),
             "w13_input_scale_max": a1,
         }
-
 
     def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
         """Activations e4m3 with the layer's static a1 (= max input scale, the scalar the flush keeps) and the three
@@ -132,10 +136,17 @@ class Fp8PerTensor(WeightFormat):
 
 #: ModelOpt FP8: no routed path in SGLang for it (handle_moe_kernel_config asserts)
 FP8_TENSOR_MODELOPT = Fp8PerTensor(
-    "fp8_tensor_modelopt", "FP8 per-tensor (modelopt_fp8)", gate_first=True,
-    quantizations={TRTLLM: frozenset({"modelopt_fp8"})}, checkpoint=Checkpoint("modelopt_fp8"))
+    "fp8_tensor_modelopt",
+    "FP8 per-tensor (modelopt_fp8)",
+    gate_first=True,
+    quantizations={TRTLLM: frozenset({"modelopt_fp8"})},
+    checkpoint=Checkpoint("modelopt_fp8"),
+)
 #: SGLang `fp8` with static activation scales and no weight_block_size
 FP8_TENSOR = Fp8PerTensor(
-    "fp8_tensor", "FP8 per-tensor (fp8, static activation scales)", gate_first=False,
+    "fp8_tensor",
+    "FP8 per-tensor (fp8, static activation scales)",
+    gate_first=False,
     quantizations={TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})},
-    checkpoint=Checkpoint("fp8", activation_scheme="static"))
+    checkpoint=Checkpoint("fp8", activation_scheme="static"),
+)

@@ -64,16 +64,22 @@ class Mxfp4Experts(WeightFormat):
     )
     #: what SGLang's fused FP8 shared expert (`_maybe_load_fp8_shared_expert_as_fp4`, 0.5.15+, ids past the routed
     #: experts) receives: block-FP8 weight and scale, requantized to MXFP4 by SGLang before it writes
-    SHARED_EXPERT_DTYPES = {"w13_weight": (torch.float8_e4m3fn,), "w2_weight": (torch.float8_e4m3fn,),
-                            "w13_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32),
-                            "w2_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32)}
+    SHARED_EXPERT_DTYPES = {
+        "w13_weight": (torch.float8_e4m3fn,),
+        "w2_weight": (torch.float8_e4m3fn,),
+        "w13_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32),
+        "w2_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32),
+    }
 
     def converted_by_sglang(self, layer, param_name, loaded, expert, scope) -> bool:
         if not getattr(layer, "_has_fused_shared", False):
             return False
         first_shared = getattr(layer, "_num_global_routed" if scope == "global" else "_num_local_routed", None)
-        return (first_shared is not None and expert >= int(first_shared)
-                and loaded.dtype in self.SHARED_EXPERT_DTYPES.get(param_name, ()))
+        return (
+            first_shared is not None
+            and expert >= int(first_shared)
+            and loaded.dtype in self.SHARED_EXPERT_DTYPES.get(param_name, ())
+        )
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "fp8" and checkpoint.fp4_experts
@@ -88,8 +94,10 @@ class Mxfp4Experts(WeightFormat):
         if hidden % 128:
             return f"hidden {hidden} is not a multiple of 128 (the MXFP4 kernel and its 128x4 scales need it)"
         if intermediate % 128 and not features.FP4_EXPERTS_PADDED_LOAD.present():
-            return (f"intermediate {intermediate} per rank is not a multiple of 128 and this release's loader cannot "
-                    "write into an expert buffer padded to 128 (0.5.17+ can; SGLang itself pads only from 0.5.21)")
+            return (
+                f"intermediate {intermediate} per rank is not a multiple of 128 and this release's loader cannot "
+                "write into an expert buffer padded to 128 (0.5.17+ can; SGLang itself pads only from 0.5.21)"
+            )
         return None
 
     def allocate_(self, layer, intermediate: int, hidden: int) -> None:
@@ -138,10 +146,10 @@ class Mxfp4Experts(WeightFormat):
             s13 = layer.w13_weight_scale_inv.data.view(torch.uint8)
             ids = ids.to(s13.device)
             s13[ids, i:ip] = UE8M0_ONE
-            s13[ids, ip + i:] = UE8M0_ONE
+            s13[ids, ip + i :] = UE8M0_ONE
         else:
             s2 = layer.w2_weight_scale_inv.data.view(torch.uint8)
-            s2[ids.to(s2.device), :, i // MX_BLOCK:] = UE8M0_ONE
+            s2[ids.to(s2.device), :, i // MX_BLOCK :] = UE8M0_ONE
 
     def prepare_(self, layer, group: str, experts) -> None:
         self.pad_(layer, group, experts)
@@ -153,8 +161,12 @@ class Mxfp4Experts(WeightFormat):
             return problem
         e, m, h2 = layer.w13_weight.shape
         h = h2 * 2
-        for n, dtype in (("w13_weight_scale_inv", torch.float8_e8m0fnu), ("w2_weight_scale_inv", torch.float8_e8m0fnu),
-                         ("w13_weight", torch.int8), ("w2_weight", torch.int8)):
+        for n, dtype in (
+            ("w13_weight_scale_inv", torch.float8_e8m0fnu),
+            ("w2_weight_scale_inv", torch.float8_e8m0fnu),
+            ("w13_weight", torch.int8),
+            ("w2_weight", torch.int8),
+        ):
             if getattr(layer, n).dtype != dtype:
                 return f"{n} is {getattr(layer, n).dtype}, not the {dtype} the plugin allocated"
         if m % 256 or h % 128:
@@ -189,14 +201,19 @@ class Mxfp4Experts(WeightFormat):
             routing.update(qi.bypassed_routing)
         hs, sf = mxfp4_activations(call, qi.precision, layer.w13_weight.shape[2] * 2)
         return dict(
-            hidden_states=hs, hidden_states_scale=sf,
+            hidden_states=hs,
+            hidden_states_scale=sf,
             gemm1_weights=layer.w13_weight.data.view(torch.uint8),
             gemm1_weights_scale=layer.w13_weight_scale_inv.data.view(torch.float8_e4m3fn),
-            gemm1_bias=None, gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=qi.gemm1_clamp_limit,
+            gemm1_bias=None,
+            gemm1_alpha=None,
+            gemm1_beta=None,
+            gemm1_clamp_limit=qi.gemm1_clamp_limit,
             gemm2_weights=layer.w2_weight.data.view(torch.uint8),
             gemm2_weights_scale=layer.w2_weight_scale_inv.data.view(torch.float8_e4m3fn),
             gemm2_bias=None,
-            output1_scale_scalar=layer.output1_scale_scalar, output1_scale_gate_scalar=layer.output1_scale_gate_scalar,
+            output1_scale_scalar=layer.output1_scale_scalar,
+            output1_scale_gate_scalar=layer.output1_scale_gate_scalar,
             output2_scale_scalar=layer.output2_scale_scalar,
             num_experts=qi.global_num_experts,
             intermediate_size=int(layer.w2_weight.shape[2]) * 2,

@@ -31,7 +31,6 @@ from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
 
 
-
 class Mxfp4GptOss(WeightFormat):
     name = "mxfp4_gptoss"
     title = "MXFP4 (mxfp4, gpt-oss)"
@@ -89,8 +88,9 @@ class Mxfp4GptOss(WeightFormat):
             old = getattr(layer, name)
             if old.dtype == torch.float32:
                 continue
-            new = torch.nn.Parameter(torch.zeros(old.shape, dtype=torch.float32, device=old.device),
-                                     requires_grad=False)
+            new = torch.nn.Parameter(
+                torch.zeros(old.shape, dtype=torch.float32, device=old.device), requires_grad=False
+            )
             for k, v in vars(old).items():
                 setattr(new, k, v)
             layer.register_parameter(name, new)
@@ -115,9 +115,12 @@ class Mxfp4GptOss(WeightFormat):
         e, m, k2 = layer.w13_weight.shape
         hp, i2 = layer.w2_weight.shape[1], layer.w2_weight.shape[2]
         want = {
-            "w13_weight": ((e, m, k2), torch.uint8), "w13_weight_scale": ((e, m, k2 * 2 // MX_BLOCK), torch.uint8),
-            "w13_weight_bias": ((e, m), torch.float32), "w2_weight": ((e, hp, i2), torch.uint8),
-            "w2_weight_scale": ((e, hp, i2 * 2 // MX_BLOCK), torch.uint8), "w2_weight_bias": ((e, hp), torch.float32),
+            "w13_weight": ((e, m, k2), torch.uint8),
+            "w13_weight_scale": ((e, m, k2 * 2 // MX_BLOCK), torch.uint8),
+            "w13_weight_bias": ((e, m), torch.float32),
+            "w2_weight": ((e, hp, i2), torch.uint8),
+            "w2_weight_scale": ((e, hp, i2 * 2 // MX_BLOCK), torch.uint8),
+            "w2_weight_bias": ((e, hp), torch.float32),
         }
         for n, (shape, dtype) in want.items():
             t = getattr(layer, n, None)
@@ -151,8 +154,10 @@ class Mxfp4GptOss(WeightFormat):
         dev = layer.w13_weight.device
         alpha = getattr(cfg, "gemm1_alpha", None) or 1.702
         limit = getattr(cfg, "gemm1_clamp_limit", None) or 7.0
-        return {n: torch.full((e,), float(v), dtype=torch.float32, device=dev)
-                for n, v in (("gemm1_alpha", alpha), ("gemm1_beta", 1.0), ("gemm1_clamp_limit", limit))}
+        return {
+            n: torch.full((e,), float(v), dtype=torch.float32, device=dev)
+            for n, v in (("gemm1_alpha", alpha), ("gemm1_beta", 1.0), ("gemm1_clamp_limit", limit))
+        }
 
     # ---- the kernel -------------------------------------------------------------------------------------------------
     def routes_in_kernel(self, call: KernelCall) -> bool:
@@ -168,20 +173,28 @@ class Mxfp4GptOss(WeightFormat):
         layer, qi = call.layer, call.quant_info
         if routed:
             raise NotImplementedError("gpt-oss MXFP4 runs with in-kernel routing (bypassed top-k) only")
-        routing.update(routing_method_type=1, routed_scaling_factor=None, routing_bias=None, n_group=None,
-                       topk_group=None)
+        routing.update(
+            routing_method_type=1, routed_scaling_factor=None, routing_bias=None, n_group=None, topk_group=None
+        )
         routing["routing_logits"] = routing["routing_logits"].to(torch.bfloat16)
         hp = layer.w2_weight.shape[1]
         hs, sf = mxfp4_activations(call, qi.precision, hp)
         out = torch.empty(call.hidden.shape[0], call.hidden.shape[-1], dtype=torch.bfloat16, device=call.hidden.device)
         return dict(
-            hidden_states=hs, hidden_states_scale=sf,
-            gemm1_weights=layer.w13_weight.data, gemm1_weights_scale=layer.w13_weight_scale.data.view(torch.float8_e4m3fn),
-            gemm1_bias=layer.w13_weight_bias.data, gemm1_alpha=layer.gemm1_alpha.data, gemm1_beta=layer.gemm1_beta.data,
+            hidden_states=hs,
+            hidden_states_scale=sf,
+            gemm1_weights=layer.w13_weight.data,
+            gemm1_weights_scale=layer.w13_weight_scale.data.view(torch.float8_e4m3fn),
+            gemm1_bias=layer.w13_weight_bias.data,
+            gemm1_alpha=layer.gemm1_alpha.data,
+            gemm1_beta=layer.gemm1_beta.data,
             gemm1_clamp_limit=layer.gemm1_clamp_limit.data,
-            gemm2_weights=layer.w2_weight.data, gemm2_weights_scale=layer.w2_weight_scale.data.view(torch.float8_e4m3fn),
+            gemm2_weights=layer.w2_weight.data,
+            gemm2_weights_scale=layer.w2_weight_scale.data.view(torch.float8_e4m3fn),
             gemm2_bias=layer.w2_weight_bias.data,
-            output1_scale_scalar=None, output1_scale_gate_scalar=None, output2_scale_scalar=None,
+            output1_scale_scalar=None,
+            output1_scale_gate_scalar=None,
+            output2_scale_scalar=None,
             num_experts=qi.global_num_experts,
             intermediate_size=int(layer.w2_weight.shape[2]) * 2,
             local_expert_offset=qi.local_expert_offset,

@@ -82,14 +82,18 @@ class Mxfp8(WeightFormat):
         i = layer.w2_weight.shape[2]
         gated = self.is_gated(layer)
         if m != (2 * i if gated else i):
-            return (f"w13 has {m} rows for intermediate {i} ({'gated' if gated else 'non-gated'}): SGLang allocates "
-                    "2 x intermediate rows for non-gated MXFP8 before 0.5.19 and slices them at prep")
+            return (
+                f"w13 has {m} rows for intermediate {i} ({'gated' if gated else 'non-gated'}): SGLang allocates "
+                "2 x intermediate rows for non-gated MXFP8 before 0.5.19 and slices them at prep"
+            )
         if h % 128 or i % 128:
             return f"hidden {h} / intermediate {i}: the MXFP8 kernel and its 128x4 scales need multiples of 128"
         for n, rows, cols in (("w13_weight_scale_inv", m, h), ("w2_weight_scale_inv", h, i)):
             t = getattr(layer, n)
             if t.dtype != torch.uint8 or tuple(t.shape) != (e, rows, cols // MX_BLOCK):
-                return f"{n} is {tuple(t.shape)} {t.dtype}, expected uint8 UE8M0 bytes [{e}, {rows}, {cols // MX_BLOCK}]"
+                return (
+                    f"{n} is {tuple(t.shape)} {t.dtype}, expected uint8 UE8M0 bytes [{e}, {rows}, {cols // MX_BLOCK}]"
+                )
         return None
 
     def dequantize_param(self, name, weight, scale):
@@ -122,14 +126,18 @@ class Mxfp8(WeightFormat):
         return dict(
             hidden_states=hs,
             hidden_states_scale=sf.view(torch.uint8).reshape(hs.shape[0], -1).contiguous(),
-            gemm1_weights=layer.w13_weight.data, gemm1_weights_scale=layer.w13_weight_scale_inv.data.view(torch.uint8),
-            gemm2_weights=layer.w2_weight.data, gemm2_weights_scale=layer.w2_weight_scale_inv.data.view(torch.uint8),
+            gemm1_weights=layer.w13_weight.data,
+            gemm1_weights_scale=layer.w13_weight_scale_inv.data.view(torch.uint8),
+            gemm2_weights=layer.w2_weight.data,
+            gemm2_weights_scale=layer.w2_weight_scale_inv.data.view(torch.uint8),
             **_swiglu_limits(qi),
             num_experts=qi.global_num_experts,
             intermediate_size=int(layer.w2_weight.shape[2]),
             local_expert_offset=qi.local_expert_offset,
             local_num_experts=qi.local_num_experts,
-            use_shuffled_weight=True, weight_layout=0, fp8_quantization_type=2,  # MajorK, MxFp8
+            use_shuffled_weight=True,
+            weight_layout=0,
+            fp8_quantization_type=2,  # MajorK, MxFp8
             **routing,
         )
 

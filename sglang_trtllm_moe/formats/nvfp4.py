@@ -42,8 +42,10 @@ class NvFp4(WeightFormat):
 
     def activation_problem(self, activation: str, gated: bool) -> str | None:
         if activation == "gelu" and not features.MODELOPT_NVFP4_GELU.present():
-            return (f"{'gated' if gated else 'non-gated'} 'gelu' is not mapped by this SGLang release's ModelOpt NVFP4 "
-                    "MoE method (silu / relu2 only before 0.5.13; it asserts on any other activation)")
+            return (
+                f"{'gated' if gated else 'non-gated'} 'gelu' is not mapped by this SGLang release's ModelOpt NVFP4 "
+                "MoE method (silu / relu2 only before 0.5.13; it asserts on any other activation)"
+            )
         return super().activation_problem(activation, gated)
 
     def dequantize_param(self, name, weight, scale):
@@ -89,8 +91,6 @@ class NvFp4(WeightFormat):
             "w2_input_scale_quant": w2_q,
             "g1_scale_c": scale_c,
         }
-
-
 
     def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
         """SGLang's FP4 QuantInfo as its own leaf reads it; activations quantized to NVFP4 with the layer's 1/a1."""

@@ -71,8 +71,20 @@ def _arrive_and_wait(sync_ptr, set_id, G: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(x_ptr, map_ptr, eid_ptr, sync_ptr, total, M, CW, NS,
-                 G: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, TICKETS: tl.constexpr):
+def _rows_kernel(
+    x_ptr,
+    map_ptr,
+    eid_ptr,
+    sync_ptr,
+    total,
+    M,
+    CW,
+    NS,
+    G: tl.constexpr,
+    ROWS: tl.constexpr,
+    W: tl.constexpr,
+    TICKETS: tl.constexpr,
+):
     """x[e, r, :] = x[e, map[r], :] for the experts in eid; x is [E, M, CW] words, sets = (expert, G*ROWS-row
     block, W-word column slice), each set split into G parts of ROWS rows."""
     t = _first_ticket(sync_ptr, TICKETS)
@@ -96,9 +108,22 @@ def _rows_kernel(x_ptr, map_ptr, eid_ptr, sync_ptr, total, M, CW, NS,
 
 
 @triton.jit
-def _sf_kernel(x_ptr, map_ptr, eid_ptr, sync_ptr, total, M, C4, NKB,
-               G: tl.constexpr, K: tl.constexpr, TILES: tl.constexpr, HAS_MAP: tl.constexpr,
-               INVERSE: tl.constexpr, TICKETS: tl.constexpr):
+def _sf_kernel(
+    x_ptr,
+    map_ptr,
+    eid_ptr,
+    sync_ptr,
+    total,
+    M,
+    C4,
+    NKB,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    TILES: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    INVERSE: tl.constexpr,
+    TICKETS: tl.constexpr,
+):
     """Block scales as [E, M, C4] words (4 one-byte scales each). Forward: linear rows map[r] -> 128x4-swizzled
     position of row r; INVERSE: back (a scatter to rows map[r]). Sets = (expert, block of G/NKB*TILES tiles of 128
     rows); each program takes TILES tiles x K column words; in the swizzled layout that is TILES runs of 128*K
@@ -229,8 +254,21 @@ def permute_rows_(x32: torch.Tensor, map32: torch.Tensor, eids: torch.Tensor, bl
     if total == 0:
         return True
     sync = _sync(n_sets, g, x32.device, eids)
-    _rows_kernel[(_grid(total, g, x32.device),)](x32, map32, eids, sync, total, m, cw, ns, G=g, ROWS=rows, W=w,
-                                                TICKETS=_tickets(g), num_warps=CONFIG["num_warps"])
+    _rows_kernel[(_grid(total, g, x32.device),)](
+        x32,
+        map32,
+        eids,
+        sync,
+        total,
+        m,
+        cw,
+        ns,
+        G=g,
+        ROWS=rows,
+        W=w,
+        TICKETS=_tickets(g),
+        num_warps=CONFIG["num_warps"],
+    )
     return True
 
 
@@ -246,7 +284,21 @@ def sf_(x32: torch.Tensor, map32: torch.Tensor | None, eids: torch.Tensor, block
     if total == 0:
         return True
     sync = _sync(n_sets, g, x32.device, eids)
-    _sf_kernel[(_grid(total, g, x32.device),)](x32, map32 if map32 is not None else eids, eids, sync, total, m, c4,
-                                              nkb, G=g, K=k, TILES=tiles, HAS_MAP=map32 is not None,
-                                              INVERSE=inverse, TICKETS=_tickets(g), num_warps=CONFIG["num_warps"])
+    _sf_kernel[(_grid(total, g, x32.device),)](
+        x32,
+        map32 if map32 is not None else eids,
+        eids,
+        sync,
+        total,
+        m,
+        c4,
+        nkb,
+        G=g,
+        K=k,
+        TILES=tiles,
+        HAS_MAP=map32 is not None,
+        INVERSE=inverse,
+        TICKETS=_tickets(g),
+        num_warps=CONFIG["num_warps"],
+    )
     return True

@@ -16,7 +16,8 @@ def _block_dims(t: torch.Tensor, block_k_bytes: int) -> tuple[int, int, int]:
         raise ValueError(
             f"cannot lay out [E, M, K] = {tuple(t.shape)} ({t.dtype}, {kb} bytes per row) block-major with "
             f"block_k_bytes={block_k_bytes}: row bytes must be a multiple of it; pad K to "
-            f"{_round_up(kb, block_k_bytes) // t.element_size()} elements")
+            f"{_round_up(kb, block_k_bytes) // t.element_size()} elements"
+        )
     return t.shape[0], t.shape[1], kb
 
 
@@ -68,9 +69,8 @@ def from_block_major_k_(t: torch.Tensor, block_k_bytes: int = 128, experts=None,
     return _block_inplace(t, block_k_bytes, experts, chunk, inverse=True)
 
 
-def permute_rows_to_block_major_k_(t: torch.Tensor, row_map: torch.Tensor, block_k_bytes: int = 128,
-                                   experts=None, chunk: int | None = None):
+def permute_rows_to_block_major_k_(
+    t: torch.Tensor, row_map: torch.Tensor, block_k_bytes: int = 128, experts=None, chunk: int | None = None
+):
     """BF16 prep in one pass: rows by `row_map`, then block-major K, in place (one scratch copy per chunk)."""
     return _block_inplace(t, block_k_bytes, experts, chunk, row_map=row_map)
-
-

@@ -7,7 +7,6 @@ import torch
 
 from .maps import _CACHE_LOCK
 
-
 _FAST_PATH = {"enabled": True, "cpu_interpret": False}
 _TRITON: list = []  # [module or None] once tried
 

@@ -3,13 +3,12 @@ byte view (so one row map serves packed FP4, FP8 and BF16 alike), storage and `d
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .fastpath import fast_path_for
 from .maps import _expert_ids, _expert_ids_tensor, _map_i32, closed_block, invert_map
-
 
 _SCRATCH_PEAK = [0]
 
@@ -29,15 +28,15 @@ def reset_scratch_peak() -> None:
     _SCRATCH_PEAK[0] = 0
 
 
-
-
 def _bytes3d(t: torch.Tensor, name: str = "t") -> torch.Tensor:
     """[E, M, ...] -> its uint8 view [E, M, row_bytes]; same storage, so writes land in `t`."""
     if t.dim() < 2:
         raise ValueError(f"{name} must be [E, M, ...] with a leading expert dim, got shape {tuple(t.shape)}")
     if not t.is_contiguous():
-        raise ValueError(f"{name} of shape {tuple(t.shape)} must be contiguous to be laid out in place; "
-                         "parameters are allocated contiguous, pass the parameter itself, not a view of it")
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} must be contiguous to be laid out in place; "
+            "parameters are allocated contiguous, pass the parameter itself, not a view of it"
+        )
     return t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
 
 
@@ -77,8 +76,10 @@ def _expert_runs(num_experts: int, experts, chunk) -> list[tuple[int, int]]:
 
 def _check_row_map(row_map: torch.Tensor, m: int, t: torch.Tensor) -> torch.Tensor:
     if row_map.dim() != 1 or row_map.numel() != m:
-        raise ValueError(f"row map of shape {tuple(row_map.shape)} does not fit tensor rows M={m} "
-                         f"(tensor shape {tuple(t.shape)}); build it for M={m}")
+        raise ValueError(
+            f"row map of shape {tuple(row_map.shape)} does not fit tensor rows M={m} "
+            f"(tensor shape {tuple(t.shape)}); build it for M={m}"
+        )
     if row_map.device != t.device:
         row_map = row_map.to(t.device)
     return row_map.long()
@@ -151,5 +152,3 @@ def unpermute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk:
     """Exact inverse of `permute_rows_` with the same map."""
     u8 = _bytes3d(t)
     return permute_rows_(t, invert_map(_check_row_map(row_map, u8.shape[1], t)), experts, chunk)
-
-

@@ -76,7 +76,8 @@ def _check_shuffle_rows(m: int, epilogue_tile_m: int, what: str = "rows") -> Non
         raise ValueError(
             f"cannot shuffle {what} M={m} for the TRT-LLM-Gen kernel (epilogue_tile_m={epilogue_tile_m}): "
             f"M must be a positive multiple of {b}; pad to {_round_up(max(m, 1), b)} rows "
-            f"(pad the intermediate with padded_intermediate(), per half for gated w13)")
+            f"(pad the intermediate with padded_intermediate(), per half for gated w13)"
+        )
 
 
 def gated_reorder_map(m: int, device=None) -> torch.Tensor:
@@ -115,8 +116,9 @@ def w13_row_map(m: int, gated: bool, device=None, epilogue_tile_m: int = 128) ->
         return shuffle_map(m, epilogue_tile_m, device)
     _check_shuffle_rows(m, epilogue_tile_m, "gated w13 rows")
     dev = _norm_device(device)
-    return _cached(("w13", m, True, epilogue_tile_m, dev),
-                   lambda: gated_reorder_map(m, dev)[shuffle_map(m, epilogue_tile_m, dev)])
+    return _cached(
+        ("w13", m, True, epilogue_tile_m, dev), lambda: gated_reorder_map(m, dev)[shuffle_map(m, epilogue_tile_m, dev)]
+    )
 
 
 def w2_row_map(m: int, device=None, epilogue_tile_m: int = 128) -> torch.Tensor:
@@ -187,8 +189,6 @@ def composed_sf_map(row_map: torch.Tensor | None, m: int, c: int, device=None) -
     return (rows[r] * c4 + col).to(device if device is not None else "cpu")
 
 
-
-
 _EIDS: dict[tuple, torch.Tensor] = {}  # (ids, device) -> int32 ids on that device; a prep re-uses them per param
 
 
@@ -202,8 +202,6 @@ def _expert_ids_tensor(num_experts: int, experts, device) -> torch.Tensor:
             if len(_EIDS) < 64:  # kept until clear_caches (never freed under a kernel that may still read it)
                 _EIDS[key] = hit
         return hit
-
-
 
 
 def _expert_ids(num_experts: int, experts):

@@ -18,7 +18,7 @@ def pad_gated_halves(w13: torch.Tensor, ip: int) -> torch.Tensor:
         raise ValueError(f"padded intermediate ip={ip} is smaller than I={i} (w13 shape {tuple(w13.shape)})")
     out = w13.new_zeros((w13.shape[0], 2 * ip, *w13.shape[2:]))
     out[:, :i] = w13[:, :i]
-    out[:, ip:ip + i] = w13[:, i:]
+    out[:, ip : ip + i] = w13[:, i:]
     return out
 
 
@@ -27,4 +27,4 @@ def unpad_gated_halves(w13p: torch.Tensor, i: int) -> torch.Tensor:
     if w13p.dim() < 2 or w13p.shape[1] % 2 or w13p.shape[1] // 2 < i:
         raise ValueError(f"padded gated w13 of shape {tuple(w13p.shape)} cannot hold two halves of I={i}")
     ip = w13p.shape[1] // 2
-    return torch.cat([w13p[:, :i], w13p[:, ip:ip + i]], dim=1)
+    return torch.cat([w13p[:, :i], w13p[:, ip : ip + i]], dim=1)

@@ -51,8 +51,10 @@ def unswizzle_sf_128x4(swz: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     x, squeeze = _as3d(swz, "swz")
     e, rp, cp = x.shape
     if rp % SF_ROW_TILE or cp % SF_COL_TILE or rows > rp or cols > cp:
-        raise ValueError(f"swizzled scales of shape {tuple(swz.shape)} cannot hold rows={rows} cols={cols}: "
-                         f"need rows <= Rp, cols <= Cp with Rp % 128 == 0 and Cp % 4 == 0")
+        raise ValueError(
+            f"swizzled scales of shape {tuple(swz.shape)} cannot hold rows={rows} cols={cols}: "
+            f"need rows <= Rp, cols <= Cp with Rp % 128 == 0 and Cp % 4 == 0"
+        )
     out = _sf_view_linear(x.contiguous(), e, rp, cp).reshape(e, rp, cp)[:, :rows, :cols].contiguous()
     return out[0] if squeeze else out
 
@@ -65,7 +67,8 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
         raise ValueError(
             f"cannot swizzle scales of shape {tuple(sf.shape)} in place: the 128x4 layout needs R % 128 == 0 and "
             f"C % 4 == 0; allocate the scale parameter padded to [{e}, {_round_up(r, 128)}, {_round_up(c, 4)}] "
-            f"(pad I / H), or use the out-of-place swizzle_sf_128x4()")
+            f"(pad I / H), or use the out-of-place swizzle_sf_128x4()"
+        )
     if not sf.is_contiguous():
         raise ValueError(f"scales of shape {tuple(sf.shape)} must be contiguous to be swizzled in place")
     return e, r, c
@@ -83,8 +86,9 @@ def _sf_fast(sf, experts, row_map, forward: bool) -> bool:
         b = closed_block(row_map)
         block = b * SF_ROW_TILE // math.gcd(b, SF_ROW_TILE)
     eids = _expert_ids_tensor(u8.shape[0], experts, u8.device)
-    return fast.sf_(u8.view(torch.int32), None if row_map is None else _map_i32(row_map), eids, block,
-                    inverse=not forward)
+    return fast.sf_(
+        u8.view(torch.int32), None if row_map is None else _map_i32(row_map), eids, block, inverse=not forward
+    )
 
 
 def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
@@ -102,8 +106,7 @@ def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
         if swizzle:  # write the linear scratch straight into swizzled order: no second temporary
             dst.view(k, r // 128, c // 4, 32, 4).copy_(tmp.permute(0, 1, 4, 3, 2))
         else:
-            dst.view(k, r // 128, 4, 32, c // 4).copy_(
-                tmp.view(k, r // 128, c // 4, 32, 4).permute(0, 1, 4, 3, 2))
+            dst.view(k, r // 128, 4, 32, c // 4).copy_(tmp.view(k, r // 128, c // 4, 32, 4).permute(0, 1, 4, 3, 2))
     return sf
 
 
@@ -117,20 +120,20 @@ def unswizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None
     return _sf_inplace(sf, experts, chunk, None, False)
 
 
-def permute_rows_and_swizzle_sf_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
-                                 chunk: int | None = None) -> torch.Tensor:
+def permute_rows_and_swizzle_sf_(
+    sf: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None
+) -> torch.Tensor:
     """Scale prep in one pass: rows by `row_map`, then 128x4 swizzle, written straight back (one scratch copy;
     on CUDA one gather through `composed_sf_map`, no scratch)."""
     return _sf_inplace(sf, experts, chunk, row_map, True)
 
 
-def unswizzle_sf_and_unpermute_rows_(sf: torch.Tensor, row_map: torch.Tensor, experts=None,
-                                     chunk: int | None = None) -> torch.Tensor:
+def unswizzle_sf_and_unpermute_rows_(
+    sf: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None
+) -> torch.Tensor:
     """Exact inverse of `permute_rows_and_swizzle_sf_` with the same map (one pass on CUDA, two elsewhere)."""
     _check_inplace_sf(sf)
     if _sf_fast(sf, experts, row_map, False):
         return sf
     unswizzle_sf_128x4_(sf, experts, chunk)
     return unpermute_rows_(sf, row_map, experts, chunk)
-
-

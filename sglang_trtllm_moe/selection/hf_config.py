@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .problem import MoeProblem
 
@@ -22,11 +23,16 @@ MIXTRAL_FUSED_MOE_QUANTS = ("fp8", "compressed-tensors", "gptq_marlin", "awq_mar
 def no_fused_moe_reason(architectures, quantization: str | None) -> str | None:
     """Why SGLang builds a model of these architectures with this quantization (SGLang's name, as ModelConfig
     gives it) without FusedMoE layers; None when it builds them."""
-    if quantization is not None and quantization not in MIXTRAL_FUSED_MOE_QUANTS and \
-            "MixtralForCausalLM" in (architectures or ()):
-        return (f"SGLang builds quantized Mixtral ({quantization}) as QuantMixtralForCausalLM (per-expert linear "
-                f"layers, no FusedMoE; FusedMoE only with {', '.join(MIXTRAL_FUSED_MOE_QUANTS)} or unquantized: "
-                f"model_loader/utils.py get_model_architecture)")
+    if (
+        quantization is not None
+        and quantization not in MIXTRAL_FUSED_MOE_QUANTS
+        and "MixtralForCausalLM" in (architectures or ())
+    ):
+        return (
+            f"SGLang builds quantized Mixtral ({quantization}) as QuantMixtralForCausalLM (per-expert linear "
+            f"layers, no FusedMoE; FusedMoE only with {', '.join(MIXTRAL_FUSED_MOE_QUANTS)} or unquantized: "
+            f"model_loader/utils.py get_model_architecture)"
+        )
     return None
 
 
@@ -85,8 +91,14 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
     text = _get(cfg, "text_config") or cfg
     archs = _get(cfg, "architectures") or _get(text, "architectures") or [""]
     arch = archs[0]
-    experts = next((_get(text, k) for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-                    if _get(text, k)), None)
+    experts = next(
+        (
+            _get(text, k)
+            for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+            if _get(text, k)
+        ),
+        None,
+    )
     inter = _get(text, "moe_intermediate_size") or _get(text, "intermediate_size")
     hidden = _get(text, "hidden_size")
     if not experts or not inter or not hidden:
@@ -105,13 +117,21 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
         quant = detected
     online = quantization is not None and detected is None
     return MoeProblem(
-        hidden_size=int(hidden), intermediate_size=int(inter), num_experts=int(experts),
+        hidden_size=int(hidden),
+        intermediate_size=int(inter),
+        num_experts=int(experts),
         top_k=int(_get(text, "num_experts_per_tok") or _get(text, "moe_topk") or 1),
-        quantization=quant, weight_block_size=block if quant == "fp8" else None,
+        quantization=quant,
+        weight_block_size=block if quant == "fp8" else None,
         quant_scheme=scheme if quant == "compressed-tensors" else None,
         activation_scheme=str(act_scheme) if quant == "fp8" and act_scheme else None,
-        activation=act, gated=gated, architecture=arch, no_fused_moe=no_fused_moe_reason(archs, quant),
-        fp4_experts=quant == "fp8" and fp4_experts(cfg, quant_cfg), online_quantization=online, **parallel,
+        activation=act,
+        gated=gated,
+        architecture=arch,
+        no_fused_moe=no_fused_moe_reason(archs, quant),
+        fp4_experts=quant == "fp8" and fp4_experts(cfg, quant_cfg),
+        online_quantization=online,
+        **parallel,
     )
 
 
@@ -133,5 +153,12 @@ def fp4_experts(cfg: Any, quant_cfg: Any) -> bool:
     return any(a in FP4_EXPERT_ARCHS for a in archs)
 
 
-__all__ = ["FP4_EXPERT_ARCHS", "MIXTRAL_FUSED_MOE_QUANTS", "NON_GATED_ARCHS", "detect_quantization", "fp4_experts",
-           "no_fused_moe_reason", "problem_from_hf_config"]
+__all__ = [
+    "FP4_EXPERT_ARCHS",
+    "MIXTRAL_FUSED_MOE_QUANTS",
+    "NON_GATED_ARCHS",
+    "detect_quantization",
+    "fp4_experts",
+    "no_fused_moe_reason",
+    "problem_from_hf_config",
+]

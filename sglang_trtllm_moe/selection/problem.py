@@ -56,8 +56,14 @@ class MoeProblem:
 
     @property
     def checkpoint(self) -> Checkpoint:
-        return Checkpoint(self.quantization, self.weight_block_size, self.quant_scheme, self.activation_scheme,
-                          self.fp4_experts, self.online_quantization)
+        return Checkpoint(
+            self.quantization,
+            self.weight_block_size,
+            self.quant_scheme,
+            self.activation_scheme,
+            self.fp4_experts,
+            self.online_quantization,
+        )
 
     def weight_format(self) -> tuple[WeightFormat | None, str]:
         """(format, its title) — format None (and why) when the plugin does not prepare this checkpoint."""

@@ -55,9 +55,20 @@ def log_decision(res: Resolution, problem: MoeProblem, what: str = "MoE") -> Non
     logger.info(
         "sglang-trtllm-moe: %s %s (%s, H %d, I %d, %d experts, tp %d, ep %d, a2a %s): moe_runner_backend=%s "
         "[%s] %s | rejected: %s | fingerprint %s",
-        problem.architecture or "model", what, problem.quantization or "bf16", problem.hidden_size,
-        problem.intermediate_size, problem.num_experts, problem.tp_size, problem.ep_size, problem.a2a_backend,
-        res.winner, res.code, res.reason, rejected, res.fingerprint.get("id"),
+        problem.architecture or "model",
+        what,
+        problem.quantization or "bf16",
+        problem.hidden_size,
+        problem.intermediate_size,
+        problem.num_experts,
+        problem.tp_size,
+        problem.ep_size,
+        problem.a2a_backend,
+        res.winner,
+        res.code,
+        res.reason,
+        rejected,
+        res.fingerprint.get("id"),
     )
 
 
@@ -73,8 +84,8 @@ def format_report(res: Resolution) -> str:
         mark = "eligible" if c.eligible else "rejected"
         lines.append(f"  {c.backend:<26} {mark:<8} {c.code}: {c.reason}")
     fp = res.fingerprint
-    lines.append(f"environment: {fp['id']}  plugin {fp['plugin']}, sglang {fp['sglang']}, flashinfer {fp['flashinfer']}, "
-                 f"SM {fp['sm']} ({fp['sm_source']}), env {fp['env'] or '{}'}")
+    lines.append(
+        f"environment: {fp['id']}  plugin {fp['plugin']}, sglang {fp['sglang']}, flashinfer {fp['flashinfer']}, "
+        f"SM {fp['sm']} ({fp['sm_source']}), env {fp['env'] or '{}'}"
+    )
     return "\n".join(lines)
-
-

@@ -52,7 +52,6 @@ class Code:
     NO_FUSED_MOE = "NO_FUSED_MOE"
 
 
-
 #: A2A backends with a registered fused func for these runners (FusedOpPool keys in 0.5.23).
 A2A_OK = {"none", "flashinfer"}
 
@@ -64,7 +63,6 @@ SPEC_DRAFT_WHY = (
     "their own shapes, and the trtllm BF16 batched GEMM on draft layers has an open illegal-memory-access bug "
     "(sglang#30209; the default that would fix it, #30210, is not merged) — the plugin does not widen that exposure"
 )
-
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -97,14 +95,19 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
         return no(Code.UNKNOWN_BACKEND, f"{backend!r} is not a TRT-LLM-Gen MoE backend ({', '.join(BACKENDS)})")
     if not device.sm100_family:
         where = f"SM{device.sm}" if device.sm is not None else "no CUDA GPU"
-        extra = " (SM12x has its own kernels, served by flashinfer_cutlass)" if device.sm and device.sm // 10 == 12 else ""
+        extra = (
+            " (SM12x has its own kernels, served by flashinfer_cutlass)" if device.sm and device.sm // 10 == 12 else ""
+        )
         return no(Code.SM_UNSUPPORTED, f"TRT-LLM-Gen MoE kernels need an SM 10.x GPU; this is {where}{extra}")
     if device.flashinfer_version is None:
         return no(Code.FLASHINFER_MISSING, "flashinfer-python is not installed: the fused MoE kernels come from it")
     if not p.gated and _version_tuple(device.flashinfer_version) < MIN_FLASHINFER_NON_GATED:
         need = ".".join(map(str, MIN_FLASHINFER_NON_GATED))
-        return no(Code.FLASHINFER_TOO_OLD, f"non-gated {p.activation} needs flashinfer >= {need} "
-                                           f"(activation_type); installed {device.flashinfer_version}")
+        return no(
+            Code.FLASHINFER_TOO_OLD,
+            f"non-gated {p.activation} needs flashinfer >= {need} "
+            f"(activation_type); installed {device.flashinfer_version}",
+        )
     if p.speculative_draft:
         return no(Code.SPEC_DRAFT_KEEPS_UPSTREAM, SPEC_DRAFT_WHY)
 
@@ -112,8 +115,11 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
     if fmt is None:
         return no(Code.QUANT_UNSUPPORTED, fmt_why)
     if not fmt.serves(backend, p.checkpoint):
-        where = (f"; SGLang serves it on {fmt.own_backend} (TRT-LLM-Gen kernels too), where the plugin prepares it in "
-                 "place" if fmt.own_backend else "")
+        where = (
+            f"; SGLang serves it on {fmt.own_backend} (TRT-LLM-Gen kernels too), where the plugin prepares it in place"
+            if fmt.own_backend
+            else ""
+        )
         return no(Code.QUANT_UNSUPPORTED_BY_BACKEND, f"{backend} has no {fmt_why} path in SGLang{where}")
     problem_act = fmt.activation_problem(p.activation, p.gated)
     if problem_act:
@@ -122,40 +128,54 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
     if p.hidden_size % fmt.hidden_align:
         return no(Code.HIDDEN_ALIGNMENT, f"hidden size {p.hidden_size} is not a multiple of {fmt.hidden_align}")
     if p.intermediate_size % p.moe_tp_size:
-        return no(Code.INTERMEDIATE_SPLIT,
-                  f"intermediate {p.intermediate_size} does not split over MoE-TP {p.moe_tp_size} "
-                  f"(tp {p.tp_size} / ep {p.ep_size})")
+        return no(
+            Code.INTERMEDIATE_SPLIT,
+            f"intermediate {p.intermediate_size} does not split over MoE-TP {p.moe_tp_size} "
+            f"(tp {p.tp_size} / ep {p.ep_size})",
+        )
     ip = p.intermediate_per_rank
     if fmt.kernel == "fp8_block_scale" and ip % fmt.intermediate_align[0]:
-        return no(Code.BLOCK_ALIGNMENT,
-                  f"intermediate per rank {ip} is not a multiple of the 128x128 FP8 scale block")
+        return no(Code.BLOCK_ALIGNMENT, f"intermediate per rank {ip} is not a multiple of the 128x128 FP8 scale block")
     if p.num_experts % max(1, p.ep_size):
         return no(Code.EXPERT_SPLIT, f"{p.num_experts} experts do not split over EP {p.ep_size}")
 
     if p.a2a_backend == "flashinfer" and not _flashinfer_a2a_has_trtllm():
-        return no(Code.A2A_UNSUPPORTED,
-                  "this SGLang release runs --moe-a2a-backend flashinfer on flashinfer_cutlass only (its "
-                  "_handle_a2a_moe asserts it; the TRT-LLM routed runner behind FlashInfer A2A arrives in 0.5.15)")
+        return no(
+            Code.A2A_UNSUPPORTED,
+            "this SGLang release runs --moe-a2a-backend flashinfer on flashinfer_cutlass only (its "
+            "_handle_a2a_moe asserts it; the TRT-LLM routed runner behind FlashInfer A2A arrives in 0.5.15)",
+        )
     if p.a2a_backend not in A2A_OK:
-        return no(Code.A2A_UNSUPPORTED,
-                  f"A2A backend {p.a2a_backend!r} has no fused func for {backend} "
-                  f"(sglang#24502: 'FLASHINFER_TRTLLM requires a fused func for a2a backend deepep'); "
-                  f"use --moe-a2a-backend flashinfer with {TRTLLM_ROUTED}")
+        return no(
+            Code.A2A_UNSUPPORTED,
+            f"A2A backend {p.a2a_backend!r} has no fused func for {backend} "
+            f"(sglang#24502: 'FLASHINFER_TRTLLM requires a fused func for a2a backend deepep'); "
+            f"use --moe-a2a-backend flashinfer with {TRTLLM_ROUTED}",
+        )
     if backend == TRTLLM and p.a2a_backend == "flashinfer":
-        return no(Code.A2A_NEEDS_ROUTED,
-                  "the FlashInfer A2A dispatch delivers top-k ids and weights, so experts run through the routed "
-                  f"kernel ({TRTLLM_ROUTED}); SGLang itself switches to it once a dispatch type is set")
+        return no(
+            Code.A2A_NEEDS_ROUTED,
+            "the FlashInfer A2A dispatch delivers top-k ids and weights, so experts run through the routed "
+            f"kernel ({TRTLLM_ROUTED}); SGLang itself switches to it once a dispatch type is set",
+        )
     if backend == TRTLLM and p.expert_remap:
-        return no(Code.EXPERT_REMAP_NEEDS_ROUTED,
-                  f"{TRTLLM} routes inside the kernel and cannot apply the EPLB / redundant-expert remap "
-                  f"(as SGLang 0.5.23 does for Nemotron-H, use {TRTLLM_ROUTED})")
+        return no(
+            Code.EXPERT_REMAP_NEEDS_ROUTED,
+            f"{TRTLLM} routes inside the kernel and cannot apply the EPLB / redundant-expert remap "
+            f"(as SGLang 0.5.23 does for Nemotron-H, use {TRTLLM_ROUTED})",
+        )
 
     ipad = fmt.padded_intermediate(ip, p.gated)
     align = fmt.intermediate_align[0 if p.gated else 1]
     pad = f", padded to {ipad} (multiple of {align})" if ipad != ip else ""
     act = f"{'gated' if p.gated else 'non-gated'} {p.activation}"
-    return Eligibility(True, Code.OK, f"{fmt_why}, {act}, H {p.hidden_size}, I/rank {ip}{pad}, "
-                                      f"{p.num_experts} experts / EP {p.ep_size}, a2a {p.a2a_backend}", backend)
+    return Eligibility(
+        True,
+        Code.OK,
+        f"{fmt_why}, {act}, H {p.hidden_size}, I/rank {ip}{pad}, "
+        f"{p.num_experts} experts / EP {p.ep_size}, a2a {p.a2a_backend}",
+        backend,
+    )
 
 
 def candidate_order(problem: MoeProblem) -> tuple[str, ...]:
@@ -169,7 +189,9 @@ def auto_enabled() -> bool:
     return os.environ.get(ENV_AUTO, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", upstream: str | None = None) -> Resolution:
+def resolve(
+    problem: MoeProblem, device: DeviceInfo, requested: str = "auto", upstream: str | None = None
+) -> Resolution:
     """The report for one MoE problem: every candidate's eligibility and the backend to use.
 
     `requested` is what the user asked for (`--moe-runner-backend`); `upstream` is what SGLang decided on its own
@@ -182,9 +204,16 @@ def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", up
     base = upstream if upstream is not None else requested
     if problem.no_fused_moe:
         # no layer would run a MoE runner: no candidate to weigh, no winner to name; SGLang's value stands unused
-        return Resolution(base, [], env_fingerprint(device), Code.NO_FUSED_MOE,
-                          f"{problem.no_fused_moe}: no MoE runner backend applies (--moe-runner-backend {base} "
-                          f"has no effect); the plugin prepares nothing", requested, upstream)
+        return Resolution(
+            base,
+            [],
+            env_fingerprint(device),
+            Code.NO_FUSED_MOE,
+            f"{problem.no_fused_moe}: no MoE runner backend applies (--moe-runner-backend {base} "
+            f"has no effect); the plugin prepares nothing",
+            requested,
+            upstream,
+        )
     cands = [can_implement(b, problem, device) for b in candidate_order(problem)]
     eligible = [c for c in cands if c.eligible]
 
@@ -192,7 +221,9 @@ def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", up
         return Resolution(winner, cands, env_fingerprint(device), code, reason, requested, upstream)
 
     if requested != "auto":
-        return done(requested, Code.EXPLICIT, f"--moe-runner-backend {requested} was asked for explicitly: never overridden")
+        return done(
+            requested, Code.EXPLICIT, f"--moe-runner-backend {requested} was asked for explicitly: never overridden"
+        )
     if not auto_enabled():
         return done(base, Code.AUTO_DISABLED, f"{ENV_AUTO}=0: auto-selection is off, SGLang's choice ({base}) stands")
     if problem.speculative_draft:
@@ -202,15 +233,22 @@ def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", up
         return done(base, Code.NOT_SM100, f"{where} is not SM 10.x: SGLang's choice ({base}) stands")
     if upstream is not None and upstream not in ("auto", *BACKENDS):
         fmt, _ = problem.weight_format()
-        also = (f"; {upstream} runs the TRT-LLM-Gen kernels on {fmt.title} weights the plugin prepares in place"
-                if fmt is not None and fmt.own_backend == upstream else "")
-        return done(upstream, Code.UPSTREAM_MODEL_RULE,
-                    f"SGLang's own rule for this model chose {upstream}: kept{also}")
+        also = (
+            f"; {upstream} runs the TRT-LLM-Gen kernels on {fmt.title} weights the plugin prepares in place"
+            if fmt is not None and fmt.own_backend == upstream
+            else ""
+        )
+        return done(
+            upstream, Code.UPSTREAM_MODEL_RULE, f"SGLang's own rule for this model chose {upstream}: kept{also}"
+        )
     if not eligible:
         first = cands[0]
-        return done(base, Code.NO_ELIGIBLE_BACKEND,
-                    f"no TRT-LLM-Gen backend can serve this layer ({first.code}: {first.reason}); "
-                    f"SGLang's choice ({base}) stands")
+        return done(
+            base,
+            Code.NO_ELIGIBLE_BACKEND,
+            f"no TRT-LLM-Gen backend can serve this layer ({first.code}: {first.reason}); "
+            f"SGLang's choice ({base}) stands",
+        )
     if upstream in BACKENDS and any(c.backend == upstream for c in eligible):
         return done(upstream, Code.UPSTREAM_AGREES, f"SGLang already chose {upstream}, which is eligible")
     winner = eligible[0]
@@ -219,4 +257,3 @@ def resolve(problem: MoeProblem, device: DeviceInfo, requested: str = "auto", up
         rejected = next(c for c in cands if c.backend == upstream)
         why = f"SGLang chose {upstream}, which cannot work ({rejected.code}); {why}"
     return done(winner.backend, Code.AUTO_SELECTED, why)
-

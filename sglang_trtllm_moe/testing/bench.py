@@ -72,8 +72,9 @@ def _with_cpu_interleave():
     import flashinfer
     from sglang.srt.layers.quantization.utils import swizzle_blockscale
 
-    flashinfer.nvfp4_block_scale_interleave = (
-        lambda sf: swizzle_blockscale(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+    flashinfer.nvfp4_block_scale_interleave = lambda sf: (
+        swizzle_blockscale(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1)
+    )
 
 
 def _expert_shards(layer, e: int) -> list[tuple]:
@@ -100,8 +101,10 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
     ours, theirs = cpu_layers.build_layer(spec), cpu_layers.build_layer(spec)
     _fill_random_nvfp4(ours)
     _fill_random_nvfp4(theirs)
-    nbytes = sum(getattr(ours, n).numel() * getattr(ours, n).element_size()
-                 for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"))
+    nbytes = sum(
+        getattr(ours, n).numel() * getattr(ours, n).element_size()
+        for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+    )
     rows = []
 
     layouts.reset_scratch_peak()
@@ -116,12 +119,24 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
     upstream(theirs.quant_method, theirs)
     upstream_first = time.perf_counter() - t0
     rss2 = _maxrss()
-    same = all(torch.equal(getattr(ours, n).data.view(torch.uint8), getattr(theirs, n).data.view(torch.uint8))
-               for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"))
-    rows.append(dict(name=f"nvfp4 prep, {label}", plugin_s=plugin_first, upstream_s=upstream_first,
-                     ratio=upstream_first / plugin_first, bytes=nbytes, plugin_gbps=2 * nbytes / plugin_first / 1e9,
-                     plugin_peak_extra_bytes=rss1 - rss0, upstream_peak_extra_bytes=rss2 - rss1,
-                     plugin_scratch_bytes=layouts.scratch_peak_bytes(), same_bytes=same))
+    same = all(
+        torch.equal(getattr(ours, n).data.view(torch.uint8), getattr(theirs, n).data.view(torch.uint8))
+        for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+    )
+    rows.append(
+        dict(
+            name=f"nvfp4 prep, {label}",
+            plugin_s=plugin_first,
+            upstream_s=upstream_first,
+            ratio=upstream_first / plugin_first,
+            bytes=nbytes,
+            plugin_gbps=2 * nbytes / plugin_first / 1e9,
+            plugin_peak_extra_bytes=rss1 - rss0,
+            upstream_peak_extra_bytes=rss2 - rss1,
+            plugin_scratch_bytes=layouts.scratch_peak_bytes(),
+            same_bytes=same,
+        )
+    )
 
     def plugin_update(expert_ids):
         for e in expert_ids:
@@ -140,8 +155,15 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
     for what, ids in (("1 expert", [3]), ("whole layer", list(range(experts)))):
         p_s = _median_time(lambda: plugin_update(ids), repeats)
         u_s = _median_time(lambda: upstream_update(ids), repeats)
-        rows.append(dict(name=f"nvfp4 RL update of {what}, {label}", plugin_s=p_s, upstream_s=u_s, ratio=u_s / p_s,
-                         bytes=nbytes * len(ids) // experts))
+        rows.append(
+            dict(
+                name=f"nvfp4 RL update of {what}, {label}",
+                plugin_s=p_s,
+                upstream_s=u_s,
+                ratio=u_s / p_s,
+                bytes=nbytes * len(ids) // experts,
+            )
+        )
     return rows
 
 
@@ -150,7 +172,11 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
 #: format -> (runner backend, shape name, (experts in the real model, hidden, moe intermediate))
 MX_SHAPES = {
     "mxfp8": ("flashinfer_trtllm", "DeepSeek-V3", SHAPES["DeepSeek-V3"]),
-    "mxfp4_experts": ("flashinfer_mxfp4", "FP4-expert (H 4096, I 2048: an assumed DeepSeek-V4-like shape)", (256, 4096, 2048)),
+    "mxfp4_experts": (
+        "flashinfer_mxfp4",
+        "FP4-expert (H 4096, I 2048: an assumed DeepSeek-V4-like shape)",
+        (256, 4096, 2048),
+    ),
     "mxfp4_gptoss": ("flashinfer_mxfp4", "gpt-oss-120b", (128, 2880, 2880)),
 }
 
@@ -208,14 +234,29 @@ def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
     mx_layers.sglang_prepare(theirs)
     upstream_s = time.perf_counter() - t0
     rss2 = _maxrss()
-    same = all(torch.equal(getattr(ours, n).data.view(torch.uint8).reshape(-1),
-                           getattr(theirs, n).data.view(torch.uint8).reshape(-1)) for n in names)
-    rows = [dict(name=f"{fmt} prep, {label}", plugin_s=plugin_s, upstream_s=upstream_s, ratio=upstream_s / plugin_s,
-                 bytes=nbytes, plugin_gbps=2 * nbytes / plugin_s / 1e9, plugin_peak_extra_bytes=rss1 - rss0,
-                 upstream_peak_extra_bytes=rss2 - rss1, plugin_scratch_bytes=layouts.scratch_peak_bytes(),
-                 same_bytes=same)]
+    same = all(
+        torch.equal(
+            getattr(ours, n).data.view(torch.uint8).reshape(-1), getattr(theirs, n).data.view(torch.uint8).reshape(-1)
+        )
+        for n in names
+    )
+    rows = [
+        dict(
+            name=f"{fmt} prep, {label}",
+            plugin_s=plugin_s,
+            upstream_s=upstream_s,
+            ratio=upstream_s / plugin_s,
+            bytes=nbytes,
+            plugin_gbps=2 * nbytes / plugin_s / 1e9,
+            plugin_peak_extra_bytes=rss1 - rss0,
+            upstream_peak_extra_bytes=rss2 - rss1,
+            plugin_scratch_bytes=layouts.scratch_peak_bytes(),
+            same_bytes=same,
+        )
+    ]
 
     if fmt == "mxfp4_gptoss":
+
         def plugin_update():
             mx_layers.load_fused(ours, {n: loaded[n] for n in names})
             layer_state.flush(ours)
@@ -246,8 +287,15 @@ def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
 
     p_s = _median_time(plugin_update, repeats)
     u_s = _median_time(upstream_update, 1 if fmt != "mxfp8" else repeats)
-    rows.append(dict(name=f"{fmt} RL update of {what}, {label}", plugin_s=p_s, upstream_s=u_s, ratio=u_s / p_s,
-                     bytes=nbytes * len(ids) // experts))
+    rows.append(
+        dict(
+            name=f"{fmt} RL update of {what}, {label}",
+            plugin_s=p_s,
+            upstream_s=u_s,
+            ratio=u_s / p_s,
+            bytes=nbytes * len(ids) // experts,
+        )
+    )
     return rows
 
 
@@ -274,12 +322,14 @@ def _one_mx_in_this_process(fmt: str, experts: int, repeats: int, threads: int |
 #: the MoE layer, the quant methods and the weight-update components (the modules the plugin hooks)
 _PROCESS_KINDS = {
     "launcher": ("import sglang.launch_server", ""),
-    "scheduler": ("import sglang.launch_server",
-                  "import importlib\n"
-                  "for m in ('sglang.srt.layers.quantization.fp8', 'sglang.srt.layers.moe.fused_moe_triton.layer',\n"
-                  "          'sglang.srt.layers.quantization.modelopt_quant', 'sglang.srt.layers.quantization.unquant',\n"
-                  "          'sglang.srt.utils.weight_checker', 'sglang.srt.layers.moe.moe_runner.flashinfer_trtllm'):\n"
-                  "    importlib.import_module(m)\n"),
+    "scheduler": (
+        "import sglang.launch_server",
+        "import importlib\n"
+        "for m in ('sglang.srt.layers.quantization.fp8', 'sglang.srt.layers.moe.fused_moe_triton.layer',\n"
+        "          'sglang.srt.layers.quantization.modelopt_quant', 'sglang.srt.layers.quantization.unquant',\n"
+        "          'sglang.srt.utils.weight_checker', 'sglang.srt.layers.moe.moe_runner.flashinfer_trtllm'):\n"
+        "    importlib.import_module(m)\n",
+    ),
 }
 
 _MEASURE = """
@@ -316,12 +366,17 @@ def bench_load_plugins(repeats: int = 3) -> list[dict]:
             for disabled in (False, True):
                 runs[disabled].append(once(kind, disabled))
         med = {d: {k: statistics.median(r[k] for r in runs[d]) for k in ("cpu_s", "peak_rss_added_mib")} for d in runs}
-        rows.append(dict(
-            name=f"SGLang load_plugins() in a {kind}-like process (plugin vs SGLANG_TRTLLM_MOE_DISABLE=1; CPU s)",
-            plugin_s=med[False]["cpu_s"], upstream_s=med[True]["cpu_s"],
-            ratio=med[True]["cpu_s"] / max(med[False]["cpu_s"], 1e-9), added_s=med[False]["cpu_s"] - med[True]["cpu_s"],
-            added_peak_rss_mib=med[False]["peak_rss_added_mib"] - med[True]["peak_rss_added_mib"],
-            repeats=repeats))
+        rows.append(
+            dict(
+                name=f"SGLang load_plugins() in a {kind}-like process (plugin vs SGLANG_TRTLLM_MOE_DISABLE=1; CPU s)",
+                plugin_s=med[False]["cpu_s"],
+                upstream_s=med[True]["cpu_s"],
+                ratio=med[True]["cpu_s"] / max(med[False]["cpu_s"], 1e-9),
+                added_s=med[False]["cpu_s"] - med[True]["cpu_s"],
+                added_peak_rss_mib=med[False]["peak_rss_added_mib"] - med[True]["peak_rss_added_mib"],
+                repeats=repeats,
+            )
+        )
     return rows
 
 
@@ -337,8 +392,14 @@ def _one_model_in_this_process(model: str, experts: int, repeats: int, threads: 
     return bench_nvfp4_layer(model, experts, repeats)
 
 
-def run(models=("DeepSeek-V3", "Qwen3-MoE-235B"), experts: int = 32, repeats: int = 3, threads: int | None = None,
-        mx_formats=tuple(MX_SHAPES), mx_experts: int | None = None) -> list[dict]:
+def run(
+    models=("DeepSeek-V3", "Qwen3-MoE-235B"),
+    experts: int = 32,
+    repeats: int = 3,
+    threads: int | None = None,
+    mx_formats=tuple(MX_SHAPES),
+    mx_experts: int | None = None,
+) -> list[dict]:
     """Each model (and each MX format) runs in a fresh process, so its peak-RSS figures start from that layer alone."""
     rows = []
     jobs = [f"bench._one_model_in_this_process({m!r}, {experts}, {repeats}, {threads!r})" for m in models]
@@ -363,12 +424,18 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         notes = []
         if "plugin_gbps" in r:
-            notes.append(f"{r['plugin_gbps']:.1f} GB/s, same bytes: {r['same_bytes']}, peak extra "
-                         f"{r['plugin_peak_extra_bytes'] / 2**20:.0f} MiB vs {r['upstream_peak_extra_bytes'] / 2**20:.0f} MiB")
+            notes.append(
+                f"{r['plugin_gbps']:.1f} GB/s, same bytes: {r['same_bytes']}, peak extra "
+                f"{r['plugin_peak_extra_bytes'] / 2**20:.0f} MiB vs {r['upstream_peak_extra_bytes'] / 2**20:.0f} MiB"
+            )
         if "added_s" in r:
-            notes.append(f"plugin adds {r['added_s'] * 1000:.0f} ms CPU"
-                         + (f", {r['added_peak_rss_mib']:.0f} MiB peak RSS" if "added_peak_rss_mib" in r else ""))
-        lines.append(f"{r['name']:<{w}}  {r['plugin_s']:9.4f}  {r['upstream_s']:10.4f}  {r['ratio']:6.1f}  {'; '.join(notes)}")
+            notes.append(
+                f"plugin adds {r['added_s'] * 1000:.0f} ms CPU"
+                + (f", {r['added_peak_rss_mib']:.0f} MiB peak RSS" if "added_peak_rss_mib" in r else "")
+            )
+        lines.append(
+            f"{r['name']:<{w}}  {r['plugin_s']:9.4f}  {r['upstream_s']:10.4f}  {r['ratio']:6.1f}  {'; '.join(notes)}"
+        )
     return "\n".join(lines)
 
 

@@ -27,8 +27,12 @@ def _excluded_modules(spec: TinySpec) -> list[str]:
         # SGLang names the model "model.", the checkpoint "backbone.": list both spellings
         return ex + [e.replace("backbone.", "model.", 1) for e in ex if e.startswith("backbone.")]
     ex = ["lm_head", "*self_attn*", "*shared_experts*", "*.mlp.gate", "*.block_sparse_moe.gate"]
-    ex += [f"{layer_prefix(spec, i)}.mlp.{p}" for i, k in enumerate(spec.layers) if k == "dense"
-           for p in ("gate_proj", "up_proj", "down_proj")]
+    ex += [
+        f"{layer_prefix(spec, i)}.mlp.{p}"
+        for i, k in enumerate(spec.layers)
+        if k == "dense"
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     return ex
 
 
@@ -62,29 +66,54 @@ def quantization_config(spec: TinySpec) -> dict | None:
         return None
     if q in ("nvfp4", "fp8"):
         algo = "NVFP4" if q == "nvfp4" else "FP8"
-        cfg = {"quant_method": "modelopt", "quant_algo": algo, "ignore": _excluded_modules(spec),
-               "producer": {"name": "modelopt", "version": "0.29.0"}}
+        cfg = {
+            "quant_method": "modelopt",
+            "quant_algo": algo,
+            "ignore": _excluded_modules(spec),
+            "producer": {"name": "modelopt", "version": "0.29.0"},
+        }
         if q == "nvfp4":
             cfg["group_size"] = 16
         return cfg
     if q == "ct_nvfp4":
         ignore = _excluded_modules(spec)
         return {
-            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "quantization_status": "compressed",
             "ignore": [("re:.*" + i.replace(".", r"\.").replace("*", ".*") + ".*") for i in ignore],
-            "config_groups": {"group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                            "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                                      "symmetric": True, "dynamic": "local"},
-            }},
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "strategy": "tensor_group",
+                        "group_size": 16,
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "strategy": "tensor_group",
+                        "group_size": 16,
+                        "symmetric": True,
+                        "dynamic": "local",
+                    },
+                }
+            },
         }
     if q == "fp8_static":
         return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": _ignored_layers_fp8(spec)}
     if q == "fp8_block":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                "fmt": "e4m3", "ignored_layers": _ignored_layers_fp8(spec)}
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "fmt": "e4m3",
+            "ignored_layers": _ignored_layers_fp8(spec),
+        }
     raise ValueError(q)
 
 
@@ -101,58 +130,139 @@ def hf_quant_config(spec: TinySpec) -> dict | None:
 
 def config(spec: TinySpec, with_quant: bool = True) -> dict:
     h, a = spec.hidden, spec.arch
-    common = {"hidden_size": h, "vocab_size": spec.vocab, "num_attention_heads": spec.heads,
-              "num_key_value_heads": spec.kv_heads, "max_position_embeddings": 512, "torch_dtype": "bfloat16",
-              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02}
+    common = {
+        "hidden_size": h,
+        "vocab_size": spec.vocab,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+    }
     if a == "qwen3_moe":
-        cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": spec.head_dim,
-               "num_hidden_layers": len(spec.layers), "intermediate_size": spec.dense_intermediate,
-               "moe_intermediate_size": spec.moe_intermediate, "num_experts": spec.num_experts,
-               "num_experts_per_tok": spec.top_k, "norm_topk_prob": True, "decoder_sparse_step": 1,
-               "mlp_only_layers": [i for i, k in enumerate(spec.layers) if k != "moe"], "rms_norm_eps": 1e-6,
-               "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
-               "output_router_logits": False, "router_aux_loss_coef": 0.0}
+        cfg = {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": spec.head_dim,
+            "num_hidden_layers": len(spec.layers),
+            "intermediate_size": spec.dense_intermediate,
+            "moe_intermediate_size": spec.moe_intermediate,
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.top_k,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, k in enumerate(spec.layers) if k != "moe"],
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,
+        }
     elif a == "mixtral":
-        cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "head_dim": spec.head_dim,
-               "num_hidden_layers": len(spec.layers), "intermediate_size": spec.moe_intermediate,
-               "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.top_k, "rms_norm_eps": 1e-5,
-               "rope_theta": 10000.0, "hidden_act": "silu", "sliding_window": None, "output_router_logits": False,
-               "router_aux_loss_coef": 0.0}
+        cfg = {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "head_dim": spec.head_dim,
+            "num_hidden_layers": len(spec.layers),
+            "intermediate_size": spec.moe_intermediate,
+            "num_local_experts": spec.num_experts,
+            "num_experts_per_tok": spec.top_k,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "sliding_window": None,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,
+        }
     elif a == "deepseek_v3":
-        cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-               "num_hidden_layers": len(spec.layers), "intermediate_size": spec.dense_intermediate,
-               "moe_intermediate_size": spec.moe_intermediate, "n_routed_experts": spec.num_experts,
-               "n_shared_experts": 1, "num_experts_per_tok": spec.top_k,
-               "first_k_dense_replace": sum(1 for k in spec.layers[: spec.layers.index("moe")]), "moe_layer_freq": 1,
-               # 4 groups of 2 experts, best 2 groups: exercises the group restriction of DeepSeek-V3 routing
-               "n_group": 4, "topk_group": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-               "norm_topk_prob": True,
-               # 1.0: SGLang applies routed_scaling_factor a second time when not on CUDA (deepseek_v2.py,
-               # `if not _is_cuda: final_hidden_states *= self.routed_scaling_factor`); with 1.0 CPU and GPU agree
-               "routed_scaling_factor": 1.0,
-               "q_lora_rank": Q_LORA, "kv_lora_rank": KV_LORA, "qk_nope_head_dim": QK_NOPE,
-               "qk_rope_head_dim": QK_ROPE, "v_head_dim": V_HEAD, "num_key_value_heads": spec.heads,
-               "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-               # DeepSeek-V3's own YaRN recipe, scaled down (SGLang's CPU rope path only implements deepseek_yarn)
-               "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
-                                "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
-                                "mscale": 1.0, "mscale_all_dim": 1.0}, "hidden_act": "silu",
-               "attention_bias": False, "num_nextn_predict_layers": 0, "ep_size": 1}
+        cfg = {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": len(spec.layers),
+            "intermediate_size": spec.dense_intermediate,
+            "moe_intermediate_size": spec.moe_intermediate,
+            "n_routed_experts": spec.num_experts,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": spec.top_k,
+            "first_k_dense_replace": sum(1 for k in spec.layers[: spec.layers.index("moe")]),
+            "moe_layer_freq": 1,
+            # 4 groups of 2 experts, best 2 groups: exercises the group restriction of DeepSeek-V3 routing
+            "n_group": 4,
+            "topk_group": 2,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            # 1.0: SGLang applies routed_scaling_factor a second time when not on CUDA (deepseek_v2.py,
+            # `if not _is_cuda: final_hidden_states *= self.routed_scaling_factor`); with 1.0 CPU and GPU agree
+            "routed_scaling_factor": 1.0,
+            "q_lora_rank": Q_LORA,
+            "kv_lora_rank": KV_LORA,
+            "qk_nope_head_dim": QK_NOPE,
+            "qk_rope_head_dim": QK_ROPE,
+            "v_head_dim": V_HEAD,
+            "num_key_value_heads": spec.heads,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            # DeepSeek-V3's own YaRN recipe, scaled down (SGLang's CPU rope path only implements deepseek_yarn)
+            "rope_scaling": {
+                "type": "yarn",
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "num_nextn_predict_layers": 0,
+            "ep_size": 1,
+        }
     else:
         pattern = "".join({"attn": "*", "moe": "E", "dense": "-"}[k] for k in spec.layers)
-        cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "head_dim": spec.head_dim,
-               "hybrid_override_pattern": pattern, "num_hidden_layers": len(spec.layers),
-               "intermediate_size": spec.dense_intermediate, "mlp_hidden_act": "relu2", "mlp_bias": False,
-               "moe_intermediate_size": spec.moe_intermediate,
-               "moe_shared_expert_intermediate_size": spec.moe_intermediate, "n_routed_experts": spec.num_experts,
-               "n_shared_experts": 1, "num_experts_per_tok": spec.top_k, "n_group": 1, "topk_group": 1,
-               "norm_topk_prob": True, "routed_scaling_factor": 1.0, "layer_norm_epsilon": 1e-5,
-               "attention_bias": False, "use_bias": False, "residual_in_fp32": False,
-               "rescale_prenorm_residual": True, "num_nextn_predict_layers": 0,
-               # Mamba sizes (no Mamba layer in the default pattern; the config classes still read them)
-               "ssm_state_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 32, "n_groups": 1, "conv_kernel": 4,
-               "expand": 1, "chunk_size": 64, "use_conv_bias": True, "mamba_hidden_act": "silu",
-               "time_step_limit": [0.0, 1e9], "rope_theta": 10000.0}
+        cfg = {
+            "architectures": ["NemotronHForCausalLM"],
+            "model_type": "nemotron_h",
+            "head_dim": spec.head_dim,
+            "hybrid_override_pattern": pattern,
+            "num_hidden_layers": len(spec.layers),
+            "intermediate_size": spec.dense_intermediate,
+            "mlp_hidden_act": "relu2",
+            "mlp_bias": False,
+            "moe_intermediate_size": spec.moe_intermediate,
+            "moe_shared_expert_intermediate_size": spec.moe_intermediate,
+            "n_routed_experts": spec.num_experts,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": spec.top_k,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "layer_norm_epsilon": 1e-5,
+            "attention_bias": False,
+            "use_bias": False,
+            "residual_in_fp32": False,
+            "rescale_prenorm_residual": True,
+            "num_nextn_predict_layers": 0,
+            # Mamba sizes (no Mamba layer in the default pattern; the config classes still read them)
+            "ssm_state_size": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 32,
+            "n_groups": 1,
+            "conv_kernel": 4,
+            "expand": 1,
+            "chunk_size": 64,
+            "use_conv_bias": True,
+            "mamba_hidden_act": "silu",
+            "time_step_limit": [0.0, 1e9],
+            "rope_theta": 10000.0,
+        }
     cfg = {**common, **cfg}
     qc = quantization_config(spec) if with_quant else None
     if qc is not None:
@@ -181,7 +291,16 @@ def write_tokenizer(path: str, vocab: int) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "unk_token": "<unk>", "model_max_length": 512, "clean_up_tokenization_spaces": False}, f)
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 512,
+                "clean_up_tokenization_spaces": False,
+            },
+            f,
+        )
     with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f)

@@ -64,7 +64,6 @@ from .tiny_spec import (  # noqa: F401 (re-exported: the checkpoint API in one m
     moe_prefix,
 )
 
-
 # ---- deterministic calibrated weights --------------------------------------------------------------------------
 
 
@@ -158,7 +157,9 @@ def quantized_experts(spec: TinySpec, layers=None, experts=None, roles=None) -> 
                 out[f"{base}.weight_packed"] = packed
                 out[f"{base}.weight_scale"] = sf
                 out[f"{base}.weight_global_scale"] = torch.tensor([gs], dtype=torch.float32)
-                out[f"{base}.input_global_scale"] = torch.tensor([quant.FP8_E4M3_MAX * 6 / in_amax], dtype=torch.float32)
+                out[f"{base}.input_global_scale"] = torch.tensor(
+                    [quant.FP8_E4M3_MAX * 6 / in_amax], dtype=torch.float32
+                )
             elif q in ("fp8", "fp8_static"):
                 scale = (w.abs().max() / quant.FP8_E4M3_MAX).to(torch.float32)
                 out[f"{base}.weight"] = quant.fp8_quantize(w, scale)
@@ -182,11 +183,13 @@ def dequantize_experts(spec: TinySpec, tensors: dict[str, torch.Tensor]) -> dict
     for b in sorted(bases):
         q = spec.quant
         if q == "nvfp4":
-            w = quant.nvfp4_dequantize(tensors[f"{b}.weight"], tensors[f"{b}.weight_scale"],
-                                       1.0 / float(tensors[f"{b}.weight_scale_2"]))
+            w = quant.nvfp4_dequantize(
+                tensors[f"{b}.weight"], tensors[f"{b}.weight_scale"], 1.0 / float(tensors[f"{b}.weight_scale_2"])
+            )
         elif q == "ct_nvfp4":
-            w = quant.nvfp4_dequantize(tensors[f"{b}.weight_packed"], tensors[f"{b}.weight_scale"],
-                                       float(tensors[f"{b}.weight_global_scale"]))
+            w = quant.nvfp4_dequantize(
+                tensors[f"{b}.weight_packed"], tensors[f"{b}.weight_scale"], float(tensors[f"{b}.weight_global_scale"])
+            )
         elif q in ("fp8", "fp8_static"):
             w = quant.fp8_dequantize(tensors[f"{b}.weight"], tensors[f"{b}.weight_scale"])
         elif q == "fp8_block":
@@ -202,8 +205,9 @@ def checkpoint(spec: TinySpec, layers=None, experts=None, roles=None, dense: boo
     `dense=False` leaves out every non-expert tensor."""
     out = {}
     if dense:
-        out.update({n: (t if "e_score_correction_bias" in n else t.to(torch.bfloat16))
-                    for n, t in float_dense(spec).items()})
+        out.update(
+            {n: (t if "e_score_correction_bias" in n else t.to(torch.bfloat16)) for n, t in float_dense(spec).items()}
+        )
     out.update(quantized_experts(spec, layers, experts, roles))
     return out
 
@@ -222,8 +226,11 @@ def _save(path: str, tensors: dict[str, torch.Tensor], cfg: dict, extra: dict | 
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        os.path.join(path, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     for name, body in (extra or {}).items():
@@ -265,8 +272,10 @@ def _ints(s: str | None):
 def main(args) -> int:
     spec = TinySpec(arch=args.arch, quant=args.quant, seed=args.seed)
     if not spec.supported and not args.force:
-        raise SystemExit(f"SGLang does not build {args.arch} in {args.quant} with FusedMoE layers "
-                         f"(supported: {', '.join(SUPPORTED[args.arch])}); --force writes it anyway")
+        raise SystemExit(
+            f"SGLang does not build {args.arch} in {args.quant} with FusedMoE layers "
+            f"(supported: {', '.join(SUPPORTED[args.arch])}); --force writes it anyway"
+        )
     write(args.out, spec, layers=_ints(args.layers), experts=_ints(args.experts), dense=not args.experts_only)
     print(f"wrote {args.arch} {args.quant} (seed {args.seed}) to {args.out}")
     if args.reference:

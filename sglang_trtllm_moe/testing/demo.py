@@ -24,8 +24,10 @@ def run(out=None, arch: str = "qwen3_moe", quant: str = "nvfp4") -> int:
 
     out = out if out is not None else sys.stdout
     steps = rl_loop.Steps(out=out)
-    steps.say(f"sglang-trtllm-moe demo: a whole {arch} {quant} model on sglang.Engine(device=\"cpu\"), driven like an "
-              f"RL rollout engine (emulated TRT-LLM-Gen kernels, faked SM100)")
+    steps.say(
+        f'sglang-trtllm-moe demo: a whole {arch} {quant} model on sglang.Engine(device="cpu"), driven like an '
+        f"RL rollout engine (emulated TRT-LLM-Gen kernels, faked SM100)"
+    )
     try:
         rl_loop.rl_loop(arch, quant, steps=steps)
     except engine.EngineUnavailable as e:

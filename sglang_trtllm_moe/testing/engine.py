@@ -57,15 +57,17 @@ def prepare_process(workdir: str) -> str:
     from .runtime import release
 
     if release() not in SUPPORTED_RELEASES:
-        raise EngineUnavailable(f"testing.engine drives sglang.Engine of SGLang {SUPPORTED_RELEASES}; "
-                                f"this is SGLang {release()}")
+        raise EngineUnavailable(
+            f"testing.engine drives sglang.Engine of SGLang {SUPPORTED_RELEASES}; this is SGLang {release()}"
+        )
     if importlib.util.find_spec("xgrammar") is None:
         # sglang requires it (Requires-Dist: xgrammar); the CPU env installs sglang --no-deps
         raise EngineUnavailable(
             "sglang.Engine's detokenizer imports xgrammar (parser/response_template.py tool_close_tokens -> "
             "function_call/function_call_parser.py -> inkling_detector.py `from xgrammar import StructuralTag`), "
             "and this environment has none: install SGLang's pin (xgrammar==0.2.7 for 0.5.23; ci/releases.tsv "
-            "extra-no-deps)")
+            "extra-no-deps)"
+        )
     models.prepare_process()
     if _SPAWN_PATH:
         return _SPAWN_PATH[0]
@@ -74,8 +76,9 @@ def prepare_process(workdir: str) -> str:
     if sp not in sys.path:
         # multiprocessing's spawn hands the child the parent's sys.path (it replaces what PYTHONPATH gave it)
         sys.path.insert(0, sp)
-    os.environ["PYTHONPATH"] = os.pathsep.join([sp] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                        else []))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [sp] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    )
     os.environ[standins.ENV_FAKE_SM] = str(FAKE_SM)
     return sp
 
@@ -104,8 +107,9 @@ class TinyEngine:
     # ---- forward ---------------------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 4) -> list[list[int]]:
-        out = self.engine.generate(input_ids=[list(p) for p in prompts],
-                                   sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
+        out = self.engine.generate(
+            input_ids=[list(p) for p in prompts], sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens}
+        )
         return [list(o["output_ids"]) for o in out]
 
     # ---- RL entry points -------------------------------------------------------------------------------------------
@@ -187,5 +191,8 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     """Names whose bytes (or dtype / shape) differ between two states; names present in one only."""
     if set(a) != set(b):
         return sorted(set(a) ^ set(b))
-    return [n for n in a if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape
-            or not torch.equal(as_bytes(a[n]), as_bytes(b[n]))]
+    return [
+        n
+        for n in a
+        if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape or not torch.equal(as_bytes(a[n]), as_bytes(b[n]))
+    ]

@@ -49,9 +49,16 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts"):
 
     qc = ModelOptFp4Config.from_config({"quantization": {"quant_algo": "NVFP4", "group_size": 16}})
     return FusedMoE(
-        num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-        top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
-        activation=spec.activation, is_gated=spec.gated,
+        num_experts=spec.num_experts,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        top_k=spec.top_k,
+        layer_id=0,
+        params_dtype=torch.bfloat16,
+        quant_config=qc,
+        prefix=prefix,
+        activation=spec.activation,
+        is_gated=spec.gated,
     )
 
 
@@ -61,11 +68,15 @@ def _random_experts(spec: MoeSpec, seed: int, experts, std: float = 0.02, up_fac
     g = torch.Generator().manual_seed(seed)
     h, i = spec.hidden, spec.intermediate
     for e in range(spec.num_experts) if experts is None else experts:
-        yield e, {
-            proj: torch.randn((h, i) if proj == DOWN else (i, h), generator=g) * (std + 0.01 * (e % 3))
-            * (up_factor if proj == UP else 1.0)
-            for proj in spec.shards
-        }
+        yield (
+            e,
+            {
+                proj: torch.randn((h, i) if proj == DOWN else (i, h), generator=g)
+                * (std + 0.01 * (e % 3))
+                * (up_factor if proj == UP else 1.0)
+                for proj in spec.shards
+            },
+        )
 
 
 def random_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
@@ -97,7 +108,7 @@ def load_checkpoint(layer, tensors: dict[str, torch.Tensor], num_experts: int) -
         for param_name, weight_name, expert_id, shard_id in mapping:
             if not full.startswith(weight_name):
                 continue
-            pname = param_name.split("experts.", 1)[1] + full[len(weight_name):].replace(".", "_")
+            pname = param_name.split("experts.", 1)[1] + full[len(weight_name) :].replace(".", "_")
             param = params[pname]
             param.weight_loader(param, t, pname, shard_id=shard_id, expert_id=expert_id)
             calls += 1
@@ -124,7 +135,7 @@ class TinyMoeModel(torch.nn.Module):
         for name, t in weights:
             if not name.startswith(self.prefix):
                 raise KeyError(f"unexpected weight {name}")
-            tensors[name[len(self.prefix):]] = t
+            tensors[name[len(self.prefix) :]] = t
         load_checkpoint(self.experts, tensors, self.spec.num_experts)
         return set(tensors)
 
@@ -142,12 +153,22 @@ def write_safetensors_checkpoint(path, tensors: dict[str, torch.Tensor], spec: M
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in checkpoint_names(tensors).items()}, os.path.join(path, "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in checkpoint_names(tensors).items()}, os.path.join(path, "model.safetensors")
+    )
     cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "hidden_size": spec.hidden, "moe_intermediate_size": spec.intermediate, "intermediate_size": 4 * spec.hidden,
-        "n_routed_experts": spec.num_experts, "num_experts_per_tok": spec.top_k, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256, "torch_dtype": "bfloat16",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": spec.hidden,
+        "moe_intermediate_size": spec.intermediate,
+        "intermediate_size": 4 * spec.hidden,
+        "n_routed_experts": spec.num_experts,
+        "num_experts_per_tok": spec.top_k,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 256,
+        "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
     }
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -158,14 +179,30 @@ def write_safetensors_checkpoint(path, tensors: dict[str, torch.Tensor], spec: M
 
 #: the config.json `quantization_config` of an llm-compressor NVFP4 (W4A4, tensor_group, group 16) checkpoint
 CT_NVFP4_CONFIG = {
-    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": [],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-                    "dynamic": False},
-        "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                              "symmetric": True, "dynamic": "local"},
-    }},
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "ignore": [],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": "local",
+            },
+        }
+    },
 }
 
 
@@ -187,9 +224,17 @@ def _build_bf16_or_ct_nvfp4(spec: MoeSpec, prefix: str):
         extra["routing_method_type"] = RoutingMethodType.Renormalize
     with probe if (spec.fmt == "ct_nvfp4" and not torch.cuda.is_available()) else _nullcontext():
         return FusedMoE(
-            num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-            top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
-            activation=spec.activation, is_gated=spec.gated, **extra,
+            num_experts=spec.num_experts,
+            hidden_size=spec.hidden,
+            intermediate_size=spec.intermediate,
+            top_k=spec.top_k,
+            layer_id=0,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix=prefix,
+            activation=spec.activation,
+            is_gated=spec.gated,
+            **extra,
         )
 
 
@@ -201,12 +246,16 @@ def _nullcontext():
 
 def random_bf16_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
     """BF16 tensors per expert and projection (HF names)."""
-    return {f"experts.{e}.{proj}.weight": w.to(torch.bfloat16)
-            for e, ws in _random_experts(spec, seed, experts, std=0.05) for proj, w in ws.items()}
+    return {
+        f"experts.{e}.{proj}.weight": w.to(torch.bfloat16)
+        for e, ws in _random_experts(spec, seed, experts, std=0.05)
+        for proj, w in ws.items()
+    }
 
 
-def random_ct_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
-                               same_gate_up_scale: bool = True) -> dict[str, torch.Tensor]:
+def random_ct_nvfp4_checkpoint(
+    spec: MoeSpec, seed: int = 0, experts=None, same_gate_up_scale: bool = True
+) -> dict[str, torch.Tensor]:
     """Compressed-tensors NVFP4 tensors as llm-compressor names them. Its global scales are *quantize* scales
     (value = e2m1 * e4m3 / global_scale), i.e. the inverses of ModelOpt's weight_scale_2 / input_scale.
     llm-compressor fuses the gate/up global scales; `same_gate_up_scale=False` makes them differ."""
@@ -221,7 +270,9 @@ def random_ct_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
             out[base + "weight_packed"] = packed
             out[base + "weight_scale"] = sf
             out[base + "weight_global_scale"] = torch.tensor([gs], dtype=torch.float32)
-            out[base + "input_global_scale"] = torch.tensor([in_gs if proj != DOWN else in_gs * 0.8], dtype=torch.float32)
+            out[base + "input_global_scale"] = torch.tensor(
+                [in_gs if proj != DOWN else in_gs * 0.8], dtype=torch.float32
+            )
     return out
 
 
@@ -246,9 +297,17 @@ def _build_fp8(spec: MoeSpec, prefix: str):
     else:
         from sglang.srt.layers.quantization.fp8 import Fp8Config as cls
     return FusedMoE(
-        num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-        top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=cls.from_config(FP8_CONFIGS[spec.fmt]),
-        prefix=prefix, activation=spec.activation, is_gated=spec.gated, routing_method_type=RoutingMethodType.Renormalize,
+        num_experts=spec.num_experts,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        top_k=spec.top_k,
+        layer_id=0,
+        params_dtype=torch.bfloat16,
+        quant_config=cls.from_config(FP8_CONFIGS[spec.fmt]),
+        prefix=prefix,
+        activation=spec.activation,
+        is_gated=spec.gated,
+        routing_method_type=RoutingMethodType.Renormalize,
     )
 
 
@@ -278,6 +337,6 @@ def random_fp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, equal_gate
             out[base + "weight_scale"] = scale
             out[base + "input_scale"] = torch.tensor(
                 (0.012 + 0.002 * (e % 3)) if proj != DOWN else (0.004 if spec.gated else 0.05) + 0.001 * (e % 4),
-                dtype=torch.float32)
+                dtype=torch.float32,
+            )
     return out
-

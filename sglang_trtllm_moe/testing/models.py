@@ -37,10 +37,18 @@ _STATE: dict = {}
 DEFAULT_SERVER_ARGS = dict(
     # "auto": on the faked SM100 the backend is what SGLang resolves with the plugin's auto-selection (the tests
     # compare it with `explain` and assert every FusedMoE layer got it)
-    device="cpu", attention_backend="torch_native", moe_runner_backend="auto",
+    device="cpu",
+    attention_backend="torch_native",
+    moe_runner_backend="auto",
     # a faked SM100 otherwise picks the cutedsl BF16 GEMM, which imports cuda.bindings
-    bf16_gemm_backend="torch", disable_cuda_graph=True, mem_fraction_static=0.5, max_total_tokens=4096,
-    max_running_requests=16, chunked_prefill_size=-1, random_seed=0, log_level="error",
+    bf16_gemm_backend="torch",
+    disable_cuda_graph=True,
+    mem_fraction_static=0.5,
+    max_total_tokens=4096,
+    max_running_requests=16,
+    chunked_prefill_size=-1,
+    random_seed=0,
+    log_level="error",
     # bench_one_batch's flow allocates without the radix tree; for Nemotron-H it also avoids the Mamba cache
     # snapshots the faked platform would promise (arg_groups/mamba_hook.py validate_mamba_extra_buffer)
     disable_radix_cache=True,
@@ -82,7 +90,8 @@ def prepare_process(preload: bool = False) -> None:
     if _release() not in SUPPORTED_RELEASES:
         raise NotImplementedError(
             f"testing.models spells SGLang's runner set-up for {SUPPORTED_RELEASES} (bench_one_batch flow); "
-            f"this is SGLang {_release()}")
+            f"this is SGLang {_release()}"
+        )
     os.environ.setdefault("SGLANG_TRTLLM_MOE_EMULATE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads()))
     torch.set_num_threads(threads())
@@ -100,10 +109,19 @@ def prepare_process(preload: bool = False) -> None:
     if preload:
         import importlib
 
-        for mod in ("sglang.benchmark.one_batch", "sglang.srt.model_executor.model_runner",
-                    "sglang.srt.model_loader", "sglang.srt.models.registry", "sglang.srt.utils.weight_checker",
-                    "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.layers.quantization.modelopt_quant",
-                    "sglang.srt.layers.quantization.fp8", "sglang_trtllm_moe.explain", "transformers", "safetensors.torch"):
+        for mod in (
+            "sglang.benchmark.one_batch",
+            "sglang.srt.model_executor.model_runner",
+            "sglang.srt.model_loader",
+            "sglang.srt.models.registry",
+            "sglang.srt.utils.weight_checker",
+            "sglang.srt.weight_sync.tensor_bucket",
+            "sglang.srt.layers.quantization.modelopt_quant",
+            "sglang.srt.layers.quantization.fp8",
+            "sglang_trtllm_moe.explain",
+            "transformers",
+            "safetensors.torch",
+        ):
             importlib.import_module(mod)
         from sglang.srt.models.registry import ModelRegistry
 
@@ -138,9 +156,11 @@ def _init_global_configs_0_5_21() -> None:
     from sglang.srt.layers.moe import initialize_moe_config
 
     initialize_moe_config()
-    for mod, fn in (("sglang.srt.layers.quantization.fp8_utils", "initialize_fp8_gemm_config"),
-                    ("sglang.srt.layers.quantization.bf16_utils", "initialize_bf16_gemm_config"),
-                    ("sglang.srt.layers.quantization.fp4_utils", "initialize_fp4_gemm_config")):
+    for mod, fn in (
+        ("sglang.srt.layers.quantization.fp8_utils", "initialize_fp8_gemm_config"),
+        ("sglang.srt.layers.quantization.bf16_utils", "initialize_bf16_gemm_config"),
+        ("sglang.srt.layers.quantization.fp4_utils", "initialize_fp4_gemm_config"),
+    ):
         try:
             getattr(importlib.import_module(mod), fn)()
         except (ImportError, AttributeError):
@@ -186,8 +206,13 @@ class TinyModel:
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_server_args(sa, model_path=model_dir)
         bootstrap.init_layer_runtime(model_config=self.model_config)
-        self.runner = ModelRunner(model_config=self.model_config, mem_fraction_static=sa.mem_fraction_static,
-                                  gpu_id=0, nccl_port=_STATE["port_args"].nccl_port, server_args=sa)
+        self.runner = ModelRunner(
+            model_config=self.model_config,
+            mem_fraction_static=sa.mem_fraction_static,
+            gpu_id=0,
+            nccl_port=_STATE["port_args"].nccl_port,
+            server_args=sa,
+        )
         self.runner.alloc_memory_pool()
         self.runner.init_attention_backends()
         self.runner.init_cuda_graphs()
@@ -207,8 +232,11 @@ class TinyModel:
         return moe_layers(self.model)
 
     def moe_params(self) -> dict[str, torch.nn.Parameter]:
-        return {f"{ln}.{pn}": p for ln, layer in self.moe_layers().items()
-                for pn, p in layer.named_parameters(recurse=False)}
+        return {
+            f"{ln}.{pn}": p
+            for ln, layer in self.moe_layers().items()
+            for pn, p in layer.named_parameters(recurse=False)
+        }
 
     def pointers(self) -> dict[str, int]:
         return {n: p.data_ptr() for n, p in self.model.named_parameters()}
@@ -238,8 +266,13 @@ class TinyModel:
         theirs.update({f"buffer:{n}": b for n, b in other.named_buffers()})
         if set(mine) != set(theirs):
             return sorted(set(mine) ^ set(theirs))
-        return [n for n in mine if mine[n].dtype != theirs[n].dtype or mine[n].shape != theirs[n].shape
-                or not torch.equal(_bytes(mine[n]), _bytes(theirs[n]))]
+        return [
+            n
+            for n in mine
+            if mine[n].dtype != theirs[n].dtype
+            or mine[n].shape != theirs[n].shape
+            or not torch.equal(_bytes(mine[n]), _bytes(theirs[n]))
+        ]
 
     # ---- forward (bench_one_batch's extend / decode) ------------------------------------------------------------
 
@@ -249,8 +282,12 @@ class TinyModel:
 
         reqs = []
         for i, p in enumerate(prompts):
-            r = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", p),
-                    sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+            r = Req(
+                rid=str(i),
+                origin_input_text="",
+                origin_input_ids=array("q", p),
+                sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
+            )
             r.full_untruncated_fill_ids = r.origin_input_ids
             r.logprob_start_len = -1
             if hasattr(r, "set_extend_range"):  # 0.5.21 (bench_one_batch's prepare_inputs_for_correctness_test)
@@ -370,4 +407,4 @@ def buckets(named_tensors, n: int):
     """Split a list of (name, tensor) into `n` consecutive buckets (a layer's tensors may span two buckets)."""
     items = list(named_tensors)
     size = -(-len(items) // n)
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]

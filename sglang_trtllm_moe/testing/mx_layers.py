@@ -42,9 +42,17 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwa
 
         qc = Fp8Config.from_config({"quant_method": "mxfp8", "activation_scheme": "dynamic"})
         return FusedMoE(
-            num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-            top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
-            activation=spec.activation, is_gated=spec.gated, routing_method_type=RoutingMethodType.Renormalize,
+            num_experts=spec.num_experts,
+            hidden_size=spec.hidden,
+            intermediate_size=spec.intermediate,
+            top_k=spec.top_k,
+            layer_id=0,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix=prefix,
+            activation=spec.activation,
+            is_gated=spec.gated,
+            routing_method_type=RoutingMethodType.Renormalize,
             **kwargs,
         )
     if spec.fmt == "mxfp4_experts":
@@ -52,15 +60,24 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwa
 
         from sglang.srt.layers.quantization.fp8 import Fp8Config
 
-        qc = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
-                                    "weight_block_size": [128, 128]})
+        qc = Fp8Config.from_config(
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        )
         qc.is_fp4_experts = True  # what SGLang's model loader copies from ModelConfig.is_fp4_experts
         if "swiglu_limit" in inspect.signature(FusedMoE.__init__).parameters:
             kwargs.setdefault("swiglu_limit", 10.0)  # DeepSeek-V4's; SGLang <= 0.5.18 asserts it is set
         return FusedMoE(
-            num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-            top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16, quant_config=qc, prefix=prefix,
-            activation=spec.activation, is_gated=spec.gated, routing_method_type=RoutingMethodType.Renormalize,
+            num_experts=spec.num_experts,
+            hidden_size=spec.hidden,
+            intermediate_size=spec.intermediate,
+            top_k=spec.top_k,
+            layer_id=0,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix=prefix,
+            activation=spec.activation,
+            is_gated=spec.gated,
+            routing_method_type=RoutingMethodType.Renormalize,
             **kwargs,
         )
     if spec.fmt == "mxfp4_gptoss":
@@ -69,10 +86,17 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwa
         kwargs.setdefault("gemm1_alpha", GPTOSS_ALPHA)
         kwargs.setdefault("gemm1_clamp_limit", GPTOSS_LIMIT)
         return FusedMoE(
-            num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-            top_k=spec.top_k, layer_id=0, params_dtype=torch.bfloat16,
-            quant_config=Mxfp4Config(is_checkpoint_mxfp4_serialized=True), prefix=prefix, activation="silu",
-            with_bias=True, **kwargs,
+            num_experts=spec.num_experts,
+            hidden_size=spec.hidden,
+            intermediate_size=spec.intermediate,
+            top_k=spec.top_k,
+            layer_id=0,
+            params_dtype=torch.bfloat16,
+            quant_config=Mxfp4Config(is_checkpoint_mxfp4_serialized=True),
+            prefix=prefix,
+            activation="silu",
+            with_bias=True,
+            **kwargs,
         )
     raise NotImplementedError(f"MX format {spec.fmt!r}")
 
@@ -91,8 +115,9 @@ def random_mxfp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[
     return out
 
 
-def random_mxfp4_experts_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
-                                    scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> dict[str, torch.Tensor]:
+def random_mxfp4_experts_checkpoint(
+    spec: MoeSpec, seed: int = 0, experts=None, scale_dtype: torch.dtype = torch.float8_e8m0fnu
+) -> dict[str, torch.Tensor]:
     """DeepSeek-V4-style MXFP4 experts: int8 packed e2m1 `weight` and UE8M0 `weight_scale_inv` as float8_e8m0fnu
     (native DeepSeek-V4), or as the float32 values 2^(b-127) (`scale_dtype=torch.float32`)."""
     out: dict[str, torch.Tensor] = {}
@@ -101,15 +126,18 @@ def random_mxfp4_experts_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
             q, s = quant.mxfp4_quantize(w)
             s = s.view(torch.float8_e8m0fnu)
             out[f"experts.{e}.{proj}.weight"] = q.view(torch.int8)
-            out[f"experts.{e}.{proj}.weight_scale_inv"] = s if scale_dtype == torch.float8_e8m0fnu else s.to(scale_dtype)
+            out[f"experts.{e}.{proj}.weight_scale_inv"] = (
+                s if scale_dtype == torch.float8_e8m0fnu else s.to(scale_dtype)
+            )
     return out
 
 
 GPTOSS_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale", "w2_weight_bias")
 
 
-def random_gptoss_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
-                             bias_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def random_gptoss_checkpoint(
+    spec: MoeSpec, seed: int = 0, experts=None, bias_dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     """gpt-oss's fused MXFP4 tensors, named by the FusedMoE parameter they load into (what GptOssForCausalLM's
     `_load_mxfp4_experts_weights` passes to `weight_loader(..., expert_id=None)`): w13 rows interleaved
     (2j = gate_j, 2j+1 = up_j), blocks uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/32], biases bf16."""
@@ -121,9 +149,11 @@ def random_gptoss_checkpoint(spec: MoeSpec, seed: int = 0, experts=None,
     q13, s13 = quant.mxfp4_quantize(w13)
     q2, s2 = quant.mxfp4_quantize(torch.stack(down))
     return {
-        "w13_weight": q13, "w13_weight_scale": s13,
+        "w13_weight": q13,
+        "w13_weight_scale": s13,
         "w13_weight_bias": (torch.randn(spec.num_experts, 2 * spec.intermediate, generator=g) * 0.1).to(bias_dtype),
-        "w2_weight": q2, "w2_weight_scale": s2,
+        "w2_weight": q2,
+        "w2_weight_scale": s2,
         "w2_weight_bias": (torch.randn(spec.num_experts, spec.hidden, generator=g) * 0.1).to(bias_dtype),
     }
 
@@ -141,8 +171,12 @@ def load_fused(layer, tensors: dict[str, torch.Tensor]) -> None:
 
 #: gpt-oss's checkpoint tensor names -> the FusedMoE parameters GptOssForCausalLM loads them into
 GPTOSS_CHECKPOINT_NAMES = {
-    "gate_up_proj_blocks": "w13_weight", "gate_up_proj_scales": "w13_weight_scale", "gate_up_proj_bias": "w13_weight_bias",
-    "down_proj_blocks": "w2_weight", "down_proj_scales": "w2_weight_scale", "down_proj_bias": "w2_weight_bias",
+    "gate_up_proj_blocks": "w13_weight",
+    "gate_up_proj_scales": "w13_weight_scale",
+    "gate_up_proj_bias": "w13_weight_bias",
+    "down_proj_blocks": "w2_weight",
+    "down_proj_scales": "w2_weight_scale",
+    "down_proj_bias": "w2_weight_bias",
 }
 _PARAM_TO_CHECKPOINT = {v: k for k, v in GPTOSS_CHECKPOINT_NAMES.items()}
 
@@ -163,7 +197,7 @@ class GptOssTinyModel(torch.nn.Module):
     def load_weights(self, weights):
         names = set()
         for name, t in weights:
-            short = name[len(self.prefix) + len("experts."):]
+            short = name[len(self.prefix) + len("experts.") :]
             load_fused(self.experts, {GPTOSS_CHECKPOINT_NAMES[short]: t})
             names.add(name)
         return names
@@ -207,7 +241,9 @@ def dequantized_experts(spec: MoeSpec, tensors: dict[str, torch.Tensor]) -> dict
         for proj in spec.shards:
             base = f"experts.{e}.{proj}."
             if spec.fmt == "mxfp8":
-                out[base + "weight"] = quant.mxfp8_dequantize(tensors[base + "weight"], tensors[base + "weight_scale_inv"])
+                out[base + "weight"] = quant.mxfp8_dequantize(
+                    tensors[base + "weight"], tensors[base + "weight_scale_inv"]
+                )
             elif spec.fmt == "mxfp4_experts":
                 s = tensors[base + "weight_scale_inv"]
                 s = s if s.dtype == torch.float8_e8m0fnu else s.to(torch.float8_e8m0fnu)
@@ -222,9 +258,19 @@ def _mxfp8_round(v: torch.Tensor) -> torch.Tensor:
     return quant.mxfp8_dequantize(q, s).reshape(v.shape)
 
 
-def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: dict,
-                  spec: MoeSpec, *, alpha=None, beta=None, limit=None, biases: dict | None = None,
-                  round_like_kernel: str | None = None) -> torch.Tensor:
+def reference_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: dict,
+    spec: MoeSpec,
+    *,
+    alpha=None,
+    beta=None,
+    limit=None,
+    biases: dict | None = None,
+    round_like_kernel: str | None = None,
+) -> torch.Tensor:
     """Float32 MoE of the dequantized checkpoint: per token sum_k w_k * W2 act(W13 x + b13) + b2. Gated SwiGLU with
     optional alpha/beta/clamp (x_glu = min(gate, L), x_lin = clamp(up, -L, L), silu_alpha(x_glu) * (x_lin + beta)),
     relu2. `round_like_kernel="mxfp8"` also rounds where the kernel does (activations and the bf16 intermediate to
@@ -297,22 +343,29 @@ def prep_patches(method) -> contextlib.AbstractContextManager:
         import flashinfer
         from sglang.srt.layers.quantization import fp8 as fp8_mod
 
-        return _patched((fp8_mod, "_is_cuda", True), (flashinfer, "block_scale_interleave", torch_block_scale_interleave))
+        return _patched(
+            (fp8_mod, "_is_cuda", True), (flashinfer, "block_scale_interleave", torch_block_scale_interleave)
+        )
     if name == "Mxfp4FlashinferTrtllmMoEMethod":
         from flashinfer.fused_moe import core as ficore
         from sglang.srt.layers.quantization import mxfp4_flashinfer_trtllm_moe as fte
 
-        return _patched((fte, "_maybe_get_cached_w3_w1_permute_indices", ficore._maybe_get_cached_w3_w1_permute_indices),
-                        (fte, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
-                        (fte, "block_scale_interleave", torch_block_scale_interleave),
-                        (torch.cuda, "empty_cache", lambda: None))
+        return _patched(
+            (fte, "_maybe_get_cached_w3_w1_permute_indices", ficore._maybe_get_cached_w3_w1_permute_indices),
+            (fte, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
+            (fte, "block_scale_interleave", torch_block_scale_interleave),
+            (torch.cuda, "empty_cache", lambda: None),
+        )
     if name == "Mxfp4MoEMethod":
         from flashinfer.fused_moe import core as ficore
         from sglang.srt.layers.quantization import mxfp4 as mx
 
-        return _patched((mx, "nvfp4_block_scale_interleave", torch_block_scale_interleave),
-                        (mx, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
-                        (torch.Tensor, "cuda", lambda self, *a, **k: self), (torch.cuda, "empty_cache", lambda: None))
+        return _patched(
+            (mx, "nvfp4_block_scale_interleave", torch_block_scale_interleave),
+            (mx, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
+            (torch.Tensor, "cuda", lambda self, *a, **k: self),
+            (torch.cuda, "empty_cache", lambda: None),
+        )
     raise NotImplementedError(name)
 
 
@@ -335,6 +388,20 @@ def sglang_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kw
         return build_layer(spec, prefix, **kwargs)
 
 
-__all__ = ["MX_FORMATS", "build_layer", "sglang_layer", "prep_patches", "GptOssTinyModel", "gptoss_names", "load_fused",
-           "random_gptoss_checkpoint", "random_mxfp4_experts_checkpoint", "random_checkpoint", "random_mxfp8_checkpoint", "dequantized_experts",
-           "reference_moe", "sglang_prepare", "torch_block_scale_interleave"]
+__all__ = [
+    "MX_FORMATS",
+    "build_layer",
+    "sglang_layer",
+    "prep_patches",
+    "GptOssTinyModel",
+    "gptoss_names",
+    "load_fused",
+    "random_gptoss_checkpoint",
+    "random_mxfp4_experts_checkpoint",
+    "random_checkpoint",
+    "random_mxfp8_checkpoint",
+    "dequantized_experts",
+    "reference_moe",
+    "sglang_prepare",
+    "torch_block_scale_interleave",
+]

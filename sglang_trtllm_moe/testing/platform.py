@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..compat import features
 
 #: Platform facts SGLang 0.5.23 reads (`runtime_context._PLATFORM_PROBES`), per faked SM. Every flag is given
 #: explicitly so a faked SM90 on a real Blackwell box still reads as SM90.
-_FLAGS = ("is_sm90", "is_sm100", "is_sm100_or_sm110", "is_sm110", "is_sm120", "is_blackwell", "is_hopper_with_cuda_12_3")
+_FLAGS = (
+    "is_sm90",
+    "is_sm100",
+    "is_sm100_or_sm110",
+    "is_sm110",
+    "is_sm120",
+    "is_blackwell",
+    "is_hopper_with_cuda_12_3",
+)
 
 
 def platform_facts(sm: int) -> dict:
@@ -36,15 +44,18 @@ def platform_facts(sm: int) -> dict:
     return facts
 
 
-
-
 def _probe_values(sm: int) -> dict:
     """The same facts as the pre-0.5.19 probe functions answer them."""
     f = platform_facts(sm)
-    return {"is_sm90_supported": f["is_sm90"], "is_sm100_supported": f["is_sm100"],
-            "is_sm120_supported": f["is_sm120"], "is_blackwell_supported": f["is_blackwell"],
-            "is_blackwell": f["is_blackwell"], "get_device_sm": f["device_sm"],
-            "get_device_capability": f["device_capability"]}
+    return {
+        "is_sm90_supported": f["is_sm90"],
+        "is_sm100_supported": f["is_sm100"],
+        "is_sm120_supported": f["is_sm120"],
+        "is_blackwell_supported": f["is_blackwell"],
+        "is_blackwell": f["is_blackwell"],
+        "get_device_sm": f["device_sm"],
+        "get_device_capability": f["device_capability"],
+    }
 
 
 def _answer(value):
@@ -99,8 +110,13 @@ def _known_facts(rc, sm: int) -> dict:
 
 
 #: what the CPU harness fakes for a whole process before 0.5.19 (a B200, without faking its device capability)
-_B200_PROBES = {"is_sm100_supported": True, "is_blackwell_supported": True, "is_blackwell": True,
-                "is_sm90_supported": False, "is_sm120_supported": False}
+_B200_PROBES = {
+    "is_sm100_supported": True,
+    "is_blackwell_supported": True,
+    "is_blackwell": True,
+    "is_sm90_supported": False,
+    "is_sm120_supported": False,
+}
 
 
 def fake_blackwell() -> None:

@@ -14,7 +14,9 @@ from .layers import DOWN, GATE, UP, MoeSpec
 
 def dequant_projection(ck: dict, expert: int, proj: str) -> torch.Tensor:
     base = f"experts.{expert}.{proj}."
-    return quant.nvfp4_dequantize(ck[base + "weight"], ck[base + "weight_scale"], 1.0 / ck[base + "weight_scale_2"].float())
+    return quant.nvfp4_dequantize(
+        ck[base + "weight"], ck[base + "weight_scale"], 1.0 / ck[base + "weight_scale_2"].float()
+    )
 
 
 def input_scales(ck: dict) -> tuple[float, float]:
@@ -29,8 +31,14 @@ def _fp4_round_trip(t: torch.Tensor, amax_scale: float) -> torch.Tensor:
     return quant.nvfp4_dequantize(packed, sf, 1.0 / amax_scale)
 
 
-def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ck: dict, spec: MoeSpec,
-        quantize_like_kernel: bool = False) -> torch.Tensor:
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    ck: dict,
+    spec: MoeSpec,
+    quantize_like_kernel: bool = False,
+) -> torch.Tensor:
     """With `quantize_like_kernel`, the activations and the GEMM1 output are rounded to NVFP4 with the
     checkpoint's static input scales, where the kernel rounds them; otherwise everything stays float32."""
     x = x.float()
@@ -42,7 +50,9 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ck:
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         xe = x[tok]
         if spec.gated:
-            h = torch.nn.functional.silu(xe @ dequant_projection(ck, e, GATE).T) * (xe @ dequant_projection(ck, e, UP).T)
+            h = torch.nn.functional.silu(xe @ dequant_projection(ck, e, GATE).T) * (
+                xe @ dequant_projection(ck, e, UP).T
+            )
         else:
             h = torch.relu(xe @ dequant_projection(ck, e, UP).T) ** 2
         if quantize_like_kernel:

@@ -15,7 +15,6 @@ import torch
 from . import models
 from .engine import FAKE_SM, EngineUnavailable, TinyEngine, as_bytes, differences, prepare_process
 
-
 PROMPTS = [[5, 17, 42, 99, 260, 311, 7], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]
 NEW_TOKENS = 4
 
@@ -36,8 +35,7 @@ class Steps:
 
     def check(self, step: str, ok: bool, detail: str, **data) -> bool:
         now = time.perf_counter()
-        self.checks.append({"step": step, "ok": bool(ok), "detail": detail, "seconds": round(now - self._t, 2),
-                            **data})
+        self.checks.append({"step": step, "ok": bool(ok), "detail": detail, "seconds": round(now - self._t, 2), **data})
         self._t = now
         self.say(f"  [{'PASS' if ok else 'FAIL'}] {step} ({self.checks[-1]['seconds']:.1f} s): {detail}")
         return bool(ok)
@@ -53,8 +51,9 @@ class Steps:
             detail = c["detail"] if len(c["detail"]) <= 110 else c["detail"][:107] + "..."
             self.say(f"  {c['step']:<{w}}  {'pass' if c['ok'] else 'FAIL':<6}  {c['seconds']:7.1f}  {detail}")
         failed = self.failed()
-        self.say(f"\n{len(self.checks) - len(failed)} passed, {len(failed)} failed "
-                 f"({time.perf_counter() - self._t0:.0f} s)")
+        self.say(
+            f"\n{len(self.checks) - len(failed)} passed, {len(failed)} failed ({time.perf_counter() - self._t0:.0f} s)"
+        )
         return 1 if failed else 0
 
 
@@ -111,14 +110,18 @@ def _forward_error(m, spec, workdir: str) -> dict:
 
     from . import checkpoints as ck
 
-    ref = AutoModelForCausalLM.from_pretrained(ck.write_reference(os.path.join(workdir, "reference-fp32"), spec),
-                                               dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        ck.write_reference(os.path.join(workdir, "reference-fp32"), spec), dtype=torch.float32
+    )
     ref.eval()
     _, logits = m.generate(PROMPTS, 1)
     with torch.no_grad():
         want = torch.stack([ref(torch.tensor([p])).logits[0, -1] for p in PROMPTS]).float()
-    return {"rel_err": float((logits - want).norm() / want.norm()),
-            "top1_equal": (logits.argmax(-1) == want.argmax(-1)).tolist(), "reference_class": type(ref).__name__}
+    return {
+        "rel_err": float((logits - want).norm() / want.norm()),
+        "top1_equal": (logits.argmax(-1) == want.argmax(-1)).tolist(),
+        "reference_class": type(ref).__name__,
+    }
 
 
 def _compare(state: dict[str, torch.Tensor], ref: dict) -> list[str]:
@@ -129,8 +132,13 @@ def _compare(state: dict[str, torch.Tensor], ref: dict) -> list[str]:
     return [n for n in mine if mine[n] != theirs[n]]
 
 
-def rl_loop(arch: str = "qwen3_moe", quant: str = "nvfp4", steps: Steps | None = None, workdir: str | None = None,
-            doctor: bool = True) -> Steps:
+def rl_loop(
+    arch: str = "qwen3_moe",
+    quant: str = "nvfp4",
+    steps: Steps | None = None,
+    workdir: str | None = None,
+    doctor: bool = True,
+) -> Steps:
     """The whole-model RL loop on sglang.Engine(device="cpu"): load, generate, three RL rounds (disk; tensors in
     buckets; flattened buckets), a partial disk update, the weight checker, a corrupted update caught. Every state
     the Engine serves is read back (save_sharded_model) and compared byte for byte, with its greedy tokens, to a
@@ -148,48 +156,70 @@ def rl_loop(arch: str = "qwen3_moe", quant: str = "nvfp4", steps: Steps | None =
 
         r = doc.report(load=False, import_targets=True)
         states = [t["state"] for t in r["targets"]]
-        st.check("plugin loaded by SGLang", r["enabled"] and "missing" not in states,
-                 f"sglang {r['sglang_version']}: {states.count('landed')} hook targets landed, "
-                 f"{states.count('missing')} missing, {states.count('not_applicable')} not applicable")
+        st.check(
+            "plugin loaded by SGLang",
+            r["enabled"] and "missing" not in states,
+            f"sglang {r['sglang_version']}: {states.count('landed')} hook targets landed, "
+            f"{states.count('missing')} missing, {states.count('not_applicable')} not applicable",
+        )
 
     # the checkpoints of every round and what the model must hold after each (intended = a full checkpoint)
     full = {s: ck.checkpoint(spec.with_seed(s)) for s in (0, 1, 2)}
     part3 = ck.quantized_experts(spec.with_seed(3), layers=moe, experts=[0, 2, 5, 7])
     part4 = ck.quantized_experts(spec.with_seed(4), layers=[moe[0]], experts=[1, 6])
-    intended = {"A": full[0], "B": full[1], "C": full[2], "C+3": {**full[2], **part3},
-                "C+3+4": {**full[2], **part3, **part4}}
+    intended = {
+        "A": full[0],
+        "B": full[1],
+        "C": full[2],
+        "C+3": {**full[2], **part3},
+        "C+3+4": {**full[2], **part3, **part4},
+    }
     dirs = {k: ck.write_tensors(os.path.join(work, f"intended-{k}"), spec, v) for k, v in intended.items()}
 
     st.say(f"explain: which MoE runner SGLang's {arch} {quant} gets on a (faked) SM100, and why")
     from ..explain import explain_model
 
-    server_extra = {k: v for k, v in models.DEFAULT_SERVER_ARGS.items()
-                    if k in ("disable_radix_cache", "attention_backend", "bf16_gemm_backend", "disable_cuda_graph")}
+    server_extra = {
+        k: v
+        for k, v in models.DEFAULT_SERVER_ARGS.items()
+        if k in ("disable_radix_cache", "attention_backend", "bf16_gemm_backend", "disable_cuda_graph")
+    }
     rep = explain_model(dirs["A"], sm=FAKE_SM, server_args=server_extra)
-    cands = ", ".join(f"{c['backend']} {'eligible' if c['eligible'] else 'rejected: ' + c['code']}"
-                      for c in rep.get("candidates", []))
-    st.check("explain", rep.get("winner", "").startswith("flashinfer_trtllm")
-             and rep["sglang"].get("with_plugin") == rep["winner"],
-             f"{rep.get('winner')} [{rep.get('code')}] (SGLang's resolution with the plugin: "
-             f"{rep['sglang'].get('with_plugin')}; candidates: {cands})",
-             winner=rep.get("winner"), code=rep.get("code"))
+    cands = ", ".join(
+        f"{c['backend']} {'eligible' if c['eligible'] else 'rejected: ' + c['code']}" for c in rep.get("candidates", [])
+    )
+    st.check(
+        "explain",
+        rep.get("winner", "").startswith("flashinfer_trtllm") and rep["sglang"].get("with_plugin") == rep["winner"],
+        f"{rep.get('winner')} [{rep.get('code')}] (SGLang's resolution with the plugin: "
+        f"{rep['sglang'].get('with_plugin')}; candidates: {cands})",
+        winner=rep.get("winner"),
+        code=rep.get("code"),
+    )
 
-    st.say("reference: SGLang's ModelRunner (bench_one_batch flow) loads a fresh model of every intended checkpoint "
-           "(a forked process, while the Engine starts)")
+    st.say(
+        "reference: SGLang's ModelRunner (bench_one_batch flow) loads a fresh model of every intended checkpoint "
+        "(a forked process, while the Engine starts)"
+    )
     import multiprocessing
 
     ref_path = os.path.join(work, "reference.json")
-    child = multiprocessing.get_context("fork").Process(target=_reference_child,
-                                                         args=(spec, dirs["A"], dirs, ref_path))
+    child = multiprocessing.get_context("fork").Process(target=_reference_child, args=(spec, dirs["A"], dirs, ref_path))
     child.start()
 
-    st.say(f"sglang.Engine(device=\"cpu\", model_path=<tiny {arch} {quant}>, moe_runner_backend=\"auto\") starts "
-           f"its scheduler and detokenizer processes")
+    st.say(
+        f'sglang.Engine(device="cpu", model_path=<tiny {arch} {quant}>, moe_runner_backend="auto") starts '
+        f"its scheduler and detokenizer processes"
+    )
     t = time.perf_counter()
     eng = TinyEngine(dirs["A"], workdir=work)
     try:
-        st.check("engine up", True, f"scheduler + detokenizer up in {time.perf_counter() - t:.0f} s (stand-ins and "
-                                    f"faked SM{FAKE_SM} in every process through SGLang's own plugin loading)")
+        st.check(
+            "engine up",
+            True,
+            f"scheduler + detokenizer up in {time.perf_counter() - t:.0f} s (stand-ins and "
+            f"faked SM{FAKE_SM} in every process through SGLang's own plugin loading)",
+        )
         child.join(600)
         import json
 
@@ -197,9 +227,13 @@ def rl_loop(arch: str = "qwen3_moe", quant: str = "nvfp4", steps: Steps | None =
         if child.exitcode == 0 and os.path.exists(ref_path):
             with open(ref_path) as f:
                 ref = json.load(f)
-        st.check("reference", ref is not None,
-                 f"{len(intended)} fresh get_model() loads hashed, tensor by tensor" if ref is not None
-                 else f"the reference process failed (exit code {child.exitcode})")
+        st.check(
+            "reference",
+            ref is not None,
+            f"{len(intended)} fresh get_model() loads hashed, tensor by tensor"
+            if ref is not None
+            else f"the reference process failed (exit code {child.exitcode})",
+        )
         if ref is None:
             return st
 
@@ -209,20 +243,29 @@ def rl_loop(arch: str = "qwen3_moe", quant: str = "nvfp4", steps: Steps | None =
             tokens = eng.generate(PROMPTS, NEW_TOKENS)
             same_tokens = tokens == ref[key]["tokens"]
             moe_names = [n for n in state if ".experts." in n]
-            return st.check(step, not diff and same_tokens and bool(moe_names),
-                            f"{what}; {len(state)} tensors read back, {len(diff)} differ from a fresh load "
-                            f"({', '.join(diff[:3]) or 'byte for byte equal'}); greedy tokens "
-                            f"{'equal' if same_tokens else 'DIFFER'} ({tokens[0]} ...)",
-                            differs=diff[:8], tokens=tokens, fresh_tokens=ref[key]["tokens"])
+            return st.check(
+                step,
+                not diff and same_tokens and bool(moe_names),
+                f"{what}; {len(state)} tensors read back, {len(diff)} differ from a fresh load "
+                f"({', '.join(diff[:3]) or 'byte for byte equal'}); greedy tokens "
+                f"{'equal' if same_tokens else 'DIFFER'} ({tokens[0]} ...)",
+                differs=diff[:8],
+                tokens=tokens,
+                fresh_tokens=ref[key]["tokens"],
+            )
 
         st.say("load and generate")
         served("load", "A", "the Engine's model == SGLang's fresh load of the checkpoint")
         fwd = ref["_forward"]
         bound = FORWARD_BOUND.get(arch, 0.25) if quant == "nvfp4" else 0.11
-        st.check("forward vs transformers", fwd["rel_err"] <= bound,
-                 f"prefill logits of the same model vs transformers' {fwd['reference_class']} on the float32 "
-                 f"dequantized checkpoint: relative error {fwd['rel_err']:.3f} (bound {bound}: the kernels quantize "
-                 f"activations too), top-1 equal {sum(fwd['top1_equal'])}/{len(fwd['top1_equal'])}", **fwd)
+        st.check(
+            "forward vs transformers",
+            fwd["rel_err"] <= bound,
+            f"prefill logits of the same model vs transformers' {fwd['reference_class']} on the float32 "
+            f"dequantized checkpoint: relative error {fwd['rel_err']:.3f} (bound {bound}: the kernels quantize "
+            f"activations too), top-1 equal {sum(fwd['top1_equal'])}/{len(fwd['top1_equal'])}",
+            **fwd,
+        )
 
         st.say("RL round 1: update_weights_from_disk, a whole new checkpoint")
         eng.update_from_disk(dirs["B"])
@@ -242,8 +285,9 @@ def rl_loop(arch: str = "qwen3_moe", quant: str = "nvfp4", steps: Steps | None =
         with eng.session():
             for p in parts:
                 eng.update_from_tensor(p, load_format="flattened_bucket")
-        served("round 3: flattened buckets", "C+3", f"{len(items)} expert tensors, partial, load_format="
-                                                     f"\"flattened_bucket\"")
+        served(
+            "round 3: flattened buckets", "C+3", f'{len(items)} expert tensors, partial, load_format="flattened_bucket"'
+        )
 
         st.say("partial update_weights_from_disk: a directory holding two experts of one layer")
         d = ck.write_tensors(os.path.join(work, "partial-disk"), spec, part4)
@@ -255,9 +299,12 @@ def rl_loop(arch: str = "qwen3_moe", quant: str = "nvfp4", steps: Steps | None =
         ok2 = eng.check_weights("reset_tensors")
         eng.update_from_disk(dirs["C+3+4"])
         ok3 = eng.check_weights("compare")
-        st.check("weight checker", ok1[0] and ok2[0] and ok3[0],
-                 f"snapshot {ok1[1]!r}, reset_tensors {ok2[1]!r}, replay from disk, compare {ok3[1]!r} "
-                 f"(the plugin's comparator for the TRT-LLM layouts)")
+        st.check(
+            "weight checker",
+            ok1[0] and ok2[0] and ok3[0],
+            f"snapshot {ok1[1]!r}, reset_tensors {ok2[1]!r}, replay from disk, compare {ok3[1]!r} "
+            f"(the plugin's comparator for the TRT-LLM layouts)",
+        )
 
         st.say("a corrupted update: one flipped byte in expert 3's weight, caught by the checker")
         layer = moe[-1]
@@ -272,9 +319,13 @@ def rl_loop(arch: str = "qwen3_moe", quant: str = "nvfp4", steps: Steps | None =
         eng.update_from_disk(dirs["C+3+4"])
         eng.update_from_tensor([(wname, bad)])
         ok, msg = eng.check_weights("compare")
-        where = msg[msg.find("first, in checkpoint layout"):][:120] if "checkpoint layout" in msg else msg[:200]
-        st.check("corrupted update caught", not ok and "expert 3" in msg and f"layers.{layer}." in msg,
-                 f"compare failed as it must: {where}", message=msg[:2000])
+        where = msg[msg.find("first, in checkpoint layout") :][:120] if "checkpoint layout" in msg else msg[:200]
+        st.check(
+            "corrupted update caught",
+            not ok and "expert 3" in msg and f"layers.{layer}." in msg,
+            f"compare failed as it must: {where}",
+            message=msg[:2000],
+        )
 
         eng.update_from_tensor([(wname, good)])
         served("restored", "C+3+4", "the correct tensor sent again")

@@ -30,8 +30,6 @@ from ..compat import features
 _INITIALISED: dict = {}
 
 
-
-
 def _free_port() -> int:
     import socket
 
@@ -126,10 +124,18 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
             keep_swizzle_on_cpu()
         _INITIALISED["platform"] = True
     if not torch.distributed.is_initialized():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-    sa = ServerArgs(model_path="dummy", device="cpu", tp_size=1, ep_size=1, pp_size=1,
-                    moe_runner_backend=moe_runner_backend, **server_args)
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        )
+    sa = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        tp_size=1,
+        ep_size=1,
+        pp_size=1,
+        moe_runner_backend=moe_runner_backend,
+        **server_args,
+    )
     _publish(sa)
     if not model_parallel_is_initialized():
         initialize_model_parallel(backend="gloo")
@@ -147,9 +153,17 @@ def _republish_groups() -> None:
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.runtime_context import get_parallel
 
-    built = {"tp_group": "_TP", "pp_group": "_PP", "moe_ep_group": "_MOE_EP", "moe_dp_group": "_MOE_DP",
-             "moe_tp_group": "_MOE_TP", "attn_tp_group": "_ATTN_TP", "attn_cp_group": "_ATTN_CP",
-             "shared_experts_tp_group": "_SHARED_EXPERTS_TP", "dcp_group": "_DCP"}
+    built = {
+        "tp_group": "_TP",
+        "pp_group": "_PP",
+        "moe_ep_group": "_MOE_EP",
+        "moe_dp_group": "_MOE_DP",
+        "moe_tp_group": "_MOE_TP",
+        "attn_tp_group": "_ATTN_TP",
+        "attn_cp_group": "_ATTN_CP",
+        "shared_experts_tp_group": "_SHARED_EXPERTS_TP",
+        "dcp_group": "_DCP",
+    }
     groups = {k: getattr(ps, v, None) for k, v in built.items()}
     get_parallel().override_permanently(**{k: g for k, g in groups.items() if g is not None})
 
@@ -170,15 +184,25 @@ def weight_updater(model, model_config):
         if features.WEIGHT_CACHE_CHECK.present():
             runner = SimpleNamespace(server_args=SimpleNamespace(weight_cache_mode="off"))
         return WeightUpdater(
-            tp_rank=0, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
-            get_model=lambda: model, update_model_fields=lambda *a, **k: None, recapture_cuda_graph=lambda: None,
+            tp_rank=0,
+            device="cpu",
+            gpu_id=0,
+            model_config=model_config,
+            custom_weight_loaders={},
+            get_model=lambda: model,
+            update_model_fields=lambda *a, **k: None,
+            recapture_cuda_graph=lambda: None,
             get_model_runner=lambda: runner,
         )
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     runner = object.__new__(ModelRunner)
     runner.__dict__.update(
-        device="cpu", gpu_id=0, tp_rank=0, model=model, model_config=model_config,
+        device="cpu",
+        gpu_id=0,
+        tp_rank=0,
+        model=model,
+        model_config=model_config,
         server_args=SimpleNamespace(model_path=model_config.model_path, load_format="auto", custom_weight_loader=[]),
     )
     return runner
@@ -226,8 +250,16 @@ def weight_checker(model):
 __all__ = ["weight_checker", "weight_updater", "init_single_process", "keep_swizzle_on_cpu", "release"]
 
 
-def init_rank(rank: int, world_size: int, tp_size: int, ep_size: int, port: int,
-              moe_runner_backend: str = "flashinfer_trtllm", timeout: int | None = 300, **server_args) -> None:
+def init_rank(
+    rank: int,
+    world_size: int,
+    tp_size: int,
+    ep_size: int,
+    port: int,
+    moe_runner_backend: str = "flashinfer_trtllm",
+    timeout: int | None = 300,
+    **server_args,
+) -> None:
     """One rank of a multi-process CPU world, set up the way SGLang's scheduler does it (0.5.23
     `bootstrap._init_parallel_groups`): a gloo world over TCP, the rank's ServerArgs published with its
     `SpawnRanks(world_rank)` (SGLang derives tp / moe-ep / moe-tp ranks from it), then the model-parallel groups.
@@ -241,8 +273,13 @@ def init_rank(rank: int, world_size: int, tp_size: int, ep_size: int, port: int,
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, override_platform, publish, reset_context
     except ImportError as e:
         raise NotImplementedError(f"init_rank needs an SGLang release with runtime_context.SpawnRanks (>= 0.5.22): {e}")
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", str(rank)),
-                 ("WORLD_SIZE", str(world_size)), ("LOCAL_RANK", str(rank))):
+    for k, v in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(port)),
+        ("RANK", str(rank)),
+        ("WORLD_SIZE", str(world_size)),
+        ("LOCAL_RANK", str(rank)),
+    ):
         os.environ[k] = v
 
     import torch
@@ -260,15 +297,29 @@ def init_rank(rank: int, world_size: int, tp_size: int, ep_size: int, port: int,
         override_platform(is_blackwell=True, is_sm100=True).install()
         _INITIALISED["platform"] = True
     if not torch.distributed.is_initialized():
-        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
+        init_distributed_environment(
+            world_size=world_size,
+            rank=rank,
+            local_rank=rank,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            timeout=timeout,
+        )
     if model_parallel_is_initialized():
         _destroy_model_parallel(destroy_model_parallel)
     reset_context()
     publish(
-        ServerArgs(model_path="dummy", device="cpu", tp_size=tp_size, ep_size=ep_size, pp_size=1,
-                   moe_runner_backend=moe_runner_backend, **server_args),
-        role="test", ranks=SpawnRanks(world_rank=rank),
+        ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            tp_size=tp_size,
+            ep_size=ep_size,
+            pp_size=1,
+            moe_runner_backend=moe_runner_backend,
+            **server_args,
+        ),
+        role="test",
+        ranks=SpawnRanks(world_rank=rank),
     )
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")

@@ -46,13 +46,16 @@ def vllm_custom_ops_import_stub() -> None:
         return
     try:
         import vllm._custom_ops  # noqa: F401  (a real vLLM is installed: nothing to stand in for)
+
         return
     except ImportError:
         pass
 
     def rotary_embedding(*args, **kwargs):
-        raise RuntimeError("sglang-trtllm-moe CPU stand-in: vllm._custom_ops.rotary_embedding is import-only "
-                           "(SGLang's CUDA branch called it on a CPU box)")
+        raise RuntimeError(
+            "sglang-trtllm-moe CPU stand-in: vllm._custom_ops.rotary_embedding is import-only "
+            "(SGLang's CUDA branch called it on a CPU box)"
+        )
 
     pkg = sys.modules.get("vllm") or types.ModuleType("vllm")
     pkg.__path__ = getattr(pkg, "__path__", [])
@@ -73,8 +76,9 @@ def cpu_mm_out_dtype() -> None:
     import torch
 
     try:
-        torch.mm(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16),
-                 out_dtype=torch.float32)
+        torch.mm(
+            torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16), out_dtype=torch.float32
+        )
         return  # this torch has a CPU kernel
     except (NotImplementedError, RuntimeError):
         pass

@@ -65,7 +65,7 @@ class TinySpec:
     def supported(self) -> bool:
         return self.quant in SUPPORTED[self.arch]
 
-    def with_seed(self, seed: int) -> "TinySpec":
+    def with_seed(self, seed: int) -> TinySpec:
         return replace(self, seed=seed)
 
 
@@ -154,16 +154,22 @@ def dense_shapes(spec: TinySpec) -> dict[str, tuple]:
         out[f"{p}.post_attention_layernorm.weight"] = (h,)
         out.update(_attn_shapes(spec, p))
         if kind == "dense":
-            for proj, shape in (("gate_proj", (spec.dense_intermediate, h)), ("up_proj", (spec.dense_intermediate, h)),
-                                ("down_proj", (h, spec.dense_intermediate))):
+            for proj, shape in (
+                ("gate_proj", (spec.dense_intermediate, h)),
+                ("up_proj", (spec.dense_intermediate, h)),
+                ("down_proj", (h, spec.dense_intermediate)),
+            ):
                 out[f"{p}.mlp.{proj}.weight"] = shape
             continue
         m = moe_prefix(spec, i)
         out[f"{m}.gate.weight"] = (spec.num_experts, h)
         if spec.arch == "deepseek_v3":
             out[f"{m}.gate.e_score_correction_bias"] = (spec.num_experts,)
-            for proj, shape in (("gate_proj", (spec.moe_intermediate, h)), ("up_proj", (spec.moe_intermediate, h)),
-                                ("down_proj", (h, spec.moe_intermediate))):
+            for proj, shape in (
+                ("gate_proj", (spec.moe_intermediate, h)),
+                ("up_proj", (spec.moe_intermediate, h)),
+                ("down_proj", (h, spec.moe_intermediate)),
+            ):
                 out[f"{m}.shared_experts.{proj}.weight"] = shape
     out[f"{root}.norm_f.weight" if spec.arch == "nemotron_h" else f"{root}.norm.weight"] = (h,)
     out["lm_head.weight"] = (spec.vocab, h)

@@ -30,8 +30,9 @@ CONFIGS = {
     "ct_nvfp4": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="ct_nvfp4"),
     "fp8_modelopt": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="fp8_modelopt"),
     "fp8_tensor": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="fp8_tensor"),
-    "fp8_tensor-relu2": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="fp8_tensor", gated=False,
-                                activation="relu2"),
+    "fp8_tensor-relu2": MoeSpec(
+        num_experts=4, hidden=128, intermediate=128, fmt="fp8_tensor", gated=False, activation="relu2"
+    ),
     "fp8_block": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="fp8_block"),
     "bf16": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="bf16"),
     "bf16-I96-padded": MoeSpec(num_experts=4, hidden=128, intermediate=96, fmt="bf16"),
@@ -41,9 +42,12 @@ LAYER = "model.layers.0.mlp.experts"
 COMPARED = ("nvfp4", "ct_nvfp4", "fp8_modelopt", "fp8_tensor", "fp8_block", "bf16")
 
 MAKERS = {
-    "nvfp4": cpu_layers.random_nvfp4_checkpoint, "ct_nvfp4": cpu_layers.random_ct_nvfp4_checkpoint,
-    "bf16": cpu_layers.random_bf16_checkpoint, "fp8_modelopt": cpu_layers.random_fp8_checkpoint,
-    "fp8_tensor": cpu_layers.random_fp8_checkpoint, "fp8_block": cpu_layers.random_fp8_checkpoint,
+    "nvfp4": cpu_layers.random_nvfp4_checkpoint,
+    "ct_nvfp4": cpu_layers.random_ct_nvfp4_checkpoint,
+    "bf16": cpu_layers.random_bf16_checkpoint,
+    "fp8_modelopt": cpu_layers.random_fp8_checkpoint,
+    "fp8_tensor": cpu_layers.random_fp8_checkpoint,
+    "fp8_block": cpu_layers.random_fp8_checkpoint,
 }
 
 
@@ -74,14 +78,15 @@ def writes(spec: MoeSpec, tensors: dict[str, torch.Tensor], num_experts: int | N
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     g = cpu_layers
-    mapping = FusedMoE.make_expert_params_mapping(g.GATE if spec.gated else g.UP, g.DOWN,
-                                                  g.UP if spec.gated else "<none>", num_experts or spec.num_experts)
+    mapping = FusedMoE.make_expert_params_mapping(
+        g.GATE if spec.gated else g.UP, g.DOWN, g.UP if spec.gated else "<none>", num_experts or spec.num_experts
+    )
     out = []
     for name, t in tensors.items():
         full = "experts." + name.split("experts.", 1)[1]
         for param_name, weight_name, expert_id, shard_id in mapping:
             if full.startswith(weight_name):
-                pname = param_name.split("experts.", 1)[1] + full[len(weight_name):].replace(".", "_")
+                pname = param_name.split("experts.", 1)[1] + full[len(weight_name) :].replace(".", "_")
                 # weight_name as SGLang's model loaders pass it (SGLang's own BF16 restore matches its suffix)
                 out.append(Write(pname, t, f"{LAYER}.{pname}", shard_id, expert_id, ckpt_name=name))
                 break
@@ -95,8 +100,9 @@ def load(layer, ws: list[Write]) -> None:
 
 # ---- the mutations ------------------------------------------------------------------------------------------
 
+
 def scale_kind(pname: str) -> str | None:
-    """"tensor_scale" / "input_scale" for the parameters that hold one value per expert and shard, by name."""
+    """ "tensor_scale" / "input_scale" for the parameters that hold one value per expert and shard, by name."""
     if "input" in pname:
         return "input_scale"
     if pname.endswith(("weight_scale_2", "global_scale")):
@@ -128,21 +134,36 @@ def mutations(layer, spec: MoeSpec, w: Write) -> list[tuple[str, Write]]:
         add(f"shard={bad!r}", shard_id=bad)
     # 2. expert ids
     total = int(getattr(layer, "num_experts", spec.num_experts))
-    for case, bad in (("str", "1"), ("None", None), ("float 2.5", 2.5), ("float 1.0", 1.0), ("bool", True),
-                      ("-1", -1), ("= num_experts", total), ("float tensor", torch.tensor(1.0)),
-                      ("[1] tensor", torch.tensor([1])), ("bool tensor", torch.tensor(True))):
+    for case, bad in (
+        ("str", "1"),
+        ("None", None),
+        ("float 2.5", 2.5),
+        ("float 1.0", 1.0),
+        ("bool", True),
+        ("-1", -1),
+        ("= num_experts", total),
+        ("float tensor", torch.tensor(1.0)),
+        ("[1] tensor", torch.tensor([1])),
+        ("bool tensor", torch.tensor(True)),
+    ):
         add(f"expert={case}", expert_id=bad)
     # 3. devices and types
     add("device=meta", tensor=t.to("meta"))
     add("not a tensor", tensor=[0.5] if is_scalar else t.float().tolist()[:1])
     # 4. weight_name naming another managed parameter of the layer
-    other = next(n for n in ("w13_weight_scale", "w2_weight_scale", "w13_weight", "w2_weight")
-                 if n != w.param and n in layer._parameters)
+    other = next(
+        n
+        for n in ("w13_weight_scale", "w2_weight_scale", "w13_weight", "w2_weight")
+        if n != w.param and n in layer._parameters
+    )
     add("weight_name=another parameter", weight_name=f"{LAYER}.{other}")
     # 5. dtypes
     if p.dtype.itemsize == 1:
         add("dtype=float32 (value-converted)", tensor=t.float())
-        add("dtype=bfloat16", tensor=t.to(torch.bfloat16) if t.dtype != torch.uint8 else t.view(torch.int8).to(torch.bfloat16))
+        add(
+            "dtype=bfloat16",
+            tensor=t.to(torch.bfloat16) if t.dtype != torch.uint8 else t.view(torch.int8).to(torch.bfloat16),
+        )
         if t.dtype == torch.float8_e4m3fn:
             add("dtype=uint8 (same bytes)", tensor=t.view(torch.uint8))
         else:
@@ -201,6 +222,7 @@ def catalogue(layer, spec: MoeSpec) -> list[tuple[str, Write]]:
 
 # ---- running a case ---------------------------------------------------------------------------------------------
 
+
 def compared(layer) -> set[str]:
     """What a fresh load defines: the parameters the format loads and the kernel scalars the plugin computes (not
     the never-written placeholders some releases register, e.g. NVFP4 `*_blockscale_swizzled` up to 0.5.1x)."""
@@ -241,7 +263,7 @@ def changed(layer, snap) -> list[str]:
     elif not torch.equal(data, snap["bytes"]):
         off = 0
         for n, size in names:
-            if not torch.equal(data[off:off + size], snap["bytes"][off:off + size]):
+            if not torch.equal(data[off : off + size], snap["bytes"][off : off + size]):
                 out.append(n)
             off += size
     st = layer_state.state_of(layer)
@@ -303,7 +325,7 @@ OUTCOMES = ("refused", "silent-write", "error-after-write", "error", "dropped", 
 
 
 def case_class(case: str) -> str:
-    """"w13_weight/weight:shard='w4'" -> "shard"."""
+    """ "w13_weight/weight:shard='w4'" -> "shard"."""
     return case.split(":", 1)[1].split("=", 1)[0].split(" (", 1)[0]
 
 
@@ -319,19 +341,28 @@ def compare_table(plugin: dict, upstream: dict) -> str:
         return c
 
     lines = []
-    for title, key in (("kind of invalid update", lambda config, case: case_class(case)),
-                       ("format", lambda config, case: config)):
+    for title, key in (
+        ("kind of invalid update", lambda config, case: case_class(case)),
+        ("format", lambda config, case: config),
+    ):
         up = count(upstream, key)
         pl = count(plugin, key)
         rows = sorted({k for k, _ in up} | {k for k, _ in pl}, key=str)
-        lines.append(f"| {title} | cases | SGLang: silent write | SGLang: error after writing | SGLang: another "
-                     "exception, nothing written | SGLang: silently dropped | plugin: refused, nothing written |")
+        lines.append(
+            f"| {title} | cases | SGLang: silent write | SGLang: error after writing | SGLang: another "
+            "exception, nothing written | SGLang: silently dropped | plugin: refused, nothing written |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|---:|")
         tot = collections.Counter()
         for r in rows:
             n = sum(v for (k, _), v in up.items() if k == r)
-            cells = [up[(r, "silent-write")], up[(r, "error-after-write")], up[(r, "error")], up[(r, "dropped")],
-                     pl[(r, "refused")]]
+            cells = [
+                up[(r, "silent-write")],
+                up[(r, "error-after-write")],
+                up[(r, "error")],
+                up[(r, "dropped")],
+                pl[(r, "refused")],
+            ]
             tot.update({"n": n, **{str(i): c for i, c in enumerate(cells)}})
             lines.append(f"| {r} | {n} | " + " | ".join(map(str, cells)) + " |")
         lines.append(f"| **all** | **{tot['n']}** | " + " | ".join(f"**{tot[str(i)]}**" for i in range(5)) + " |")
@@ -349,16 +380,24 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true", help="run the catalogue in this process, print JSON")
-    ap.add_argument("--compare", action="store_true",
-                    help="run it twice in fresh processes (plugin on, SGLANG_TRTLLM_MOE_DISABLE=1) and print the table")
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="run it twice in fresh processes (plugin on, SGLANG_TRTLLM_MOE_DISABLE=1) and print the table",
+    )
     args = ap.parse_args(argv)
     if args.compare:
         runs = {}
         for mode, extra in (("plugin", {}), ("upstream", {"SGLANG_TRTLLM_MOE_DISABLE": "1"})):
             env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_TRTLLM_MOE_")}
             env.update(extra, OMP_NUM_THREADS="1")
-            out = subprocess.run([sys.executable, "-m", "tests.support.bad_updates", "--json"], env=env,
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-m", "tests.support.bad_updates", "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             runs[mode] = json.loads(out.strip().splitlines()[-1])["results"]
         print(compare_table(runs["plugin"], runs["upstream"]))
         return 0

@@ -25,7 +25,11 @@ def run_python(code: str, env: dict | None = None, pythonpath: list[str] | None 
     full_env["PYTHONPATH"] = os.pathsep.join(paths)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=full_env, capture_output=True, text=True, timeout=timeout, cwd=str(REPO),
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO),
     )
 
 

@@ -20,45 +20,95 @@ from packaging.version import Version
 #: (key, column title, selectors). A selector is "path::name-prefix" or "path" (a whole file); "~text" as a second
 #: element restricts it to node ids containing text. A test may prove several capabilities.
 CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
-    ("loads", "plugin loads", (("tests/test_plugin.py::test_sglang_load_plugins", None),
-                               ("tests/test_plugin.py::test_doctor_cli_json", None),
-                               ("tests/test_compat_release.py::test_plugin_loads", None))),
-    ("targets", "targets landed", (("tests/test_plugin.py::test_sglang_load_plugins_runs_register_and_every_target_lands", None),
-                                   ("tests/test_compat_release.py::test_every_capability", None))),
+    (
+        "loads",
+        "plugin loads",
+        (
+            ("tests/test_plugin.py::test_sglang_load_plugins", None),
+            ("tests/test_plugin.py::test_doctor_cli_json", None),
+            ("tests/test_compat_release.py::test_plugin_loads", None),
+        ),
+    ),
+    (
+        "targets",
+        "targets landed",
+        (
+            ("tests/test_plugin.py::test_sglang_load_plugins_runs_register_and_every_target_lands", None),
+            ("tests/test_compat_release.py::test_every_capability", None),
+        ),
+    ),
     ("runtime", "CPU runtime", (("tests/test_compat_release.py::test_single_process_runtime", None),)),
     ("nvfp4", "NVFP4 prep", (("tests/test_nvfp4_layer.py", None), ("tests/test_ct_nvfp4_layer.py", None))),
     ("fp8", "FP8 prep", (("tests/test_fp8_layer.py", None),)),
     ("bf16", "BF16 prep", (("tests/test_bf16_layer.py", None),)),
-    ("relu2", "relu2", (("tests/test_nvfp4_layer.py", "relu2"), ("tests/test_fp8_layer.py", "relu2"),
-                        ("tests/test_bf16_layer.py", "relu2"), ("tests/test_ct_nvfp4_layer.py", "relu2"))),
+    (
+        "relu2",
+        "relu2",
+        (
+            ("tests/test_nvfp4_layer.py", "relu2"),
+            ("tests/test_fp8_layer.py", "relu2"),
+            ("tests/test_bf16_layer.py", "relu2"),
+            ("tests/test_ct_nvfp4_layer.py", "relu2"),
+        ),
+    ),
     ("rl_disk", "RL update: disk", (("tests/test_rl_updates.py::test_full_update_from_disk", None),)),
-    ("rl_tensor", "RL update: tensor", (("tests/test_rl_updates.py::test_update_from_tensor", None),
-                                        ("tests/test_rl_updates.py::test_five_updates", None),
-                                        ("tests/test_rl_updates.py::test_begin_end", None))),
-    ("rl_partial", "RL update: partial", (("tests/test_rl_updates.py::test_partial_update", None),
-                                          ("tests/test_rl_updates.py::test_w2_only", None),
-                                          ("tests/test_mxfp8_layer.py::test_one_expert_update", None),
-                                          ("tests/test_mxfp4_experts_layer.py::test_one_expert_update", None))),
+    (
+        "rl_tensor",
+        "RL update: tensor",
+        (
+            ("tests/test_rl_updates.py::test_update_from_tensor", None),
+            ("tests/test_rl_updates.py::test_five_updates", None),
+            ("tests/test_rl_updates.py::test_begin_end", None),
+        ),
+    ),
+    (
+        "rl_partial",
+        "RL update: partial",
+        (
+            ("tests/test_rl_updates.py::test_partial_update", None),
+            ("tests/test_rl_updates.py::test_w2_only", None),
+            ("tests/test_mxfp8_layer.py::test_one_expert_update", None),
+            ("tests/test_mxfp4_experts_layer.py::test_one_expert_update", None),
+        ),
+    ),
     ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None),)),
     ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
     ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
     ("checker", "weight checker", (("tests/test_checker.py", None),)),
-    ("auto", "auto-select", (("tests/test_selection.py::test_the_hook_lands", None),
-                             ("tests/test_selection.py::test_sglang_resolution", None),
-                             ("tests/test_selection.py::test_speculative_draft", None))),
-    ("threads", "concurrent loaders", (("tests/test_concurrency.py", None),
-                                       ("tests/test_mxfp8_layer.py::test_concurrent", None),
-                                       ("tests/test_mxfp4_experts_layer.py::test_concurrent", None),
-                                       ("tests/test_mxfp4_gptoss_layer.py::test_concurrent", None))),
+    (
+        "auto",
+        "auto-select",
+        (
+            ("tests/test_selection.py::test_the_hook_lands", None),
+            ("tests/test_selection.py::test_sglang_resolution", None),
+            ("tests/test_selection.py::test_speculative_draft", None),
+        ),
+    ),
+    (
+        "threads",
+        "concurrent loaders",
+        (
+            ("tests/test_concurrency.py", None),
+            ("tests/test_mxfp8_layer.py::test_concurrent", None),
+            ("tests/test_mxfp4_experts_layer.py::test_concurrent", None),
+            ("tests/test_mxfp4_gptoss_layer.py::test_concurrent", None),
+        ),
+    ),
     ("defer", "defer table", (("tests/test_defer.py", None),)),
     # whole SGLang models through SGLang's ModelRunner (0.5.21+: every model and flow; the known gaps of 0.5.21 /
     # 0.5.22 are strict xfails, tests/test_models.py KNOWN), and sglang.Engine(device="cpu") (0.5.23 only)
-    ("models", "whole models", (("tests/test_models.py", None), ("tests/test_engine.py", None),
-                                ("tests/test_demo.py", None))),
+    (
+        "models",
+        "whole models",
+        (("tests/test_models.py", None), ("tests/test_engine.py", None), ("tests/test_demo.py", None)),
+    ),
     # update_weights_from_distributed (NCCL in production; gloo on CPU): the whole-model flow and the whole-bucket
     # refusal (README support table row)
-    ("rl_distributed", "RL update: distributed", (("tests/test_models.py", "distributed"),
-                                                  ("tests/test_validation.py::test_distributed", None))),
+    (
+        "rl_distributed",
+        "RL update: distributed",
+        (("tests/test_models.py", "distributed"), ("tests/test_validation.py::test_distributed", None)),
+    ),
 )
 
 
@@ -73,59 +123,106 @@ class Requirement:
 
 
 REQUIREMENTS: tuple[Requirement, ...] = (
-    Requirement("tests/test_mxfp4_experts_layer.py", ">=0.5.12",
-                "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
-                "upstream in 0.5.12"),
-    Requirement("tests/test_checker.py::test_layout_aware_tolerance", ">=0.5.15",
-                "WeightChecker.handle(action, allow_quant_error) (SGLang's tolerance for quantization error) arrives "
-                "upstream in 0.5.15; before, every compare is exact"),
-    Requirement("tests/test_rl_updates.py::test_begin_end_session", ">=0.5.21",
-                "WeightUpdater.begin_weight_update/end_weight_update sessions do not exist upstream before 0.5.21"),
-    Requirement("tests/test_bf16_layer.py::test_routed_scaling_factor_reaches_the_kernel", ">=0.5.23",
-                "TopKConfig(routing_method_type=...) (the test's logits-path router) exists upstream from 0.5.23"),
-    Requirement("tests/test_bf16_layer.py::test_sglang_restore_hooks_are_harmless", ">=0.5.21",
-                "restore_weights_before_loading and begin/end_weight_update sessions arrive upstream in 0.5.21"),
-    Requirement("tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place[relu2",
-                ">=0.5.13", "SGLang's own BF16 trtllm preparation lays out a non-gated w13 with the gated row order "
-                "before 0.5.13 (no is_gated_act_gemm; its BF16 leaf is gated-silu-only on 0.5.11): no upstream oracle "
-                "for non-gated BF16 there (flashinfer's is checked by test_checker's bf16-relu2 case)"),
-    Requirement("tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer", "flashinfer:fused_moe.api.ReLU2",
-                "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
-                "flashinfer 0.6.x this release pins"),
-    Requirement("tests/test_checker.py::test_bf16_prepared_vs_checkpoint", "flashinfer:fused_moe.api.ReLU2",
-                "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
-                "flashinfer 0.6.x this release pins"),
-    Requirement("tests/test_checker.py::test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang[fp8",
-                "capability:fp8-prep", "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on "
-                "this release (builtins/fp8_hooks.py releases=)"),
-    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare",
-                "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_per_tensor_weights",
-                "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, is absent from the flashinfer 0.6.14 / "
-                "0.6.15.post1 this release pins (it arrives in 0.6.17)"),
-    Requirement("tests/test_fp8_layer.py::test_block_bytes_equal_flashinfer_prepare",
-                "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_block_weights",
-                "the oracle, flashinfer's prepare_trtllm_fp8_block_weights, is absent from the flashinfer 0.6.14 / "
-                "0.6.15.post1 this release pins (it arrives in 0.6.17)"),
-    Requirement("tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare[relu2]",
-                "flashinfer:fused_moe.api.ReLU2",
-                "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, takes an activation (non-gated "
-                "ReLU2) from flashinfer 0.7; the 0.6.x this release pins prepares gated SwiGLU weights only"),
-    Requirement("tests/test_fp8_layer.py", "capability:fp8-prep",
-                "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
-                "(builtins/fp8_hooks.py releases=)"),
-    Requirement("tests/test_checker.py", "capability:weight-check",
-                "the plugin's weight-checker hooks are not registered on this release (builtins/checker_hooks.py)"),
-    Requirement("tests/test_selection.py::test_activation_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)"),
-    Requirement("tests/test_selection.py::test_a2a_table_matches_sglang", "capability:auto-select",
-                "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)"),
+    Requirement(
+        "tests/test_mxfp4_experts_layer.py",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
+        "tests/test_checker.py::test_layout_aware_tolerance",
+        ">=0.5.15",
+        "WeightChecker.handle(action, allow_quant_error) (SGLang's tolerance for quantization error) arrives "
+        "upstream in 0.5.15; before, every compare is exact",
+    ),
+    Requirement(
+        "tests/test_rl_updates.py::test_begin_end_session",
+        ">=0.5.21",
+        "WeightUpdater.begin_weight_update/end_weight_update sessions do not exist upstream before 0.5.21",
+    ),
+    Requirement(
+        "tests/test_bf16_layer.py::test_routed_scaling_factor_reaches_the_kernel",
+        ">=0.5.23",
+        "TopKConfig(routing_method_type=...) (the test's logits-path router) exists upstream from 0.5.23",
+    ),
+    Requirement(
+        "tests/test_bf16_layer.py::test_sglang_restore_hooks_are_harmless",
+        ">=0.5.21",
+        "restore_weights_before_loading and begin/end_weight_update sessions arrive upstream in 0.5.21",
+    ),
+    Requirement(
+        "tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place[relu2",
+        ">=0.5.13",
+        "SGLang's own BF16 trtllm preparation lays out a non-gated w13 with the gated row order "
+        "before 0.5.13 (no is_gated_act_gemm; its BF16 leaf is gated-silu-only on 0.5.11): no upstream oracle "
+        "for non-gated BF16 there (flashinfer's is checked by test_checker's bf16-relu2 case)",
+    ),
+    Requirement(
+        "tests/test_bf16_layer.py::test_prepared_bytes_equal_sglang_and_flashinfer",
+        "flashinfer:fused_moe.api.ReLU2",
+        "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
+        "flashinfer 0.6.x this release pins",
+    ),
+    Requirement(
+        "tests/test_checker.py::test_bf16_prepared_vs_checkpoint",
+        "flashinfer:fused_moe.api.ReLU2",
+        "flashinfer.fused_moe.api.ReLU2 (the oracle's prepare_trtllm_bf16_weights API) is absent from the "
+        "flashinfer 0.6.x this release pins",
+    ),
+    Requirement(
+        "tests/test_checker.py::test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang[fp8",
+        "capability:fp8-prep",
+        "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on "
+        "this release (builtins/fp8_hooks.py releases=)",
+    ),
+    Requirement(
+        "tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare",
+        "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_per_tensor_weights",
+        "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, is absent from the flashinfer 0.6.14 / "
+        "0.6.15.post1 this release pins (it arrives in 0.6.17)",
+    ),
+    Requirement(
+        "tests/test_fp8_layer.py::test_block_bytes_equal_flashinfer_prepare",
+        "flashinfer:fused_moe.prepare.prepare_trtllm_fp8_block_weights",
+        "the oracle, flashinfer's prepare_trtllm_fp8_block_weights, is absent from the flashinfer 0.6.14 / "
+        "0.6.15.post1 this release pins (it arrives in 0.6.17)",
+    ),
+    Requirement(
+        "tests/test_fp8_layer.py::test_per_tensor_bytes_and_scalars_match_flashinfer_prepare[relu2]",
+        "flashinfer:fused_moe.api.ReLU2",
+        "the oracle, flashinfer's prepare_trtllm_fp8_per_tensor_weights, takes an activation (non-gated "
+        "ReLU2) from flashinfer 0.7; the 0.6.x this release pins prepares gated SwiGLU weights only",
+    ),
+    Requirement(
+        "tests/test_fp8_layer.py",
+        "capability:fp8-prep",
+        "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
+        "(builtins/fp8_hooks.py releases=)",
+    ),
+    Requirement(
+        "tests/test_checker.py",
+        "capability:weight-check",
+        "the plugin's weight-checker hooks are not registered on this release (builtins/checker_hooks.py)",
+    ),
+    Requirement(
+        "tests/test_selection.py::test_activation_table_matches_sglang",
+        "capability:auto-select",
+        "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)",
+    ),
+    Requirement(
+        "tests/test_selection.py::test_a2a_table_matches_sglang",
+        "capability:auto-select",
+        "the selection tables describe the releases the auto-select hook serves (compat/platform.py ADAPTERS)",
+    ),
 )
 
 
 #: fixtures that stand for a capability (every test using one needs it)
 FIXTURE_REQUIREMENTS = {
-    "sglang_runs": ("capability:auto-select",
-                    "the plugin's auto-select hook is not registered on this release (compat/platform.py ADAPTERS)"),
+    "sglang_runs": (
+        "capability:auto-select",
+        "the plugin's auto-select hook is not registered on this release (compat/platform.py ADAPTERS)",
+    ),
 }
 
 
@@ -186,9 +283,11 @@ def skip_reason(needs: str, reason: str, release: Version, caps: set[str]) -> st
 def flashinfer_missing_reason(release) -> str | None:
     if importlib.util.find_spec("flashinfer") is not None:
         return None
-    return (f"sglang {release}: flashinfer (the oracle / SGLang's trtllm prep) cannot be imported on CPU in this env: "
-            "the flashinfer-python this release pins (< 0.6.14) asserts libcudart at import, and this env lacks the "
-            "oracle flashinfer that ci/make-env adds to such envs (ensure_oracle; ci/releases.tsv)")
+    return (
+        f"sglang {release}: flashinfer (the oracle / SGLang's trtllm prep) cannot be imported on CPU in this env: "
+        "the flashinfer-python this release pins (< 0.6.14) asserts libcudart at import, and this env lacks the "
+        "oracle flashinfer that ci/make-env adds to such envs (ensure_oracle; ci/releases.tsv)"
+    )
 
 
 # ---- pytest plugin ---------------------------------------------------------------------------------------------
@@ -202,8 +301,10 @@ if pytest is not None:
 
     def pytest_configure(config):
         config.addinivalue_line(
-            "markers", "sglang(spec, reason=''): the SGLang releases this test applies to (skipped elsewhere, with "
-            "the reason); spec may be 'capability:<name>'")
+            "markers",
+            "sglang(spec, reason=''): the SGLang releases this test applies to (skipped elsewhere, with "
+            "the reason); spec may be 'capability:<name>'",
+        )
 
     def pytest_collection_modifyitems(config, items):
         release = installed_release()
@@ -252,6 +353,7 @@ if pytest is not None:
 
 # ---- report: JUnit results per release -> docs/compat.json, docs/COMPAT.md, README table ------------------------
 
+
 def _nodeid(classname: str, name: str, root) -> str:
     """JUnit's dotted classname back to a pytest node id (tests.test_x.TestY + name -> tests/test_x.py::TestY::name)."""
     import os
@@ -296,7 +398,7 @@ def _selected(nodeid: str, selectors) -> bool:
 def _short(reason: str, release: str) -> str:
     for pre in (f"sglang {release}: ",):
         if reason.startswith(pre):
-            reason = reason[len(pre):]
+            reason = reason[len(pre) :]
     return reason.strip()
 
 
@@ -317,13 +419,17 @@ def capability_cells(tests: dict, release: str) -> dict:
         reasons = sorted({_short(mine[n]["reason"], release) for n in by.get("skipped", []) + by.get("xfailed", [])})
         if by.get("failed"):
             names = sorted(n.split("::", 1)[-1] for n in by["failed"])
-            cells[key] = {"status": "FAIL", "detail": f"{len(names)} failed: " + ", ".join(names[:4])
-                          + (" ..." if len(names) > 4 else "")}
+            cells[key] = {
+                "status": "FAIL",
+                "detail": f"{len(names)} failed: " + ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""),
+            }
         elif by.get("xfailed"):
             cells[key] = {"status": "bug", "detail": "; ".join(reasons)}
         elif by.get("passed") and by.get("skipped"):
-            cells[key] = {"status": "pass (partly n/a)", "detail": f"{len(by['passed'])} passed, "
-                          f"{len(by['skipped'])} n/a: " + "; ".join(reasons)}
+            cells[key] = {
+                "status": "pass (partly n/a)",
+                "detail": f"{len(by['passed'])} passed, {len(by['skipped'])} n/a: " + "; ".join(reasons),
+            }
         elif by.get("passed"):
             cells[key] = {"status": "pass", "detail": f"{len(by['passed'])} tests passed"}
         else:
@@ -341,8 +447,15 @@ def _rows(releases_tsv):
     return rows
 
 
-SYMBOL = {"pass": "pass", "pass (partly n/a)": "pass*", "n/a": "n/a", "bug": "bug", "FAIL": "**FAIL**",
-          "no test": "-", "not run": "-"}
+SYMBOL = {
+    "pass": "pass",
+    "pass (partly n/a)": "pass*",
+    "n/a": "n/a",
+    "bug": "bug",
+    "FAIL": "**FAIL**",
+    "no test": "-",
+    "not run": "-",
+}
 
 
 def render_markdown(data: dict) -> str:
@@ -361,8 +474,11 @@ def render_markdown(data: dict) -> str:
     for row in data["releases"]:
         rel = row["release"]
         if row.get("env_error") or "capabilities" not in row:
-            lines.append(f"| {rel} | " + " | ".join("not run" for _ in caps)
-                         + f" | {row.get('flashinfer', '?')} | {'env build failed' if row.get('env_error') else 'not run'} |")
+            lines.append(
+                f"| {rel} | "
+                + " | ".join("not run" for _ in caps)
+                + f" | {row.get('flashinfer', '?')} | {'env build failed' if row.get('env_error') else 'not run'} |"
+            )
             continue
         cells = []
         for k, _ in caps:
@@ -371,17 +487,21 @@ def render_markdown(data: dict) -> str:
             cells.append(sym if c["status"] in ("pass", "not run") else f"{sym} {note(c['detail'])}")
         t = row.get("timing", {})
         counts = row.get("counts", {})
-        tests = f"{row.get('scope', '?')}: {counts.get('passed', 0)} pass, {counts.get('skipped', 0)} n/a" + (
-            f", {counts['failed']} fail" if counts.get("failed") else "") + (
-            f", {counts['xfailed']} bug" if counts.get("xfailed") else "") + (
-            f"; {t.get('tests_s', '?')} s" if t else "")
+        tests = (
+            f"{row.get('scope', '?')}: {counts.get('passed', 0)} pass, {counts.get('skipped', 0)} n/a"
+            + (f", {counts['failed']} fail" if counts.get("failed") else "")
+            + (f", {counts['xfailed']} bug" if counts.get("xfailed") else "")
+            + (f"; {t.get('tests_s', '?')} s" if t else "")
+        )
         lines.append(f"| {rel} | " + " | ".join(cells) + f" | {row.get('flashinfer', '?')} | {tests} |")
     out = "\n".join(lines) + "\n"
     full = data.get("last_full_run")
     if full:
-        out += (f"\nLast full `ci/matrix` run (all {len(full['releases'])} releases): {full['total_s']} s wall on 2 "
-                f"cores, {full['env_s']} s of it env reuse + plugin install (envs cached; a cold build adds about "
-                "1 min for the shared base and 0.5-2 min per release).\n")
+        out += (
+            f"\nLast full `ci/matrix` run (all {len(full['releases'])} releases): {full['total_s']} s wall on 2 "
+            f"cores, {full['env_s']} s of it env reuse + plugin install (envs cached; a cold build adds about "
+            "1 min for the shared base and 0.5-2 min per release).\n"
+        )
     part = data.get("last_partial_run")
     if part:
         out += f"Last partial run: {', '.join(part['releases'])} in {part['total_s']} s.\n"
@@ -439,13 +559,19 @@ def defer_markdown() -> str:
     """compat/defer.py as a table: where SGLang's own preparation is right and the plugin defers, with evidence."""
     from sglang_trtllm_moe.compat import defer
 
-    lines = ["## Where SGLang is right: the defer table (compat/defer.py)", "",
-             "Measured with the plugin switched off (`python -m tests.support.upstream_rl FORMAT`, re-checked on every "
-             "release by `tests/test_defer.py`): a one-expert disk update, a whole disk update, a tensor update (in a "
-             "begin/end session where the release has them) and another one-expert tensor update, each compared with a "
-             "fresh load byte for byte, storage, Parameters and weight_loaders checked. **SGLang** = the plugin leaves "
-             "preparation to SGLang and only watches (validation of writes, the emulator); **plugin** = the plugin "
-             "prepares in place.", "", "| format | releases | who prepares | evidence |", "|---|---|---|---|"]
+    lines = [
+        "## Where SGLang is right: the defer table (compat/defer.py)",
+        "",
+        "Measured with the plugin switched off (`python -m tests.support.upstream_rl FORMAT`, re-checked on every "
+        "release by `tests/test_defer.py`): a one-expert disk update, a whole disk update, a tensor update (in a "
+        "begin/end session where the release has them) and another one-expert tensor update, each compared with a "
+        "fresh load byte for byte, storage, Parameters and weight_loaders checked. **SGLang** = the plugin leaves "
+        "preparation to SGLang and only watches (validation of writes, the emulator); **plugin** = the plugin "
+        "prepares in place.",
+        "",
+        "| format | releases | who prepares | evidence |",
+        "|---|---|---|---|",
+    ]
     for v in defer.TABLE:
         lines.append(f"| {v.fmt} | {v.releases} | {'SGLang' if v.upstream_correct else 'plugin'} | {v.evidence} |")
     return "\n".join(lines) + "\n"
@@ -521,13 +647,18 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
                 counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
             # per test "outcome" or "outcome: reason #i" (reasons listed once per release): small enough to diff
             reasons = sorted({r["reason"] for r in tests.values() if r["reason"]})
-            compact = {n: r["outcome"] + (f" #{reasons.index(r['reason'])}" if r["reason"] else "")
-                       for n, r in sorted(tests.items())}
+            compact = {
+                n: r["outcome"] + (f" #{reasons.index(r['reason'])}" if r["reason"] else "")
+                for n, r in sorted(tests.items())
+            }
             new.update(tests=compact, reasons=reasons, counts=counts, capabilities=capability_cells(tests, rel))
         rows.append(new)
     previous = data
-    data = {"generated_by": "ci/matrix", "capabilities": [{"key": k, "title": t} for k, t, _ in CAPABILITIES],
-            "releases": rows}
+    data = {
+        "generated_by": "ci/matrix",
+        "capabilities": [{"key": k, "title": t} for k, t, _ in CAPABILITIES],
+        "releases": rows,
+    }
     for k in ("last_full_run", "last_partial_run"):
         if k in previous:
             data[k] = previous[k]
@@ -594,8 +725,11 @@ def main(argv=None) -> int:
     r.add_argument("--markdown", default="docs/COMPAT.md")
     r.add_argument("--readme", default=None)
     r.add_argument("--total-s", type=int, default=None)
-    g = sub.add_parser("render", help="re-render docs/COMPAT.md and the README table from docs/compat.json "
-                                      "(nothing runs; use after editing the renderers or the README)")
+    g = sub.add_parser(
+        "render",
+        help="re-render docs/COMPAT.md and the README table from docs/compat.json "
+        "(nothing runs; use after editing the renderers or the README)",
+    )
     g.add_argument("--json", default="docs/compat.json")
     g.add_argument("--markdown", default="docs/COMPAT.md")
     g.add_argument("--readme", default="README.md")
@@ -611,4 +745,13 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["CAPABILITIES", "REQUIREMENTS", "FIXTURE_REQUIREMENTS", "Requirement", "plugin_capabilities", "report", "skip_reason", "unmet"]
+__all__ = [
+    "CAPABILITIES",
+    "REQUIREMENTS",
+    "FIXTURE_REQUIREMENTS",
+    "Requirement",
+    "plugin_capabilities",
+    "report",
+    "skip_reason",
+    "unmet",
+]

@@ -39,8 +39,9 @@ def _trainer(port: int, path: str, groups: list) -> None:
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     torch.set_num_threads(1)
-    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
-                                   group_name="rl")
+    pg = init_custom_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="rl"
+    )
     t = torch.load(path)
     for group in groups:
         bucket = FlattenedTensorBucket(named_tensors=[(n, t[n]) for n in group])
@@ -88,9 +89,12 @@ class Worker:
         diff = m.differences(fresh)
         moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
         # layers the plugin prepares must be back in kernel layout; layers it defers to SGLang have no state
-        unclean = [n for n, layer in m.moe_layers().items()
-                   if (layer_state.state_of(layer) is not None and not layer_state.state_of(layer).clean)
-                   or owner(layer) != expected_owner(layer)]
+        unclean = [
+            n
+            for n, layer in m.moe_layers().items()
+            if (layer_state.state_of(layer) is not None and not layer_state.state_of(layer).clean)
+            or owner(layer) != expected_owner(layer)
+        ]
         out = {"differs": diff[:8], "n_differs": len(diff), "moved": moved[:8], "unclean": unclean}
         if tokens:
             a, _ = m.generate(PROMPTS, 4)
@@ -109,14 +113,25 @@ class Worker:
         from sglang_trtllm_moe import layer_state
 
         layers = m.moe_layers()
-        states = {n: {"owner": owner(layer), "expected": expected_owner(layer),
-                      "clean": bool(layer_state.state_of(layer) and layer_state.state_of(layer).clean)}
-                  for n, layer in layers.items()}
+        states = {
+            n: {
+                "owner": owner(layer),
+                "expected": expected_owner(layer),
+                "clean": bool(layer_state.state_of(layer) and layer_state.state_of(layer).clean),
+            }
+            for n, layer in layers.items()
+        }
         ok = len(layers) == len(self.spec.moe_layers) and all(
-            st["owner"] == st["expected"] and (st["owner"] != "plugin" or st["clean"]) for st in states.values())
-        return {"ok": ok, "model_class": type(m.model).__name__, "moe_layers": sorted(layers), "states": states,
-                "runner_backends": _runner_backends(layers),
-                "methods": sorted({type(layer.quant_method).__name__ for layer in layers.values()})}
+            st["owner"] == st["expected"] and (st["owner"] != "plugin" or st["clean"]) for st in states.values()
+        )
+        return {
+            "ok": ok,
+            "model_class": type(m.model).__name__,
+            "moe_layers": sorted(layers),
+            "states": states,
+            "runner_backends": _runner_backends(layers),
+            "methods": sorted({type(layer.quant_method).__name__ for layer in layers.values()}),
+        }
 
     def check_explain(self, m) -> dict:
         """`explain` (the plugin's rules on config.json, plus SGLang's own resolution with the plugin, platform faked
@@ -131,11 +146,22 @@ class Worker:
         built = _runner_backends(layers)
         managed = {n: owner(layer) for n, layer in layers.items()}
         resolved = resolved_moe_runner_backend(_STATE_ARGS())  # what this process's published ServerArgs resolved
-        ok = (bool(layers) and rep["code"] not in ("NO_FUSED_MOE", "NOT_MOE", "NO_ELIGIBLE_BACKEND")
-              and set(built.values()) == {rep["winner"]} and rep["sglang"].get("with_plugin") == rep["winner"]
-              and resolved == rep["winner"] and all(managed[n] == expected_owner(layer) for n, layer in layers.items()))
-        return {"ok": ok, "explain": {k: rep[k] for k in ("winner", "code", "reason")}, "sglang": rep["sglang"],
-                "server_args_moe_runner_backend": resolved, "built": built, "managed": managed}
+        ok = (
+            bool(layers)
+            and rep["code"] not in ("NO_FUSED_MOE", "NOT_MOE", "NO_ELIGIBLE_BACKEND")
+            and set(built.values()) == {rep["winner"]}
+            and rep["sglang"].get("with_plugin") == rep["winner"]
+            and resolved == rep["winner"]
+            and all(managed[n] == expected_owner(layer) for n, layer in layers.items())
+        )
+        return {
+            "ok": ok,
+            "explain": {k: rep[k] for k in ("winner", "code", "reason")},
+            "sglang": rep["sglang"],
+            "server_args_moe_runner_backend": resolved,
+            "built": built,
+            "managed": managed,
+        }
 
     def check_forward(self, m) -> dict:
         """Prefill next-token logits vs transformers' own model class on the float32 dequantized checkpoint."""
@@ -150,8 +176,13 @@ class Worker:
         rel = float((logits - want).norm() / want.norm())
         per = [float((logits[i] - want[i]).norm() / want[i].norm()) for i in range(len(PROMPTS))]
         top1 = (logits.argmax(-1) == want.argmax(-1)).tolist()
-        return {"ok": True, "rel_err": rel, "rel_err_per_prompt": per, "top1_equal": top1,
-                "reference_class": type(ref).__name__}
+        return {
+            "ok": True,
+            "rel_err": rel,
+            "rel_err_per_prompt": per,
+            "top1_equal": top1,
+            "reference_class": type(ref).__name__,
+        }
 
     def check_disk_full(self, m) -> dict:
         ptrs = m.pointers()
@@ -277,8 +308,12 @@ class Worker:
             with m.session():
                 for group in groups:
                     received = m.updater.receive_weights_from_distributed(
-                        names=group, dtypes=[str(new[n].dtype).replace("torch.", "") for n in group],
-                        shapes=[list(new[n].shape) for n in group], group_name="rl", load_format="flattened_bucket")
+                        names=group,
+                        dtypes=[str(new[n].dtype).replace("torch.", "") for n in group],
+                        shapes=[list(new[n].shape) for n in group],
+                        group_name="rl",
+                        load_format="flattened_bucket",
+                    )
                     m.load_distributed(received)
             m.updater.destroy_weights_update_group("rl")
         finally:
@@ -386,13 +421,20 @@ class Worker:
                 changed = [n for n in before if not torch.equal(before[n], after[n])]
                 out[f"{case}/{how}"] = {
                     "refused": bool(raised) or (returned is not None and not returned[0]),
-                    "returned_failure": returned is not None and not returned[0], "raised": raised,
-                    "message": None if returned is None else str(returned[1])[:300], "changed": changed[:6],
-                    "tensors": len(payload)}
+                    "returned_failure": returned is not None and not returned[0],
+                    "raised": raised,
+                    "message": None if returned is None else str(returned[1])[:300],
+                    "changed": changed[:6],
+                    "tensors": len(payload),
+                }
                 m.update_from_disk(self.write_tensors(self.intended))  # whatever happened: back to the intended
         back = self.compare(m, self.intended, m.pointers())
-        return {"ok": all(c["refused"] and not c["changed"] for c in out.values()) and back["ok"], "cases": out,
-                "restored": back["ok"], "mixed_with": mixed}
+        return {
+            "ok": all(c["refused"] and not c["changed"] for c in out.values()) and back["ok"],
+            "cases": out,
+            "restored": back["ok"],
+            "mixed_with": mixed,
+        }
 
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
@@ -430,22 +472,49 @@ class Worker:
                     moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
                     writer_threads = sorted(set(seen.values()))
                     if target == 1:
-                        results.append({"run": r, "differs": diff[:6], "n_differs": len(diff), "moved": moved[:4],
-                                        "writer_threads": len(writer_threads),
-                                        "pool_threads": sum(1 for t in writer_threads if t != "MainThread")})
+                        results.append(
+                            {
+                                "run": r,
+                                "differs": diff[:6],
+                                "n_differs": len(diff),
+                                "moved": moved[:4],
+                                "writer_threads": len(writer_threads),
+                                "pool_threads": sum(1 for t in writer_threads if t != "MainThread"),
+                            }
+                        )
                     elif diff or moved:
                         results.append({"run": r, "back_to_A_differs": diff[:6], "moved": moved[:4]})
         finally:
             layer_state.before_write = real
         failed = [x for x in results if x.get("n_differs") or x.get("moved") or x.get("back_to_A_differs")]
         pool = all(x.get("pool_threads", 1) > 0 for x in results)
-        return {"ok": not failed and pool, "runs": runs, "failed_runs": len(failed), "pool_used_every_run": pool,
-                "async_load_on_cpu": bool(loader_utils.should_async_load(torch.zeros(1))), "results": results}
+        return {
+            "ok": not failed and pool,
+            "runs": runs,
+            "failed_runs": len(failed),
+            "pool_used_every_run": pool,
+            "async_load_on_cpu": bool(loader_utils.should_async_load(torch.zeros(1))),
+            "results": results,
+        }
 
     ON_REQUEST = ("threaded_disk_ab",)
-    ORDER = ("load", "forward", "disk_full", "disk_partial", "tensor_buckets", "tensor_flattened_bucket",
-             "tensor_split_shards", "session_direct", "distributed", "random_rounds", "weight_checker", "greedy",
-             "refused_updates", "threaded_disk_ab", "explain")
+    ORDER = (
+        "load",
+        "forward",
+        "disk_full",
+        "disk_partial",
+        "tensor_buckets",
+        "tensor_flattened_bucket",
+        "tensor_split_shards",
+        "session_direct",
+        "distributed",
+        "random_rounds",
+        "weight_checker",
+        "greedy",
+        "refused_updates",
+        "threaded_disk_ab",
+        "explain",
+    )
 
     def run(self, checks=None) -> dict:
         from sglang_trtllm_moe.testing import models
@@ -463,8 +532,11 @@ class Worker:
             try:
                 res = getattr(self, f"check_{name}")(m)
             except Exception as e:  # noqa: BLE001 - reported
-                res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}",
-                       "traceback": traceback.format_exc()[-2000:]}
+                res = {
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {str(e)[:500]}",
+                    "traceback": traceback.format_exc()[-2000:],
+                }
                 if m._session is not None:
                     m.end()
             res["seconds"] = round(time.perf_counter() - t, 2)
@@ -484,18 +556,26 @@ class Worker:
         model = models.build_only(d)
         layers = models.moe_layers(model)
         rep = _explain(d)
-        ok = (not layers and rep["code"] == "NO_FUSED_MOE" and not rep["candidates"]
-              and rep["sglang"].get("with_plugin") == rep["sglang"].get("upstream_alone") is not None)
+        ok = (
+            not layers
+            and rep["code"] == "NO_FUSED_MOE"
+            and not rep["candidates"]
+            and rep["sglang"].get("with_plugin") == rep["sglang"].get("upstream_alone") is not None
+        )
         self.report["built_without_fused_moe"] = {
-            "ok": ok, "model_class": type(model).__name__, "fused_moe_layers": sorted(layers),
+            "ok": ok,
+            "model_class": type(model).__name__,
+            "fused_moe_layers": sorted(layers),
             "expert_modules": sorted({type(mod).__name__ for n, mod in model.named_modules() if ".experts." in n}),
-            "explain": {k: rep[k] for k in ("winner", "code", "reason")}, "sglang": rep["sglang"],
-            "seconds": round(time.perf_counter() - t, 2)}
+            "explain": {k: rep[k] for k in ("winner", "code", "reason")},
+            "sglang": rep["sglang"],
+            "seconds": round(time.perf_counter() - t, 2),
+        }
         return self.report
 
 
 def owner(layer) -> str:
-    """"plugin" (the plugin prepares the layer: layer_state), "sglang" (SGLang prepares it, the plugin observes:
+    """ "plugin" (the plugin prepares the layer: layer_state), "sglang" (SGLang prepares it, the plugin observes:
     compat/defer.py), or "none"."""
     from sglang_trtllm_moe import layer_state
 
@@ -527,8 +607,11 @@ def _runner_backends(layers: dict) -> dict:
     out = {}
     for n, layer in layers.items():
         qm = layer.quant_method
-        b = (getattr(layer, "runner_backend", None) or getattr(qm, "_moe_runner_backend", None)
-             or get_moe_runner_backend())
+        b = (
+            getattr(layer, "runner_backend", None)
+            or getattr(qm, "_moe_runner_backend", None)
+            or get_moe_runner_backend()
+        )
         out[n] = getattr(b, "value", str(b))
     return out
 
@@ -545,8 +628,11 @@ def _explain(model_dir: str) -> dict:
     from sglang_trtllm_moe.explain import explain_model
     from sglang_trtllm_moe.testing import models
 
-    extra = {k: v for k, v in models.DEFAULT_SERVER_ARGS.items()
-             if k in ("disable_radix_cache", "attention_backend", "bf16_gemm_backend", "disable_cuda_graph")}
+    extra = {
+        k: v
+        for k, v in models.DEFAULT_SERVER_ARGS.items()
+        if k in ("disable_radix_cache", "attention_backend", "bf16_gemm_backend", "disable_cuda_graph")
+    }
     return explain_model(model_dir, sm=100, server_args=extra)
 
 
@@ -556,10 +642,15 @@ def _explain(model_dir: str) -> dict:
 #: checkpoint where SGLang builds them with FusedMoE, Mixtral BF16, and the quantized Mixtral SGLang builds without
 #: FusedMoE (explain must say so).
 JOBS = (
-    ("qwen3_moe", "nvfp4", ()), ("qwen3_moe", "fp8", ()),
-    ("deepseek_v3", "nvfp4", ("threaded_disk_ab",)), ("deepseek_v3", "fp8_block", ()),
-    ("nemotron_h", "nvfp4", ()), ("nemotron_h", "fp8", ()),
-    ("mixtral", "bf16", ()), ("mixtral", "fp8_static", ()), ("mixtral", "nvfp4", ()),
+    ("qwen3_moe", "nvfp4", ()),
+    ("qwen3_moe", "fp8", ()),
+    ("deepseek_v3", "nvfp4", ("threaded_disk_ab",)),
+    ("deepseek_v3", "fp8_block", ()),
+    ("nemotron_h", "nvfp4", ()),
+    ("nemotron_h", "fp8", ()),
+    ("mixtral", "bf16", ()),
+    ("mixtral", "fp8_static", ()),
+    ("mixtral", "nvfp4", ()),
 )
 
 
@@ -612,8 +703,13 @@ def run_jobs(jobs, parallel: int, workdir: str) -> dict:
             with open(out) as f:
                 reports[key] = json.load(f)
         except (OSError, ValueError):
-            reports[key] = {"_crash": {"ok": False, "error": f"the job's process ended with status {status} "
-                                                             f"after {time.perf_counter() - t0:.0f} s, no report"}}
+            reports[key] = {
+                "_crash": {
+                    "ok": False,
+                    "error": f"the job's process ended with status {status} "
+                    f"after {time.perf_counter() - t0:.0f} s, no report",
+                }
+            }
     return reports
 
 

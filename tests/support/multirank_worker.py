@@ -18,9 +18,9 @@ import os
 import sys
 import traceback
 
-from .. import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
-
 import torch  # noqa: E402
+
+from .. import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
 
 PREPARED = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 #: the NVFP4 scalars a flush recomputes from the per-expert scales (RL updates must leave them as a fresh load)
@@ -81,8 +81,11 @@ def run_scenario(sc: dict) -> dict:
     res: dict = {}
     layer = _build_loaded(spec, tensors)
     res["meta"] = dict(
-        moe_tp_rank=layer.moe_tp_rank, moe_tp_size=layer.moe_tp_size, moe_ep_rank=layer.moe_ep_rank,
-        moe_ep_size=layer.moe_ep_size, num_local_experts=layer.num_local_experts,
+        moe_tp_rank=layer.moe_tp_rank,
+        moe_tp_size=layer.moe_tp_size,
+        moe_ep_rank=layer.moe_ep_rank,
+        moe_ep_size=layer.moe_ep_size,
+        num_local_experts=layer.num_local_experts,
         intermediate_size_per_partition=layer.intermediate_size_per_partition,
     )
     res["loaded"] = _raw_params(layer)  # checkpoint layout, as SGLang's loader left it
@@ -116,7 +119,8 @@ def _rl_update(layer, spec, tensors, sc, upd) -> dict:
     fresh = _build_loaded(spec, merged)
     fresh.quant_method.process_weights_after_loading(fresh)
     return dict(
-        upd_before=before, upd_after=after,
+        upd_before=before,
+        upd_after=after,
         upd_ptrs_same=ptrs == {n: p.data_ptr() for n, p in layer.named_parameters()},
         upd_fresh={n: _as_bytes(getattr(fresh, n)) for n in PREPARED},
         upd_scalars_equal={n: torch.equal(getattr(layer, n).data, getattr(fresh, n).data) for n in SCALARS},
@@ -142,9 +146,15 @@ def _updater(model, spec):
     import torch.distributed as dist
 
     return WeightUpdater(
-        tp_rank=dist.get_rank(), device="cpu", gpu_id=0, model_config=ModelConfig(model_path=_CFG_DIR["d"]),
-        custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
-        recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
+        tp_rank=dist.get_rank(),
+        device="cpu",
+        gpu_id=0,
+        model_config=ModelConfig(model_path=_CFG_DIR["d"]),
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda *a, **k: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: None,
     )
 
 
@@ -152,15 +162,19 @@ def _record_kernel_calls():
     """Wrap the emulator entry points so each rank reports the EP slice and intermediate size the runner passed."""
     from sglang_trtllm_moe import emulator
 
-    for name in [f"trtllm_{k}{r}_moe" for k in ("fp4_block_scale", "fp8_per_tensor_scale", "fp8_block_scale", "bf16")
-                 for r in ("", "_routed")]:
+    for name in [
+        f"trtllm_{k}{r}_moe"
+        for k in ("fp4_block_scale", "fp8_per_tensor_scale", "fp8_block_scale", "bf16")
+        for r in ("", "_routed")
+    ]:
         fn = getattr(emulator, name)  # a renamed entry point must fail loudly, not silently record nothing
 
         def wrapped(*a, __fn=fn, __name=name, **kw):
             _LAST_CALL.clear()
             _LAST_CALL["fn"] = __name
-            _LAST_CALL.update({k: kw.get(k) for k in ("local_expert_offset", "local_num_experts", "num_experts",
-                                                       "intermediate_size")})
+            _LAST_CALL.update(
+                {k: kw.get(k) for k in ("local_expert_offset", "local_num_experts", "num_experts", "intermediate_size")}
+            )
             return __fn(*a, **kw)
 
         setattr(emulator, name, wrapped)

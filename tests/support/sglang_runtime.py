@@ -28,7 +28,8 @@ def upstream_process_weights_after_loading(method, layer, monkeypatch) -> None:
     from sglang.srt.layers.quantization.utils import swizzle_blockscale
 
     monkeypatch.setattr(
-        flashinfer, "nvfp4_block_scale_interleave",
+        flashinfer,
+        "nvfp4_block_scale_interleave",
         lambda x: swizzle_blockscale(x.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1),
     )
     original = ModelOptNvFp4FusedMoEMethod.process_weights_after_loading

@@ -33,22 +33,36 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: (text in the matrix's reason, what it means for a user): the note of a cell whose reason contains the text; a
 #: reason no entry matches is shown shortened as the matrix gives it
 NOTES: tuple[tuple[str, str], ...] = (
-    ("FP8 (per-tensor / block) preparation hooks",
-     ("the plugin does not prepare FP8 layers on these releases: SGLang's own FP8 path runs (right for DeepSeek block "
-      "FP8; per-tensor FP8 is requantized into new Parameters, so the next RL update fails)")),
-    ("weight-checker",
-     ("SGLang's own weight checker runs unchanged here; the plugin's comparator for the TRT-LLM layouts (which names "
-      "the expert and row that differ) is not attached on these releases")),
-    ("auto-select hook",
-     ("the plugin does not auto-select on these releases: SGLang picks the MoE backend itself; pass "
-      "--moe-runner-backend flashinfer_trtllm to get it")),
+    (
+        "FP8 (per-tensor / block) preparation hooks",
+        (
+            "the plugin does not prepare FP8 layers on these releases: SGLang's own FP8 path runs (right for DeepSeek block "
+            "FP8; per-tensor FP8 is requantized into new Parameters, so the next RL update fails)"
+        ),
+    ),
+    (
+        "weight-checker",
+        (
+            "SGLang's own weight checker runs unchanged here; the plugin's comparator for the TRT-LLM layouts (which names "
+            "the expert and row that differ) is not attached on these releases"
+        ),
+    ),
+    (
+        "auto-select hook",
+        (
+            "the plugin does not auto-select on these releases: SGLang picks the MoE backend itself; pass "
+            "--moe-runner-backend flashinfer_trtllm to get it"
+        ),
+    ),
 )
 
-LEGEND = ("**yes**: works with the plugin on every release of the column (proven on CPU by the compat matrix with "
-          "real SGLang objects and the kernel emulator). **no — upstream lacks it**: that SGLang release does not "
-          "have the feature. **no — not yet**: the plugin does not provide it on those releases yet. **no — known "
-          "bug** / **broken**: an expected failure / a failed test in the last matrix run. **-**: not checked on "
-          "that release by the last matrix run (the per-test details: [docs/COMPAT.md](docs/COMPAT.md)).")
+LEGEND = (
+    "**yes**: works with the plugin on every release of the column (proven on CPU by the compat matrix with "
+    "real SGLang objects and the kernel emulator). **no — upstream lacks it**: that SGLang release does not "
+    "have the feature. **no — not yet**: the plugin does not provide it on those releases yet. **no — known "
+    "bug** / **broken**: an expected failure / a failed test in the last matrix run. **-**: not checked on "
+    "that release by the last matrix run (the per-test details: [docs/COMPAT.md](docs/COMPAT.md))."
+)
 
 
 def _answer(cells: dict, keys: tuple[str, ...]) -> tuple[str, str]:

@@ -19,9 +19,9 @@ import sys
 import tempfile
 import traceback
 
-from .. import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
-
 import torch  # noqa: E402
+
+from .. import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
 
 SEEDS = {"a": 0, "b": 1, "c": 2, "d": 3}
 #: the format registry's names (compat/defer.py) -> the CPU harness's layer kinds (testing.layers.MoeSpec.fmt)
@@ -34,8 +34,11 @@ def _checkpoint(fmt: str, spec, seed: int, experts=None):
     if fmt in mx_layers.MX_FORMATS:  # gpt-oss's fused tensors hold every expert: a "one-expert" update is whole
         return mx_layers.random_checkpoint(spec, seed, experts)
 
-    make = {"nvfp4": layers.random_nvfp4_checkpoint, "bf16": layers.random_bf16_checkpoint,
-            "ct_nvfp4": layers.random_ct_nvfp4_checkpoint}.get(fmt, layers.random_fp8_checkpoint)
+    make = {
+        "nvfp4": layers.random_nvfp4_checkpoint,
+        "bf16": layers.random_bf16_checkpoint,
+        "ct_nvfp4": layers.random_ct_nvfp4_checkpoint,
+    }.get(fmt, layers.random_fp8_checkpoint)
     return make(spec, seed=seed, experts=experts)
 
 
@@ -67,8 +70,9 @@ def _stub_cuda_helpers() -> None:
         return
     from sglang.srt.layers.quantization.utils import swizzle_blockscale
 
-    flashinfer.nvfp4_block_scale_interleave = (
-        lambda x: swizzle_blockscale(x.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+    flashinfer.nvfp4_block_scale_interleave = lambda x: (
+        swizzle_blockscale(x.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1)
+    )
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -78,13 +82,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class Case:
     def __init__(self, fmt: str):
         from sglang_trtllm_moe.testing import layers
-
         from sglang_trtllm_moe.testing.runtime import init_single_process
 
         self.fmt = SPEC_FMT.get(fmt, fmt)
         self.spec = layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt=self.fmt)
         # MX layers: SGLang's own prep needs CPU stand-ins for its CUDA-only helpers (testing/mx_layers.py)
-        init_single_process("flashinfer_mxfp4" if self.fmt in ("mxfp4_experts", "mxfp4_gptoss") else "flashinfer_trtllm")
+        init_single_process(
+            "flashinfer_mxfp4" if self.fmt in ("mxfp4_experts", "mxfp4_gptoss") else "flashinfer_trtllm"
+        )
         self.model = self._prepared(_checkpoint(fmt, self.spec, SEEDS["a"]))
         self.params = dict(self.model.named_parameters())
         self.loaders = {n: getattr(p, "weight_loader", None) for n, p in self.params.items()}
@@ -131,10 +136,14 @@ class Case:
         fresh = self._prepared(self.intended)
         mine = dict(self.model.named_parameters())
         theirs = dict(fresh.named_parameters())
-        wrong = sorted(n for n in theirs if n not in mine or mine[n].shape != theirs[n].shape
-                       or not torch.equal(_bytes(mine[n]), _bytes(theirs[n])))
+        wrong = sorted(
+            n
+            for n in theirs
+            if n not in mine or mine[n].shape != theirs[n].shape or not torch.equal(_bytes(mine[n]), _bytes(theirs[n]))
+        )
         return {
-            "exact": not wrong, "differs": wrong[:6],
+            "exact": not wrong,
+            "differs": wrong[:6],
             "storage_kept": all(mine.get(n) is not None and mine[n].data_ptr() == p for n, p in self.ptrs.items()),
             "parameters_kept": all(mine.get(n) is p for n, p in self.params.items()),
             "loaders_kept": all(getattr(mine.get(n), "weight_loader", None) is w for n, w in self.loaders.items()),
@@ -161,7 +170,7 @@ class Case:
         u = self._updater()
         if features.UPDATE_SESSIONS.present():  # the public API requires a session there (0.5.23 enforces it)
             u.begin_weight_update()
-            for part in (named[: len(named) // 2], named[len(named) // 2:]):
+            for part in (named[: len(named) // 2], named[len(named) // 2 :]):
                 ok, msg = u.update_weights_from_tensor(part)
                 if not ok:
                     raise RuntimeError(msg)
@@ -186,11 +195,17 @@ class Case:
                 self.intended = {**self.intended, **tensors}
                 out[name] = self.check()
             except Exception as e:  # noqa: BLE001 - an upstream failure is a result
-                out[name] = {"exact": False, "error": f"{type(e).__name__}: {str(e)[:300]}",
-                             "trace": traceback.format_exc()[-1500:]}
+                out[name] = {
+                    "exact": False,
+                    "error": f"{type(e).__name__}: {str(e)[:300]}",
+                    "trace": traceback.format_exc()[-1500:],
+                }
                 break
-        out["upstream_correct"] = all(v.get("exact") and v.get("storage_kept") and v.get("parameters_kept")
-                                      and v.get("loaders_kept") for k, v in out.items() if isinstance(v, dict))
+        out["upstream_correct"] = all(
+            v.get("exact") and v.get("storage_kept") and v.get("parameters_kept") and v.get("loaders_kept")
+            for k, v in out.items()
+            if isinstance(v, dict)
+        )
         return out
 
 
@@ -210,8 +225,11 @@ def main(formats: list[str]) -> dict:
         try:
             result[fmt] = Case(fmt).run()
         except Exception as e:  # noqa: BLE001 - SGLang's own prep cannot run here (e.g. a CUDA-only kernel)
-            result[fmt] = {"upstream_correct": None, "cannot_run": f"{type(e).__name__}: {str(e)[:300]}",
-                           "trace": traceback.format_exc()[-1500:]}
+            result[fmt] = {
+                "upstream_correct": None,
+                "cannot_run": f"{type(e).__name__}: {str(e)[:300]}",
+                "trace": traceback.format_exc()[-1500:],
+            }
     return result
 
 
