@@ -14,6 +14,7 @@ import torch
 from .errors import WeightUpdateRefused
 from .layer_state import layer_name, state_of
 from .validation import (
+    NOTHING_WRITTEN,
     PROJECTIONS,
     Refusal,
     check_tensor,
@@ -101,7 +102,8 @@ def check_bucket(
     direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
     bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
     skip: ids of tensors already checked (the same objects, handed on by SGLang).
-    headers: the tensors are meta tensors read from a checkpoint's headers (values are checked when loaded)."""
+    headers: the tensors come from a checkpoint's headers (checkpoint_headers.meta_tensors): meta tensors, and the
+    scalar scales with their values."""
     layers = managed_modules(model)
     if not layers:
         return []
@@ -138,7 +140,7 @@ def check_bucket(
                 _check_full(layer, fmt, own, param, tensor, name)
                 writes.append((layer, own))
             except WeightUpdateRefused as e:
-                problems.append(str(e))
+                problems.append(str(e).removesuffix(NOTHING_WRITTEN))  # said once for the whole request below
             continue
         if direct:
             continue
@@ -163,7 +165,7 @@ def check_bucket(
         try:
             check_write(layer, param, tensor, name, shard, expert, scope="global", headers=headers)
         except WeightUpdateRefused as e:
-            problems.append(str(e))
+            problems.append(str(e).removesuffix(NOTHING_WRITTEN))  # said once for the whole request below
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise BucketRefused(

@@ -4,12 +4,16 @@ headers, no data read.
 `update_weights_from_disk` lets SGLang return every layer to checkpoint layout before it reads the first tensor
 (0.5.23 `restore_weights_before_loading`), and on a failure it rolls back by loading the same path again: one
 malformed tensor leaves the model in checkpoint layout, or half old and half new. The headers say enough (name,
-dtype, shape) to refuse such a checkpoint before SGLang touches the model; values are checked as they load.
+dtype, shape) to refuse such a checkpoint before SGLang touches the model. Values are not in the headers, but
+the ones validation checks (per-tensor weight and input scales) are scalars per expert and shard: those few bytes
+are read too, so a NaN or zero scale is refused with the rest instead of raising half-way through SGLang's load
+(whose rollback would then re-read the same bad value).
 """
 
 from __future__ import annotations
 
 import glob
+import math
 import os
 
 import torch
@@ -32,6 +36,11 @@ DTYPES = {
 if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
+#: scales ("scale" in the name's last part) of 16/32-bit floats up to this many elements are read with their values
+#: (per-tensor scales: one per expert and shard); everything else, 1-byte block scales (not value-checked)
+#: included, stays a meta tensor
+VALUE_NUMEL = 64
+
 #: load formats whose weights come from *.safetensors files of the directory (SGLang's DefaultModelLoader)
 SAFETENSORS_FORMATS = (None, "auto", "safetensors")
 
@@ -45,7 +54,8 @@ def files_of(model_path, load_format) -> list[str]:
 
 
 def meta_tensors(files, keep=None) -> list[tuple[str, torch.Tensor]]:
-    """[(name, meta tensor)] of every tensor in `files` whose name `keep` accepts (all when None)."""
+    """[(name, tensor)] of every tensor in `files` whose name `keep` accepts (all when None): a meta tensor, or
+    the real CPU tensor for small scales (VALUE_NUMEL)."""
     from safetensors import safe_open
 
     out = []
@@ -56,6 +66,20 @@ def meta_tensors(files, keep=None) -> list[tuple[str, torch.Tensor]]:
                     continue
                 sl = f.get_slice(name)
                 dtype = DTYPES.get(sl.get_dtype())
-                if dtype is not None:
-                    out.append((name, torch.empty(tuple(sl.get_shape()), dtype=dtype, device="meta")))
+                if dtype is None:
+                    continue
+                shape = tuple(sl.get_shape())
+                if _valued(name, dtype, shape):
+                    out.append((name, f.get_tensor(name)))
+                else:
+                    out.append((name, torch.empty(shape, dtype=dtype, device="meta")))
     return out
+
+
+def _valued(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    return (
+        "scale" in name.rsplit(".", 1)[-1]
+        and dtype.is_floating_point
+        and dtype.itemsize >= 2
+        and math.prod(shape) <= VALUE_NUMEL
+    )

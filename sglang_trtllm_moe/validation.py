@@ -40,6 +40,9 @@ from .formats.base import POSITIVE, LoadRule
 from .layer_state import layer_name, observed, state_of
 
 SHARDS = ("w1", "w2", "w3")
+
+#: how every refusal ends (a whole request's refusal says it once, for all its tensors)
+NOTHING_WRITTEN = "; nothing was written"
 #: checkpoint projection names -> SGLang shard ids (FusedMoE.make_expert_params_mapping of SGLang's model classes)
 PROJECTIONS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
@@ -96,7 +99,7 @@ class Refusal:
         self.where = f"{layer_name(layer)}: refused weight update of {name} ({what})"
 
     def __call__(self, problem: str, expected: str):
-        raise WeightUpdateRefused(f"{self.where}: {problem}; expected {expected}; nothing was written")
+        raise WeightUpdateRefused(f"{self.where}: {problem}; expected {expected}{NOTHING_WRITTEN}")
 
 
 def format_of(layer):
@@ -132,8 +135,9 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     an int) — or None when the layer or the parameter is not managed by the plugin (SGLang's own behaviour).
 
     scope "global": `FusedMoE.weight_loader`'s checkpoint expert id; "local": `_weight_loader_impl`'s local (or,
-    for parameters SGLang keeps for every expert, global) id. headers: `loaded` is a meta tensor standing for a
-    checkpoint tensor not read yet (its safetensors header): name, shard, expert, dtype and shape are checked."""
+    for parameters SGLang keeps for every expert, global) id. headers: `loaded` may be a meta tensor standing for a
+    checkpoint tensor not read yet (its safetensors header): name, shard, expert, dtype and shape are checked, values
+    only where the tensor has them."""
     fmt = format_of(layer)
     if fmt is None:
         return None
@@ -267,7 +271,7 @@ def check_tensor(
             note = " (SGLang would zero-fill the rest)" if short else ""
             refuse(f"shape {shape} does not fit {rule.name} {tuple(view.shape)}{note}", expected)
     rule_values = rule.value_rule(param.dtype)
-    if rule_values is not None and loaded.numel() and not headers:
+    if rule_values is not None and loaded.numel() and dev.type != "meta":  # a header's meta tensor has no values
         bad = _bad_value(loaded, rule_values == POSITIVE)
         if bad is not None:
             want = "finite and > 0" if rule_values == POSITIVE else "finite and >= 0"

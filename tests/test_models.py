@@ -220,6 +220,18 @@ def test_refused_request_writes_nothing(arch, quant):
         assert c["refused"] and not c["changed"], (how, c)
 
 
+@pytest.mark.parametrize("arch,quant", [(a, q) for a, q in FUSED if q in ("nvfp4", "fp8", "fp8_static")])
+def test_non_finite_scale_is_refused_before_a_byte_changes(arch, quant):
+    """A NaN per-tensor scale, by tensor and by disk. On disk the scalar scales are read with the checkpoint's
+    headers, so the whole checkpoint is refused as (False, message) before SGLang restores anything: refused while
+    loading, SGLang's rollback would re-read the same NaN and the entry point raise."""
+    cases = _refused(arch, quant)
+    for how in ("tensor", "disk"):
+        c = cases[f"nan_scale/{how}"]
+        assert c["refused"] and not c["changed"], (how, c)
+        assert c["returned_failure"] and "nan" in c["message"].lower(), (how, c)
+
+
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
 def test_refused_update_is_reported_not_raised(arch, quant):
     """SGLang's update_weights_from_tensor does not catch loader exceptions (a refusal would escape the scheduler

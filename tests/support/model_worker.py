@@ -397,6 +397,15 @@ class Worker:
         if w.element_size() == 1:
             bad["wrong_dtype"] = w.float()
         cases = {k: {wname: t} for k, t in bad.items()}
+        # a NaN per-tensor scale of the same projection (quantized formats with one: NVFP4, FP8 per-tensor)
+        proj = wname.rsplit(".", 1)[0]
+        scalar_scales = [
+            n
+            for n, t in part.items()
+            if n.rsplit(".", 1)[0] == proj and n.rsplit(".", 1)[1] in SCALAR_SCALES and t.numel() == 1
+        ]
+        if scalar_scales:
+            cases["nan_scale"] = {scalar_scales[0]: torch.full_like(part[scalar_scales[0]], float("nan"))}
         mixed = "wrong_dtype" if "wrong_dtype" in bad else "extra_column"
         cases["mixed"] = {**{n: t for n, t in part.items() if n != wname}, wname: bad[mixed]}  # good ones first
         out: dict = {}
@@ -641,6 +650,9 @@ def _explain(model_dir: str) -> dict:
 #: what tests/test_models.py runs (arch, quant, extra on-request checks): every architecture with its NVFP4 and FP8
 #: checkpoint where SGLang builds them with FusedMoE, Mixtral BF16, and the quantized Mixtral SGLang builds without
 #: FusedMoE (explain must say so).
+#: checkpoint suffixes of per-tensor scales (one value per expert and shard), which validation value-checks
+SCALAR_SCALES = ("input_scale", "weight_scale", "weight_scale_2", "weight_global_scale", "input_global_scale")
+
 JOBS = (
     ("qwen3_moe", "nvfp4", ()),
     ("qwen3_moe", "fp8", ()),
