@@ -349,7 +349,10 @@ class WeightFormat:
             return None
         group = self.group_of(name)
         cands = [p.name for p in self.params if p.group == group and p.name != name and "scale" in p.name]
-        common = lambda a: len(os.path.commonprefix([a, name]))  # noqa: E731
+
+        def common(a: str) -> int:
+            return len(os.path.commonprefix([a, name]))
+
         return max(cands, key=common) if cands else None
 
     def dequantize_param(
