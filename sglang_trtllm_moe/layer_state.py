@@ -3,7 +3,8 @@
 Why: RL frameworks write new weights into a live SGLang model (from disk, from tensors, one expert at a time).
 Upstream either writes checkpoint-layout bytes into kernel-layout storage (silent garbage) or re-prepares the
 whole layer, re-shuffling experts that were never reloaded (measured on SGLang 0.5.23: about 86 % of the w13 bytes
-of the other experts wrong after a one-expert NVFP4 update; `sglang-trtllm-moe bench` re-measures it). Here each (group, expert) is either "prepared" or "checkpoint":
+of the other experts wrong after a one-expert NVFP4 update; `sglang-trtllm-moe bench` re-measures it). Here each
+(group, expert) is either "prepared" or "checkpoint":
 
 * before SGLang's loader writes into a prepared expert, that expert's group is returned to checkpoint layout in
   place (exact inverse layouts) and marked dirty;
@@ -27,13 +28,14 @@ import contextlib
 import logging
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from . import layouts
 from .errors import WeightPrepError
-from .formats.base import WeightFormat, set_scalar_
+from .formats.base import Layer, WeightFormat, set_scalar_
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -43,7 +45,7 @@ _LAYERS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _REGISTRY_LOCK = threading.Lock()
 
 
-def layer_name(layer) -> str:
+def layer_name(layer: Layer) -> str:
     prefix = getattr(layer, "_trtllm_moe_prefix", None) or getattr(layer, "prefix", None)
     if prefix:
         return str(prefix)
@@ -71,11 +73,11 @@ class LayerState:
         return not self.scalars_dirty and all(bool(m.all()) for m in self.prepared.values())
 
 
-def state_of(layer) -> LayerState | None:
+def state_of(layer: Layer) -> LayerState | None:
     return getattr(layer, STATE_ATTR, None)
 
 
-def attach(layer, fmt: WeightFormat) -> LayerState:
+def attach(layer: Layer, fmt: WeightFormat) -> LayerState:
     """Start managing a freshly loaded layer: everything is in checkpoint layout, everything is dirty."""
     with _REGISTRY_LOCK:
         st = state_of(layer)
@@ -98,7 +100,7 @@ def attach(layer, fmt: WeightFormat) -> LayerState:
 OBSERVED_ATTR = "_trtllm_moe_observed"
 
 
-def observe(layer, fmt: WeightFormat) -> None:
+def observe(layer: Layer, fmt: WeightFormat) -> None:
     """A layer SGLang prepares itself (compat/defer.py: upstream is right for its format on this release): the
     plugin does not touch its layout, but still validates writes into it against `fmt`'s rules."""
     if isinstance(layer, torch.nn.Module):
@@ -107,17 +109,17 @@ def observe(layer, fmt: WeightFormat) -> None:
         setattr(layer, OBSERVED_ATTR, fmt)
 
 
-def observed(layer) -> WeightFormat | None:
+def observed(layer: Layer) -> WeightFormat | None:
     return getattr(layer, OBSERVED_ATTR, None)
 
 
-def managed_layers() -> list:
+def managed_layers() -> list[Layer]:
     with _REGISTRY_LOCK:
         return list(_LAYERS)
 
 
 @contextlib.contextmanager
-def locked(layer):
+def locked(layer: Layer) -> Iterator[LayerState | None]:
     """Hold `layer`'s lock (a no-op for layers the plugin does not manage): no write or flush of it meanwhile."""
     st = state_of(layer)
     if st is None:
@@ -127,7 +129,7 @@ def locked(layer):
         yield st
 
 
-def before_write(layer, param_name: str, expert_id: int | None) -> None:
+def before_write(layer: Layer, param_name: str, expert_id: int | None) -> None:
     """Called before SGLang's loader writes `param_name` of local expert `expert_id` (None = all experts)."""
     st = state_of(layer)
     if st is None:
@@ -136,7 +138,7 @@ def before_write(layer, param_name: str, expert_id: int | None) -> None:
         _before_write(layer, st, param_name, expert_id)
 
 
-def _before_write(layer, st: LayerState, param_name: str, expert_id: int | None) -> None:
+def _before_write(layer: Layer, st: LayerState, param_name: str, expert_id: int | None) -> None:
     group = st.fmt.group_of(param_name)
     if group is None:
         if param_name in st.fmt.scalar_params:
@@ -159,7 +161,7 @@ def _before_write(layer, st: LayerState, param_name: str, expert_id: int | None)
     st.scalars_dirty = True
 
 
-def flush(layer, chunk: int | None = None) -> int:
+def flush(layer: Layer, chunk: int | None = None) -> int:
     """Prepare exactly the dirty experts of `layer` and recompute its scalars. Returns experts prepared."""
     st = state_of(layer)
     if st is None:
@@ -168,7 +170,7 @@ def flush(layer, chunk: int | None = None) -> int:
         return _flush(layer, st, chunk)
 
 
-def _flush(layer, st: LayerState, chunk: int | None) -> int:
+def _flush(layer: Layer, st: LayerState, chunk: int | None) -> int:
     done = 0
     chunk = chunk or max(1, st.num_experts // 8)
     for group, ids in st.dirty_experts().items():
@@ -220,7 +222,7 @@ def flush_all(end_session: bool = False) -> int:
 SESSION = {"open": False}
 
 
-def unprepare_all(model=None) -> None:
+def unprepare_all(model: torch.nn.Module | None = None) -> None:
     """Every managed layer (of `model`, when given) back to checkpoint layout, in place (before loader-free refits
     that write straight into the parameters, e.g. a `begin_weight_update` session). The next flush prepares them
     again; other models in the process (a draft model) keep running on their prepared weights meanwhile."""
@@ -231,6 +233,7 @@ def unprepare_all(model=None) -> None:
         layers = [layer for layer in layers if id(layer) in mine]
     for layer in layers:
         st = state_of(layer)
+        assert st is not None  # attach() gives a layer its state before it becomes a managed layer
         with st.lock:
             for p in st.fmt.params:
                 _before_write(layer, st, p.name, None)

@@ -16,8 +16,6 @@ Conventions (all checked against flashinfer's own sources, see the per-function 
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
 E2M1_MAX = 6.0
@@ -30,7 +28,7 @@ FP8_BLOCK = 128
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-ScaleLike = Union[float, torch.Tensor]
+ScaleLike = float | torch.Tensor
 
 
 def _as_f32_scalar(s: ScaleLike, device: torch.device) -> torch.Tensor:

@@ -12,12 +12,23 @@ to SGLang's leaf unchanged — except under the emulator, which reads SGLang's b
 from __future__ import annotations
 
 import os
+from types import ModuleType
+from typing import Any
 
 import torch
 
 from . import kernel_api, layer_state
 from .errors import KernelUnavailableError
 from .formats import BF16, NVFP4, KernelCall, WeightFormat
+from .formats.base import Layer
+
+# SGLang objects (SGLang ships no type information): a TopK output, a token dispatcher's output, a leaf's QuantInfo,
+# a MoeRunnerConfig, a StandardCombineInput
+TopKOutput = Any
+DispatchOutput = Any
+QuantInfo = Any
+RunnerConfig = Any
+CombineInput = Any
 
 ENV_EMULATE = "SGLANG_TRTLLM_MOE_EMULATE"
 
@@ -30,7 +41,7 @@ def emulating() -> bool:
     return os.environ.get(ENV_EMULATE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _kernel_backend(layer, device: torch.device):
+def _kernel_backend(layer: Layer, device: torch.device) -> tuple[ModuleType, bool]:
     """(module with flashinfer's trtllm_* signatures, on_kernel)."""
     if emulating():
         from . import emulator
@@ -40,22 +51,22 @@ def _kernel_backend(layer, device: torch.device):
         import flashinfer.fused_moe as fi
 
         return fi, True
-    where = "CPU" if device.type != "cuda" else "SM%d%d" % torch.cuda.get_device_capability(device)
+    where = "CPU" if device.type != "cuda" else "SM{}{}".format(*torch.cuda.get_device_capability(device))
     raise KernelUnavailableError(
         f"{layer_state.layer_name(layer)}: the flashinfer_trtllm MoE kernels need an SM100 (Blackwell, compute "
-        f"capability 10.x) GPU and this layer runs on {where}. Set {ENV_EMULATE}=1 to run the sglang-trtllm-moe PyTorch "
-        "emulator on the same prepared weights, or choose another --moe-runner-backend."
+        f"capability 10.x) GPU and this layer runs on {where}. Set {ENV_EMULATE}=1 to run the sglang-trtllm-moe "
+        "PyTorch emulator on the same prepared weights, or choose another --moe-runner-backend."
     )
 
 
-def ensure_prepared(layer) -> None:
+def ensure_prepared(layer: Layer) -> None:
     """A layer with experts left in checkpoint layout (e.g. after update_weights_from_tensor) is flushed first."""
     st = layer_state.state_of(layer)
     if st is not None and not st.clean:
         layer_state.flush(layer)
 
 
-def routing_declared(layer) -> bool:
+def routing_declared(layer: Layer) -> bool:
     """Does the layer say how its router routes? A model class passes `routing_method_type` to FusedMoE (Qwen3-MoE:
     Renormalize, DeepSeek / Nemotron-H / GLM: DeepSeekV3), which keeps it on the layer and its runner config;
     Mixtral does not (compat.features.TRTLLM_ROUTING_GUESSED: SGLang then lets the kernel guess)."""
@@ -68,14 +79,21 @@ def routing_declared(layer) -> bool:
     return False
 
 
-def needs_own_topk(layer, topk_output) -> bool:
+def needs_own_topk(layer: Layer, topk_output: TopKOutput) -> bool:
     """A TopK output that leaves routing to the kernel, for a layer that declares no routing method."""
     from sglang.srt.layers.moe.topk import TopKOutputChecker
 
     return TopKOutputChecker.format_is_bypassed(topk_output) and not routing_declared(layer)
 
 
-def routing_kwargs(topk_output, method, runner_config, routed: bool, hidden=None, layer=None) -> tuple[dict, bool]:
+def routing_kwargs(
+    topk_output: TopKOutput,
+    method: int | None,
+    runner_config: RunnerConfig,
+    routed: bool,
+    hidden: torch.Tensor | None = None,
+    layer: Layer | None = None,
+) -> tuple[dict, bool]:
     """Kernel routing arguments: logits + method (bypassed TopK), or precomputed top-k (routed variant). A layer
     that declares no routing method gets SGLang's own top-k (`select_experts`, the router its model asked for) and
     the routed kernel, instead of a guessed in-kernel method."""
@@ -86,6 +104,8 @@ def routing_kwargs(topk_output, method, runner_config, routed: bool, hidden=None
 
         from sglang.srt.layers.moe.topk import select_experts
 
+        if hidden is None:
+            raise ValueError("routing_kwargs: SGLang's own top-k for a layer needs its input activations (hidden=)")
         # SGLang's own selection, on the path TopK itself takes on this device (its torch-native one off CUDA)
         cfg = dataclasses.replace(topk_output.topk_config, torch_native=hidden.device.type != "cuda")
         topk_output = select_experts(hidden, topk_output.router_logits, cfg)
@@ -120,7 +140,13 @@ def routing_kwargs(topk_output, method, runner_config, routed: bool, hidden=None
     ), False
 
 
-def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_routed_topk: bool = False):
+def run(
+    fmt: WeightFormat,
+    dispatch_output: DispatchOutput,
+    quant_info: QuantInfo,
+    runner_config: RunnerConfig,
+    use_routed_topk: bool = False,
+) -> CombineInput:
     """The layer through `fmt`'s kernel family; returns SGLang's combine input."""
     from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 
@@ -156,7 +182,9 @@ def run(fmt: WeightFormat, dispatch_output, quant_info, runner_config, use_route
     return StandardCombineInput(hidden_states=out.to(out_dtype))
 
 
-def format_for(leaf: str, runner_config, dispatch_output=None) -> WeightFormat | None:
+def format_for(
+    leaf: str, runner_config: RunnerConfig, dispatch_output: DispatchOutput | None = None
+) -> WeightFormat | None:
     """The format to run a layer with on SGLang's `leaf` ("fp4" | "fp8" | "bf16"), or None for SGLang's own leaf:
     a layer the plugin prepared runs on its format; a layer SGLang prepared that the plugin watches (compat/defer.py)
     runs on its format under the emulator, or where SGLang's leaf would guess an undeclared routing method; under the

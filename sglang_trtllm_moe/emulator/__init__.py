@@ -14,4 +14,19 @@ from .fp8_block import trtllm_fp8_block_scale_moe, trtllm_fp8_block_scale_routed
 from .fp8_tensor import trtllm_fp8_per_tensor_scale_moe, trtllm_fp8_per_tensor_scale_routed_moe
 from .nvfp4 import trtllm_fp4_block_scale_moe, trtllm_fp4_block_scale_routed_moe
 
-__all__ = ["ActivationType", "WeightLayout", "Fp8QuantizationType", "is_gated", "KERNEL_FUNCTIONS", *KERNEL_FUNCTIONS]
+__all__ = [
+    "ActivationType",
+    "WeightLayout",
+    "Fp8QuantizationType",
+    "is_gated",
+    "KERNEL_FUNCTIONS",
+    # the entry points: every name in KERNEL_FUNCTIONS, in its order
+    "trtllm_fp4_block_scale_moe",
+    "trtllm_fp4_block_scale_routed_moe",
+    "trtllm_fp8_block_scale_moe",
+    "trtllm_fp8_block_scale_routed_moe",
+    "trtllm_fp8_per_tensor_scale_moe",
+    "trtllm_fp8_per_tensor_scale_routed_moe",
+    "trtllm_bf16_moe",
+    "trtllm_bf16_routed_moe",
+]

@@ -1,4 +1,5 @@
-"""BF16 (weights row-prepared then block-major K, passed as [E, K/64, M, 64]): flashinfer `trtllm_bf16_moe` / `_routed_moe`."""
+"""BF16 (weights row-prepared then block-major K, passed as [E, K/64, M, 64]): flashinfer `trtllm_bf16_moe` /
+`_routed_moe`."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _bf16_impl(
     if hidden_states.dtype != torch.bfloat16:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (BF16 MoE takes bf16 activations)")
     T, H = hidden_states.shape
-    M, I = _gemm1_rows(intermediate_size, act), intermediate_size
+    M, inter = _gemm1_rows(intermediate_size, act), intermediate_size
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
     dev = hidden_states.device
@@ -69,7 +70,7 @@ def _bf16_impl(
 
     def expert(e, rows, _w):
         w1 = _bf16_weights(gemm1_weights, M, H, inv1, e)
-        w2 = _bf16_weights(gemm2_weights, H, I, inv2, e)
+        w2 = _bf16_weights(gemm2_weights, H, inter, inv2, e)
         h = _activate(
             rows @ w1.t(),
             act,

@@ -19,7 +19,7 @@ raise NotImplementedError naming the option, never silently compute something el
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -134,10 +134,10 @@ def _activate(
 # Shared driver: routing, grouping by expert, finalize
 # ----------------------------------------------------------------------------------------------------------------
 
-ExpertFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+ExpertFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def _groups(ids: torch.Tensor, offset: int, n_local: int):
+def _groups(ids: torch.Tensor, offset: int, n_local: int) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (local expert, flat slot indices) for each local expert that received slots; flat slot = t * K + k."""
     flat = ids.reshape(-1).long() - int(offset)
     slots = ((flat >= 0) & (flat < int(n_local))).nonzero().squeeze(1)
@@ -147,8 +147,7 @@ def _groups(ids: torch.Tensor, offset: int, n_local: int):
     if slots.numel() == 0:
         return
     uniq, counts = torch.unique_consecutive(experts, return_counts=True)
-    for e, s in zip(uniq.tolist(), torch.split(slots, counts.tolist())):
-        yield e, s
+    yield from zip(uniq.tolist(), torch.split(slots, counts.tolist()), strict=True)
 
 
 def _run(

@@ -95,19 +95,19 @@ def _fp8_block_impl(
     if hidden_states.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (only e4m3 activations are emulated)")
     T, H = hidden_states.shape
-    M, I = 2 * intermediate_size, intermediate_size
-    if H % 128 or I % 128:
-        raise ValueError(f"DeepSeek FP8 needs hidden ({H}) and intermediate ({I}) sizes that are multiples of 128")
+    M, inter = 2 * intermediate_size, intermediate_size
+    if H % 128 or inter % 128:
+        raise ValueError(f"DeepSeek FP8 needs hidden ({H}) and intermediate ({inter}) sizes that are multiples of 128")
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if int(weight_layout) == WeightLayout.BlockMajorK:
         w1_all, w2_all = layouts.from_block_major_k(gemm1_weights), layouts.from_block_major_k(gemm2_weights)
     else:
         w1_all, w2_all = gemm1_weights, gemm2_weights
-    if tuple(w1_all.shape[1:]) != (M, H) or tuple(w2_all.shape[1:]) != (H, I):
+    if tuple(w1_all.shape[1:]) != (M, H) or tuple(w2_all.shape[1:]) != (H, inter):
         raise ValueError(
             f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
-            f"[E, {M}, {H}]/[E, {H}, {I}] in layout {int(weight_layout)}"
+            f"[E, {M}, {H}]/[E, {H}, {inter}] in layout {int(weight_layout)}"
         )
     x = quant.fp8_group_dequantize(hidden_states, hidden_states_scale.t().reshape(T, H // 128), 128)
 
@@ -173,15 +173,16 @@ def _mxfp8_impl(
             raise ValueError(f"MxFp8: {name} must be uint8 UE8M0 bytes, got {None if t is None else t.dtype}")
     gated = is_gated(act)
     T, H = hidden_states.shape
-    I = intermediate_size
-    M = 2 * I if gated else I
-    if H % 128 or I % 128:
-        raise ValueError(f"MxFp8 needs hidden ({H}) and intermediate ({I}) sizes that are multiples of 128")
+    inter = intermediate_size
+    M = 2 * inter if gated else inter
+    if H % 128 or inter % 128:
+        raise ValueError(f"MxFp8 needs hidden ({H}) and intermediate ({inter}) sizes that are multiples of 128")
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
-    if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, I):
+    if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, inter):
         raise ValueError(
-            f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold [E, {M}, {H}]/[E, {H}, {I}]"
+            f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
+            f"[E, {M}, {H}]/[E, {H}, {inter}]"
         )
     dev = hidden_states.device
     E = local_num_experts
@@ -193,7 +194,7 @@ def _mxfp8_impl(
         w1 = _unshuffle_rows(gemm1_weights[e], inv1)
         s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // 32).index_select(0, inv1)
         w2 = _unshuffle_rows(gemm2_weights[e], inv2)
-        s2 = _expert_sf(gemm2_weights_scale, e, E, H, I // 32).index_select(0, inv2)
+        s2 = _expert_sf(gemm2_weights_scale, e, E, H, inter // 32).index_select(0, inv2)
         a1 = rows @ quant.mxfp8_dequantize(w1, s1).t()
         h = _activate(
             a1,

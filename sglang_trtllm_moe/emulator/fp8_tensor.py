@@ -1,4 +1,5 @@
-"""FP8 per-tensor (e4m3 weights and activations, per-expert scalars): flashinfer `trtllm_fp8_per_tensor_scale_moe` / `_routed_moe`."""
+"""FP8 per-tensor (e4m3 weights and activations, per-expert scalars): flashinfer `trtllm_fp8_per_tensor_scale_moe` /
+`_routed_moe`."""
 
 from __future__ import annotations
 
@@ -45,12 +46,12 @@ def _fp8_tensor_impl(
     if hidden_states.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (only e4m3 activations are emulated)")
     T, H = hidden_states.shape
-    M, I = _gemm1_rows(intermediate_size, act), intermediate_size
+    M, inter = _gemm1_rows(intermediate_size, act), intermediate_size
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
-    if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, I):
+    if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, inter):
         raise ValueError(
-            f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} != [E, {M}, {H}]/[E, {H}, {I}]"
+            f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} != [E, {M}, {H}]/[E, {H}, {inter}]"
         )
     dev = hidden_states.device
     inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))

@@ -77,7 +77,7 @@ def _fp4_impl(
     else:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} with FP4 weights")
     M = _gemm1_rows(intermediate_size, act)
-    I = intermediate_size
+    inter = intermediate_size
     _check_local("gemm1_weights", gemm1_weights, local_num_experts)
     _check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H // 2):
@@ -85,8 +85,8 @@ def _fp4_impl(
             f"gemm1_weights shape {tuple(gemm1_weights.shape)} != [E, {M}, {H // 2}] for "
             f"intermediate_size={intermediate_size}, activation {_act_name(act)}, hidden {H}"
         )
-    if tuple(gemm2_weights.shape[1:]) != (H, I // 2):
-        raise ValueError(f"gemm2_weights shape {tuple(gemm2_weights.shape)} != [E, {H}, {I // 2}]")
+    if tuple(gemm2_weights.shape[1:]) != (H, inter // 2):
+        raise ValueError(f"gemm2_weights shape {tuple(gemm2_weights.shape)} != [E, {H}, {inter // 2}]")
     E = local_num_experts
     mx = gemm1_weights_scale.numel() != _sf_numel(E, M, H // 16)  # the launcher's rule: NVFP4 iff numel == K/16
     if mx and gemm1_weights_scale.numel() != _sf_numel(E, M, H // 32):
@@ -132,7 +132,7 @@ def _fp4_impl(
         w1 = _unshuffle_rows(gemm1_weights[e], inv1)
         s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // block).index_select(0, inv1)
         w2 = _unshuffle_rows(gemm2_weights[e], inv2)
-        s2 = _expert_sf(gemm2_weights_scale, e, E, H, I // block).index_select(0, inv2)
+        s2 = _expert_sf(gemm2_weights_scale, e, E, H, inter // block).index_select(0, inv2)
         a1 = rows @ dequant_w(w1, s1).t()
         if gemm1_bias is not None:
             a1 = a1 + gemm1_bias[e].float().index_select(0, inv1)

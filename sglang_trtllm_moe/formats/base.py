@@ -14,7 +14,7 @@ the whole group of that expert to checkpoint layout. Scalars are recomputed from
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,6 +26,9 @@ from .. import layouts
 TRTLLM = "flashinfer_trtllm"
 TRTLLM_ROUTED = "flashinfer_trtllm_routed"
 BACKENDS = (TRTLLM, TRTLLM_ROUTED)
+
+#: an SGLang FusedMoE layer (or a stand-in with its attributes); SGLang ships no type information
+Layer = Any
 
 
 #: Kinds of parameter a weight update writes; validation.py applies one rule set per kind (docs/RELIABILITY.md).
@@ -156,7 +159,9 @@ class WeightFormat:
     flashinfer_mxfp4: reported by selection, never auto-selected), `accepts_prequantized` (activations quantized by
     the dispatcher reach `kernel_args` as `KernelCall.hidden_scale`)."""
 
-    name: ClassVar[str] = "base"
+    # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
+    # per instance (Fp8PerTensor)
+    name: str = "base"
     params: ClassVar[tuple[ParamLayout, ...]] = ()
     #: parameters whose writes only change scalars (recomputed at every flush)
     scalar_params: ClassVar[tuple[str, ...]] = ()
@@ -164,14 +169,14 @@ class WeightFormat:
     #: "input" is in the name else TENSOR_SCALE, values POSITIVE)
     scalar_rules: ClassVar[Mapping[str, LoadRule]] = {}
     kernel: ClassVar[str] = ""
-    quantizations: ClassVar[Mapping[str, frozenset]] = {}
+    quantizations: Mapping[str, frozenset] = {}
     gated_activations: ClassVar[frozenset[str]] = frozenset()
     non_gated_activations: ClassVar[frozenset[str]] = frozenset()
     intermediate_align: ClassVar[tuple[int, int]] = (128, 128)
     #: w2's rows are the hidden dim and go through the same 128-row scale/shuffle tiling
     hidden_align: ClassVar[int] = 128
     #: a sentence naming the format in reports ("NVFP4 (modelopt_fp4)")
-    title: ClassVar[str] = ""
+    title: str = ""
     #: why the activation sets are what they are, added to a refusal (e.g. a kernel that only implements SwiGLU)
     activation_note: ClassVar[str] = ""
     #: the runner may hand `kernel_args` activations the dispatcher already quantized (KernelCall.hidden_scale)
@@ -212,7 +217,7 @@ class WeightFormat:
 
     # ---- geometry -------------------------------------------------------------------------------------------
     @staticmethod
-    def is_gated(layer) -> bool:
+    def is_gated(layer: Layer) -> bool:
         return bool(layer.moe_runner_config.is_gated)
 
     def groups(self) -> tuple[str, ...]:
@@ -242,33 +247,33 @@ class WeightFormat:
             self.__dict__["_load_rules"] = rules
         return rules.get(param_name)
 
-    def converted_by_sglang(self, layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
+    def converted_by_sglang(self, layer: Layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
         """True when SGLang's loader converts this write itself before storing it (its own dtypes and shapes, e.g. a
         fused FP8 shared expert requantized into FP4-expert storage): validation checks only the shard and expert id.
         `scope`: "global" (a checkpoint expert id) or "local"."""
         return False
 
-    def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
+    def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
         if p.group == "w13":
             return layouts.w13_row_map(m, self.is_gated(layer), device=t.device)
         return layouts.w2_row_map(m, device=t.device)
 
     # ---- how a parameter is seen --------------------------------------------------------------------------------
-    def tensor(self, layer, p: ParamLayout) -> torch.Tensor:
+    def tensor(self, layer: Layer, p: ParamLayout) -> torch.Tensor:
         """Parameter `p`'s storage as the layout machinery works on it, [experts, rows, cols] (MAY be overridden
         where the release shows the prepared parameter in another shape: BF16's 4-D block layout)."""
         return getattr(layer, p.name).data
 
-    def prepared_at_attach(self, layer, group: str) -> bool:
+    def prepared_at_attach(self, layer: Layer, group: str) -> bool:
         """True when `group` already holds kernel layout when the plugin first sees the layer (SGLang prepared it)."""
         return False
 
-    def on_layout(self, layer, group: str, all_prepared: bool) -> None:
+    def on_layout(self, layer: Layer, group: str, all_prepared: bool) -> None:
         """After `group`'s layout state changed: give its Parameters the shape this release shows for that state
         (same storage; only a view changes). Default: shapes never change."""
 
-    def check_layout(self, layer) -> str | None:
+    def check_layout(self, layer: Layer) -> str | None:
         """None when every parameter can be laid out in place and the kernel computes the layer's activation;
         else a sentence naming the problem. Reads everything a flush will read first: an object that lacks any of
         it raises (AttributeError) — the caller hands such a layer back to SGLang, it is not a kernel limitation."""
@@ -287,7 +292,10 @@ class WeightFormat:
                 return f"{p.name} has shape {tuple(t.shape)}, expected [experts, rows, cols]"
             m = t.shape[1]
             if p.permute_rows and m % 32:
-                return f"{p.name} has {m} rows; the kernel's row shuffle needs a multiple of 32 (pad the intermediate size)"
+                return (
+                    f"{p.name} has {m} rows; the kernel's row shuffle needs a multiple of 32 (pad the intermediate "
+                    "size)"
+                )
             if p.sf_swizzle and (m % layouts.SF_ROW_TILE or t.shape[2] % layouts.SF_COL_TILE):
                 return (
                     f"{p.name} is {tuple(t.shape)}; the 128x4 scale layout needs rows % 128 == 0 and cols % 4 == 0 "
@@ -296,7 +304,7 @@ class WeightFormat:
         return None
 
     # ---- layout, per group and experts ----------------------------------------------------------------------
-    def prepare_(self, layer, group: str, experts) -> None:
+    def prepare_(self, layer: Layer, group: str, experts: Sequence[int]) -> None:
         for p in self.params:
             if p.group != group:
                 continue
@@ -315,7 +323,7 @@ class WeightFormat:
             elif rmap is not None:
                 layouts.permute_rows_(t, rmap, experts=experts)
 
-    def unprepare_(self, layer, group: str, experts) -> None:
+    def unprepare_(self, layer: Layer, group: str, experts: Sequence[int]) -> None:
         for p in self.params:
             if p.group != group:
                 continue
@@ -341,10 +349,15 @@ class WeightFormat:
             return None
         group = self.group_of(name)
         cands = [p.name for p in self.params if p.group == group and p.name != name and "scale" in p.name]
-        common = lambda a: len(os.path.commonprefix([a, name]))  # noqa: E731
+
+        def common(a: str) -> int:
+            return len(os.path.commonprefix([a, name]))
+
         return max(cands, key=common) if cands else None
 
-    def dequantize_param(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None):
+    def dequantize_param(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Checkpoint-layout `[E, M, K]` (+ its block scales) -> (float32 values, float32 per-element tolerance).
 
         The tolerance is one step of the quantization grid at each value (SGLang's `_quant_ulp` rule), so two
@@ -368,7 +381,7 @@ class WeightFormat:
         return q * s, tol * s
 
     # ---- scalars --------------------------------------------------------------------------------------------
-    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         return {}
 
     # ---- the kernel -------------------------------------------------------------------------------------------
@@ -387,7 +400,7 @@ class WeightFormat:
         raise NotImplementedError(f"format {self.name} has no kernel arguments")
 
 
-def set_scalar_(layer, name: str, value: torch.Tensor) -> None:
+def set_scalar_(layer: Layer, name: str, value: torch.Tensor) -> None:
     """Create a kernel scalar once, then update it in place forever after (storage-stable for CUDA graphs)."""
     value = value.detach()
     cur = getattr(layer, name, None)

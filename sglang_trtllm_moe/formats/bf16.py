@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import layouts
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 BLOCK_K_BYTES = 128
 
@@ -41,17 +41,17 @@ class Bf16(WeightFormat):
     # SGLang shows a prepared BF16 layer's Parameters 4-D ([E, K/64, M, 64], the kernel's BlockMajorK view) and a
     # loadable one 3-D ([E, M, K]); the plugin keeps that contract (compat/defer.py: where it prepares BF16 itself):
     # the same storage seen through either view, 4-D exactly when every expert of the group is prepared.
-    def tensor(self, layer, p: ParamLayout) -> torch.Tensor:
+    def tensor(self, layer: Layer, p: ParamLayout) -> torch.Tensor:
         t = getattr(layer, p.name).data
         if t.dim() == 4:
             e, nb, m, bk = t.shape
             return t.view(e, m, nb * bk)
         return t
 
-    def prepared_at_attach(self, layer, group: str) -> bool:
+    def prepared_at_attach(self, layer: Layer, group: str) -> bool:
         return all(getattr(layer, p.name).data.dim() == 4 for p in self.params if p.group == group)
 
-    def on_layout(self, layer, group: str, all_prepared: bool) -> None:
+    def on_layout(self, layer: Layer, group: str, all_prepared: bool) -> None:
         for p in self.params:
             if p.group != group:
                 continue
@@ -64,7 +64,7 @@ class Bf16(WeightFormat):
         ParamLayout("w2_weight", "w2", block_major_k=True),
     )
 
-    def check_layout(self, layer) -> str | None:
+    def check_layout(self, layer: Layer) -> str | None:
         cfg = layer.moe_runner_config
         if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None:
             return (
@@ -83,7 +83,8 @@ class Bf16(WeightFormat):
             if (t.shape[2] * t.element_size()) % BLOCK_K_BYTES:
                 return (
                     f"{p.name} rows are {t.shape[2]} elements; BlockMajorK needs a multiple of "
-                    f"{BLOCK_K_BYTES // t.element_size()} (pad the {'hidden' if p.group == 'w13' else 'intermediate'} size)"
+                    f"{BLOCK_K_BYTES // t.element_size()} "
+                    f"(pad the {'hidden' if p.group == 'w13' else 'intermediate'} size)"
                 )
         return None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import TRTLLM, Checkpoint, ParamLayout, WeightFormat
+from .base import TRTLLM, Checkpoint, Layer, ParamLayout, WeightFormat
 from .nvfp4 import NvFp4
 
 
@@ -46,7 +46,7 @@ class CtNvFp4(NvFp4):
     #: kernel-side names SGLang's apply reads -> the loaded Parameter they alias
     aliases = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}
 
-    def row_map(self, layer, p, t):
+    def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         rmap = super().row_map(layer, p, t)
         if p.group == "w13" and self.is_gated(layer):
             m = t.shape[1]
@@ -57,12 +57,12 @@ class CtNvFp4(NvFp4):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "compressed-tensors" and checkpoint.quant_scheme == "nvfp4"
 
-    def scale_of(self, name):
+    def scale_of(self, name: str) -> str | None:
         if name.endswith("_weight_packed"):
             return name[: -len("_packed")] + "_scale"
         return super().scale_of(name)
 
-    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         gated = self.is_gated(layer)
         e = layer.w13_weight_packed.shape[0]
         # exactly SGLang's expressions (compressed_tensors_w4a4_nvfp4_moe.py), so the bits match

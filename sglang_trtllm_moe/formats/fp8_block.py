@@ -15,13 +15,15 @@ supports ActivationType::Swiglu" for anything else, trtllm_fused_moe_kernel_laun
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 BLOCK = 128
 
 
-def _swiglu_limits(quant_info) -> dict:
+def _swiglu_limits(quant_info: Any) -> dict:  # SGLang QuantInfo (no type information)
     names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
     if not features.FP8_QUANT_INFO_SWIGLU.present():
         return dict.fromkeys(names)
@@ -53,7 +55,7 @@ class Fp8Block(WeightFormat):
         ParamLayout("w2_weight_scale_inv", "w2", permute_rows=False),
     )
 
-    def check_layout(self, layer) -> str | None:
+    def check_layout(self, layer: Layer) -> str | None:
         problem = super().check_layout(layer)
         if problem:
             return problem
@@ -61,8 +63,9 @@ class Fp8Block(WeightFormat):
         i = layer.w2_weight.shape[2]
         if h % BLOCK or i % BLOCK or m != 2 * i:
             return (
-                f"w13 {tuple(layer.w13_weight.shape)} / w2 {tuple(layer.w2_weight.shape)}: the kernel needs hidden and "
-                f"(padded) intermediate sizes that are multiples of {BLOCK} and w13 = [up; gate] of 2 x intermediate rows"
+                f"w13 {tuple(layer.w13_weight.shape)} / w2 {tuple(layer.w2_weight.shape)}: the kernel needs hidden "
+                f"and (padded) intermediate sizes that are multiples of {BLOCK} and w13 = [up; gate] of 2 x "
+                "intermediate rows"
             )
         want13 = (e, m // BLOCK, h // BLOCK)
         want2 = (e, h // BLOCK, i // BLOCK)

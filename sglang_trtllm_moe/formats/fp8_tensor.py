@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import layouts
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from ..layouts.maps import _cached, _norm_device
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 
 def _swap_halves_map(m: int) -> torch.Tensor:
@@ -58,15 +58,15 @@ class Fp8PerTensor(WeightFormat):
             and (want.activation_scheme is None or checkpoint.activation_scheme == want.activation_scheme)
         )
 
-    def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
+    def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         base = super().row_map(layer, p, t)
         if p.group != "w13" or not self.gate_first or not self.is_gated(layer):
             return base
-        m, dev = t.shape[1], layouts._norm_device(t.device)
+        m, dev = t.shape[1], _norm_device(t.device)
         # kernel row r = logical [up; gate] row base[r] = stored [gate; up] row swap[base[r]]
-        return layouts._cached(("fp8-w13-gate-first", m, True, 128, dev), lambda: _swap_halves_map(m).to(dev)[base])
+        return _cached(("fp8-w13-gate-first", m, True, 128, dev), lambda: _swap_halves_map(m).to(dev)[base])
 
-    def check_layout(self, layer) -> str | None:
+    def check_layout(self, layer: Layer) -> str | None:
         problem = super().check_layout(layer)
         if problem:
             return problem
@@ -83,7 +83,7 @@ class Fp8PerTensor(WeightFormat):
                 )
         return None
 
-    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         a1 = layer.w13_input_scale.data.max().to(torch.float32)
         a2 = layer.w2_input_scale.data.max().to(torch.float32)
         s = layer.w13_weight_scale.data.to(torch.float32)

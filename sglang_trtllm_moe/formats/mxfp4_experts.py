@@ -22,11 +22,13 @@ the release's pre-prep dtype (float32): docs/COMPAT.md. Pad scale rows/columns a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .. import layouts
 from ..layouts.maps import _cached, _norm_device
-from .base import NONNEGATIVE, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import NONNEGATIVE, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .mxfp8 import MX_BLOCK
 
 FLASHINFER_MXFP4 = "flashinfer_mxfp4"
@@ -71,7 +73,7 @@ class Mxfp4Experts(WeightFormat):
         "w2_weight_scale_inv": (torch.float8_e8m0fnu, torch.float32),
     }
 
-    def converted_by_sglang(self, layer, param_name, loaded, expert, scope) -> bool:
+    def converted_by_sglang(self, layer: Layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
         if not getattr(layer, "_has_fused_shared", False):
             return False
         first_shared = getattr(layer, "_num_global_routed" if scope == "global" else "_num_local_routed", None)
@@ -86,7 +88,7 @@ class Mxfp4Experts(WeightFormat):
 
     # ---- storage --------------------------------------------------------------------------------------------------
     @staticmethod
-    def allocation_problem(layer, intermediate: int, hidden: int) -> str | None:
+    def allocation_problem(layer: Layer, intermediate: int, hidden: int) -> str | None:
         from ..compat import features
 
         if not layer.moe_runner_config.is_gated or layer.moe_runner_config.activation != "silu":
@@ -100,7 +102,7 @@ class Mxfp4Experts(WeightFormat):
             )
         return None
 
-    def allocate_(self, layer, intermediate: int, hidden: int) -> None:
+    def allocate_(self, layer: Layer, intermediate: int, hidden: int) -> None:
         """Replace SGLang's just-created Parameters (same names and attributes, nothing loaded yet) by the kernel's
         final width: scales float8_e8m0fnu filled with 1.0, weights padded per half to 128."""
         ip = layouts.maps._round_up(intermediate, 128)
@@ -122,19 +124,19 @@ class Mxfp4Experts(WeightFormat):
             layer.register_parameter(name, new)
 
     # ---- layout ---------------------------------------------------------------------------------------------------
-    def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
+    def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
         if p.group == "w2":
             return layouts.w2_row_map(m, device=t.device)
         dev = _norm_device(t.device)
 
-        def build():  # checkpoint [gate; up] per padded half -> [up; gate] -> the kernel's w13 map
+        def build() -> torch.Tensor:  # checkpoint [gate; up] per padded half -> [up; gate] -> the kernel's w13 map
             swap = (torch.arange(m, device=dev) + m // 2) % m
             return swap[layouts.w13_row_map(m, True, device=dev)]
 
         return _cached(("mxfp4_experts_w13", m, dev), build)
 
-    def pad_(self, layer, group: str, experts) -> None:
+    def pad_(self, layer: Layer, group: str, experts: Sequence[int]) -> None:
         """Re-set the pad scale bytes (intermediate rows / columns past I) of `experts` to the UE8M0 one, as SGLang
         pads (the loader zero-fills them from 0.5.23, leaves them before): idempotent, in checkpoint layout."""
         i = getattr(layer, "_trtllm_moe_unpadded_intermediate", None)
@@ -151,11 +153,11 @@ class Mxfp4Experts(WeightFormat):
             s2 = layer.w2_weight_scale_inv.data.view(torch.uint8)
             s2[ids.to(s2.device), :, i // MX_BLOCK :] = UE8M0_ONE
 
-    def prepare_(self, layer, group: str, experts) -> None:
+    def prepare_(self, layer: Layer, group: str, experts: Sequence[int]) -> None:
         self.pad_(layer, group, experts)
         super().prepare_(layer, group, experts)
 
-    def check_layout(self, layer) -> str | None:
+    def check_layout(self, layer: Layer) -> str | None:
         problem = super().check_layout(layer)
         if problem:
             return problem
@@ -174,7 +176,9 @@ class Mxfp4Experts(WeightFormat):
         return None
 
     # ---- checker ----------------------------------------------------------------------------------------------------
-    def dequantize_param(self, name, weight, scale):
+    def dequantize_param(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed e2m1 `[E, M, K/2]` x linear UE8M0 `[E, M, K/32]` -> values and one e2m1 step per value."""
         from .. import quant
         from .mxfp8 import ue8m0_tolerance
@@ -223,7 +227,7 @@ class Mxfp4Experts(WeightFormat):
         )
 
 
-def mxfp4_activations(call: KernelCall, precision: str, hidden: int):
+def mxfp4_activations(call: KernelCall, precision: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(hidden_states, hidden_states_scale) for the MXFP4 kernels: "default" = MXFP8 with a linear [T, H/32] scale
     viewed as float8_e4m3fn (SGLang's views), "bf16" = the activations zero-padded to the kernel's hidden size."""
     x = call.hidden

@@ -22,13 +22,18 @@ every scale byte wrong). Here the biases are allocated fp32 at create time (the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import layouts
 from ..layouts.maps import _cached, _norm_device
-from .base import Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
+
+#: SGLang's Mxfp4MoEMethod (no type information)
+QuantMethod = Any
 
 
 class Mxfp4GptOss(WeightFormat):
@@ -59,7 +64,7 @@ class Mxfp4GptOss(WeightFormat):
 
     # ---- storage --------------------------------------------------------------------------------------------------
     @staticmethod
-    def on_trtllm_gen(method) -> bool:
+    def on_trtllm_gen(method: QuantMethod) -> bool:
         """SGLang's Mxfp4MoEMethod picked FlashInfer's SM100 TRT-LLM-Gen kernel for the layer."""
         from ..compat import features
 
@@ -68,7 +73,7 @@ class Mxfp4GptOss(WeightFormat):
         return bool(getattr(method, "use_flashinfer", False))  # 0.5.11: flashinfer_mxfp4 on SM100 is trtllm-gen
 
     @staticmethod
-    def allocation_problem(method, layer) -> str | None:
+    def allocation_problem(method: QuantMethod, layer: Layer) -> str | None:
         cfg = layer.moe_runner_config
         for flag in ("use_marlin", "use_deep_gemm", "use_mega_moe"):
             if getattr(method, flag, False):
@@ -82,7 +87,7 @@ class Mxfp4GptOss(WeightFormat):
         return None
 
     @staticmethod
-    def allocate_(layer) -> None:
+    def allocate_(layer: Layer) -> None:
         """Biases at the kernel's fp32 width from the start (same shape and attributes, zeros as SGLang's)."""
         for name in ("w13_weight_bias", "w2_weight_bias"):
             old = getattr(layer, name)
@@ -96,18 +101,18 @@ class Mxfp4GptOss(WeightFormat):
             layer.register_parameter(name, new)
 
     # ---- layout ---------------------------------------------------------------------------------------------------
-    def row_map(self, layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
+    def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
         if p.group == "w2":
             return layouts.w2_row_map(m, device=t.device)
         dev = _norm_device(t.device)
 
-        def build():  # checkpoint rows g0, u0, g1, u1, ... -> u0, g0, u1, g1, ... -> shuffle
+        def build() -> torch.Tensor:  # checkpoint rows g0, u0, g1, u1, ... -> u0, g0, u1, g1, ... -> shuffle
             return (torch.arange(m, device=dev) ^ 1)[layouts.shuffle_map(m, device=dev)]
 
         return _cached(("mxfp4_gptoss_w13", m, dev), build)
 
-    def check_layout(self, layer) -> str | None:
+    def check_layout(self, layer: Layer) -> str | None:
         cfg = layer.moe_runner_config
         problem = self.activation_problem(cfg.activation, bool(cfg.is_gated))
         if problem:
@@ -137,7 +142,9 @@ class Mxfp4GptOss(WeightFormat):
             return None  # dense fp32, compared on its own
         return super().scale_of(name)
 
-    def dequantize_param(self, name, weight, scale):
+    def dequantize_param(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from .. import quant
 
         if name.endswith("_bias"):
@@ -147,7 +154,7 @@ class Mxfp4GptOss(WeightFormat):
         return quant.mxfp4_dequantize(weight, scale), ue8m0_tolerance(fp4_step(weight), scale)
 
     # ---- scalars ----------------------------------------------------------------------------------------------------
-    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         """SGLang's expressions (mxfp4.py process_weights_after_loading, 0.5.17+), sized by the local experts."""
         cfg = layer.moe_runner_config
         e = layer.w13_weight.shape[0]

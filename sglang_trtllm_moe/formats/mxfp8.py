@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 MX_BLOCK = 32
 
@@ -72,7 +72,7 @@ class Mxfp8(WeightFormat):
             return frozenset()
         return super().activations(gated)
 
-    def check_layout(self, layer) -> str | None:
+    def check_layout(self, layer: Layer) -> str | None:
         problem = super().check_layout(layer)
         if problem:
             return problem
@@ -96,7 +96,9 @@ class Mxfp8(WeightFormat):
                 )
         return None
 
-    def dequantize_param(self, name, weight, scale):
+    def dequantize_param(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """e4m3 `[E, M, K]` x linear UE8M0 bytes `[E, M, K/32]` -> values and one e4m3 step per value."""
         from .. import quant
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 
 class NvFp4(WeightFormat):
@@ -48,7 +48,9 @@ class NvFp4(WeightFormat):
             )
         return super().activation_problem(activation, gated)
 
-    def dequantize_param(self, name, weight, scale):
+    def dequantize_param(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed e2m1 `[E, M, K/2]` x linear e4m3 `[E, M, K/16]` -> `[E, M, K]` (global scale_2 excluded: it is a
         scalar parameter). Tolerance: the e2m1 grid step above each code's magnitude, times its block scale."""
         from .. import quant
@@ -62,7 +64,7 @@ class NvFp4(WeightFormat):
         sf = scale.view(torch.float8_e4m3fn).float() if scale.dtype == torch.uint8 else scale.float()
         return values, steps[codes.long()] * sf.repeat_interleave(16, dim=-1)
 
-    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         gated = self.is_gated(layer)
         a1 = layer.w13_input_scale.data.max().to(torch.float32)
         a2 = layer.w2_input_scale.data.max().to(torch.float32)

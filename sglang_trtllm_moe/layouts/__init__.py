@@ -32,15 +32,17 @@ from .blocks import (
     to_block_major_k,
     to_block_major_k_,
 )
-from .fastpath import _FAST_PATH, _triton_layouts, fast_path_for, set_fast_path
+
+# _FAST_PATH and _triton_layouts are re-exported (private) for tests/test_layouts.py and benchmarks/h200_layouts.py
+from .fastpath import _FAST_PATH as _FAST_PATH
+from .fastpath import _triton_layouts as _triton_layouts
+from .fastpath import fast_path_for, set_fast_path
 from .inplace import permute_rows_, reset_scratch_peak, scratch_peak_bytes, unpermute_rows_
 from .maps import (
     GATED_ALIGN,
     NON_GATED_ALIGN,
     SF_COL_TILE,
     SF_ROW_TILE,
-    _cached,
-    _norm_device,
     cache_size,
     clear_caches,
     closed_block,

@@ -43,8 +43,13 @@ CONFIG = {
 }
 
 
+# Inside a @triton.jit function every runtime argument, pointer or scalar, is a `tl.tensor`; that is how they are
+# annotated below. Never annotate one `int`, `bool` or `float`: Triton reads such annotations as a fixed argument
+# type (`int` -> i32) and would stop specialising those arguments on their values.
+
+
 @triton.jit
-def _first_ticket(sync_ptr, TICKETS: tl.constexpr):
+def _first_ticket(sync_ptr: tl.tensor, TICKETS: tl.constexpr) -> tl.tensor:
     if TICKETS:
         return tl.atomic_add(sync_ptr, 1)
     else:
@@ -52,7 +57,7 @@ def _first_ticket(sync_ptr, TICKETS: tl.constexpr):
 
 
 @triton.jit
-def _next_ticket(sync_ptr, t, total, TICKETS: tl.constexpr):
+def _next_ticket(sync_ptr: tl.tensor, t: tl.tensor, total: tl.tensor, TICKETS: tl.constexpr) -> tl.tensor:
     if TICKETS:
         return tl.atomic_add(sync_ptr, 1)
     else:  # one (set, part) per program; relies on blocks starting in index order
@@ -60,7 +65,7 @@ def _next_ticket(sync_ptr, t, total, TICKETS: tl.constexpr):
 
 
 @triton.jit
-def _arrive_and_wait(sync_ptr, set_id, G: tl.constexpr):
+def _arrive_and_wait(sync_ptr: tl.tensor, set_id: tl.tensor, G: tl.constexpr) -> None:
     """All G programs of a set have loaded before any of them stores (G == 1: the threads of this program)."""
     tl.debug_barrier()
     if G > 1:
@@ -72,19 +77,19 @@ def _arrive_and_wait(sync_ptr, set_id, G: tl.constexpr):
 
 @triton.jit
 def _rows_kernel(
-    x_ptr,
-    map_ptr,
-    eid_ptr,
-    sync_ptr,
-    total,
-    M,
-    CW,
-    NS,
+    x_ptr: tl.tensor,
+    map_ptr: tl.tensor,
+    eid_ptr: tl.tensor,
+    sync_ptr: tl.tensor,
+    total: tl.tensor,
+    M: tl.tensor,
+    CW: tl.tensor,
+    NS: tl.tensor,
     G: tl.constexpr,
     ROWS: tl.constexpr,
     W: tl.constexpr,
     TICKETS: tl.constexpr,
-):
+) -> None:
     """x[e, r, :] = x[e, map[r], :] for the experts in eid; x is [E, M, CW] words, sets = (expert, G*ROWS-row
     block, W-word column slice), each set split into G parts of ROWS rows."""
     t = _first_ticket(sync_ptr, TICKETS)
@@ -109,21 +114,21 @@ def _rows_kernel(
 
 @triton.jit
 def _sf_kernel(
-    x_ptr,
-    map_ptr,
-    eid_ptr,
-    sync_ptr,
-    total,
-    M,
-    C4,
-    NKB,
+    x_ptr: tl.tensor,
+    map_ptr: tl.tensor,
+    eid_ptr: tl.tensor,
+    sync_ptr: tl.tensor,
+    total: tl.tensor,
+    M: tl.tensor,
+    C4: tl.tensor,
+    NKB: tl.tensor,
     G: tl.constexpr,
     K: tl.constexpr,
     TILES: tl.constexpr,
     HAS_MAP: tl.constexpr,
     INVERSE: tl.constexpr,
     TICKETS: tl.constexpr,
-):
+) -> None:
     """Block scales as [E, M, C4] words (4 one-byte scales each). Forward: linear rows map[r] -> 128x4-swizzled
     position of row r; INVERSE: back (a scatter to rows map[r]). Sets = (expert, block of G/NKB*TILES tiles of 128
     rows); each program takes TILES tiles x K column words; in the swizzled layout that is TILES runs of 128*K
@@ -183,7 +188,7 @@ def _pow2_divisor(x: int, cap: int) -> int:
     return d
 
 
-def _sms(device) -> int:
+def _sms(device: torch.device) -> int:
     if device.type != "cuda":  # Triton's CPU interpreter (tests)
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -191,17 +196,17 @@ def _sms(device) -> int:
 
 def _tickets(g: int) -> bool:
     """Programs that wait for others take tickets in start order; a lone program needs none (one per program id)."""
-    return g > 1 and CONFIG["tickets"]
+    return g > 1 and bool(CONFIG["tickets"])
 
 
-def _grid(total: int, g: int, device) -> int:
+def _grid(total: int, g: int, device: torch.device) -> int:
     pps = CONFIG["programs_per_sm"]
     if pps <= 0 or not _tickets(g):
         return max(1, total)
     return max(1, min(total, max(g, pps * _sms(device))))
 
 
-def _fits(g: int, device) -> bool:
+def _fits(g: int, device: torch.device) -> bool:
     """A set's G programs wait for each other, so all of them must be resident at once: allow 8 warps per SM (2
     programs of 4 warps fit even at 255 registers a thread, the most there is; 64K registers per SM). Larger sets
     take the torch path; none in the models we know (DeepSeek-V3 w13 scales: 56 programs per expert at the default
@@ -219,7 +224,7 @@ def rows_plan(m: int, cw: int, block: int) -> tuple[int, int, int, int]:
     return g, rows, w, _cdiv(cw, w)
 
 
-def sf_plan(m: int, c4: int, block: int) -> tuple[int, int, int, int]:
+def sf_plan(m: int, c4: int, block: int) -> tuple[int, int, int, int, int]:
     """(G, K, NKB, TILES, set rows) for the scale kernel; `block` = closed rows, a multiple of 128."""
     if block == 128 and 128 * _next_pow2(c4) <= 8192:  # one program per tile: no barrier (w2 scales)
         k = _next_pow2(c4)
@@ -235,7 +240,7 @@ def sf_plan(m: int, c4: int, block: int) -> tuple[int, int, int, int]:
     return (set_rows // (128 * tiles)) * nkb, k, nkb, tiles, set_rows
 
 
-def _sync(n_sets: int, g: int, device, dummy: torch.Tensor) -> torch.Tensor:
+def _sync(n_sets: int, g: int, device: torch.device, dummy: torch.Tensor) -> torch.Tensor:
     """[ticket, arrivals per set] for sets that wait; lone programs need no counter (any pointer will do)."""
     if not _tickets(g) and g == 1:
         return dummy

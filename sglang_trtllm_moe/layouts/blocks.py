@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .inplace import _bytes3d, _plan
-from .maps import _round_up
+from .maps import Experts, _round_up
 
 
 def _block_dims(t: torch.Tensor, block_k_bytes: int) -> tuple[int, int, int]:
@@ -44,7 +44,14 @@ def block_major_k_view(t: torch.Tensor, block_k_bytes: int = 128) -> torch.Tenso
     return t.view(torch.uint8).view(e, kb // block_k_bytes, m, block_k_bytes).view(t.dtype)
 
 
-def _block_inplace(t, block_k_bytes, experts, chunk, row_map=None, inverse=False):
+def _block_inplace(
+    t: torch.Tensor,
+    block_k_bytes: int,
+    experts: Experts,
+    chunk: int | None,
+    row_map: torch.Tensor | None = None,
+    inverse: bool = False,
+) -> torch.Tensor:
     e, m, kb = _block_dims(t, block_k_bytes)
     u8 = _bytes3d(t)
     nb, bk = kb // block_k_bytes, block_k_bytes
@@ -59,18 +66,26 @@ def _block_inplace(t, block_k_bytes, experts, chunk, row_map=None, inverse=False
     return t
 
 
-def to_block_major_k_(t: torch.Tensor, block_k_bytes: int = 128, experts=None, chunk: int | None = None):
+def to_block_major_k_(
+    t: torch.Tensor, block_k_bytes: int = 128, experts: Experts = None, chunk: int | None = None
+) -> torch.Tensor:
     """In place: t keeps shape [E, M, K] and storage, its bytes become block-major (see block_major_k_view)."""
     return _block_inplace(t, block_k_bytes, experts, chunk)
 
 
-def from_block_major_k_(t: torch.Tensor, block_k_bytes: int = 128, experts=None, chunk: int | None = None):
+def from_block_major_k_(
+    t: torch.Tensor, block_k_bytes: int = 128, experts: Experts = None, chunk: int | None = None
+) -> torch.Tensor:
     """In place inverse of `to_block_major_k_`."""
     return _block_inplace(t, block_k_bytes, experts, chunk, inverse=True)
 
 
 def permute_rows_to_block_major_k_(
-    t: torch.Tensor, row_map: torch.Tensor, block_k_bytes: int = 128, experts=None, chunk: int | None = None
-):
+    t: torch.Tensor,
+    row_map: torch.Tensor,
+    block_k_bytes: int = 128,
+    experts: Experts = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """BF16 prep in one pass: rows by `row_map`, then block-major K, in place (one scratch copy per chunk)."""
     return _block_inplace(t, block_k_bytes, experts, chunk, row_map=row_map)

@@ -3,12 +3,14 @@ pure-torch reference (`set_fast_path(False)` forces the reference)."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from .maps import _CACHE_LOCK
 
 _FAST_PATH = {"enabled": True, "cpu_interpret": False}
-_TRITON: list = []  # [module or None] once tried
+_TRITON: list[ModuleType | None] = []  # [module or None] once tried
 
 
 def set_fast_path(enabled: bool) -> bool:
@@ -18,18 +20,21 @@ def set_fast_path(enabled: bool) -> bool:
     return old
 
 
-def _triton_layouts():
+def _triton_layouts() -> ModuleType | None:
     with _CACHE_LOCK:
         if not _TRITON:
+            mod: ModuleType | None
             try:
-                from . import _triton as mod
+                from . import _triton
+
+                mod = _triton
             except Exception:  # no triton, or a triton that cannot build here: the torch path serves
                 mod = None
             _TRITON.append(mod)
         return _TRITON[0]
 
 
-def fast_path_for(t: torch.Tensor):
+def fast_path_for(t: torch.Tensor) -> ModuleType | None:
     """The Triton module when `t` (its uint8 [E, M, C] view) can take the one-pass kernels, else None."""
     if not _FAST_PATH["enabled"]:
         return None

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from .fastpath import fast_path_for
-from .maps import _expert_ids, _expert_ids_tensor, _map_i32, closed_block, invert_map
+from .maps import Experts, _expert_ids, _expert_ids_tensor, _map_i32, closed_block, invert_map
 
 _SCRATCH_PEAK = [0]
 
@@ -53,7 +53,7 @@ def _default_chunk(u8: torch.Tensor) -> int:
     return max(1, min(u8.shape[0] // 8, cap // per_expert))
 
 
-def _expert_runs(num_experts: int, experts, chunk) -> list[tuple[int, int]]:
+def _expert_runs(num_experts: int, experts: Experts, chunk: int | None) -> list[tuple[int, int]]:
     """[start, stop) expert slices: consecutive runs of the requested experts, cut to at most `chunk` experts."""
     if chunk is None:
         chunk = max(1, num_experts // 8)
@@ -61,7 +61,8 @@ def _expert_runs(num_experts: int, experts, chunk) -> list[tuple[int, int]]:
         raise ValueError(f"chunk must be >= 1 expert, got {chunk}")
     ids = _expert_ids(num_experts, experts)
     runs: list[tuple[int, int]] = []
-    run_start = prev = None
+    run_start: int | None = None
+    prev = 0  # read only while a run is open, i.e. after the first id
     for i in ids:
         if run_start is not None and (i != prev + 1 or i - run_start >= chunk):
             runs.append((run_start, prev + 1))
@@ -90,18 +91,19 @@ class _Scratch:
 
     A fresh allocation per chunk pays page faults on first touch: measured on the 2-core CPU, an out-of-place
     index_select ran at 2.9 GB/s and the same gather into a preallocated buffer at 19 GB/s.
-    Rows are gathered flat (`[E*M, C].index_select(0, map + e*M)`, the fastest gather measured on CPU: benchmarks/layouts_cpu.py); rows under 64 bytes
-    gather along dim 1 instead, where a flat int64 index would be bigger than the data.
+    Rows are gathered flat (`[E*M, C].index_select(0, map + e*M)`, the fastest gather measured on CPU:
+    benchmarks/layouts_cpu.py); rows under 64 bytes gather along dim 1 instead, where a flat int64 index would be
+    bigger than the data.
     """
 
-    def __init__(self, u8: torch.Tensor, runs: Sequence[tuple[int, int]], row_map: torch.Tensor | None = None):
+    def __init__(self, u8: torch.Tensor, runs: Sequence[tuple[int, int]], row_map: torch.Tensor | None = None) -> None:
         e, m, c = u8.shape
         k = max((t - s for s, t in runs), default=0)
         self.u8, self.m, self.c, self.row_map = u8, m, c, row_map
         self.buf = torch.empty((k, m, c), dtype=torch.uint8, device=u8.device)
         self.flat = row_map is not None and c >= 64
         parts = [self.buf]
-        if self.flat:
+        if self.flat and row_map is not None:
             offsets = torch.arange(0, k * m, m, device=u8.device).unsqueeze(1)
             self.base = row_map.unsqueeze(0) + offsets
             self.src = torch.empty_like(self.base)
@@ -122,7 +124,9 @@ class _Scratch:
         return out
 
 
-def _plan(u8: torch.Tensor, t: torch.Tensor, row_map, experts, chunk) -> tuple[list[tuple[int, int]], _Scratch]:
+def _plan(
+    u8: torch.Tensor, t: torch.Tensor, row_map: torch.Tensor | None, experts: Experts, chunk: int | None
+) -> tuple[list[tuple[int, int]], _Scratch]:
     """Every in-place transform starts alike: check the row map (if any), cut the experts into chunks, take one
     scratch sized for the largest chunk."""
     if row_map is not None:
@@ -131,10 +135,13 @@ def _plan(u8: torch.Tensor, t: torch.Tensor, row_map, experts, chunk) -> tuple[l
     return runs, _Scratch(u8, runs, row_map)
 
 
-def permute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+def permute_rows_(
+    t: torch.Tensor, row_map: torch.Tensor, experts: Experts = None, chunk: int | None = None
+) -> torch.Tensor:
     """In place: t[e] = t[e][row_map] for each selected expert; storage and shape unchanged.
 
-    On CUDA one Triton pass (no scratch, `chunk` unused); elsewhere gather a chunk of experts into scratch, copy back."""
+    On CUDA one Triton pass (no scratch, `chunk` unused); elsewhere gather a chunk of experts into scratch, copy
+    back."""
     u8 = _bytes3d(t)
     fast = fast_path_for(u8)
     if fast is not None:
@@ -148,7 +155,9 @@ def permute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: i
     return t
 
 
-def unpermute_rows_(t: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+def unpermute_rows_(
+    t: torch.Tensor, row_map: torch.Tensor, experts: Experts = None, chunk: int | None = None
+) -> torch.Tensor:
     """Exact inverse of `permute_rows_` with the same map."""
     u8 = _bytes3d(t)
     return permute_rows_(t, invert_map(_check_row_map(row_map, u8.shape[1], t)), experts, chunk)

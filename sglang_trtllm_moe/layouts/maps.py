@@ -6,13 +6,21 @@ and the TRT-LLM `get_sf_out_offset_128x4` swizzle (SGLang `swizzle_blockscale`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeAlias, TypeVar, cast
 
 import torch
+from torch.types import Device
 
 SF_ROW_TILE = 128
 SF_COL_TILE = 4
 GATED_ALIGN = 16
 NON_GATED_ALIGN = 128
+
+#: the experts a transform touches: None (all of them), or their ids (a tensor or any iterable of ints)
+Experts: TypeAlias = "torch.Tensor | Iterable[int] | None"
+
+_T = TypeVar("_T")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -35,7 +43,7 @@ _DERIVED: dict[tuple[int, str], tuple[torch.Tensor, object]] = {}
 _CACHE_LOCK = threading.RLock()
 
 
-def _norm_device(device) -> torch.device:
+def _norm_device(device: Device) -> torch.device:
     """'cuda' and 'cuda:N' must be one cache entry per physical device, never a map on the wrong GPU."""
     dev = torch.device("cpu" if device is None else device)
     if dev.type == "cuda" and dev.index is None:
@@ -56,7 +64,7 @@ def cache_size() -> int:
     return len(_MAPS)
 
 
-def _cached(key: tuple, build) -> torch.Tensor:
+def _cached(key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
     with _CACHE_LOCK:
         idx = _MAPS.get(key)
         if idx is None:
@@ -80,20 +88,20 @@ def _check_shuffle_rows(m: int, epilogue_tile_m: int, what: str = "rows") -> Non
         )
 
 
-def gated_reorder_map(m: int, device=None) -> torch.Tensor:
+def gated_reorder_map(m: int, device: Device = None) -> torch.Tensor:
     """[top; bottom] halves -> rows t0,b0,t1,b1,... so one tile load holds matching up and gate rows."""
     if m <= 0 or m % 2:
         raise ValueError(f"gated w13 needs an even row count (2 halves), got M={m}; pad each half to the same size")
     dev = _norm_device(device)
 
-    def build():
+    def build() -> torch.Tensor:
         half = torch.arange(m // 2, dtype=torch.long)
         return torch.stack([half, half + m // 2], dim=1).reshape(m)
 
     return _cached(("reorder", m, True, None, dev), build)
 
 
-def shuffle_map(m: int, epilogue_tile_m: int = 128, device=None) -> torch.Tensor:
+def shuffle_map(m: int, epilogue_tile_m: int = 128, device: Device = None) -> torch.Tensor:
     """flashinfer `shuffle_matrix_a` rows: within each block of b rows, out row d = in row (d % 8) * (b/8) + d // 8.
 
     Closed form of inverting flashinfer's srcToDstBlk{16,32}RowMap (src s goes to (s % k) * 8 + s // k, k = b/8).
@@ -102,7 +110,7 @@ def shuffle_map(m: int, epilogue_tile_m: int = 128, device=None) -> torch.Tensor
     dev = _norm_device(device)
     b = shuffle_block_size(epilogue_tile_m)
 
-    def build():
+    def build() -> torch.Tensor:
         d = torch.arange(m, dtype=torch.long)
         within = d % b
         return d - within + (within % 8) * (b // 8) + within // 8
@@ -110,7 +118,7 @@ def shuffle_map(m: int, epilogue_tile_m: int = 128, device=None) -> torch.Tensor
     return _cached(("shuffle", m, None, epilogue_tile_m, dev), build)
 
 
-def w13_row_map(m: int, gated: bool, device=None, epilogue_tile_m: int = 128) -> torch.Tensor:
+def w13_row_map(m: int, gated: bool, device: Device = None, epilogue_tile_m: int = 128) -> torch.Tensor:
     """GEMM1 rows (weights and scale rows alike): gated = reorder then shuffle (idx_R[idx_S]); else shuffle."""
     if not gated:
         return shuffle_map(m, epilogue_tile_m, device)
@@ -121,17 +129,17 @@ def w13_row_map(m: int, gated: bool, device=None, epilogue_tile_m: int = 128) ->
     )
 
 
-def w2_row_map(m: int, device=None, epilogue_tile_m: int = 128) -> torch.Tensor:
+def w2_row_map(m: int, device: Device = None, epilogue_tile_m: int = 128) -> torch.Tensor:
     """GEMM2 rows (m = hidden): shuffle only; kept as its own name so callers never pass `gated` by mistake."""
     return shuffle_map(m, epilogue_tile_m, device)
 
 
-def _derived(idx: torch.Tensor, what: str, build):
+def _derived(idx: torch.Tensor, what: str, build: Callable[[], _T]) -> _T:
     """A value computed from a map, cached while the map itself is one of this module's cached maps."""
     with _CACHE_LOCK:
         hit = _DERIVED.get((id(idx), what))
         if hit is not None and hit[0] is idx:
-            return hit[1]
+            return cast(_T, hit[1])
         value = build()
         # maps of the cache, and maps derived from them (the inverse's closed block, its int32 copy)
         if any(v is idx for v in _MAPS.values()) or any(d[1] is idx for d in _DERIVED.values()):
@@ -142,7 +150,7 @@ def _derived(idx: torch.Tensor, what: str, build):
 def invert_map(idx: torch.Tensor) -> torch.Tensor:
     """inv with in[r] = out[inv[r]] for out = in[idx]. Cached for maps that come from this module's cache."""
 
-    def build():  # scatter == argsort for a permutation, in O(M)
+    def build() -> torch.Tensor:  # scatter == argsort for a permutation, in O(M)
         inv = torch.empty_like(idx)
         inv[idx] = torch.arange(idx.numel(), dtype=idx.dtype, device=idx.device)
         return inv
@@ -156,7 +164,7 @@ def closed_block(idx: torch.Tensor) -> int:
     In place, a block is the unit that must be read completely before any of it is written: 32 for the w2 shuffle,
     M for gated w13 (the halves interleave). Cached with the map."""
 
-    def build():
+    def build() -> int:
         m = idx.numel()
         rows = torch.arange(m)
         src = idx.detach().to("cpu", torch.long)
@@ -172,7 +180,7 @@ def _map_i32(idx: torch.Tensor) -> torch.Tensor:
     return _derived(idx, "int32", lambda: idx.to(torch.int32).contiguous())
 
 
-def composed_sf_map(row_map: torch.Tensor | None, m: int, c: int, device=None) -> torch.Tensor:
+def composed_sf_map(row_map: torch.Tensor | None, m: int, c: int, device: Device = None) -> torch.Tensor:
     """The one gather behind `permute_rows_and_swizzle_sf_` on an [M, C] scale matrix (C % 4 == 0, M % 128 == 0):
     flat 4-byte word w of the prepared expert = word composed[w] of the linear one.
 
@@ -192,7 +200,7 @@ def composed_sf_map(row_map: torch.Tensor | None, m: int, c: int, device=None) -
 _EIDS: dict[tuple, torch.Tensor] = {}  # (ids, device) -> int32 ids on that device; a prep re-uses them per param
 
 
-def _expert_ids_tensor(num_experts: int, experts, device) -> torch.Tensor:
+def _expert_ids_tensor(num_experts: int, experts: Experts, device: Device) -> torch.Tensor:
     ids = tuple(_expert_ids(num_experts, experts))
     key = (ids if experts is not None else ("all", num_experts), _norm_device(device))
     with _CACHE_LOCK:
@@ -204,7 +212,7 @@ def _expert_ids_tensor(num_experts: int, experts, device) -> torch.Tensor:
         return hit
 
 
-def _expert_ids(num_experts: int, experts):
+def _expert_ids(num_experts: int, experts: Experts) -> Sequence[int]:
     """Sorted, validated expert ids (a range when all)."""
     if experts is None:
         return range(num_experts)

@@ -9,7 +9,7 @@ import torch
 
 from .fastpath import fast_path_for
 from .inplace import _bytes3d, _check_row_map, _plan, unpermute_rows_
-from .maps import SF_COL_TILE, SF_ROW_TILE, _expert_ids_tensor, _map_i32, _round_up, closed_block
+from .maps import SF_COL_TILE, SF_ROW_TILE, Experts, _expert_ids_tensor, _map_i32, _round_up, closed_block
 
 
 def _sf_view_swizzled(x: torch.Tensor, k: int, rp: int, cp: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
     return e, r, c
 
 
-def _sf_fast(sf, experts, row_map, forward: bool) -> bool:
+def _sf_fast(sf: torch.Tensor, experts: Experts, row_map: torch.Tensor | None, forward: bool) -> bool:
     """The one-pass kernel (CUDA): forward = rows by row_map then swizzle; else its exact inverse."""
     u8 = _bytes3d(sf, "sf")
     fast = fast_path_for(u8)
@@ -91,7 +91,9 @@ def _sf_fast(sf, experts, row_map, forward: bool) -> bool:
     )
 
 
-def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
+def _sf_inplace(
+    sf: torch.Tensor, experts: Experts, chunk: int | None, row_map: torch.Tensor | None, swizzle: bool
+) -> torch.Tensor:
     e, r, c = _check_inplace_sf(sf)
     if _sf_fast(sf, experts, row_map if swizzle else None, swizzle):
         return sf
@@ -110,18 +112,18 @@ def _sf_inplace(sf, experts, chunk, row_map, swizzle: bool):
     return sf
 
 
-def swizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+def swizzle_sf_128x4_(sf: torch.Tensor, experts: Experts = None, chunk: int | None = None) -> torch.Tensor:
     """In place 128x4 swizzle (same storage); scratch is one chunk of experts."""
     return _sf_inplace(sf, experts, chunk, None, True)
 
 
-def unswizzle_sf_128x4_(sf: torch.Tensor, experts=None, chunk: int | None = None) -> torch.Tensor:
+def unswizzle_sf_128x4_(sf: torch.Tensor, experts: Experts = None, chunk: int | None = None) -> torch.Tensor:
     """In place inverse of `swizzle_sf_128x4_`."""
     return _sf_inplace(sf, experts, chunk, None, False)
 
 
 def permute_rows_and_swizzle_sf_(
-    sf: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None
+    sf: torch.Tensor, row_map: torch.Tensor, experts: Experts = None, chunk: int | None = None
 ) -> torch.Tensor:
     """Scale prep in one pass: rows by `row_map`, then 128x4 swizzle, written straight back (one scratch copy;
     on CUDA one gather through `composed_sf_map`, no scratch)."""
@@ -129,7 +131,7 @@ def permute_rows_and_swizzle_sf_(
 
 
 def unswizzle_sf_and_unpermute_rows_(
-    sf: torch.Tensor, row_map: torch.Tensor, experts=None, chunk: int | None = None
+    sf: torch.Tensor, row_map: torch.Tensor, experts: Experts = None, chunk: int | None = None
 ) -> torch.Tensor:
     """Exact inverse of `permute_rows_and_swizzle_sf_` with the same map (one pass on CUDA, two elsewhere)."""
     _check_inplace_sf(sf)
