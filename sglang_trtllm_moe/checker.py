@@ -67,7 +67,10 @@ class ParamSide:
 
     @property
     def group(self) -> str:
-        return self.fmt.group_of(self.name)
+        g = self.fmt.group_of(self.name)
+        if g is None:  # live_side only builds sides of laid-out parameters
+            raise ValueError(f"{self.name} is not a laid-out parameter of {self.fmt.name}")
+        return g
 
     @property
     def scale_name(self) -> str | None:
@@ -104,11 +107,12 @@ def live_side(layer, name: str) -> ParamSide:
     st = state_of(layer)
     if st is None:
         raise ValueError(f"{layer_name(layer)} is not managed by sglang-trtllm-moe: no TRT-LLM layout to undo")
-    if st.fmt.group_of(name) is None:
+    group = st.fmt.group_of(name)
+    if group is None:
         raise ValueError(f"{layer_name(layer)}: {name} is not a laid-out parameter of {st.fmt.name}")
     with st.lock:  # the mask and the bytes it describes, as one writer-free moment
         tensors = {n: _as_laid_out(st.fmt, n, getattr(layer, n).data) for n in group_names(st.fmt, name)}
-        return ParamSide(layer, st.fmt, name, tensors, st.prepared[st.fmt.group_of(name)].clone())
+        return ParamSide(layer, st.fmt, name, tensors, st.prepared[group].clone())
 
 
 def snapshot_side(
@@ -317,7 +321,7 @@ def compare_layout(expect: ParamSide, actual: ParamSide, label: str | None = Non
     _check_pair(expect, actual, raw=False)
     dev = _device(actual, expect)
     rep = Report(label or actual.name, "layout")
-    for (s, va, ta), (_, vb, tb) in zip(iter_dequantized(actual, dev), iter_dequantized(expect, dev)):
+    for (s, va, ta), (_, vb, tb) in zip(iter_dequantized(actual, dev), iter_dequantized(expect, dev), strict=True):
         if va.shape != vb.shape:
             raise ValueError(f"{actual.name}: dequantized shapes differ: {tuple(vb.shape)} vs {tuple(va.shape)}")
         rep.numel += va.numel()

@@ -41,8 +41,9 @@ def _cmd_explain(args) -> int:
         res = Resolution(r["winner"], cands, r["fingerprint"], r["code"], r["reason"], r["requested"], r["upstream"])
         p = r["problem"]
         print(
-            f"model: {p['architecture']} {p['quantization'] or 'bf16'} H {p['hidden_size']} I {p['intermediate_size']} "
-            f"experts {p['num_experts']} top-k {p['top_k']} {'gated' if p['gated'] else 'non-gated'} {p['activation']}, "
+            f"model: {p['architecture']} {p['quantization'] or 'bf16'} H {p['hidden_size']} "
+            f"I {p['intermediate_size']} experts {p['num_experts']} top-k {p['top_k']} "
+            f"{'gated' if p['gated'] else 'non-gated'} {p['activation']}, "
             f"tp {p['tp_size']} ep {p['ep_size']} a2a {p['a2a_backend']}"
         )
         print(format_report(res))

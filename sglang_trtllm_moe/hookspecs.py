@@ -6,15 +6,23 @@ Built-in capabilities implement these exactly as third-party extensions do (regi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import pluggy
 
 from . import PROJECT_NAME
+
+if TYPE_CHECKING:
+    from packaging.version import Version
+
+    from .targets import HookTarget
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
 
 @hookspec
-def register_sglang_hooks(register, release):
+def register_sglang_hooks(register: Callable[[HookTarget], None], release: Version) -> None:
     """Declare hooks on SGLang.
 
     Call ``register(HookTarget(...))`` once per target (see `sglang_trtllm_moe.targets.HookTarget`). ``release`` is

@@ -82,7 +82,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             _on_imported(_name)
 
         try:  # a loader instance belongs to this one spec (SourceFileLoader, ExtensionFileLoader)
-            loader.exec_module = exec_then_hook
+            loader.exec_module = exec_then_hook  # type: ignore[method-assign]  # patches this one loader instance
         except (AttributeError, TypeError):
             return spec  # a loader we cannot instrument: apply_hooks-on-demand below still covers it
         return spec

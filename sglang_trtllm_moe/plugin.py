@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 import pluggy
+from packaging.version import Version
 
 from . import PROJECT_NAME, hookspecs, installer
 from .compat import ReleaseStatus, check_release
@@ -82,6 +83,7 @@ class PluginState:
                 state, reason = target_state(t)
             rows.append(_row(t, state, reason))
         for t in self.not_applicable:
+            assert self.release is not None  # not_applicable is filled only once a release was checked
             rows.append(_row(t, NOT_APPLICABLE, f"not present in sglang {self.release.version} (needs {t.releases})"))
         return rows
 
@@ -129,14 +131,14 @@ def _load_extensions(pm: pluggy.PluginManager) -> list[Extension]:
     return out
 
 
-def _collect_targets(pm: pluggy.PluginManager, release, st: PluginState) -> list[HookTarget]:
+def _collect_targets(pm: pluggy.PluginManager, release: Version, st: PluginState) -> list[HookTarget]:
     """Ask every plugin for its targets, one plugin at a time so a broken extension is isolated."""
     collected: list[HookTarget] = []
     for impl in pm.hook.register_sglang_hooks.get_hookimpls():
         name = impl.plugin_name
         mine: list[HookTarget] = []
 
-        def register_target(t: HookTarget, _mine=mine, _name=name) -> None:
+        def register_target(t: HookTarget, _mine: list[HookTarget] = mine, _name: str = name) -> None:
             if not isinstance(t, HookTarget):
                 raise TypeError(f"register() takes a HookTarget, got {type(t).__name__}")
             object.__setattr__(t, "source", _name)
@@ -146,7 +148,10 @@ def _collect_targets(pm: pluggy.PluginManager, release, st: PluginState) -> list
             impl.function(register=register_target, release=release)
         except Exception as e:  # noqa: BLE001
             if name.startswith("ext:"):
-                msg = f"extension {name[4:]!r} failed in register_sglang_hooks, its targets are skipped: {type(e).__name__}: {e}"
+                msg = (
+                    f"extension {name[4:]!r} failed in register_sglang_hooks, its targets are skipped: "
+                    f"{type(e).__name__}: {e}"
+                )
                 logger.warning("sglang-trtllm-moe: %s", msg)
                 st.errors.append(msg)
                 for ext in st.extensions:
@@ -170,7 +175,8 @@ def register() -> None:
             logger.info("sglang-trtllm-moe: %s", st.reason)
             return
         st.release = check_release()
-        if not st.release.runs:
+        release = st.release.version
+        if not st.release.runs or release is None:  # a release that runs always has a version
             st.status, st.reason = "stood_down", st.release.message
             logger.warning("sglang-trtllm-moe: %s", st.reason)
             return
@@ -182,10 +188,10 @@ def register() -> None:
         for mod in BUILTIN_MODULES:
             pm.register(importlib.import_module(mod), name=mod)
         st.extensions = _load_extensions(pm)
-        targets = _collect_targets(pm, st.release.version, st)
+        targets = _collect_targets(pm, release, st)
 
         for t in targets:
-            (st.targets if t.applies_to(st.release.version) else st.not_applicable).append(t)
+            (st.targets if t.applies_to(release) else st.not_applicable).append(t)
         # Each target goes to SGLang's HookRegistry when its module is imported (start-up stays free in processes
         # that never build a MoE layer); SGLang's source for this plugin is kept for its logs.
         from sglang.srt.plugins.hook_registry import _current_plugin_source

@@ -59,7 +59,7 @@ class HookTarget:
         )
 
 
-def _resolve_attr(target: str):
+def _resolve_attr(target: str) -> object:
     obj_path, attr = target.rsplit(".", 1)
     obj = pkgutil.resolve_name(obj_path)
     raw = inspect.getattr_static(obj, attr)
@@ -68,8 +68,8 @@ def _resolve_attr(target: str):
     return raw
 
 
-def _chain_holds(fn, hook) -> bool:
-    seen = set()
+def _chain_holds(fn: object, hook: object) -> bool:
+    seen: set[int] = set()
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))
         if fn is hook:

@@ -84,7 +84,8 @@ def register_sglang_hooks(register, release):
             "around",
             releases=">=0.5.11",
             capability="bf16-prep",
-            why="a prepared BF16 layer always takes SGLang's flashinfer_trtllm branch, never a path that reads it as plain weights",
+            why="a prepared BF16 layer always takes SGLang's flashinfer_trtllm branch, never a path that reads it as "
+            "plain weights",
         )
     )
     register(

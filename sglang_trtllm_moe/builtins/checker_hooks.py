@@ -76,8 +76,8 @@ class PluginQuantizedSet(dict):
     def consumed(self) -> set[str]:
         """Names compared inside a plugin entry (the rest of each weight's group), not on their own."""
         out = set()
-        for full, ref in self.trtllm_moe.items():
-            fmt = layer_state.state_of(ref.layer).fmt
+        for ref in self.trtllm_moe.values():
+            fmt = _state(ref.layer).fmt
             scale = fmt.scale_of(ref.name)
             if scale is not None:
                 out.add(ref.full(scale))
@@ -86,6 +86,13 @@ class PluginQuantizedSet(dict):
 
 def _managed(model) -> list[tuple[str, object]]:
     return [(name, m) for name, m in model.named_modules() if layer_state.state_of(m) is not None]
+
+
+def _state(layer: object) -> layer_state.LayerState:
+    """The layout state of a layer `_managed` listed (a managed layer keeps its state for life)."""
+    st = layer_state.state_of(layer)
+    assert st is not None, f"{layer_state.layer_name(layer)} is not managed by sglang-trtllm-moe"
+    return st
 
 
 class _WithoutManaged:
@@ -114,7 +121,7 @@ def build_quantized_set(original, model, *args, **kwargs):
     out.trtllm_moe = {}
     for mname, layer in managed:
         prefix = f"{mname}." if mname else ""
-        for name in _weight_names(layer_state.state_of(layer).fmt):
+        for name in _weight_names(_state(layer).fmt):
             out.trtllm_moe[prefix + name] = _Ref(layer, prefix, name)
     return out
 
@@ -167,11 +174,11 @@ def record_snapshot_state(original, self, *args, **kwargs):
     with contextlib.ExitStack() as held:
         # every layer's lock, in one global order (writers hold one lock at a time: no deadlock)
         for _, layer in sorted(managed, key=lambda m: id(m[1])):
-            held.enter_context(layer_state.state_of(layer).lock)
+            held.enter_context(_state(layer).lock)
         result = original(self, *args, **kwargs)
         snap = getattr(self, "_snapshot_tensors", None) or {}
         for mname, layer in managed:
-            st = layer_state.state_of(layer)
+            st = _state(layer)
             prefix = f"{mname}." if mname else ""
             for p in st.fmt.params:
                 t = snap.get(prefix + p.name)
@@ -188,11 +195,11 @@ def chunks_on_this_host(original, self, *args, **kwargs):
         yield from original(self, *args, **kwargs)
         return
     real = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda t, *a, **k: t
+    torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]  # undone in the finally below
     try:
         yield from original(self, *args, **kwargs)
     finally:
-        torch.Tensor.cuda = real
+        torch.Tensor.cuda = real  # type: ignore[method-assign]  # restores the method patched above
 
 
 def _model_of(weight_checker):
@@ -204,7 +211,9 @@ def _model_of(weight_checker):
 # ---- before 0.5.15: _compare -> _check_tensors(_postprocess_tensors(...), _postprocess_tensors(...)) -------------
 
 #: the model whose weights `WeightChecker._compare` is comparing right now (the module functions never get it)
-_COMPARING = contextvars.ContextVar("sglang_trtllm_moe_checker_model", default=None)
+_COMPARING: contextvars.ContextVar[torch.nn.Module | None] = contextvars.ContextVar(
+    "sglang_trtllm_moe_checker_model", default=None
+)
 #: 0.5.11-0.5.12 NVFP4 trtllm layers: placeholder Parameters no kernel reads (features.NVFP4_BLOCKSCALE_SWIZZLED_...)
 _PLACEHOLDERS = ("w13_blockscale_swizzled", "w2_blockscale_swizzled")
 _FAILED = "check tensor equality failed:\n"
@@ -256,7 +265,7 @@ def legacy_postprocess_tensors(original, raw, *args, **kwargs):
     refs, placeholders = {}, []
     for mname, layer in managed:
         prefix = f"{mname}." if mname else ""
-        for name in _weight_names(layer_state.state_of(layer).fmt):
+        for name in _weight_names(_state(layer).fmt):
             refs[prefix + name] = _Ref(layer, prefix, name)
         if features.NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS.present():
             placeholders += [prefix + n for n in _PLACEHOLDERS if prefix + n in raw]

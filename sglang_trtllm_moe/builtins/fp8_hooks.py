@@ -108,7 +108,8 @@ def register_sglang_hooks(register, release):
             "around",
             releases=">=0.5.11",
             capability="fp8-prep",
-            why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate (no requant)",
+            why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate "
+            "(no requant)",
         )
     )
     register(
@@ -118,8 +119,8 @@ def register_sglang_hooks(register, release):
             "around",
             releases=">=0.5.11",
             capability="fp8-prep",
-            why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert (MXFP8 / "
-            "FP4-expert layers: handed to mx_hooks)",
+            why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert "
+            "(MXFP8 / FP4-expert layers: handed to mx_hooks)",
         )
     )
     register(
@@ -129,6 +130,7 @@ def register_sglang_hooks(register, release):
             "after",
             releases=features.FP8_W13_ALWAYS_TWO_HALVES.releases,
             capability="fp8-prep",
-            why="non-gated per-tensor w13 allocated at the kernel's [E, I, H] (SGLang allocates 2*I rows before 0.5.19)",
+            why="non-gated per-tensor w13 allocated at the kernel's [E, I, H] (SGLang allocates 2*I rows before "
+            "0.5.19)",
         )
     )

@@ -36,6 +36,7 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
     with st.lock:
         if validation.was_validated(param, loaded_weight):
             name = validation.param_name(layer, param, st.fmt)
+            assert name is not None  # weight_loader validated this write, so the format manages the parameter
             e = validation.check_local_expert(layer, param, name, expert_id, shard_id)
         else:
             checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id)
@@ -64,7 +65,7 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
     try:
         st = layer_state.state_of(layer)
         group = st.fmt.group_of(name) if st is not None else None
-        if group is None:
+        if st is None or group is None:
             return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
         with st.lock:
             # SGLang's loader narrows the parameter in its checkpoint shape: a format that shows prepared parameters

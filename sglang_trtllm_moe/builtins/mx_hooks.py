@@ -289,8 +289,8 @@ def register_sglang_hooks(register, release):
             "around",
             releases=">=0.5.11," + FP8_HOOK_RELEASES,
             capability="mxfp8-prep",
-            why="MXFP8 layers on flashinfer_trtllm(_routed) are prepared in place, per dirty expert (SGLang re-shuffles "
-            "every expert at every flush); FP4 experts on flashinfer_trtllm are a clear error",
+            why="MXFP8 layers on flashinfer_trtllm(_routed) are prepared in place, per dirty expert (SGLang "
+            "re-shuffles every expert at every flush); FP4 experts on flashinfer_trtllm are a clear error",
         )
     )
     rel = features.FP4_EXPERTS_METHOD.releases
@@ -344,8 +344,8 @@ def register_sglang_hooks(register, release):
             "around",
             releases=">=0.5.11",
             capability="mxfp4-gptoss-prep",
-            why="gpt-oss MXFP4 layers on flashinfer_mxfp4 (SM100) are prepared in place (SGLang replaces the Parameters: "
-            "its next reload raises TypeError or value-converts every scale byte)",
+            why="gpt-oss MXFP4 layers on flashinfer_mxfp4 (SM100) are prepared in place (SGLang replaces the "
+            "Parameters: its next reload raises TypeError or value-converts every scale byte)",
         )
     )
     register(

@@ -10,9 +10,9 @@ loads them in order; a bad 5th tensor would leave the first four written. While 
 model's `load_weights` first validates every tensor of the list that targets a managed layer (bucket_validation.py
 `check_bucket`): one bad tensor refuses the whole bucket before any of it is written, and the entry point returns
 (False, message) as SGLang's update entry points report failures. A disk update is checked the same way from the
-checkpoint's safetensors headers (checkpoint_headers.py) before SGLang returns any layer to checkpoint layout. Whole-parameter writes (load_format="direct")
-are validated the same way and return the written groups to checkpoint layout first, so they are exact outside a
-begin/end session too.
+checkpoint's safetensors headers (checkpoint_headers.py) before SGLang returns any layer to checkpoint layout.
+Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
+layout first, so they are exact outside a begin/end session too.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def check_direct_before(model, named_tensors, *args, **kwargs):
 
 
 # (dotted path, releases): where each release keeps its weight-update entry points (read from each release's
-# model_runner.py / model_runner_components/weight_updater.py; compat/features.py WEIGHT_UPDATER, DISTRIBUTED_UPDATE_RENAMED).
+# model_runner.py / model_runner_components/weight_updater.py; compat/features.py WEIGHT_UPDATER,
+# DISTRIBUTED_UPDATE_RENAMED).
 LOAD_ONLY_ENTRY_POINTS = (
     (f"{UPDATER}.update_weights_from_tensor", ">=0.5.16"),
     (f"{UPDATER}.update_weights_from_distributed", ">=0.5.16,<0.5.21"),  # renamed in 0.5.21:

@@ -114,8 +114,9 @@ FP8_W13_ALWAYS_TWO_HALVES = Feature(
 )
 CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
     "<0.5.17",
-    "CompressedTensorsW4A4Nvfp4MoE.apply_weights calls flashinfer itself (no MoeRunner), reading TopKOutput.topk_config "
-    "and dropping the up-half scale; the plugin runs such layers on its runner with 0.5.17's QuantInfo",
+    "CompressedTensorsW4A4Nvfp4MoE.apply_weights calls flashinfer itself (no MoeRunner), reading "
+    "TopKOutput.topk_config and dropping the up-half scale; the plugin runs such layers on its runner with 0.5.17's "
+    "QuantInfo",
 )
 TRTLLM_ROUTING_GUESSED = Feature(
     "<0.5.23",

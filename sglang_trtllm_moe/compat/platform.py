@@ -186,8 +186,9 @@ def device_from_sglang() -> DeviceInfo:
         cap = p.device_capability
     except Exception:  # noqa: BLE001 - no device: the yes/no facts below still answer
         cap = None
-    major = cap[0] if isinstance(cap, tuple) and cap and isinstance(cap[0], int) else None
-    minor = cap[1] if major is not None and len(cap) > 1 and isinstance(cap[1], int) else 0
+    cap_t = cap if isinstance(cap, tuple) else ()
+    major = cap_t[0] if cap_t and isinstance(cap_t[0], int) else None
+    minor = cap_t[1] if major is not None and len(cap_t) > 1 and isinstance(cap_t[1], int) else 0
     for flag, fam in (("is_sm100", 10), ("is_sm110", 11), ("is_sm120", 12), ("is_sm90", 9)):
         try:
             if getattr(p, flag):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .problem import MoeProblem
@@ -20,7 +20,7 @@ NON_GATED_ARCHS = {
 MIXTRAL_FUSED_MOE_QUANTS = ("fp8", "compressed-tensors", "gptq_marlin", "awq_marlin", "quark_int4fp8_moe")
 
 
-def no_fused_moe_reason(architectures, quantization: str | None) -> str | None:
+def no_fused_moe_reason(architectures: Collection[str] | None, quantization: str | None) -> str | None:
     """Why SGLang builds a model of these architectures with this quantization (SGLang's name, as ModelConfig
     gives it) without FusedMoE layers; None when it builds them."""
     if (
@@ -45,7 +45,7 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 _ACT_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu", "gelu_tanh": "gelu"}
 
 
-def detect_quantization(quant_cfg: Mapping | None) -> tuple[str | None, tuple[int, int] | None, str | None]:
+def detect_quantization(quant_cfg: Mapping | None) -> tuple[str | None, tuple[int, ...] | None, str | None]:
     """(SGLang quantization name, fp8 weight_block_size, compressed-tensors scheme) from `quantization_config`.
 
     Mirrors how SGLang's ModelConfig names the checkpoint's method (tests compare against it)."""

@@ -19,7 +19,7 @@ class MoeProblem:
     #: SGLang's quantization name (modelopt_fp4, modelopt_fp8, fp8, compressed-tensors, ...); None = BF16
     quantization: str | None = None
     #: fp8: the checkpoint's weight_block_size, e.g. (128, 128); None = per-tensor
-    weight_block_size: tuple[int, int] | None = None
+    weight_block_size: tuple[int, ...] | None = None
     #: compressed-tensors: the scheme ("nvfp4", "w8a8_fp8", "int4", ...)
     quant_scheme: str | None = None
     #: fp8: "static" | "dynamic" activation scales, as the checkpoint's config says (None: not said)

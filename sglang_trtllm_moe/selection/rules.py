@@ -196,8 +196,9 @@ def resolve(
 
     `requested` is what the user asked for (`--moe-runner-backend`); `upstream` is what SGLang decided on its own
     before the plugin looked ("auto" when no rule of its own fired). Policy: a model SGLang builds without FusedMoE
-    layers gets no winner (NO_FUSED_MOE: nothing would run it); an explicit choice is never overridden; SGLang's own model rules that picked something other than a TRT-LLM runner are kept; otherwise,
-    on SM 10.x, the first eligible candidate wins, and SGLang's answer is kept when there is none.
+    layers gets no winner (NO_FUSED_MOE: nothing would run it); an explicit choice is never overridden; SGLang's own
+    model rules that picked something other than a TRT-LLM runner are kept; otherwise, on SM 10.x, the first eligible
+    candidate wins, and SGLang's answer is kept when there is none.
     """
     from .report import env_fingerprint
 
