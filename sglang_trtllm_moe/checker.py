@@ -1,6 +1,7 @@
 """Weight-checker comparators for every MoE layer the plugin lays out for the TRT-LLM-Gen kernels.
 
-Why: RL frameworks verify a weight update with SGLang's `--check-weight-update-equal` (snapshot, update, compare).
+Why: RL frameworks verify a weight update with SGLang's weight checker (`POST /weights_checker`; slime's
+`--check-weight-update-equal` drives it: snapshot, update, compare).
 Upstream raises NotImplementedError for trtllm NVFP4 layers before 0.5.17, then compares their bytes without
 saying where they differ, and has no comparator for the other trtllm layouts. A failed check must name the expert,
 row and column the update got wrong, in the coordinates the trainer knows (the checkpoint's), not in the kernel's

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+from typing import NoReturn
 
 import torch
 
@@ -98,7 +99,7 @@ class Refusal:
         what = what or f"shard {_short(shard_id)}, expert {_short(expert_id)}"
         self.where = f"{layer_name(layer)}: refused weight update of {name} ({what})"
 
-    def __call__(self, problem: str, expected: str):
+    def __call__(self, problem: str, expected: str) -> NoReturn:
         raise WeightUpdateRefused(f"{self.where}: {problem}; expected {expected}{NOTHING_WRITTEN}")
 
 
@@ -164,7 +165,7 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     return name, e
 
 
-def _check_name(layer, fmt, param, name, weight_name, refuse) -> None:
+def _check_name(layer, fmt, param, name, weight_name, refuse: Refusal) -> None:
     if not isinstance(weight_name, str):
         refuse(f"weight_name is {type(weight_name).__name__}", "the parameter's name as a str")
     tail = weight_name.rsplit(".", 1)[-1]
@@ -177,7 +178,7 @@ def _check_name(layer, fmt, param, name, weight_name, refuse) -> None:
         )
 
 
-def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse) -> None:
+def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse: Refusal) -> None:
     allowed = ("w2",) if rule.group == "w2" else (("w1", "w3") if gated else ("w1",))
     if not isinstance(shard_id, str) or shard_id not in allowed:
         why = "" if isinstance(shard_id, str) and shard_id in SHARDS else f" (SGLang's shard ids are {SHARDS})"
@@ -189,7 +190,7 @@ def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse) -> None:
         )
 
 
-def _check_expert(layer, view, param, expert_id, scope: str, refuse) -> int:
+def _check_expert(layer, view, param, expert_id, scope: str, refuse: Refusal) -> int:
     e = expert_index(expert_id)
     if e is None:
         refuse(
@@ -229,7 +230,7 @@ def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
 
 
 def check_tensor(
-    layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse, whole=None, headers: bool = False
+    layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse: Refusal, whole=None, headers: bool = False
 ) -> None:
     """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard."""
     if not isinstance(loaded, torch.Tensor):
@@ -345,7 +346,7 @@ def validate_fused(layer, name: str, param, loaded) -> None:
     fits = (
         loaded.dim() == param.dim()
         and loaded.shape[0] == param.shape[0]
-        and all(0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:]))
+        and all(0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:], strict=True))
     )
     if not fits:
         refuse(

@@ -84,7 +84,7 @@ def test_every_invalid_update_is_refused_naming_the_layer_and_changes_nothing(co
     layer, spec = L["layer"], L["spec"]
     snap = B.snapshot(layer)
     params = set()
-    for case, w in L["catalogue"]:
+    for _case, w in L["catalogue"]:
         assert_refused_unchanged(layer, w, snap)
         params.add(w.param)
     # every parameter the format loads, of every kind, is covered

@@ -1,4 +1,5 @@
-"""SGLang's weight checker (`--check-weight-update-equal`) on every layer the plugin lays out.
+"""SGLang's weight checker (`POST /weights_checker`; slime's `--check-weight-update-equal`) on every layer the plugin
+lays out.
 
 How SGLang 0.5.16+ compares (utils/weight_checker.py): `_build_quantized_set(model)` asks
 `select_comparable_weight(quant_method)` per module (only the quant method: it cannot see the layer, so a hook
