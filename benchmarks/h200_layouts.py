@@ -12,6 +12,7 @@ in-place path (gather a chunk of experts into scratch, copy back) that CPU runs,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -160,12 +161,21 @@ def measure_peak(fn):
     return torch.cuda.max_memory_allocated() - base
 
 
-def with_path(fast: bool, fn):
+@contextlib.contextmanager
+def fast_path(fast: bool):
+    """The layout path for the block: fast (Triton kernels on CUDA) or the pure-torch reference."""
     old = layouts.set_fast_path(fast)
     try:
-        return fn()
+        yield
     finally:
         layouts.set_fast_path(old)
+
+
+def copy_bandwidth(dev):
+    """Read + write GB/s of one large device copy (the buffers are freed on return)."""
+    x = torch.empty(4 * 2**30 if dev.type == "cuda" else 2**28, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / cuda_time(lambda: y.copy_(x), repeats=10) / 1e9
 
 
 def main():
@@ -189,170 +199,11 @@ def main():
         "fast_path_config": dict(fastmod.CONFIG) if fastmod is not None else None,
     }
 
-    x = torch.empty(4 * 2**30 if dev.type == "cuda" else 2**28, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    copy_bw = 2 * x.numel() / cuda_time(lambda: y.copy_(x), repeats=10) / 1e9
+    copy_bw = copy_bandwidth(dev)
     res["copy_gbps_read_plus_write"] = copy_bw
-    del x, y
 
-    def rate(nb, s):
-        gbps = 2 * nb / s / 1e9
-        return dict(s=s, gbps=gbps, fraction_of_copy=gbps / copy_bw)
-
-    # ---- one DeepSeek-V3 NVFP4 layer (256 experts, H 7168, I 2048), in place through formats/nvfp4.py
-    e = a.experts
-    layer = nvfp4_layer(e, 7168, 2048, dev)
-    orig = {n: getattr(layer, n).clone() for n in NAMES}
-    total = sum(nbytes(getattr(layer, n)) for n in NAMES)
-    ptrs = {n: getattr(layer, n).data_ptr() for n in NAMES}
-    allx = list(range(e))
-
-    # bytes: fast == reference on the whole layer, both ways, storage unchanged
-    with_path(True, lambda: prep(layer, allx))
-    fast_bytes = {n: getattr(layer, n).clone() for n in NAMES}
-    with_path(True, lambda: unprep(layer, allx))
-    round_trip = all(torch.equal(u8(getattr(layer, n)), u8(orig[n])) for n in NAMES)
-    with_path(False, lambda: prep(layer, allx))
-    same = all(torch.equal(u8(getattr(layer, n)), u8(fast_bytes[n])) for n in NAMES)
-    with_path(False, lambda: unprep(layer, allx))
-    del fast_bytes
-    res["whole_layer_checks"] = dict(
-        fast_equals_reference_bytes=same,
-        fast_round_trip_restores_checkpoint=round_trip,
-        data_ptr_unchanged=all(getattr(layer, n).data_ptr() == ptrs[n] for n in NAMES),
-    )
-
-    layer_rows = {}
-    for fast, label in ((True, "fast"), (False, "reference")):
-
-        def one():
-            prep(layer, allx)
-
-        peak = with_path(fast, lambda: measure_peak(one))
-        reps = 5 if fast else 3
-        prep_row = with_path(fast, lambda: timed(one, total, copy_bw, reps))
-        unprep_row = with_path(fast, lambda: timed(lambda: unprep(layer, allx), total, copy_bw, reps))
-        comps = {}
-        for n in NAMES:
-            nb = nbytes(getattr(layer, n))
-            comps[n] = dict(
-                bytes=nb,
-                prep=with_path(fast, lambda: timed(param_fn(layer, n), nb, copy_bw)),
-                unprep=with_path(fast, lambda: timed(param_fn(layer, n, inverse=True), nb, copy_bw)),
-            )
-        layer_rows[label] = dict(
-            prep=prep_row,
-            unprep=unprep_row,
-            peak_extra_bytes=peak,
-            peak_extra_fraction_of_layer=peak / total,
-            components=comps,
-        )
-    res["deepseek_layer"] = dict(experts=e, bytes=total, **layer_rows)
-
-    # same-run comparisons: one out-of-place batched gather of w13, SGLang's per-expert loop (out of place)
-    w13 = u8(layer.w13_weight)
-    r13 = layouts.w13_row_map(w13.shape[1], True, device=dev)
-    flat_idx = (r13.unsqueeze(0) + torch.arange(0, e * w13.shape[1], w13.shape[1], device=dev).unsqueeze(1)).reshape(-1)
-    out = torch.empty_like(w13)
-    oop = timed(
-        lambda: torch.index_select(w13.view(-1, w13.shape[2]), 0, flat_idx, out=out.view(-1, w13.shape[2])),
-        nbytes(w13),
-        copy_bw,
-    )
-    t_oop = oop["s"]
-    del out, flat_idx
-    loop, loop_w13, outs = per_expert_loop(layer)
-    t_loop = cuda_time(loop, repeats=3)
-    t_loop_w13 = cuda_time(loop_w13, repeats=3)
-    loop_peak = measure_peak(lambda: per_expert_loop(layer)[0]())
-    fast_prep = layer_rows["fast"]["prep"]["s"]
-    res["same_run_references"] = dict(
-        w13_out_of_place_batched_gather=oop,
-        per_expert_loop_whole_layer=dict(**rate(total, t_loop), peak_extra_bytes=loop_peak),
-        per_expert_loop_w13_only=rate(nbytes(w13), t_loop_w13),
-        fast_speedup_vs_per_expert_loop=t_loop / fast_prep,
-        fast_speedup_vs_reference_in_place=layer_rows["reference"]["prep"]["s"] / fast_prep,
-        fast_w13_weight_vs_out_of_place_gather=layer_rows["fast"]["components"]["w13_weight"]["prep"]["s"] / t_oop,
-    )
-    # the per-expert loop's bytes equal ours (it is out of place; ours in place)
-    with_path(True, lambda: prep(layer, allx))
-    res["whole_layer_checks"]["fast_equals_per_expert_loop_bytes"] = all(
-        torch.equal(u8(getattr(layer, n)), o) for n, o in zip(NAMES, outs)
-    )
-    with_path(True, lambda: unprep(layer, allx))
-    del outs, loop, loop_w13
-
-    # ---- an RL update of some experts: un-prepare them, write new bytes, prepare them (what weights.py does)
-    new = {n: torch.randint(0, 0x7F, getattr(layer, n).shape, dtype=torch.uint8, device=dev) for n in NAMES}
-    with_path(True, lambda: prep(layer, allx))
-    upd = {}
-    for k in sorted({kk for kk in (1, 8, 32, e) if kk <= e}):
-        lo = 3 if k + 3 <= e else 0
-        ids = list(range(lo, lo + k))
-
-        def write():  # what the loader does for these experts: copy their new bytes in
-            for n in NAMES:
-                u8(getattr(layer, n))[lo : lo + k].copy_(new[n][lo : lo + k])
-
-        def update():
-            unprep(layer, ids)
-            write()
-            prep(layer, ids)
-
-        row = {}
-        for fast, label in ((True, "fast"), (False, "reference")):
-            row[label] = dict(
-                update_s=with_path(fast, lambda: cuda_time(update, repeats=5)),
-                layout_only_s=with_path(
-                    fast, lambda: cuda_time(lambda: (unprep(layer, ids), prep(layer, ids)), repeats=5)
-                ),
-            )
-            row[label]["update_gpu_s"] = with_path(fast, lambda: cuda_time(update, repeats=5, hide_launch=True))
-        row["write_only_s"] = cuda_time(write, repeats=5)
-        upd[f"{k}_experts"] = row
-    res["rl_update"] = upd
-    del new
-
-    # ---- kernel tile variants (fast path), on the tensors where tiles matter
-    if a.variants and fastmod is not None:
-        base_cfg = dict(fastmod.CONFIG)
-        var = []
-        cfgs = [
-            ("w13_weight", dict(programs_per_sm=8)),
-            ("w13_weight", dict(programs_per_sm=0)),
-            ("w13_weight", dict(programs_per_sm=4)),
-            ("w13_weight", dict(rows_tile_words=16384, rows_slice_words=64, programs_per_sm=0)),
-            ("w13_weight", dict(rows_tile_words=4096, rows_slice_words=32, programs_per_sm=8)),
-            ("w13_weight", dict(tickets=False, programs_per_sm=0)),
-            ("w2_weight", dict(rows_tile_words=8192)),
-            ("w2_weight", dict(rows_tile_words=4096)),
-            ("w13_weight_scale", dict(sf_tiles=1, programs_per_sm=0)),
-            ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=0)),
-            ("w13_weight_scale", dict(sf_tiles=4, programs_per_sm=0)),
-            ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=8)),
-            ("w13_weight_scale", dict(sf_tiles=4, programs_per_sm=8)),
-            ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=4)),
-            ("w13_weight_scale", dict(sf_tiles=4, num_warps=8, programs_per_sm=0)),
-            ("w13_weight_scale", dict(sf_tiles=2, sf_cols=32, programs_per_sm=0)),
-            ("w13_weight_scale", dict(sf_tiles=2, tickets=False, programs_per_sm=0)),
-            ("w2_weight_scale", dict(sf_tiles=1)),
-            ("w2_weight_scale", dict(sf_tiles=2)),
-            ("w2_weight_scale", dict(sf_tiles=4)),
-            ("w2_weight_scale", dict(sf_tiles=1, num_warps=8)),
-        ]
-        for n, cfg in cfgs:
-            fastmod.CONFIG.update(base_cfg)
-            fastmod.CONFIG.update(cfg)
-            try:
-                row_ = with_path(True, lambda: timed(param_fn(layer, n), nbytes(getattr(layer, n)), copy_bw))
-                var.append(dict(param=n, config=cfg, **row_, full_config=dict(fastmod.CONFIG)))
-            except Exception as ex:  # a variant that does not compile is a row, not a failed run
-                var.append(dict(param=n, config=cfg, error=f"{type(ex).__name__}: {ex}"[:300]))
-            print("variant", var[-1], flush=True)
-        fastmod.CONFIG.clear()
-        fastmod.CONFIG.update(base_cfg)
-        res["variants"] = var
-    del layer, orig
+    # ---- one DeepSeek-V3 NVFP4 layer (its tensors are freed when this returns)
+    deepseek_layer(res, a.experts, dev, copy_bw, fastmod if a.variants else None)
     torch.cuda.empty_cache()
 
     # ---- CUDA == CPU, bytes, on small layers (gated and non-gated), storage unchanged
@@ -378,6 +229,192 @@ def main():
     summary(res)
 
 
+def deepseek_layer(res, e, dev, copy_bw, variants_mod):
+    """One DeepSeek-V3 NVFP4 layer (e of 256 experts, H 7168, I 2048), in place through formats/nvfp4.py: byte
+    checks, prep/unprep rows per path, same-run references, RL updates, and the tile variants when variants_mod (the
+    fast path's module) is given. Writes its sections into res."""
+
+    def rate(nb, s):
+        gbps = 2 * nb / s / 1e9
+        return dict(s=s, gbps=gbps, fraction_of_copy=gbps / copy_bw)
+
+    layer = nvfp4_layer(e, 7168, 2048, dev)
+    orig = {n: getattr(layer, n).clone() for n in NAMES}
+    total = sum(nbytes(getattr(layer, n)) for n in NAMES)
+    ptrs = {n: getattr(layer, n).data_ptr() for n in NAMES}
+    allx = list(range(e))
+
+    # bytes: fast == reference on the whole layer, both ways, storage unchanged
+    with fast_path(True):
+        prep(layer, allx)
+    fast_bytes = {n: getattr(layer, n).clone() for n in NAMES}
+    with fast_path(True):
+        unprep(layer, allx)
+    round_trip = all(torch.equal(u8(getattr(layer, n)), u8(orig[n])) for n in NAMES)
+    with fast_path(False):
+        prep(layer, allx)
+    same = all(torch.equal(u8(getattr(layer, n)), u8(fast_bytes[n])) for n in NAMES)
+    with fast_path(False):
+        unprep(layer, allx)
+    del fast_bytes
+    res["whole_layer_checks"] = dict(
+        fast_equals_reference_bytes=same,
+        fast_round_trip_restores_checkpoint=round_trip,
+        data_ptr_unchanged=all(getattr(layer, n).data_ptr() == ptrs[n] for n in NAMES),
+    )
+
+    def one():
+        prep(layer, allx)
+
+    layer_rows = {}
+    for fast, label in ((True, "fast"), (False, "reference")):
+        reps = 5 if fast else 3
+        comps = {}
+        with fast_path(fast):
+            peak = measure_peak(one)
+            prep_row = timed(one, total, copy_bw, reps)
+            unprep_row = timed(lambda: unprep(layer, allx), total, copy_bw, reps)
+            for n in NAMES:
+                nb = nbytes(getattr(layer, n))
+                comps[n] = dict(
+                    bytes=nb,
+                    prep=timed(param_fn(layer, n), nb, copy_bw),
+                    unprep=timed(param_fn(layer, n, inverse=True), nb, copy_bw),
+                )
+        layer_rows[label] = dict(
+            prep=prep_row,
+            unprep=unprep_row,
+            peak_extra_bytes=peak,
+            peak_extra_fraction_of_layer=peak / total,
+            components=comps,
+        )
+    res["deepseek_layer"] = dict(experts=e, bytes=total, **layer_rows)
+
+    # same-run comparisons: one out-of-place batched gather of w13, SGLang's per-expert loop (out of place)
+    w13 = u8(layer.w13_weight)
+    oop = out_of_place_gather(w13, copy_bw)
+    t_oop = oop["s"]
+    loop, loop_w13, outs = per_expert_loop(layer)
+    t_loop = cuda_time(loop, repeats=3)
+    t_loop_w13 = cuda_time(loop_w13, repeats=3)
+    loop_peak = measure_peak(lambda: per_expert_loop(layer)[0]())
+    fast_prep = layer_rows["fast"]["prep"]["s"]
+    res["same_run_references"] = dict(
+        w13_out_of_place_batched_gather=oop,
+        per_expert_loop_whole_layer=dict(**rate(total, t_loop), peak_extra_bytes=loop_peak),
+        per_expert_loop_w13_only=rate(nbytes(w13), t_loop_w13),
+        fast_speedup_vs_per_expert_loop=t_loop / fast_prep,
+        fast_speedup_vs_reference_in_place=layer_rows["reference"]["prep"]["s"] / fast_prep,
+        fast_w13_weight_vs_out_of_place_gather=layer_rows["fast"]["components"]["w13_weight"]["prep"]["s"] / t_oop,
+    )
+    # the per-expert loop's bytes equal ours (it is out of place; ours in place)
+    with fast_path(True):
+        prep(layer, allx)
+    res["whole_layer_checks"]["fast_equals_per_expert_loop_bytes"] = all(
+        torch.equal(u8(getattr(layer, n)), o) for n, o in zip(NAMES, outs, strict=True)
+    )
+    with fast_path(True):
+        unprep(layer, allx)
+    del outs, loop, loop_w13
+
+    res["rl_update"] = rl_updates(layer, e, dev)
+    if variants_mod is not None:
+        res["variants"] = tile_variants(layer, variants_mod, copy_bw)
+
+
+def out_of_place_gather(w13, copy_bw):
+    """One out-of-place batched gather of w13's rows with the w13 row map (its index and output freed on return)."""
+    e, m, k = w13.shape
+    r13 = layouts.w13_row_map(m, True, device=w13.device)
+    flat_idx = (r13.unsqueeze(0) + torch.arange(0, e * m, m, device=w13.device).unsqueeze(1)).reshape(-1)
+    out = torch.empty_like(w13)
+    return timed(lambda: torch.index_select(w13.view(-1, k), 0, flat_idx, out=out.view(-1, k)), nbytes(w13), copy_bw)
+
+
+def rl_updates(layer, e, dev):
+    """An RL update of some experts: un-prepare them, write new bytes, prepare them (what weights.py does). The layer
+    is left prepared (fast path)."""
+    new = {n: torch.randint(0, 0x7F, getattr(layer, n).shape, dtype=torch.uint8, device=dev) for n in NAMES}
+    with fast_path(True):
+        prep(layer, list(range(e)))
+    upd = {}
+    for k in sorted({kk for kk in (1, 8, 32, e) if kk <= e}):
+        lo = 3 if k + 3 <= e else 0
+        upd[f"{k}_experts"] = rl_update_row(layer, new, lo, k)
+    return upd
+
+
+def rl_update_row(layer, new, lo, k):
+    """Experts lo .. lo + k - 1 updated with their bytes from new, timed on both paths."""
+    ids = list(range(lo, lo + k))
+
+    def write():  # what the loader does for these experts: copy their new bytes in
+        for n in NAMES:
+            u8(getattr(layer, n))[lo : lo + k].copy_(new[n][lo : lo + k])
+
+    def update():
+        unprep(layer, ids)
+        write()
+        prep(layer, ids)
+
+    def layout_only():
+        unprep(layer, ids)
+        prep(layer, ids)
+
+    row = {}
+    for fast, label in ((True, "fast"), (False, "reference")):
+        with fast_path(fast):
+            row[label] = dict(
+                update_s=cuda_time(update, repeats=5),
+                layout_only_s=cuda_time(layout_only, repeats=5),
+            )
+            row[label]["update_gpu_s"] = cuda_time(update, repeats=5, hide_launch=True)
+    row["write_only_s"] = cuda_time(write, repeats=5)
+    return row
+
+
+def tile_variants(layer, fastmod, copy_bw):
+    """Kernel tile variants (fast path), on the tensors where tiles matter; fastmod.CONFIG is restored after."""
+    base_cfg = dict(fastmod.CONFIG)
+    var = []
+    cfgs = [
+        ("w13_weight", dict(programs_per_sm=8)),
+        ("w13_weight", dict(programs_per_sm=0)),
+        ("w13_weight", dict(programs_per_sm=4)),
+        ("w13_weight", dict(rows_tile_words=16384, rows_slice_words=64, programs_per_sm=0)),
+        ("w13_weight", dict(rows_tile_words=4096, rows_slice_words=32, programs_per_sm=8)),
+        ("w13_weight", dict(tickets=False, programs_per_sm=0)),
+        ("w2_weight", dict(rows_tile_words=8192)),
+        ("w2_weight", dict(rows_tile_words=4096)),
+        ("w13_weight_scale", dict(sf_tiles=1, programs_per_sm=0)),
+        ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=0)),
+        ("w13_weight_scale", dict(sf_tiles=4, programs_per_sm=0)),
+        ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=8)),
+        ("w13_weight_scale", dict(sf_tiles=4, programs_per_sm=8)),
+        ("w13_weight_scale", dict(sf_tiles=2, programs_per_sm=4)),
+        ("w13_weight_scale", dict(sf_tiles=4, num_warps=8, programs_per_sm=0)),
+        ("w13_weight_scale", dict(sf_tiles=2, sf_cols=32, programs_per_sm=0)),
+        ("w13_weight_scale", dict(sf_tiles=2, tickets=False, programs_per_sm=0)),
+        ("w2_weight_scale", dict(sf_tiles=1)),
+        ("w2_weight_scale", dict(sf_tiles=2)),
+        ("w2_weight_scale", dict(sf_tiles=4)),
+        ("w2_weight_scale", dict(sf_tiles=1, num_warps=8)),
+    ]
+    for n, cfg in cfgs:
+        fastmod.CONFIG.update(base_cfg)
+        fastmod.CONFIG.update(cfg)
+        try:
+            with fast_path(True):
+                row_ = timed(param_fn(layer, n), nbytes(getattr(layer, n)), copy_bw)
+            var.append(dict(param=n, config=cfg, **row_, full_config=dict(fastmod.CONFIG)))
+        except Exception as ex:  # a variant that does not compile is a row, not a failed run
+            var.append(dict(param=n, config=cfg, error=f"{type(ex).__name__}: {ex}"[:300]))
+        print("variant", var[-1], flush=True)
+    fastmod.CONFIG.clear()
+    fastmod.CONFIG.update(base_cfg)
+    return var
+
+
 def summary(res):
     c = res["copy_gbps_read_plus_write"]
     L_ = res["deepseek_layer"]
@@ -396,7 +433,8 @@ def summary(res):
         )
     s = res["same_run_references"]
     print(
-        f"per-expert loop {s['per_expert_loop_whole_layer']['s'] * 1e3:.2f} ms, speedup {s['fast_speedup_vs_per_expert_loop']:.1f}x; "
+        f"per-expert loop {s['per_expert_loop_whole_layer']['s'] * 1e3:.2f} ms, "
+        f"speedup {s['fast_speedup_vs_per_expert_loop']:.1f}x; "
         f"oop w13 gather {s['w13_out_of_place_batched_gather']['s'] * 1e3:.2f} ms"
     )
     for k, v in res["rl_update"].items():

@@ -126,7 +126,7 @@ def bench_nvfp4_layer_prep(
         if up_extra is None:  # CPU: new outputs for every tensor, plus two per-expert scale scratch buffers
             up_extra = sum(t.numel() * t.element_size() for t in up_out) + ckpt[2][0].numel() + ckpt[3][0].numel()
 
-        for w, c in zip(work, ckpt):
+        for w, c in zip(work, ckpt, strict=True):
             w.copy_(c)
         L.clear_caches()
         L.reset_scratch_peak()
@@ -138,7 +138,7 @@ def bench_nvfp4_layer_prep(
     w13, w2, s13, s2 = work
     same = all(
         torch.equal(a.view(torch.uint8), b.reshape(a.shape).view(torch.uint8))
-        for a, b in zip((w13, s13, w2, s2), up_out)
+        for a, b in zip((w13, s13, w2, s2), up_out, strict=True)
     )
     return [
         {

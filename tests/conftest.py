@@ -3,7 +3,8 @@
 The torchvision shim must run before anything imports sglang: PyPI's torchvision is a CUDA build whose _C.so
 cannot load against CPU torch, and its meta registrations then fail on `torchvision::nms`. SGLang imports
 torchvision unconditionally (sglang/srt/configs -> internvl_utils), though it only needs pure-Python parts.
-Defining the two op schemas first is enough (ci/cpu_shim/_sglang_trtllm_moe_cpu_shim.py does the same for every process of a CI env).
+Defining the two op schemas first is enough (ci/cpu_shim/_sglang_trtllm_moe_cpu_shim.py does the same for every
+process of a CI env).
 """
 
 import pytest

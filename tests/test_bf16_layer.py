@@ -91,7 +91,7 @@ def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, m
     before = {n: (p, p.data_ptr(), tuple(p.shape)) for n, p in ours.named_parameters()}
     ours.quant_method.process_weights_after_loading(ours)
     assert layer_state.state_of(ours) is not None and layer_state.state_of(ours).clean, "the plugin did not take over"
-    for n, (obj, ptr, shape) in before.items():  # in place: same Parameter and storage
+    for n, (obj, ptr, _shape) in before.items():  # in place: same Parameter and storage
         p = getattr(ours, n)
         assert p is obj and p.data_ptr() == ptr, n
 
@@ -110,7 +110,7 @@ def test_prepared_bytes_equal_sglang_and_flashinfer_preparation_in_place(spec, m
         activation=SwiGLU() if spec.gated else ReLU2(),
         permute_cache={},
     )
-    for n, fi_name in zip(WEIGHTS, ("gemm1_weights", "gemm2_weights")):
+    for n, fi_name in zip(WEIGHTS, ("gemm1_weights", "gemm2_weights"), strict=True):
         a, b = getattr(ours, n), getattr(upstream, n)
         # SGLang shows a prepared layer's Parameters in the 4-D BlockMajorK shape; the plugin keeps that contract
         # (a view of the same storage, 3-D again whenever an expert is returned to checkpoint layout for a load)

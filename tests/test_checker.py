@@ -162,7 +162,7 @@ def test_one_flipped_byte_is_found_at_its_checkpoint_coordinates(data, stored_po
     layer = clean_model.experts
     name = data.draw(st.sampled_from(PARAMS), label="param")
     shape = getattr(layer, name).shape
-    e, r, c = (data.draw(st.integers(0, n - 1), label=lbl) for n, lbl in zip(shape, "erc"))
+    e, r, c = (data.draw(st.integers(0, n - 1), label=lbl) for n, lbl in zip(shape, "erc", strict=True))
     xor = data.draw(st.integers(1, 255), label="xor")
     weight = name.replace("_scale", "")
     snap = clone_params(layer)

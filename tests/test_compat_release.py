@@ -14,12 +14,20 @@ from .support.helpers import REPO, last_json, run_python
 #: not-applicable targets whose dotted path still resolves on the releases they are left out of, and why
 SUPERSEDED = {
     # From 0.5.16 ModelRunner keeps thin delegates; the work (and our hooks) moved to WeightUpdater.
-    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_tensor": "0.5.16+: delegates to WeightUpdater.update_weights_from_tensor, which is hooked",
-    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_distributed": "0.5.16+: delegates to WeightUpdater, which is hooked",
-    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk": "0.5.16+: delegates to WeightUpdater.update_weights_from_disk, which is hooked",
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_tensor": (
+        "0.5.16+: delegates to WeightUpdater.update_weights_from_tensor, which is hooked"
+    ),
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_distributed": (
+        "0.5.16+: delegates to WeightUpdater, which is hooked"
+    ),
+    "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk": (
+        "0.5.16+: delegates to WeightUpdater.update_weights_from_disk, which is hooked"
+    ),
     # Before 0.5.16 a global auto is either kept (< 0.5.13) or resolved with apply falling back to sgl-kernel's
     # cutlass_moe_fp4 for a CUTLASS-laid-out layer (0.5.13-0.5.15): no runner/layout mismatch to repair there.
-    "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod.create_moe_runner": "< 0.5.16: no runner/layout mismatch on a global auto (features.NVFP4_AUTO_RUNNER_MISMATCH)",
+    "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod.create_moe_runner": (
+        "< 0.5.16: no runner/layout mismatch on a global auto (features.NVFP4_AUTO_RUNNER_MISMATCH)"
+    ),
 }
 
 #: capabilities that must be complete on every release 0.5.11+ (plugin loads, NVFP4 prep, RL updates, runner);

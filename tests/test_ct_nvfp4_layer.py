@@ -3,8 +3,9 @@ own CompressedTensorsConfig) on CPU, prepared in place by the plugin.
 
 Oracles: SGLang 0.5.23's own trtllm preparation of this scheme (`process_weights_after_loading.__wrapped__`, with
 flashinfer's CUDA-only scale interleave replaced by SGLang's pure-torch `swizzle_blockscale`, as
-tests/support/sglang_runtime.py does), SGLang's `prepare_static_weights_for_trtllm_fp4_moe` where the scheme itself cannot
-serve the layer (non-gated), and a float MoE from flashinfer's own CPU NVFP4 dequant (tests/support/moe_reference.py).
+tests/support/sglang_runtime.py does), SGLang's `prepare_static_weights_for_trtllm_fp4_moe` where the scheme itself
+cannot serve the layer (non-gated), and a float MoE from flashinfer's own CPU NVFP4 dequant
+(tests/support/moe_reference.py).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def test_prepared_bytes_equal_sglang_own_preparation_in_place(spec, monkeypatch)
             spec.num_experts,
             is_gated=False,
         )
-        expected = dict(zip(PREPARED, out))
+        expected = dict(zip(PREPARED, out, strict=True))
         # scalars from the checkpoint: a1/a2 = 1/min(input_global_scale), alpha = a * 1/weight_global_scale,
         # and for relu2 the GEMM1 output only needs the 1/a2 re-quantization factor (as ModelOpt on SGLang)
         a1 = 1 / min(float(v) for k, v in tensors.items() if k.endswith("up_proj.input_global_scale"))

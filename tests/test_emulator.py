@@ -90,22 +90,22 @@ def _fi_shuffle_w13(u8_expert, gated):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _nvfp4_case(I, gated, seed=0):
+def _nvfp4_case(inter, gated, seed=0):
     """Random NVFP4 MoE as SGLang's ModelOpt path holds it, plus the kernel arguments prepared from it."""
     g = _gen(seed)
-    ip = layouts.padded_intermediate(I, gated)
-    rows = 2 * I if gated else I
+    ip = layouts.padded_intermediate(inter, gated)
+    rows = 2 * inter if gated else inter
     w13 = (torch.randn(E, rows, H, generator=g) * 0.05).to(torch.bfloat16)  # [up; gate]
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     logits = torch.randn(T, E, generator=g)
     if gated:
-        w13p = _pad_halves(w13, I, ip)
+        w13p = _pad_halves(w13, inter, ip)
     else:
         w13p = torch.zeros(E, ip, H, dtype=torch.bfloat16)
-        w13p[:, :I] = w13
+        w13p[:, :inter] = w13
     w2p = torch.zeros(E, H, ip, dtype=torch.bfloat16)
-    w2p[:, :, :I] = w2
+    w2p[:, :, :inter] = w2
     # per-expert global scales; gated halves get their own (w13_weight_scale_2 = [gate, up]) to exercise the
     # separate gate / up output scalars
     M = w13p.shape[1]
@@ -210,11 +210,11 @@ def _nvfp4_case(I, gated, seed=0):
 NVFP4_TIGHT, NVFP4_LOOSE = 1e-2, 0.35
 
 
-@pytest.mark.parametrize("I,gated", [(96, True), (88, True), (200, False)])
-def test_nvfp4_matches_references(I, gated):
+@pytest.mark.parametrize("inter,gated", [(96, True), (88, True), (200, False)])
+def test_nvfp4_matches_references(inter, gated):
     """Gated SwiGLU with I=96 (no intermediate padding; 2I=192 scale rows padded to 256 by the swizzle), I=88
     (halves padded to 96), and Relu2 with I=200 (padded to 256, padded rows zero)."""
-    args, tight, loose, _ = _nvfp4_case(I, gated)
+    args, tight, loose, _ = _nvfp4_case(inter, gated)
     out = emulator.trtllm_fp4_block_scale_moe(**args)
     assert isinstance(out, list) and len(out) == 1
     out = out[0]
@@ -323,9 +323,9 @@ def test_unsupported_options_raise_not_implemented():
 @pytest.mark.parametrize("gated,on_input", [(True, False), (False, False), (True, True)])
 def test_fp8_per_tensor_with_flashinfer_prepared_weights(gated, on_input):
     g = _gen(10)
-    I = 128
-    w1 = (torch.randn(E, 2 * I if gated else I, H, generator=g) * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    inter = 128
+    w1 = (torch.randn(E, 2 * inter if gated else inter, H, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     logits = torch.randn(T, E, generator=g)
     method, k = (3, 1) if on_input else (RENORM, TOPK)  # Llama4 routing puts the weight on the input
@@ -356,7 +356,7 @@ def test_fp8_per_tensor_with_flashinfer_prepared_weights(gated, on_input):
         intermediate_scale_global=q_int,
         num_local_experts=E,
         hidden_size=H,
-        intermediate_size=I,
+        intermediate_size=inter,
         activation=fi_api.SwiGLU() if gated else fi_api.ReLU2(),
     )
     # our row maps give the same prepared bytes
@@ -376,7 +376,7 @@ def test_fp8_per_tensor_with_flashinfer_prepared_weights(gated, on_input):
         k,
         None,
         None,
-        I,
+        inter,
         0,
         E,
         None,
@@ -408,9 +408,9 @@ def test_fp8_per_tensor_with_flashinfer_prepared_weights(gated, on_input):
 @pytest.mark.parametrize("layout", [0, 2])
 def test_fp8_block_deepseek(layout):
     g = _gen(20)
-    I = 128
-    w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    inter = 128
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     logits = torch.randn(T, E, generator=g)
     bias = torch.randn(E, generator=g) * 0.1
@@ -438,7 +438,7 @@ def test_fp8_block_deepseek(layout):
         TOPK,
         4,
         2,
-        I,
+        inter,
         0,
         E,
         2.5,
@@ -480,9 +480,9 @@ def test_fp8_block_deepseek(layout):
 @pytest.mark.parametrize("gated", [True, False])
 def test_bf16_with_flashinfer_prepared_weights(gated):
     g = _gen(30)
-    I = 128
-    w1 = (torch.randn(E, 2 * I if gated else I, H, generator=g) * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    inter = 128
+    w1 = (torch.randn(E, 2 * inter if gated else inter, H, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     logits = torch.randn(T, E, generator=g)
     prepared = fi_prep.prepare_trtllm_bf16_weights(
@@ -490,7 +490,7 @@ def test_bf16_with_flashinfer_prepared_weights(gated):
         w2,
         num_local_experts=E,
         hidden_size=H,
-        intermediate_size=I,
+        intermediate_size=inter,
         activation=fi_api.SwiGLU() if gated else fi_api.ReLU2(),
     )
     assert prepared["gemm1_weights"].shape == (E, H // 64, w1.shape[1], 64)
@@ -508,7 +508,7 @@ def test_bf16_with_flashinfer_prepared_weights(gated):
         TOPK,
         None,
         None,
-        I,
+        inter,
         0,
         E,
         routing_method_type=RENORM,
@@ -528,10 +528,21 @@ def test_bf16_with_flashinfer_prepared_weights(gated):
     assert _rel_err(out, ref) < 1e-3
     ids2 = pack_topk(ids, wts)
     out2 = emulator.trtllm_bf16_routed_moe(
-        ids2, x, prepared["gemm1_weights"], prepared["gemm2_weights"], E, TOPK, None, None, I, 0, E, activation_type=act
+        ids2,
+        x,
+        prepared["gemm1_weights"],
+        prepared["gemm2_weights"],
+        E,
+        TOPK,
+        None,
+        None,
+        inter,
+        0,
+        E,
+        activation_type=act,
     )
     assert torch.equal(out, out2)
-    out3 = emulator.trtllm_bf16_routed_moe(ids2, x, mine, w2, E, TOPK, None, None, I, 0, E, activation_type=act)
+    out3 = emulator.trtllm_bf16_routed_moe(ids2, x, mine, w2, E, TOPK, None, None, inter, 0, E, activation_type=act)
     assert _rel_err(out3, ref) > 0.3  # unprepared w2 is read as garbage
 
 
@@ -567,15 +578,15 @@ def test_enums_match_flashinfer():
 
 
 @pytest.mark.requires_sm100
-@pytest.mark.parametrize("I,gated", [(128, True), (256, False)])
-def test_emulator_matches_flashinfer_kernel_nvfp4(I, gated):
+@pytest.mark.parametrize("inter,gated", [(128, True), (256, False)])
+def test_emulator_matches_flashinfer_kernel_nvfp4(inter, gated):
     """Same prepared bytes into the real kernel and the emulator. Expected agreement: relative error < 3e-2
     (the epilogue's rcp.approx and accumulation order can move a few FP4 codes of the intermediate by one step;
     everything else is exact fp32 math on identical inputs)."""
     import flashinfer.fused_moe as fm
     from flashinfer.tllm_enums import SfLayout
 
-    args, _, _, _ = _nvfp4_case(I, gated, seed=40)
+    args, _, _, _ = _nvfp4_case(inter, gated, seed=40)
     cuda = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in args.items()}
     got = fm.trtllm_fp4_block_scale_moe(**cuda, hidden_states_scale_layout=SfLayout.layout_linear)[0]
     emu = emulator.trtllm_fp4_block_scale_moe(**cuda)[0]
@@ -589,15 +600,15 @@ def test_emulator_matches_flashinfer_kernel_bf16():
     import flashinfer.fused_moe as fm
 
     g = _gen(41)
-    I = 256
-    w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    inter = 256
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
     logits = torch.randn(T, E, generator=g).cuda()
     p = fi_prep.prepare_trtllm_bf16_weights(
-        w1.cuda(), w2.cuda(), num_local_experts=E, hidden_size=H, intermediate_size=I
+        w1.cuda(), w2.cuda(), num_local_experts=E, hidden_size=H, intermediate_size=inter
     )
-    args = (logits, None, x, p["gemm1_weights"], p["gemm2_weights"], E, TOPK, None, None, I, 0, E)
+    args = (logits, None, x, p["gemm1_weights"], p["gemm2_weights"], E, TOPK, None, None, inter, 0, E)
     got = fm.trtllm_bf16_moe(*args, routing_method_type=RENORM)
     emu = emulator.trtllm_bf16_moe(*args, routing_method_type=RENORM)
     assert _rel_err(got, emu) < 1e-2

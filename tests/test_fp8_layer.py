@@ -132,11 +132,11 @@ def test_per_tensor_bytes_and_scalars_match_flashinfer_prepare(gated):
     from flashinfer.fused_moe.core import _maybe_get_cached_w3_w1_permute_indices, get_w2_permute_indices_with_cache
 
     spec = MoeSpec(intermediate=128, fmt="fp8_tensor", gated=gated, activation="silu" if gated else "relu2")
-    E, H, I = spec.num_experts, spec.hidden, spec.intermediate
-    M = 2 * I if gated else I
+    E, H, inter = spec.num_experts, spec.hidden, spec.intermediate
+    M = 2 * inter if gated else inter
     g = torch.Generator().manual_seed(7)
     w1 = (torch.randn(E, M, H, generator=g) * 0.03).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) * 0.03).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.03).to(torch.bfloat16)
     q_in, q_int = 70.0, 200.0
     kw = {}
     if hasattr(api, "SwiGLU"):  # flashinfer >= 0.7 (SGLang 0.5.22+); 0.6.x's prepare is gated SwiGLU only
@@ -148,7 +148,7 @@ def test_per_tensor_bytes_and_scalars_match_flashinfer_prepare(gated):
         intermediate_scale_global=q_int,
         num_local_experts=E,
         hidden_size=H,
-        intermediate_size=I,
+        intermediate_size=inter,
         **kw,
     )
     cache = {}
@@ -165,7 +165,7 @@ def test_per_tensor_bytes_and_scalars_match_flashinfer_prepare(gated):
     s2 = fi["output2_scales_scalar"] * q_int  # = 1 / q_w2
     ck = {}
     for e in range(E):
-        halves = {UP: g1[e, :I], GATE: g1[e, I:]} if gated else {UP: g1[e]}
+        halves = {UP: g1[e, :inter], GATE: g1[e, inter:]} if gated else {UP: g1[e]}
         for proj, w in list(halves.items()) + [(DOWN, g2[e])]:
             base = f"experts.{e}.{proj}."
             ck[base + "weight"] = w.contiguous()
@@ -187,15 +187,15 @@ def _fi_block_checkpoint_and_prepare(spec, seed=3):
     half to SGLang's allocation (128), quantized, and the checkpoint keeps the real rows and the partial block."""
     from flashinfer.fused_moe import api, prepare
 
-    E, H, I = spec.num_experts, spec.hidden, spec.intermediate
-    ip = -(-I // 128) * 128
+    E, H, inter = spec.num_experts, spec.hidden, spec.intermediate
+    ip = -(-inter // 128) * 128
     g = torch.Generator().manual_seed(seed)
     up = torch.zeros(E, ip, H)
     gate = torch.zeros(E, ip, H)
     down = torch.zeros(E, H, ip)
-    up[:, :I] = torch.randn(E, I, H, generator=g) * 0.03
-    gate[:, :I] = torch.randn(E, I, H, generator=g) * 0.02
-    down[:, :, :I] = torch.randn(E, H, I, generator=g) * 0.03
+    up[:, :inter] = torch.randn(E, inter, H, generator=g) * 0.03
+    gate[:, :inter] = torch.randn(E, inter, H, generator=g) * 0.02
+    down[:, :, :inter] = torch.randn(E, H, inter, generator=g) * 0.03
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
     if hasattr(api, "QuantFormat"):  # flashinfer >= 0.7 (SGLang 0.5.22+)
         variant = dict(
@@ -211,7 +211,7 @@ def _fi_block_checkpoint_and_prepare(spec, seed=3):
         q, s = prepare._deepseek_fp8_quantize_weights(bf(w))
         for e in range(E):
             base = f"experts.{e}.{proj}."
-            ck[base + "weight"] = (q[e, :, :I] if proj == DOWN else q[e, :I]).contiguous()
+            ck[base + "weight"] = (q[e, :, :inter] if proj == DOWN else q[e, :inter]).contiguous()
             ck[base + "weight_scale_inv"] = s[e].contiguous()
     return ck, fi
 
@@ -225,7 +225,9 @@ def test_block_bytes_equal_flashinfer_prepare_and_sglang_own_preparation(spec, m
     ours.quant_method.process_weights_after_loading(ours)
     assert layer_state.state_of(ours).clean
     assert {n: p.data_ptr() for n, p in ours.named_parameters()} == ptrs
-    for n, k in zip(BLOCK_WEIGHTS, ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights", "gemm2_weights_scale")):
+    for n, k in zip(
+        BLOCK_WEIGHTS, ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights", "gemm2_weights_scale"), strict=True
+    ):
         assert torch.equal(as_bytes(getattr(ours, n)), as_bytes(fi[k])), f"{n} differs from flashinfer's {k}"
     upstream = loaded_layer(spec, ck=ck)
     upstream_process_weights_after_loading(upstream.quant_method, upstream, monkeypatch)
@@ -250,7 +252,7 @@ def test_modelopt_unequal_scales_ours_lossless_upstream_requant_is_not():
         upstream_process_weights_after_loading(upstream.quant_method, upstream, mp)
     finally:
         mp.undo()
-    E, I = spec.num_experts, spec.intermediate
+    E, inter = spec.num_experts, spec.intermediate
     idx = _maybe_get_cached_w3_w1_permute_indices({}, ours.w13_weight.data[0].view(torch.uint8), 128)
 
     def logical(w):  # flashinfer's own permute indices undone: [up; gate] rows
@@ -268,7 +270,7 @@ def test_modelopt_unequal_scales_ours_lossless_upstream_requant_is_not():
         ref_up = ck[f"experts.{e}.{UP}.weight"].float() * ck[f"experts.{e}.{UP}.weight_scale"]
         ref_gate = ck[f"experts.{e}.{GATE}.weight"].float() * ck[f"experts.{e}.{GATE}.weight_scale"]
         ref = torch.cat([ref_up, ref_gate])
-        mine = torch.cat([ours_l[e, :I] * s_up_ours[e], ours_l[e, I:] * s_gate_ours[e]])
+        mine = torch.cat([ours_l[e, :inter] * s_up_ours[e], ours_l[e, inter:] * s_gate_ours[e]])
         theirs = up_l[e] * s_max[e]
         err_ours = max(err_ours, float((mine - ref).norm() / ref.norm()))
         err_up = max(err_up, float((theirs - ref).norm() / ref.norm()))

@@ -424,7 +424,7 @@ def test_nvfp4_layer_prep_equals_sglang(monkeypatch, h, i, gated, e):
     ref = _sglang_nvfp4_prep(monkeypatch, w13, w2, s13, s2, h, ip, gated)
     ours = [t.clone() for t in (w13, w2, s13, s2)]
     _ours_nvfp4_prep(*ours, gated)
-    for got, want in zip([ours[0], ours[2], ours[1], ours[3]], ref):  # SGLang returns w13, s13, w2, s2
+    for got, want in zip([ours[0], ours[2], ours[1], ours[3]], ref, strict=True):  # SGLang returns w13, s13, w2, s2
         assert torch.equal(_bytes(got), _bytes(want))
     # and back to the checkpoint bytes
     L.unswizzle_sf_128x4_(ours[2])
@@ -436,7 +436,7 @@ def test_nvfp4_layer_prep_equals_sglang(monkeypatch, h, i, gated, e):
         (ours[3], L.w2_row_map(h)),
     ):
         L.unpermute_rows_(t, rows)
-    assert all(_same(a, b) for a, b in zip(ours, (w13, w2, s13, s2)))
+    assert all(_same(a, b) for a, b in zip(ours, (w13, w2, s13, s2), strict=True))
 
 
 # ------------------------------------------------------------------------------------------------- per-half padding

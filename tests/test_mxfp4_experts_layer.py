@@ -123,10 +123,10 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp4_weights():
     from sglang_trtllm_moe import quant
 
     spec = spec_of(128)
-    E, H, I = spec.num_experts, spec.hidden, spec.intermediate
+    E, H, inter = spec.num_experts, spec.hidden, spec.intermediate
     g = torch.Generator().manual_seed(3)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)  # [up; gate]
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(torch.bfloat16)  # [up; gate]
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(torch.bfloat16)
 
     def fp4_quantize(x, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, *a, **k):
         assert sf_vec_size == 32 and sf_use_ue8m0 and not is_sf_swizzled_layout
@@ -140,12 +140,14 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp4_weights():
             how = dict(quant=api.QuantConfig(api.QuantFormat.MXFP4, api.QuantFormat.MXFP8))
         else:  # 0.6.x: MXFP4 weights x MXFP8 activations
             how = dict(variant=api.QuantVariant.MXFP4)
-        fi = prepare.prepare_trtllm_fp4_weights(w1, w2, num_local_experts=E, hidden_size=H, intermediate_size=I, **how)
+        fi = prepare.prepare_trtllm_fp4_weights(
+            w1, w2, num_local_experts=E, hidden_size=H, intermediate_size=inter, **how
+        )
     finally:
         fq4stub.fp4_quantize, fq4.block_scale_interleave = saved
     ck = {}
     for e in range(E):
-        for proj, w in (("up_proj", w1[e, :I]), ("gate_proj", w1[e, I:]), ("down_proj", w2[e])):
+        for proj, w in (("up_proj", w1[e, :inter]), ("gate_proj", w1[e, inter:]), ("down_proj", w2[e])):
             q, s = quant.mxfp4_quantize(w.float())
             ck[f"experts.{e}.{proj}.weight"] = q.view(torch.int8)
             ck[f"experts.{e}.{proj}.weight_scale_inv"] = s.view(torch.float8_e8m0fnu)

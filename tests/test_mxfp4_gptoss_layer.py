@@ -324,36 +324,41 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
 def test_concurrent_fused_writes_with_a_flusher_equal_a_fresh_load():
     """The six fused tensors written from six threads while another flushes: each write un-prepares its whole group
     under the layer's lock, so no writer sees (or leaves) a half-laid-out group."""
+    for r in range(3):
+        _fused_writes_with_a_flusher_round(r)
+
+
+def _fused_writes_with_a_flusher_round(r):
+    """One round of the test above (its threads are all joined before it returns)."""
     import threading
 
-    for r in range(3):
-        base, new = mx_layers.random_checkpoint(SPEC, 10 * r), mx_layers.random_checkpoint(SPEC, 10 * r + 1)
-        layer = prepared_layer(SPEC, base)
-        barrier = threading.Barrier(len(new) + 1)
-        done, errors = threading.Event(), []
+    base, new = mx_layers.random_checkpoint(SPEC, 10 * r), mx_layers.random_checkpoint(SPEC, 10 * r + 1)
+    layer = prepared_layer(SPEC, base)
+    barrier = threading.Barrier(len(new) + 1)
+    done, errors = threading.Event(), []
 
-        def write(name):
-            try:
-                barrier.wait()
-                mx_layers.load_fused(layer, {name: new[name]})
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+    def write(name):
+        try:
+            barrier.wait()
+            mx_layers.load_fused(layer, {name: new[name]})
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
 
-        def flush():
-            try:
-                barrier.wait()
-                while not done.is_set():
-                    layer_state.flush(layer)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+    def flush():
+        try:
+            barrier.wait()
+            while not done.is_set():
+                layer_state.flush(layer)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
 
-        threads = [threading.Thread(target=write, args=(n,)) for n in new] + [threading.Thread(target=flush)]
-        for t in threads:
-            t.start()
-        for t in threads[:-1]:
-            t.join()
-        done.set()
-        threads[-1].join()
-        assert not errors, errors[0]
-        layer_state.flush(layer)
-        assert_same_bytes(layer, prepared_layer(SPEC, new), f"a fresh load (round {r})")
+    threads = [threading.Thread(target=write, args=(n,)) for n in new] + [threading.Thread(target=flush)]
+    for t in threads:
+        t.start()
+    for t in threads[:-1]:
+        t.join()
+    done.set()
+    threads[-1].join()
+    assert not errors, errors[0]
+    layer_state.flush(layer)
+    assert_same_bytes(layer, prepared_layer(SPEC, new), f"a fresh load (round {r})")

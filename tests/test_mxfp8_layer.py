@@ -105,10 +105,10 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
     from sglang_trtllm_moe import quant
 
     spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
-    E, H, I = spec.num_experts, spec.hidden, spec.intermediate
+    E, H, inter = spec.num_experts, spec.hidden, spec.intermediate
     g = torch.Generator().manual_seed(3)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)  # [up; gate]
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(torch.bfloat16)  # [up; gate]
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(torch.bfloat16)
 
     def mxfp8_quantize(x, is_sf_swizzled_layout=True, *args, **kwargs):
         assert not is_sf_swizzled_layout
@@ -123,13 +123,13 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
         else:  # 0.6.x
             how = dict(variant=api.QuantVariant.MxFp8)
         fi = prepare.prepare_trtllm_fp8_block_weights(
-            w1, w2, num_local_experts=E, hidden_size=H, intermediate_size=I, **how
+            w1, w2, num_local_experts=E, hidden_size=H, intermediate_size=inter, **how
         )
     finally:
         fq8.mxfp8_quantize, fq4.block_scale_interleave = saved
     ck = {}
     for e in range(E):
-        for proj, w in (("up_proj", w1[e, :I]), ("gate_proj", w1[e, I:]), ("down_proj", w2[e])):
+        for proj, w in (("up_proj", w1[e, :inter]), ("gate_proj", w1[e, inter:]), ("down_proj", w2[e])):
             q, s = quant.mxfp8_quantize(w.float())
             ck[f"experts.{e}.{proj}.weight"], ck[f"experts.{e}.{proj}.weight_scale_inv"] = q, s
     ours = prepared_layer(TRTLLM, spec, ck)
@@ -441,7 +441,9 @@ def test_online_mxfp8_stays_on_sglang_own_preparation_with_one_log_line(monkeypa
     ran = []
     monkeypatch.setattr(mx_hooks, "_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="sglang_trtllm_moe"):
-        mx_hooks.fp8_method_process_weights_after_loading(lambda m, l: ran.append(l), layer.quant_method, layer)
+        mx_hooks.fp8_method_process_weights_after_loading(
+            lambda _method, lyr: ran.append(lyr), layer.quant_method, layer
+        )
     assert ran == [layer] and layer_state.state_of(layer) is None
     assert any("online MXFP8" in r.message and "stays on SGLang's own preparation" in r.message for r in caplog.records)
 

@@ -173,8 +173,9 @@ AUTO_SCRIPT = """
     out["managed"] = layer_state.state_of(layer) is not None
     out["storage_kept"] = all(getattr(layer, n).data_ptr() == ptrs[n]
                               for n in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"))
-    out["bytes"] = {n: hashlib.sha256(getattr(layer, n).data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-                    for n in json.loads(os.environ["NAMES"])}
+    def sha(t):
+        return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    out["bytes"] = {n: sha(getattr(layer, n).data) for n in json.loads(os.environ["NAMES"])}
     g = torch.Generator().manual_seed(1)
     x = torch.randn(6, spec.hidden, generator=g).to(torch.bfloat16)
     logits = torch.randn(6, spec.num_experts, generator=g)

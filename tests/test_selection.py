@@ -511,7 +511,7 @@ def test_speculative_draft_keeps_what_upstream_would_give_it(sglang_runs):
 
 def test_config_reader_names_quantization_like_sglang(sglang_runs):
     """detect_quantization vs SGLang's ModelConfig on the very same config.json files."""
-    for cid, arch, quant, *_ in CASES:
+    for cid, _arch, quant, *_ in CASES:
         row = sglang_runs["plugin"]["cases"][cid]
         if "error" in row:  # SGLang refused the launch (checked above); the same config.json is read by other cases
             continue

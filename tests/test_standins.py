@@ -17,7 +17,8 @@ PROBE = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     try:
-        torch.mm(torch.ones(2, 2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.bfloat16), out_dtype=torch.float32)
+        a = torch.ones(2, 2, dtype=torch.bfloat16)
+        torch.mm(a, a, out_dtype=torch.float32)
         mm = True
     except Exception:
         mm = False

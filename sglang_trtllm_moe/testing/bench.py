@@ -15,6 +15,7 @@ upstream's figure is a lower bound). Timings are medians of `repeats` runs. Neve
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -147,14 +148,14 @@ def bench_nvfp4_layer(model: str, experts: int, repeats: int = 3) -> list[dict]:
     def upstream_update(expert_ids):
         # Upstream's flow: the loader writes, then the whole layer is re-prepared (re-shuffling untouched experts).
         for e in expert_ids:
-            for p, t, name, shard, eid in _expert_shards_cache[e]:
+            for p, t, _name, _shard, eid in _expert_shards_cache[e]:
                 p.data[eid].view(torch.uint8).reshape(-1)[: t.numel()].copy_(t.view(torch.uint8).reshape(-1))
         upstream(theirs.quant_method, theirs)
 
     _expert_shards_cache = {e: _expert_shards(ours, e) for e in range(experts)}
     for what, ids in (("1 expert", [3]), ("whole layer", list(range(experts)))):
-        p_s = _median_time(lambda: plugin_update(ids), repeats)
-        u_s = _median_time(lambda: upstream_update(ids), repeats)
+        p_s = _median_time(functools.partial(plugin_update, ids), repeats)
+        u_s = _median_time(functools.partial(upstream_update, ids), repeats)
         rows.append(
             dict(
                 name=f"nvfp4 RL update of {what}, {label}",
@@ -361,7 +362,7 @@ def bench_load_plugins(repeats: int = 3) -> list[dict]:
 
     rows = []
     for kind in _PROCESS_KINDS:
-        runs = {False: [], True: []}
+        runs: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(repeats):
             for disabled in (False, True):
                 runs[disabled].append(once(kind, disabled))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from .tiny_spec import KV_LORA, Q_LORA, QK_NOPE, QK_ROPE, V_HEAD, TinySpec, layer_prefix, moe_prefix
 
@@ -66,7 +67,7 @@ def quantization_config(spec: TinySpec) -> dict | None:
         return None
     if q in ("nvfp4", "fp8"):
         algo = "NVFP4" if q == "nvfp4" else "FP8"
-        cfg = {
+        cfg: dict[str, Any] = {
             "quant_method": "modelopt",
             "quant_algo": algo,
             "ignore": _excluded_modules(spec),
@@ -122,6 +123,7 @@ def hf_quant_config(spec: TinySpec) -> dict | None:
     if spec.quant not in ("nvfp4", "fp8"):
         return None
     qc = quantization_config(spec)
+    assert qc is not None  # ModelOpt formats have one
     body = {"quant_algo": qc["quant_algo"], "kv_cache_quant_algo": None, "exclude_modules": qc["ignore"]}
     if spec.quant == "nvfp4":
         body["group_size"] = 16

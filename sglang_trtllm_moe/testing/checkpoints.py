@@ -2,14 +2,16 @@
 Hugging Face download (config.json, model.safetensors with the checkpoint's own tensor names, the quant config),
 with random but calibrated weights.
 
-Architectures (SGLang model class, checkpoint names as the released checkpoints spell them):
+Architectures (arch: SGLang model class; MoE layer, checkpoint names as the released checkpoints spell them;
+experts; router):
 
-| arch | SGLang class | MoE layer | experts | router |
-|---|---|---|---|---|
-| qwen3_moe | Qwen3MoeForCausalLM | `model.layers.N.mlp.experts.E.{gate,up,down}_proj` | gated SwiGLU | softmax top-k, renormalized |
-| deepseek_v3 | DeepseekV3ForCausalLM | `model.layers.N.mlp.experts.E.*` + `mlp.shared_experts.*` | gated SwiGLU, MLA attention, first layer dense | sigmoid + `e_score_correction_bias`, grouped |
-| nemotron_h | NemotronHForCausalLM | `backbone.layers.N.mixer.experts.E.{up,down}_proj` + shared | non-gated relu2 | sigmoid + correction bias |
-| mixtral | MixtralForCausalLM | `model.layers.N.block_sparse_moe.experts.E.w{1,2,3}` | gated SwiGLU | softmax top-k |
+- qwen3_moe: Qwen3MoeForCausalLM; `model.layers.N.mlp.experts.E.{gate,up,down}_proj`; gated SwiGLU; softmax top-k,
+  renormalized
+- deepseek_v3: DeepseekV3ForCausalLM; `model.layers.N.mlp.experts.E.*` + `mlp.shared_experts.*`; gated SwiGLU, MLA
+  attention, first layer dense; sigmoid + `e_score_correction_bias`, grouped
+- nemotron_h: NemotronHForCausalLM; `backbone.layers.N.mixer.experts.E.{up,down}_proj` + shared; non-gated relu2;
+  sigmoid + correction bias
+- mixtral: MixtralForCausalLM; `model.layers.N.block_sparse_moe.experts.E.w{1,2,3}`; gated SwiGLU; softmax top-k
 
 Formats (`quant`): `nvfp4` (ModelOpt NVFP4: `weight` packed e2m1, `weight_scale` e4m3 per 16, `weight_scale_2`,
 `input_scale`), `ct_nvfp4` (llm-compressor compressed-tensors NVFP4: `weight_packed`, `weight_scale`,
@@ -106,6 +108,7 @@ _CALIB_TOKENS = 512
 def _act(spec: TinySpec, g1: torch.Tensor, g3: torch.Tensor | None) -> torch.Tensor:
     if not spec.gated:
         return torch.relu(g1) ** 2
+    assert g3 is not None  # gated experts have an up projection
     return torch.nn.functional.silu(g1) * g3
 
 

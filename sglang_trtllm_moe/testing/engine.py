@@ -11,11 +11,13 @@ OMP_NUM_THREADS, both inherited. What it offers is only what the Engine offers:
 |---|---|
 | generate | `Engine.generate(input_ids=..., sampling_params={"temperature": 0, ...})` (greedy) |
 | update_from_disk | `Engine.update_weights_from_disk(path)` |
-| begin / end / session | `Engine.begin_weight_update()` / `end_weight_update()` (0.5.23 refuses tensor updates outside) |
+| begin / end / session | `Engine.begin_weight_update()` / `end_weight_update()` (0.5.23 refuses tensor updates
+  outside) |
 | update_from_tensor | `Engine.update_weights_from_tensor(named_tensors)`; `load_format="flattened_bucket"`: one SGLang
   FlattenedTensorBucket serialized per TP rank with MultiprocessingSerializer (base64), as RL frameworks send it |
 | check_weights | the weight checker (`/weights_checker` of the HTTP server): `tokenizer_manager.check_weights(
-  CheckWeightsReqInput(action=...))` — snapshot, reset_tensors, compare, checksum (the Engine has no method of its own) |
+  CheckWeightsReqInput(action=...))` — snapshot, reset_tensors, compare, checksum (the Engine has no method of its
+  own) |
 | state | `Engine.save_sharded_model(path=...)`: the scheduler writes model.state_dict() (the prepared bytes) as
   safetensors; read back here, byte for byte |
 

@@ -318,7 +318,7 @@ class TinyModel:
         first_logits = logits.float().clone()
         for _ in range(max_new_tokens - 1):
             next_ids, _ = one_batch.decode(next_ids, batch, self.runner)
-            for o, t in zip(out, next_ids.tolist()):
+            for o, t in zip(out, next_ids.tolist(), strict=True):
                 o.append(t)
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
@@ -364,6 +364,7 @@ class TinyModel:
             ok, msg = fn()
             if not ok:
                 raise RuntimeError(msg)
+            assert self._session is not None  # begin() opened it
             self._session["loaded_weights"] = True
         finally:
             if own:

@@ -144,8 +144,10 @@ def random_gptoss_checkpoint(
     g = torch.Generator().manual_seed(seed + 1000)
     gate, up, down = [], [], []
     for _, ws in _random_experts(spec, seed, None, std=0.05):
-        gate.append(ws[GATE]), up.append(ws[UP]), down.append(ws[DOWN])
-    w13 = torch.stack([torch.stack([g_, u_], dim=1).reshape(-1, spec.hidden) for g_, u_ in zip(gate, up)])
+        gate.append(ws[GATE])
+        up.append(ws[UP])
+        down.append(ws[DOWN])
+    w13 = torch.stack([torch.stack([g_, u_], dim=1).reshape(-1, spec.hidden) for g_, u_ in zip(gate, up, strict=True)])
     q13, s13 = quant.mxfp4_quantize(w13)
     q2, s2 = quant.mxfp4_quantize(torch.stack(down))
     return {
@@ -204,7 +206,8 @@ class GptOssTinyModel(torch.nn.Module):
 
 
 def gptoss_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameter-keyed fused tensors -> gpt-oss's checkpoint names below the MoE block ("experts.gate_up_proj_blocks")."""
+    """Parameter-keyed fused tensors -> gpt-oss's checkpoint names below the MoE block
+    ("experts.gate_up_proj_blocks")."""
     return {"experts." + _PARAM_TO_CHECKPOINT[k]: v for k, v in tensors.items()}
 
 

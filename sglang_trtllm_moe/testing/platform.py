@@ -30,7 +30,7 @@ _FLAGS = (
 
 def platform_facts(sm: int) -> dict:
     major, minor = divmod(int(sm), 10)
-    facts = {f: False for f in _FLAGS}
+    facts: dict[str, bool | int | tuple[int, int]] = {f: False for f in _FLAGS}
     if major == 10:
         facts.update(is_sm100=True, is_sm100_or_sm110=True, is_blackwell=True)
     elif major == 11:
@@ -58,12 +58,21 @@ def _probe_values(sm: int) -> dict:
     }
 
 
-def _answer(value):
-    def fact(*args, **kwargs):
-        return value
+class _Answer:
+    """A platform probe's stand-in: answers `value` whatever the arguments."""
 
-    fact.cache_clear = lambda: None  # callers of the lru-cached originals may clear them
-    return fact
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self.value
+
+    def cache_clear(self) -> None:
+        """Callers of the lru-cached originals may clear them: nothing to clear here."""
+
+
+def _answer(value: object) -> _Answer:
+    return _Answer(value)
 
 
 def _rebind(table_from: dict, table_to: dict) -> None:

@@ -42,9 +42,9 @@ def moe(
     """With `quantize_like_kernel`, the activations and the GEMM1 output are rounded to NVFP4 with the
     checkpoint's static input scales, where the kernel rounds them; otherwise everything stays float32."""
     x = x.float()
-    a1, a2 = input_scales(ck) if quantize_like_kernel else (None, None)
-    if quantize_like_kernel:
-        x = _fp4_round_trip(x, a1)
+    scales = input_scales(ck) if quantize_like_kernel else None
+    if scales is not None:
+        x = _fp4_round_trip(x, scales[0])
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
@@ -55,8 +55,8 @@ def moe(
             )
         else:
             h = torch.relu(xe @ dequant_projection(ck, e, UP).T) ** 2
-        if quantize_like_kernel:
-            h = _fp4_round_trip(h, a2)
+        if scales is not None:
+            h = _fp4_round_trip(h, scales[1])
         y = h @ dequant_projection(ck, e, DOWN).T
         out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     return out

@@ -6,12 +6,13 @@ platform (the quant methods refuse NVFP4 elsewhere), and the MoE config initiali
 How each step is spelled changed between releases (read from the wheels: `runtime_context` exists from 0.5.14,
 `override_platform` from 0.5.19, `SpawnRanks` from 0.5.21), so each step asks a flag of compat/features.py:
 
-| step | < 0.5.19 | 0.5.19 – 0.5.20 | >= 0.5.21 |
-|---|---|---|---|
-| fake SM100 | rebind `is_sm100_supported` / `is_blackwell_supported` (lru-cached module globals, imported by name into ~10 modules) | `runtime_context.override_platform(...).install()` | same |
-| publish ServerArgs | `set_global_server_args_for_scheduler` (a global ≤ 0.5.15, `get_context().set_server_args` 0.5.16–0.5.17, `publish(role="scheduler")` 0.5.18) | same shim (`publish`) | `publish(..., ranks=SpawnRanks(0))` + `get_parallel().override_permanently(world_group=...)` |
-| MoE config | `initialize_moe_config(server_args)` | `initialize_moe_config()` | same |
-| weight updates | `ModelRunner.update_weights_from_{disk,tensor}` (< 0.5.16) | `WeightUpdater` (>= 0.5.16) | same |
+- fake SM100: < 0.5.19 rebind `is_sm100_supported` / `is_blackwell_supported` (lru-cached module globals, imported
+  by name into ~10 modules); >= 0.5.19 `runtime_context.override_platform(...).install()`
+- publish ServerArgs: < 0.5.21 `set_global_server_args_for_scheduler` (a global ≤ 0.5.15,
+  `get_context().set_server_args` 0.5.16–0.5.17, `publish(role="scheduler")` 0.5.18, the same shim (`publish`)
+  0.5.19–0.5.20); >= 0.5.21 `publish(..., ranks=SpawnRanks(0))` + `get_parallel().override_permanently(world_group=...)`
+- MoE config: < 0.5.19 `initialize_moe_config(server_args)`; >= 0.5.19 `initialize_moe_config()`
+- weight updates: < 0.5.16 `ModelRunner.update_weights_from_{disk,tensor}`; >= 0.5.16 `WeightUpdater`
 
 One CPU-only repair: up to 0.5.19 NVFP4 `create_weights` calls `quantization.utils.swizzle_blockscale`, which ends in
 `.contiguous().cuda()` (for a shape-only placeholder), so no NVFP4 layer can even be built without a GPU. On a box
@@ -57,6 +58,7 @@ def _rebind_everywhere(module, name: str, new) -> None:
 def keep_swizzle_on_cpu() -> None:
     """SGLang's `swizzle_blockscale` without its hard-coded `.cuda()` (only where CUDA is absent)."""
     import functools
+    import unittest.mock
 
     import torch
     from sglang.srt.layers.quantization import utils as qutils
@@ -67,14 +69,10 @@ def keep_swizzle_on_cpu() -> None:
 
     @functools.wraps(original)
     def swizzle_blockscale(scale):
-        real_cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        try:
+        with unittest.mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
             return original(scale)
-        finally:
-            torch.Tensor.cuda = real_cuda
 
-    swizzle_blockscale._trtllm_moe_cpu = True
+    vars(swizzle_blockscale)["_trtllm_moe_cpu"] = True
     _rebind_everywhere(qutils, "swizzle_blockscale", swizzle_blockscale)
 
 
@@ -218,12 +216,15 @@ def weight_checker(model):
     action still runs SGLang's own code. Before 0.5.16 the checker is built around the ModelRunner itself
     (`WeightChecker(model_runner)`, reading `.model` and, for a checksum, the runner's tp/dp/pp ranks and sizes):
     a shell with exactly those fields, one CPU process."""
+    import torch
     from sglang.srt.utils.weight_checker import WeightChecker
 
     if not (features.WEIGHT_CHECKER_TAKES_PS.present() or features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present()):
         return WeightChecker(get_model=lambda: model)
 
     class _RoleAccepted(WeightChecker):
+        _snapshot_tensors: dict[str, torch.Tensor]  # set by WeightChecker._snapshot
+
         def handle(self, action, *args, role=None, **kwargs):
             return super().handle(action, *args, **kwargs)
 
@@ -272,7 +273,9 @@ def init_rank(
     try:
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, override_platform, publish, reset_context
     except ImportError as e:
-        raise NotImplementedError(f"init_rank needs an SGLang release with runtime_context.SpawnRanks (>= 0.5.22): {e}")
+        raise NotImplementedError(
+            f"init_rank needs an SGLang release with runtime_context.SpawnRanks (>= 0.5.22): {e}"
+        ) from e
     for k, v in (
         ("MASTER_ADDR", "127.0.0.1"),
         ("MASTER_PORT", str(port)),
@@ -342,7 +345,7 @@ def _destroy_model_parallel(destroy) -> None:
     except ImportError:
         pass
     stub = types.ModuleType(name)
-    stub.reset_parallel_initialised = lambda: None
+    vars(stub)["reset_parallel_initialised"] = lambda: None
     sys.modules[name] = stub
     try:
         return destroy()

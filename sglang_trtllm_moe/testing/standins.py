@@ -15,11 +15,12 @@ it starts. Nothing is active in a normal installation: the distribution exists o
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import types
 
-_APPLIED: dict[str, bool] = {}
+_APPLIED: dict[str, object] = {}
 
 
 def torchvision_op_schemas() -> None:
@@ -45,8 +46,7 @@ def vllm_custom_ops_import_stub() -> None:
     if "vllm._custom_ops" in sys.modules:
         return
     try:
-        import vllm._custom_ops  # noqa: F401  (a real vLLM is installed: nothing to stand in for)
-
+        importlib.import_module("vllm._custom_ops")  # a real vLLM is installed: nothing to stand in for
         return
     except ImportError:
         pass
@@ -59,11 +59,10 @@ def vllm_custom_ops_import_stub() -> None:
 
     pkg = sys.modules.get("vllm") or types.ModuleType("vllm")
     pkg.__path__ = getattr(pkg, "__path__", [])
-    pkg.__sglang_trtllm_moe_standin__ = True
+    vars(pkg)["__sglang_trtllm_moe_standin__"] = True
     ops = types.ModuleType("vllm._custom_ops")
-    ops.rotary_embedding = rotary_embedding
-    ops.__sglang_trtllm_moe_standin__ = True
-    pkg._custom_ops = ops
+    vars(ops).update(rotary_embedding=rotary_embedding, __sglang_trtllm_moe_standin__=True)
+    vars(pkg)["_custom_ops"] = ops
     sys.modules.setdefault("vllm", pkg)
     sys.modules["vllm._custom_ops"] = ops
 
@@ -125,8 +124,7 @@ def topk_bypass_on_cpu() -> None:
                 return self.forward_cuda(hidden_states, router_logits, *args, **kwargs)
         return native(self, hidden_states, router_logits, *args, **kwargs)
 
-    forward_native._trtllm_moe_standin = True
-    forward_native.__wrapped__ = native
+    vars(forward_native).update(_trtllm_moe_standin=True, __wrapped__=native)
     TopK.forward_native = forward_native
 
 

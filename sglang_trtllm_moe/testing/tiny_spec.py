@@ -4,7 +4,7 @@ released checkpoints spell them. One place for them: the weights (checkpoints.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")
 QUANTS = ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16")
@@ -37,14 +37,15 @@ class TinySpec:
     kv_heads: int = 2
     head_dim: int = 64
     #: layer kinds: "moe", "dense" (MLP), "attn" (Nemotron-H attention-only block)
-    layers: tuple[str, ...] = field(default=None)
+    #: (empty: the arch's default stack, set in __post_init__)
+    layers: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r}: one of {ARCHS}")
         if self.quant not in QUANTS:
             raise ValueError(f"quant {self.quant!r}: one of {QUANTS}")
-        if self.layers is None:
+        if not self.layers:
             default = {
                 "qwen3_moe": ("moe", "moe"),
                 "mixtral": ("moe", "moe"),
@@ -116,7 +117,7 @@ def _attn_shapes(spec: TinySpec, p: str) -> dict[str, tuple]:
             f"{a}.o_proj.weight": (h, nh * V_HEAD),
         }
     a = f"{p}.mixer" if spec.arch == "nemotron_h" else f"{p}.self_attn"
-    out = {
+    out: dict[str, tuple[int, ...]] = {
         f"{a}.q_proj.weight": (nh * hd, h),
         f"{a}.k_proj.weight": (nkv * hd, h),
         f"{a}.v_proj.weight": (nkv * hd, h),

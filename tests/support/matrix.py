@@ -407,7 +407,7 @@ SM100_SKIP = "needs an NVIDIA Blackwell GPU"
 
 def capability_cells(tests: dict, release: str) -> dict:
     cells = {}
-    for key, title, selectors in CAPABILITIES:
+    for key, _title, selectors in CAPABILITIES:
         # real-kernel tests (requires_sm100) are n/a on every CPU row alike: they say nothing about the release
         mine = {n: r for n, r in tests.items() if _selected(n, selectors) and not r["reason"].startswith(SM100_SKIP)}
         if not mine:
@@ -552,7 +552,7 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 | gpt-oss MXFP4 pads I and H to 256 (128 from 0.5.17), scales filled 0 (127 from 0.5.17); SM100 path through `Mxfp4MoEMethod.apply` / the flashinfer_trtllm MXFP4 leaf | < 0.5.17; < 0.5.20 / >= 0.5.20 | prepared in place at SGLang's size; the `apply` hook covers both |
 | .post releases (0.5.12.post1, 0.5.13.post1, 0.5.15.post1) | - | no row: their `srt/` diffs touch nothing the plugin hooks |
 
-"""
+"""  # noqa: E501  markdown: each table row must stay one line, rendered verbatim into docs/COMPAT.md
 
 
 def defer_markdown() -> str:
@@ -614,7 +614,7 @@ names, shapes and dtypes, except:
 | `Fp8MoEMethod` non-gated (relu2) per-tensor w13 on flashinfer_trtllm, < 0.5.19 | allocated [E, 2I, H] (`is_concat=True`): the kernel reads an uninitialised second half | re-allocated [E, I, H] right after `create_weights`, same attributes (weight_loader, ...), before anything is loaded | the kernel's shape (0.5.19+ SGLang allocates it so itself); SGLang's own path there is broken, so nothing depends on 2I |
 | ModelOpt NVFP4 on a global `auto` (Blackwell), 0.5.16+ | `create_moe_runner` runs flashinfer_trtllm while the weights are laid out for CUTLASS (0.5.16-0.5.20 NotImplementedError, 0.5.21+ AttributeError `g1_scale_c` at the first forward) | right after `create_moe_runner`, the method's `enable_flashinfer_trtllm_moe` / `use_flashinfer_trtllm_weight_layout` and the layer's `use_flashinfer_trtllm_moe` follow the runner SGLang resolved; an intermediate size not allocated for that kernel is a `TrtllmLayerError` at construction | lay out for the runner that actually runs; SGLang's choice is read, not repeated |
 | weight checker, 0.5.11 - 0.5.14 | compares every tensor bitwise (max/mean error only); 0.5.11 asserts on float32 FP8 block scales | plugin-laid-out weights compared by the plugin (raw or layout-aware, expert/row/col); SGLang-prepared FP8 block layers on 0.5.11 dequantized as 0.5.12 does; NVFP4 placeholders (0.5.11-0.5.12) reported, not compared; everything else is SGLang's own compare | a laid-out layer must compare correctly, and a mismatch must say where |
-"""
+"""  # noqa: E501  markdown: each table row must stay one line, rendered verbatim into docs/COMPAT.md
 
 
 def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None, root=".") -> dict:

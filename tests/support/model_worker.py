@@ -256,7 +256,8 @@ class Worker:
         target = self.full(6)
         src = m.fresh(self.write_tensors(target))
         managed = [layer for layer in m.moe_layers().values() if layer_state.state_of(layer) is not None]
-        layer_state.unprepare_all()  # every managed layer in the process: checkpoint layout (as begin_weight_update does)
+        # every managed layer in the process: checkpoint layout (as begin_weight_update does)
+        layer_state.unprepare_all()
         for layer in models.moe_layers(src).values():  # layers SGLang prepares itself: its own restore (begin does it)
             if owner(layer) == "sglang":
                 layer.quant_method.restore_weights_before_loading(layer)
@@ -281,9 +282,9 @@ class Worker:
 
     def check_distributed(self, m) -> dict:
         """update_weights_from_distributed over gloo from a second process (the trainer, forked from this one: rank 0
-        of a 2-rank group made by SGLang's init_custom_process_group on both sides), two broadcasts, in a session. The buckets
-        are flattened (load_format="flattened_bucket", one uint8 broadcast each, as RL frameworks send them): gloo
-        cannot broadcast float8_e4m3fn tensors, and every quantized format here holds some (NVFP4 block scales)."""
+        of a 2-rank group made by SGLang's init_custom_process_group on both sides), two broadcasts, in a session. The
+        buckets are flattened (load_format="flattened_bucket", one uint8 broadcast each, as RL frameworks send them):
+        gloo cannot broadcast float8_e4m3fn tensors, and every quantized format here holds some (NVFP4 block scales)."""
         import socket
 
         ptrs = m.pointers()
@@ -391,7 +392,8 @@ class Worker:
         layer = self.spec.moe_layers[0]
         role = "gate" if self.spec.gated else "up"
         part = self.experts_of(9, layers=[layer], experts=[3])
-        wname = f"{self.ck.expert_base(self.spec, layer, 3, role)}.{'weight_packed' if self.spec.quant == 'ct_nvfp4' else 'weight'}"
+        suffix = "weight_packed" if self.spec.quant == "ct_nvfp4" else "weight"
+        wname = f"{self.ck.expert_base(self.spec, layer, 3, role)}.{suffix}"
         w = part[wname]
         bad = {"extra_column": torch.cat([w, w[:, :1]], 1), "missing_row": w[:-1]}
         if w.element_size() == 1:

@@ -1,4 +1,5 @@
-"""One rank of a multi-process CPU "server": run by tests/test_multirank.py as `python -m tests.support.multirank_worker`.
+"""One rank of a multi-process CPU "server": run by tests/test_multirank.py as
+`python -m tests.support.multirank_worker`.
 
 Why a separate process per rank: SGLang's parallel state (gloo world, published ServerArgs, model-parallel groups)
 is per process, and TP/EP bugs only show when every rank builds its own FusedMoE, loads the FULL checkpoint through

@@ -36,15 +36,15 @@ NOTES: tuple[tuple[str, str], ...] = (
     (
         "FP8 (per-tensor / block) preparation hooks",
         (
-            "the plugin does not prepare FP8 layers on these releases: SGLang's own FP8 path runs (right for DeepSeek block "
-            "FP8; per-tensor FP8 is requantized into new Parameters, so the next RL update fails)"
+            "the plugin does not prepare FP8 layers on these releases: SGLang's own FP8 path runs (right for DeepSeek "
+            "block FP8; per-tensor FP8 is requantized into new Parameters, so the next RL update fails)"
         ),
     ),
     (
         "weight-checker",
         (
-            "SGLang's own weight checker runs unchanged here; the plugin's comparator for the TRT-LLM layouts (which names "
-            "the expert and row that differ) is not attached on these releases"
+            "SGLang's own weight checker runs unchanged here; the plugin's comparator for the TRT-LLM layouts (which "
+            "names the expert and row that differ) is not attached on these releases"
         ),
     ),
     (
