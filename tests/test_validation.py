@@ -381,3 +381,21 @@ def test_direct_whole_parameter_writes_are_validated_and_exact_outside_a_session
     assert ok, msg
     assert layer_state.state_of(model.experts).clean
     assert _same_as_fresh(model, "nvfp4", 2)
+
+
+def test_a_model_without_load_weights_is_updated_by_sglang_alone(tmp_path):
+    """SGLang's direct writes need no `model.load_weights` (SGLang's own unit test
+    `test_weight_updater_post_load_weights.py` drives such a model): with nothing of the plugin's in the model, the
+    request check hands the call to SGLang unchanged (it read `model.load_weights` and raised AttributeError)."""
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    cpu_layers.write_safetensors_checkpoint(str(tmp_path), {}, B.CONFIGS["nvfp4"])  # ModelConfig's config.json
+    model = Plain()
+    u = sglang_runtime.updater(model, str(tmp_path))
+    ok, msg = u.update_weights_from_tensor([("w", torch.ones(4))], load_format="direct")
+    assert ok, msg
+    assert torch.equal(model.w, torch.ones(4))

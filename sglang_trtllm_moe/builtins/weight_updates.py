@@ -54,9 +54,10 @@ def _model_of(owner):
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it."""
     model = _model_of(owner)
-    if model is None or "load_weights" in vars(model):
+    real = getattr(model, "load_weights", None)
+    if real is None or "load_weights" in vars(model) or not bucket_validation.managed_modules(model):
+        # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
         return original(owner, *args, **kwargs)
-    real = model.load_weights
     refused = []
     seen: set = set()
     named = args[0] if args else kwargs.get("named_tensors")

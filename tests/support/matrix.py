@@ -593,7 +593,11 @@ Result: on every release 0.5.11 - 0.5.23 no test passes without the plugin and f
 the plugin, five BF16 reload tests (eight runs with subtests) failed only with the plugin on 0.5.23: the plugin read
 runner-config fields a stand-in config does not have (now: a layer the plugin cannot read goes back to SGLang's own
 code), and it replaced SGLang's BF16 preparation where SGLang is right (now: 0.5.23 BF16 is SGLang's own, see the defer
-table) and kept 3-D parameters where SGLang shows them 4-D (now: the same 4-D view of the same storage).
+table) and kept 3-D parameters where SGLang shows them 4-D (now: the same 4-D view of the same storage). Run again
+after whole-request validation landed (2026-12-01, every release): one more test failed only with the plugin on
+0.5.16 - 0.5.19, `test_weight_updater_post_load_weights.py::test_model_without_hook_is_noop` (a model with no
+`load_weights`, updated by direct writes: the plugin's request check read the attribute); now a model with nothing of
+the plugin's in it goes to SGLang unchanged (`tests/test_validation.py`), and every release is back to no difference.
 
 ## Where the plugin changes what SGLang observes, and why
 
