@@ -231,15 +231,15 @@ SWIZZLE_MOVES_TO_CUDA = Feature(
     "quantization.utils.swizzle_blockscale ends in .cuda(), so NVFP4 create_weights cannot run without a GPU",
 )
 WEIGHT_CACHE_CHECK = Feature(
-    ">=0.5.17,<0.5.21",
+    ">=0.5.17,<0.5.20",
     "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off', read through "
-    "get_model_runner().server_args (0.5.21+ reads the model config namespace instead)",
+    "get_model_runner().server_args (0.5.20+ reads runtime_context.get_model().weight_cache_mode instead)",
 )
 WEIGHT_CHECKER_TAKES_PS = Feature(
     ">=0.5.16,<0.5.21",
     "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
 )
-SPAWN_RANKS = Feature(">=0.5.22", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
+SPAWN_RANKS = Feature(">=0.5.21", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
 
 
 def all_features() -> dict[str, Feature]:

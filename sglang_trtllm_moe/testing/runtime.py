@@ -269,12 +269,12 @@ def init_rank(
     its own shard, so tests run this in each of N processes. Calling it again in the same process with another
     (tp_size, ep_size) over the same world tears the model-parallel groups down and rebuilds them, so one process
     group can cover several layouts (starting processes that import SGLang is the expensive part on CPU).
-    Needs a release that publishes per-rank placement (`runtime_context.SpawnRanks`, >= 0.5.22)."""
+    Needs a release that publishes per-rank placement (`runtime_context.SpawnRanks`, >= 0.5.21)."""
     try:
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, override_platform, publish, reset_context
     except ImportError as e:
         raise NotImplementedError(
-            f"init_rank needs an SGLang release with runtime_context.SpawnRanks (>= 0.5.22): {e}"
+            f"init_rank needs an SGLang release with runtime_context.SpawnRanks (>= 0.5.21): {e}"
         ) from e
     for k, v in (
         ("MASTER_ADDR", "127.0.0.1"),
