@@ -11,6 +11,10 @@ anything; `ci/matrix` renders it after every run.
 
 from __future__ import annotations
 
+import re
+
+from packaging.version import Version
+
 #: (question, capability keys of tests/support/matrix.py CAPABILITIES that answer it; all must hold)
 ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serve NVFP4 MoE (ModelOpt, compressed-tensors)", ("nvfp4",)),
@@ -28,32 +32,6 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
     ("a whole model on sglang.Engine: serve + RL loop end to end", ("models",)),
-)
-
-#: (text in the matrix's reason, what it means for a user): the note of a cell whose reason contains the text; a
-#: reason no entry matches is shown shortened as the matrix gives it
-NOTES: tuple[tuple[str, str], ...] = (
-    (
-        "FP8 (per-tensor / block) preparation hooks",
-        (
-            "the plugin does not prepare FP8 layers on these releases: SGLang's own FP8 path runs (right for DeepSeek "
-            "block FP8; per-tensor FP8 is requantized into new Parameters, so the next RL update fails)"
-        ),
-    ),
-    (
-        "weight-checker",
-        (
-            "SGLang's own weight checker runs unchanged here; the plugin's comparator for the TRT-LLM layouts (which "
-            "names the expert and row that differ) is not attached on these releases"
-        ),
-    ),
-    (
-        "auto-select hook",
-        (
-            "the plugin does not auto-select on these releases: SGLang picks the MoE backend itself; pass "
-            "--moe-runner-backend flashinfer_trtllm to get it"
-        ),
-    ),
 )
 
 LEGEND = (
@@ -90,13 +68,17 @@ def _answer(cells: dict, keys: tuple[str, ...]) -> tuple[str, str]:
 
 
 def _note(detail: str, after: str) -> str:
-    """The user's note for a matrix reason: NOTES where one matches, else the reason, shortened."""
-    text = detail.split(after + ":", 1)[1] if after and after + ":" in detail else detail
-    text = text.split(";")[0].split(" (needs")[0].strip()
-    for key, note in NOTES:
-        if key in text:
-            return note
-    return text[:110] + ("..." if len(text) > 110 else "")
+    """The user's note for a matrix reason, shortened: of the reasons given after `after`, the one whose requirement
+    holds from the earliest release (a capability absent on a release is absent for its most basic requirement; the
+    later ones only narrow what its tests can check)."""
+    parts = detail.split(after + ":")[1:] if after and after + ":" in detail else [detail]
+    reasons = []
+    for p in parts:
+        text, _, needs = p.partition(" (needs ")
+        m = re.match(r">=\s*([0-9][0-9.]*[0-9])", needs)
+        reasons.append((Version(m.group(1)) if m else Version("9999"), text.split(";")[0].strip()))
+    text = min(reasons, key=lambda r: r[0])[1]
+    return text[:160] + ("..." if len(text) > 160 else "")
 
 
 def render(data: dict) -> str:
@@ -131,4 +113,4 @@ def render(data: dict) -> str:
     return out + "\n" + LEGEND + "\n"
 
 
-__all__ = ["LEGEND", "NOTES", "ROWS", "render"]
+__all__ = ["LEGEND", "ROWS", "render"]
