@@ -15,6 +15,7 @@ from .common import (
     _run,
     _scalar,
     _unshuffle_rows,
+    call_impl,
     common_unsupported,
     is_gated,
     routing,
@@ -133,24 +134,7 @@ def trtllm_bf16_moe(
         routing_method_type,
         norm_topk_prob,
     )
-    return _bf16_impl(
-        ids,
-        w,
-        hidden_states,
-        gemm1_weights,
-        gemm2_weights,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        use_shuffled_weight,
-        weight_layout,
-        activation_type,
-        gemm1_alpha,
-        gemm1_beta,
-        gemm1_clamp_limit,
-        output,
-        routing_replay_out,
-    )
+    return call_impl(_bf16_impl, ids, w, locals())
 
 
 def trtllm_bf16_routed_moe(
@@ -183,21 +167,4 @@ def trtllm_bf16_routed_moe(
     """Emulates flashinfer `trtllm_bf16_routed_moe`."""
     common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)
     ids, w = split_routed_input(topk_ids)
-    return _bf16_impl(
-        ids,
-        w,
-        hidden_states,
-        gemm1_weights,
-        gemm2_weights,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        use_shuffled_weight,
-        weight_layout,
-        activation_type,
-        gemm1_alpha,
-        gemm1_beta,
-        gemm1_clamp_limit,
-        output,
-        routing_replay_out,
-    )
+    return call_impl(_bf16_impl, ids, w, locals())

@@ -19,7 +19,10 @@ raise NotImplementedError naming the option, never silently compute something el
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -182,6 +185,27 @@ def _run(
         output.copy_(out)
         return output
     return out
+
+
+R = TypeVar("R")
+
+
+@functools.cache
+def _impl_params(impl: Callable[..., Any]) -> tuple[str, ...]:
+    return tuple(inspect.signature(impl).parameters)[2:]
+
+
+def call_impl(
+    impl: Callable[..., R],
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    args: dict[str, Any],
+    **given: Any,
+) -> R:
+    """`impl(ids, weights, ...)` with the caller's arguments of the same names (`args`: its `locals()`), `given`
+    for those it lacks. Why: each entry point mirrors one flashinfer signature (they differ in order and extras)
+    while its format's impl takes what the math needs; passing them by name keeps the two in step in one place."""
+    return impl(ids, weights, **{n: given[n] if n in given else args[n] for n in _impl_params(impl)})
 
 
 def routing(

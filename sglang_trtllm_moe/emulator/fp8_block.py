@@ -23,6 +23,7 @@ from .common import (
     _run,
     _scalar,
     _unshuffle_rows,
+    call_impl,
     common_unsupported,
     is_gated,
     routing,
@@ -63,29 +64,7 @@ def _fp8_block_impl(
 ):
     act = int(activation_type)
     if int(fp8_quantization_type) == Fp8QuantizationType.MxFp8:
-        return _mxfp8_impl(
-            ids,
-            weights,
-            hidden_states,
-            hidden_states_scale,
-            gemm1_weights,
-            gemm1_weights_scale,
-            gemm2_weights,
-            gemm2_weights_scale,
-            intermediate_size,
-            local_num_experts,
-            local_expert_offset,
-            use_shuffled_weight,
-            weight_layout,
-            act,
-            gemm1_alpha,
-            gemm1_beta,
-            gemm1_clamp_limit,
-            output,
-            valid_hidden_size,
-            valid_intermediate_size,
-            routing_replay_out,
-        )
+        return call_impl(_mxfp8_impl, ids, weights, locals())
     unsupported(
         fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) in (1, 2)),
         use_shuffled_weight=(use_shuffled_weight, not use_shuffled_weight),
@@ -266,30 +245,7 @@ def trtllm_fp8_block_scale_moe(
         routing_method_type,
         norm_topk_prob,
     )
-    return _fp8_block_impl(
-        ids,
-        w,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm2_weights,
-        gemm2_weights_scale,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        use_shuffled_weight,
-        weight_layout,
-        fp8_quantization_type,
-        activation_type,
-        gemm1_alpha,
-        gemm1_beta,
-        gemm1_clamp_limit,
-        output,
-        valid_hidden_size,
-        valid_intermediate_size,
-        routing_replay_out,
-    )
+    return call_impl(_fp8_block_impl, ids, w, locals())
 
 
 def trtllm_fp8_block_scale_routed_moe(
@@ -328,27 +284,4 @@ def trtllm_fp8_block_scale_routed_moe(
     """Emulates flashinfer `trtllm_fp8_block_scale_routed_moe`."""
     common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)
     ids, w = split_routed_input(topk_ids)
-    return _fp8_block_impl(
-        ids,
-        w,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm2_weights,
-        gemm2_weights_scale,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        use_shuffled_weight,
-        weight_layout,
-        fp8_quantization_type,
-        activation_type,
-        gemm1_alpha,
-        gemm1_beta,
-        gemm1_clamp_limit,
-        output,
-        valid_hidden_size,
-        valid_intermediate_size,
-        None,
-    )
+    return call_impl(_fp8_block_impl, ids, w, locals(), routing_replay_out=None)

@@ -15,6 +15,7 @@ from .common import (
     _run,
     _scalar,
     _unshuffle_rows,
+    call_impl,
     common_unsupported,
     is_gated,
     routing,
@@ -121,24 +122,7 @@ def trtllm_fp8_per_tensor_scale_moe(
         routing_method_type,
         norm_topk_prob,
     )
-    return _fp8_tensor_impl(
-        ids,
-        w,
-        hidden_states,
-        gemm1_weights,
-        output1_scales_scalar,
-        output1_scales_gate_scalar,
-        gemm2_weights,
-        output2_scales_scalar,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        use_routing_scales_on_input,
-        activation_type,
-        output,
-        gemm1_clamp_limit,
-        routing_replay_out,
-    )
+    return call_impl(_fp8_tensor_impl, ids, w, locals())
 
 
 def trtllm_fp8_per_tensor_scale_routed_moe(
@@ -171,21 +155,4 @@ def trtllm_fp8_per_tensor_scale_routed_moe(
     """Emulates flashinfer `trtllm_fp8_per_tensor_scale_routed_moe`."""
     common_unsupported(do_finalize)
     ids, w = split_routed_input(topk_ids)
-    return _fp8_tensor_impl(
-        ids,
-        w,
-        hidden_states,
-        gemm1_weights,
-        output1_scales_scalar,
-        output1_scales_gate_scalar,
-        gemm2_weights,
-        output2_scales_scalar,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        use_routing_scales_on_input,
-        activation_type,
-        output,
-        gemm1_clamp_limit,
-        routing_replay_out,
-    )
+    return call_impl(_fp8_tensor_impl, ids, w, locals())

@@ -23,6 +23,7 @@ from .common import (
     _scalar,
     _sf_numel,
     _unshuffle_rows,
+    call_impl,
     common_unsupported,
     is_gated,
     routing,
@@ -221,32 +222,7 @@ def trtllm_fp4_block_scale_moe(
         routing_method_type,
         norm_topk_prob,
     )
-    return _fp4_impl(
-        ids,
-        w,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm1_alpha,
-        gemm1_beta,
-        gemm1_clamp_limit,
-        gemm2_weights,
-        gemm2_weights_scale,
-        output1_scale_scalar,
-        output1_scale_gate_scalar,
-        output2_scale_scalar,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        activation_type,
-        output,
-        valid_hidden_size,
-        valid_intermediate_size,
-        routing_replay_out,
-        gemm1_bias,
-        gemm2_bias,
-    )
+    return call_impl(_fp4_impl, ids, w, locals())
 
 
 def trtllm_fp4_block_scale_routed_moe(
@@ -291,29 +267,4 @@ def trtllm_fp4_block_scale_routed_moe(
     common_unsupported(do_finalize, num_fused_shared_experts, gemm1_lora_delta=gemm1_lora_delta)
     _fp4unsupported(per_token_scale, hidden_states_scale_layout)
     ids, w = split_routed_input(topk_ids)
-    return _fp4_impl(
-        ids,
-        w,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm1_alpha,
-        gemm1_beta,
-        gemm1_clamp_limit,
-        gemm2_weights,
-        gemm2_weights_scale,
-        output1_scale_scalar,
-        output1_scale_gate_scalar,
-        output2_scale_scalar,
-        intermediate_size,
-        local_expert_offset,
-        local_num_experts,
-        activation_type,
-        output,
-        valid_hidden_size,
-        valid_intermediate_size,
-        None,
-        gemm1_bias,
-        gemm2_bias,
-    )
+    return call_impl(_fp4_impl, ids, w, locals(), routing_replay_out=None)
