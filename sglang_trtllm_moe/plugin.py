@@ -39,6 +39,7 @@ BUILTIN_MODULES = (
     "sglang_trtllm_moe.builtins.weight_updates",
     "sglang_trtllm_moe.builtins.selection_hooks",
     "sglang_trtllm_moe.builtins.checker_hooks",
+    "sglang_trtllm_moe.builtins.checker_legacy_hooks",
 )
 
 

@@ -63,10 +63,11 @@ def weight_checker(model):
 def test_every_checker_hook_landed_on_this_release():
     import sglang.srt.utils.weight_checker  # noqa: F401 - what a server running the checker has imported
 
-    from sglang_trtllm_moe.builtins import checker_hooks
+    from sglang_trtllm_moe.builtins import checker_hooks, checker_legacy_hooks
 
     declared = []
-    checker_hooks.register_sglang_hooks(register=declared.append, release=plugin.state().release.version)
+    for module in (checker_hooks, checker_legacy_hooks):
+        module.register_sglang_hooks(register=declared.append, release=plugin.state().release.version)
     rows = [
         r
         for r in plugin.state().target_report()
@@ -224,9 +225,9 @@ def test_before_0_5_15_other_tensors_stream_through_sglangs_own_check_with_cuda(
         seen.append(self.shape)
         return self
 
-    from sglang_trtllm_moe.builtins import checker_hooks
+    from sglang_trtllm_moe.builtins import checker_legacy_hooks
 
-    monkeypatch.setattr(checker_hooks, "_sglang_can_compare", lambda: True)
+    monkeypatch.setattr(checker_legacy_hooks, "_sglang_can_compare", lambda: True)
     monkeypatch.setattr(torch.Tensor, "cuda", fake_cuda)
     try:
         with pytest.raises(Exception) as err:

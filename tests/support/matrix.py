@@ -202,7 +202,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(
         "tests/test_checker.py",
         "capability:weight-check",
-        "the plugin's weight-checker hooks are not registered on this release (builtins/checker_hooks.py)",
+        "the plugin's weight-checker hooks are not registered on this release (builtins/checker_hooks.py, "
+        "checker_legacy_hooks.py)",
     ),
     Requirement(
         "tests/test_selection.py::test_activation_table_matches_sglang",
@@ -533,7 +534,7 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 | flashinfer pin asserts `libcudart` at import (`flashinfer.comm.cuda_ipc`, made lazy in 0.6.14) | 0.5.11-0.5.15 (0.6.8.post1, 0.6.11.post1, 0.6.12) | env without the pin; the newest flashinfer (the last row's) on the path as an oracle, not the release's pin (`ci/make-env` `ensure_oracle`; docs/TESTING.md says what it changes) |
 | FP8 per-tensor / block on flashinfer_trtllm: SGLang requantizes w1/w3 and replaces the Parameters | 0.5.11-0.5.22 | the plugin prepares in place on every release (`builtins/fp8_hooks.py`); 0.5.18's apply reads `layer._flashinfer_trtllm_gemm1_*` (set like SGLang does) |
 | `Fp8MoEMethod` allocates non-gated w13 with 2I rows | < 0.5.19 | allocated at the kernel's I rows (below) |
-| weight checker: comparator module / module-level `_postprocess_tensors` + `_check_tensors` (bitwise, `.cuda()`); `WeightChecker(model_runner)` | >= 0.5.15 / < 0.5.15; < 0.5.16 | `builtins/checker_hooks.py` targets per range |
+| weight checker: comparator module / module-level `_postprocess_tensors` + `_check_tensors` (bitwise, `.cuda()`); `WeightChecker(model_runner)` | >= 0.5.15 / < 0.5.15; < 0.5.16 | `builtins/checker_hooks.py` / `checker_legacy_hooks.py` targets per range |
 | `--moe-runner-backend` resolution: pipeline / `__post_init__` with the overrides stash / `__post_init__` with in-place field writes (the model rules overwrite the user's value) | >= 0.5.19 / 0.5.15-0.5.18 / < 0.5.15 | `compat/platform.py` (ADAPTERS, SERVER_ARGS_FIELD_WRITES: the requested value recorded before the model rules) |
 | FlashInfer A2A has a TRT-LLM (routed) runner | >= 0.5.15 (before: SGLang asserts flashinfer_cutlass) | selection never picks a TRT-LLM runner under FlashInfer A2A there |
 | ModelOpt NVFP4 maps gelu | >= 0.5.13 (before: SGLang asserts silu / relu2) | selection refuses gelu there |
