@@ -5,18 +5,21 @@ headers) that targets a managed layer is checked before any of it is loaded.
 SGLang loads a list in order: a bad 5th tensor would leave the first four written, and a disk update restores
 every layer before it reads the first tensor. One bad tensor refuses the whole request (`BucketRefused`); the entry
 point hooks (builtins/weight_updates.py) return it as (False, message). Each tensor is checked by the same rules as
-one loader write (validation.py)."""
+one loader write (validation.py); the values of a whole request are checked at once (value_checks.py: at most one
+device synchronisation per device), and a checkpoint directory's from its files, one tensor at a time."""
 
 from __future__ import annotations
 
 import torch
 
+from . import checkpoint_headers, value_checks
 from .errors import WeightUpdateRefused
 from .layer_state import layer_name, state_of
 from .validation import (
     NOTHING_WRITTEN,
     PROJECTIONS,
     Refusal,
+    ValueJob,
     check_tensor,
     check_write,
     format_of,
@@ -76,14 +79,16 @@ def _resolve(layer, rest: str):
     return f"{'w2' if shard == 'w2' else 'w13'}_{parts[2]}", shard, int(parts[0])
 
 
-def _check_full(layer, fmt, pname, param, tensor, name) -> None:
+def _check_full(layer, fmt, pname, param, tensor, name, jobs: list) -> None:
     """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts.
     Its shape: the parameter's [experts, rows, cols] view where the plugin manages the layer (it returns the group
     to checkpoint layout, and that shape, before SGLang writes), else the parameter's shape as SGLang shows it."""
     refuse = Refusal(layer, pname, None, None, what=f"whole-parameter write {name!r}")
     view = param_view(layer, fmt, pname, param)
     whole = view.shape if state_of(layer) is not None else param.shape
-    check_tensor(layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole)
+    check_tensor(
+        layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole, values=jobs
+    )
 
 
 def check_bucket(
@@ -96,18 +101,60 @@ def check_bucket(
 ) -> list:
     """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
     one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
-    below a managed layer that no parameter of it takes are refused too; other names are left to SGLang.
+    below a managed layer that no parameter of it takes are refused too; other names are left to SGLang. The values
+    of all tensors are checked at once, after their names, dtypes and shapes (at most one device synchronisation
+    per device of the bucket: value_checks.find_bad).
 
     direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
     direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
     bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
     skip: ids of tensors already checked (the same objects, handed on by SGLang).
-    headers: the tensors come from a checkpoint's headers (checkpoint_headers.meta_tensors): meta tensors, and the
-    scalar scales with their values."""
+    headers: the tensors are a checkpoint's meta tensors (checkpoint_headers.read_headers): their values are not
+    checked here (check_checkpoint reads them)."""
+    problems, writes, jobs = _check_items(model, named_tensors, direct, skip, headers)
+    if not headers:
+        problems += [jobs[i].refusal() for i in value_checks.find_bad([(j.tensor, j.code) for j in jobs])]
+    _raise(problems, what, len(named_tensors))
+    return writes
+
+
+def check_checkpoint(model, files, keep=None, what: str = "checkpoint") -> None:
+    """A disk update's checkpoint directory, whole, before SGLang touches the model: every file readable and as long
+    as its header says; every tensor that targets a managed layer checked from its header (name, shard, expert,
+    dtype, shape) as `check_bucket` checks a tensor; then the values of every one of them that has a value rule
+    (every scale, of any size, 1-byte scales on their bytes), read one tensor at a time. Raises BucketRefused."""
+    headers = checkpoint_headers.read_headers(files, keep)
+    problems, _, jobs = _check_items(model, headers.tensors, False, frozenset(), True)
+    problems = headers.problems + problems
+    if not problems and jobs:
+        wanted = {j.name: j for j in jobs}
+        for name, tensor in checkpoint_headers.read_tensors(headers, list(wanted)):
+            job = wanted[name]
+            if value_checks.find_bad([(tensor, job.code)]):
+                problems.append(job.refusal(tensor))
+    _raise(problems, what, len(headers.tensors))
+
+
+def _raise(problems: list[str], what: str, n: int) -> None:
+    if problems:
+        problems = [p.removesuffix(NOTHING_WRITTEN) for p in problems]  # said once for the whole request below
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise BucketRefused(
+            f"refused the whole {what} ({n} tensors, {len(problems)} refused): "
+            + " | ".join(problems[:3])
+            + more
+            + "; nothing of it was written"
+        )
+
+
+def _check_items(model, named_tensors, direct: bool, skip, headers: bool) -> tuple[list[str], list, list[ValueJob]]:
+    """(problems, direct writes, value jobs) of a request's tensors: everything but the values."""
     layers = managed_modules(model)
+    problems: list[str] = []
+    writes: list = []
+    jobs: list[ValueJob] = []
     if not layers:
-        return []
-    problems, writes = [], []
+        return problems, writes, jobs
     for item in named_tensors:
         if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
             continue
@@ -137,10 +184,10 @@ def check_bucket(
                 )
                 continue
             try:
-                _check_full(layer, fmt, own, param, tensor, name)
+                _check_full(layer, fmt, own, param, tensor, name, jobs)
                 writes.append((layer, own))
             except WeightUpdateRefused as e:
-                problems.append(str(e).removesuffix(NOTHING_WRITTEN))  # said once for the whole request below
+                problems.append(str(e))
             continue
         if direct:
             continue
@@ -162,16 +209,11 @@ def check_bucket(
             continue
         if not isinstance(tensor, torch.Tensor):
             continue  # unwrapped later by SGLang; the per-shard check applies
+        n_jobs = len(jobs)
         try:
-            check_write(layer, param, tensor, name, shard, expert, scope="global", headers=headers)
+            check_write(layer, param, tensor, name, shard, expert, scope="global", headers=headers, values=jobs)
         except WeightUpdateRefused as e:
-            problems.append(str(e).removesuffix(NOTHING_WRITTEN))  # said once for the whole request below
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise BucketRefused(
-            f"refused the whole {what} ({len(named_tensors)} tensors, {len(problems)} refused): "
-            + " | ".join(problems[:3])
-            + more
-            + "; nothing of it was written"
-        )
-    return writes
+            problems.append(str(e))
+        for job in jobs[n_jobs:]:
+            job.name = name
+    return problems, writes, jobs

@@ -1,20 +1,26 @@
-"""The tensors of a safetensors checkpoint directory as meta tensors: names, dtypes and shapes from the file
-headers, no data read.
+"""A safetensors checkpoint directory as SGLang's disk update will read it: every tensor's name, dtype and shape
+from the file headers (no data read), whether each file holds all the bytes its header promises, and — for the
+tensors whose values validation checks — the values, read one tensor at a time.
 
 `update_weights_from_disk` lets SGLang return every layer to checkpoint layout before it reads the first tensor
 (0.5.23 `restore_weights_before_loading`), and on a failure it rolls back by loading the same path again: one
-malformed tensor leaves the model in checkpoint layout, or half old and half new. The headers say enough (name,
-dtype, shape) to refuse such a checkpoint before SGLang touches the model. Values are not in the headers, but
-the ones validation checks (per-tensor weight and input scales) are scalars per expert and shard: those few bytes
-are read too, so a NaN or zero scale is refused with the rest instead of raising half-way through SGLang's load
-(whose rollback would then re-read the same bad value).
+malformed tensor leaves the model in checkpoint layout, or half old and half new. So the whole directory is checked
+before SGLang touches the model (bucket_validation.check_checkpoint): names, dtypes and shapes from the headers; a
+file shorter than its header says (a shard still being written, a copy cut short) refused; and every scale of a
+layer the plugin manages or watches read and value-checked (all of them, of any size: NVFP4 block scales are 1/8 of
+the packed weight bytes, FP8 block scales 1/16384 of the weight's), streamed so that no more than one tensor's
+values are held at a time.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -36,13 +42,11 @@ DTYPES = {
 if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
-#: scales ("scale" in the name's last part) of 16/32-bit floats up to this many elements are read with their values
-#: (per-tensor scales: one per expert and shard); everything else, 1-byte block scales (not value-checked)
-#: included, stays a meta tensor
-VALUE_NUMEL = 64
-
 #: load formats whose weights come from *.safetensors files of the directory (SGLang's DefaultModelLoader)
 SAFETENSORS_FORMATS = (None, "auto", "safetensors")
+
+#: a safetensors header is at most this long (the format's own limit: 100 MB)
+MAX_HEADER = 100_000_000
 
 
 def files_of(model_path, load_format) -> list[str]:
@@ -53,33 +57,88 @@ def files_of(model_path, load_format) -> list[str]:
     return sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
 
 
-def meta_tensors(files, keep=None) -> list[tuple[str, torch.Tensor]]:
-    """[(name, tensor)] of every tensor in `files` whose name `keep` accepts (all when None): a meta tensor, or
-    the real CPU tensor for small scales (VALUE_NUMEL)."""
-    from safetensors import safe_open
+@dataclass
+class Headers:
+    """What the headers of a checkpoint's files say."""
 
-    out = []
+    #: (name, meta tensor of the header's dtype and shape), file by file, in header order
+    tensors: list[tuple[str, torch.Tensor]]
+    #: name -> the file holding it
+    file_of: dict[str, str]
+    #: files that cannot be read whole: "<file>: <why>"
+    problems: list[str]
+
+
+def _header(path: str) -> tuple[dict, int]:
+    """(the parsed JSON header, the byte offset where the data starts)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{len(head)} bytes, shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise ValueError(f"header length {n} is not a safetensors header")
+        raw = f.read(n)
+        if len(raw) < n:
+            raise ValueError(f"the header is cut short ({len(raw)} of {n} bytes)")
+    return json.loads(raw), 8 + n
+
+
+def read_headers(files: Iterable[str], keep: Callable[[str], bool] | None = None) -> Headers:
+    """Every tensor of `files` whose name `keep` accepts (all when None) as a meta tensor, and a problem for every file
+    that is shorter than its header says or whose header cannot be read."""
+    out = Headers([], {}, [])
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if keep is not None and not keep(name):
-                    continue
-                sl = f.get_slice(name)
-                dtype = DTYPES.get(sl.get_dtype())
-                if dtype is None:
-                    continue
-                shape = tuple(sl.get_shape())
-                if _valued(name, dtype, shape):
-                    out.append((name, f.get_tensor(name)))
-                else:
-                    out.append((name, torch.empty(shape, dtype=dtype, device="meta")))
+        try:
+            header, start = _header(path)
+            size = os.path.getsize(path)
+        except (OSError, ValueError) as e:
+            out.problems.append(f"{path}: cannot be read as safetensors ({type(e).__name__}: {e})")
+            continue
+        end = start
+        for name, info in header.items():
+            if name == "__metadata__" or not isinstance(info, dict):
+                continue
+            offsets = info.get("data_offsets") or (0, 0)
+            end = max(end, start + int(offsets[1]))
+            if keep is not None and not keep(name):
+                continue
+            dtype = DTYPES.get(info.get("dtype"))
+            if dtype is None:
+                continue
+            shape = tuple(int(d) for d in info.get("shape", ()))
+            if int(offsets[1]) - int(offsets[0]) != math.prod(shape) * dtype.itemsize:
+                out.problems.append(
+                    f"{path}: {name}: its header gives {shape} {info.get('dtype')} in "
+                    f"{int(offsets[1]) - int(offsets[0])} bytes"
+                )
+                continue
+            out.tensors.append((name, torch.empty(shape, dtype=dtype, device="meta")))
+            out.file_of[name] = path
+        if size < end:
+            out.problems.append(
+                f"{path}: truncated: {size} bytes, its header says {end} (a shard still being written, or a copy cut "
+                "short)"
+            )
     return out
 
 
-def _valued(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    return (
-        "scale" in name.rsplit(".", 1)[-1]
-        and dtype.is_floating_point
-        and dtype.itemsize >= 2
-        and math.prod(shape) <= VALUE_NUMEL
-    )
+def read_tensors(headers: Headers, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The values of `names` (CPU tensors), file by file, one tensor at a time."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(headers.file_of[name], []).append(name)
+    for path, wanted in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in wanted:
+                yield name, f.get_tensor(name)
+
+
+def meta_tensors(files, keep=None) -> list[tuple[str, torch.Tensor]]:
+    """[(name, meta tensor)] of every tensor in `files` whose name `keep` accepts (all when None)."""
+    return read_headers(files, keep).tensors
+
+
+__all__ = ["DTYPES", "Headers", "SAFETENSORS_FORMATS", "files_of", "meta_tensors", "read_headers", "read_tensors"]

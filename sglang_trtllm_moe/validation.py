@@ -18,8 +18,10 @@ the plugin manages is checked here first, for every parameter kind the format de
 * its shape: a scale per expert and shard is 0-dim or [1]; a weight or block scale is 2-D, the dimension TP does
   not split equals the parameter's, the split one is the checkpoint's (the layer's logical intermediate) or the
   layer's padded extent — anything else (a short tensor SGLang would zero-fill, a long one it would cut) is refused;
-* its values, where the kind has a value rule: per-tensor weight scales, global scales and input scales finite
-  and > 0; block scales kept in 16/32-bit floats finite and >= 0.
+* its values, where the kind has a value rule (formats/base.py `LoadRule.value_rule`, value_checks.py): per-tensor
+  weight scales, global scales and input scales finite and > 0; block scales finite and >= 0 — 16/32-bit floats as
+  values, 1-byte scales on their bytes (e4m3: no NaN byte 0x7F / 0xFF, no negative; UE8M0: no 0xFF). Weights are
+  data: not value-checked.
 
 Errors are `WeightUpdateRefused` (a ValueError) naming the layer, the parameter, the problem and what is expected.
 `check_write` runs in the FusedMoE.weight_loader hook (before SGLang maps expert ids to EP ranks, so every rank
@@ -29,15 +31,16 @@ refuses the same bad tensor) and again, cheaply, under the layer's lock in `_wei
 
 from __future__ import annotations
 
-import math
 import numbers
 import threading
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 
 from .errors import WeightUpdateRefused
-from .formats.base import POSITIVE, LoadRule
+from . import value_checks
+from .formats.base import LoadRule
 from .layer_state import layer_name, observed, state_of
 
 SHARDS = ("w1", "w2", "w3")
@@ -131,14 +134,25 @@ def global_expert_count(layer, param) -> int:
     return int(getattr(layer, "num_experts", 0) or 0) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
 
 
-def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: str = "local", headers: bool = False):
+def check_write(
+    layer,
+    param,
+    loaded,
+    weight_name,
+    shard_id,
+    expert_id,
+    scope: str = "local",
+    headers: bool = False,
+    values: bool | list = True,
+):
     """Validate one write of SGLang's FusedMoE loader into a managed layer; returns (parameter name, expert id as
     an int) — or None when the layer or the parameter is not managed by the plugin (SGLang's own behaviour).
 
     scope "global": `FusedMoE.weight_loader`'s checkpoint expert id; "local": `_weight_loader_impl`'s local (or,
     for parameters SGLang keeps for every expert, global) id. headers: `loaded` may be a meta tensor standing for a
-    checkpoint tensor not read yet (its safetensors header): name, shard, expert, dtype and shape are checked, values
-    only where the tensor has them."""
+    checkpoint tensor not read yet (its safetensors header): name, shard, expert, dtype and shape are checked.
+    values: True — check the values here; a list — append a `ValueJob` for them instead (a whole request checks its
+    tensors' values at once; a header's meta tensor gets a job too, for its values read later)."""
     fmt = format_of(layer)
     if fmt is None:
         return None
@@ -161,7 +175,7 @@ def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope: s
     e = _check_expert(layer, view, param, expert_id, scope, refuse)
     if isinstance(loaded, torch.Tensor) and fmt.converted_by_sglang(layer, name, loaded, e, scope):
         return name, e  # SGLang converts this write itself (its own dtypes and shapes): ids checked above
-    check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers)
+    check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers, values=values)
     return name, e
 
 
@@ -230,9 +244,21 @@ def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
 
 
 def check_tensor(
-    layer, fmt, rule: LoadRule, param, view, loaded, gated: bool, refuse: Refusal, whole=None, headers: bool = False
+    layer,
+    fmt,
+    rule: LoadRule,
+    param,
+    view,
+    loaded,
+    gated: bool,
+    refuse: Refusal,
+    whole=None,
+    headers: bool = False,
+    values: bool | list = True,
 ) -> None:
-    """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard."""
+    """whole: the shape a whole-parameter write must have (load_format="direct"); None for one shard.
+    values: True — check the values here; False — not at all; a list — append a `ValueJob` for the caller to check
+    with the other tensors of its request (value_checks.find_bad)."""
     if not isinstance(loaded, torch.Tensor):
         refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
     dev = loaded.device
@@ -271,24 +297,56 @@ def check_tensor(
             short = len(shape) == 2 and shape[fixed_dim] == fixed and 0 < shape[split_dim] < max(extents)
             note = " (SGLang would zero-fill the rest)" if short else ""
             refuse(f"shape {shape} does not fit {rule.name} {tuple(view.shape)}{note}", expected)
-    rule_values = rule.value_rule(param.dtype)
-    if rule_values is not None and loaded.numel() and dev.type != "meta":  # a header's meta tensor has no values
-        bad = _bad_value(loaded, rule_values == POSITIVE)
-        if bad is not None:
-            want = "finite and > 0" if rule_values == POSITIVE else "finite and >= 0"
-            refuse(f"{rule.name} value {bad!r} is not a valid {rule.kind.replace('_', ' ')}", f"every value {want}")
+    if isinstance(values, list):
+        code = rule.value_rule(param.dtype, loaded.dtype) if loaded.numel() else None
+        if code is not None:
+            values.append(ValueJob(loaded, code, rule, refuse))
+    elif values:
+        check_values(rule, param, loaded, refuse)
 
 
-def _bad_value(t: torch.Tensor, positive: bool):
-    """The first value that is not finite and > 0 (positive) / >= 0, or None."""
-    if t.numel() == 1:  # one scale per expert and shard: a Python float is cheaper than four tensor ops
-        x = float(t.detach().reshape(()))
-        return None if math.isfinite(x) and (x > 0 if positive else x >= 0) else x
-    v = t.detach()
-    if v.dtype.itemsize < 4:
-        v = v.float()
-    ok = torch.isfinite(v) & ((v > 0) if positive else (v >= 0))
-    return None if bool(ok.all()) else v[~ok].flatten()[0].item()
+@dataclass
+class ValueJob:
+    """The values of one tensor of a request, to be checked with the others (`values=` list of check_write)."""
+
+    #: the tensor (a meta tensor for a checkpoint's header: its values are read later)
+    tensor: torch.Tensor
+    #: the value rule (formats/base.py VALUE_RULES)
+    code: str
+    rule: LoadRule
+    refuse: Refusal
+    #: the checkpoint name it came by (set by the request's check)
+    name: str = ""
+
+    def refusal(self, tensor: torch.Tensor | None = None) -> str:
+        """The refusal message for this tensor's (or its values', read later) bad value."""
+        try:
+            refuse_values(self.rule, self.tensor if tensor is None else tensor, self.code, self.refuse)
+        except WeightUpdateRefused as e:
+            return str(e)
+        raise AssertionError("refuse_values returned")
+
+
+def value_rule_of(rule: LoadRule, param, loaded) -> str | None:
+    """The value rule `loaded` must satisfy to be written into `param` (None: not value-checked, or a header's meta
+    tensor, which has no values)."""
+    if not isinstance(loaded, torch.Tensor) or loaded.device.type == "meta" or not loaded.numel():
+        return None
+    return rule.value_rule(param.dtype, loaded.dtype)
+
+
+def check_values(rule: LoadRule, param, loaded, refuse: Refusal) -> None:
+    """One tensor's values (a whole request checks all of its tensors at once: bucket_validation.py)."""
+    code = value_rule_of(rule, param, loaded)
+    if code is not None and value_checks.find_bad([(loaded, code)]):
+        refuse_values(rule, loaded, code, refuse)
+
+
+def refuse_values(rule: LoadRule, loaded, code: str, refuse: Refusal) -> NoReturn:
+    refuse(
+        f"{rule.name} {value_checks.describe_bad(loaded, code)} is not a valid {rule.kind.replace('_', ' ')}",
+        value_checks.EXPECTED[code],
+    )
 
 
 # ---- the FusedMoE loader hooks: validated once per call ---------------------------------------------------------
@@ -353,11 +411,4 @@ def validate_fused(layer, name: str, param, loaded) -> None:
             f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}",
             "the layer's experts exactly, every other dimension at most the parameter's",
         )
-    values = rule.value_rule(param.dtype)
-    if values is not None and loaded.numel():
-        bad = _bad_value(loaded, values == POSITIVE)
-        if bad is not None:
-            refuse(
-                f"{name} value {bad!r} is not finite" + (" and > 0" if values == POSITIVE else " and >= 0"),
-                "finite values",
-            )
+    check_values(rule, param, loaded, refuse)

@@ -100,13 +100,13 @@ def check_buckets_around(original, owner, *args, **kwargs):
 
 def check_disk_around(original, owner, model_path, load_format=None, weight_name_filter=None, *args, **kwargs):
     """Refuse a checkpoint directory with a malformed expert tensor before SGLang restores or loads anything (its
-    rollback would re-read the same path): dtypes and shapes from the headers, values as they load."""
+    rollback would re-read the same path): files whole, names, dtypes and shapes from the headers, every scale's
+    values from the files (bucket_validation.check_checkpoint)."""
     model = _model_of(owner)
     files = checkpoint_headers.files_of(model_path, load_format) if model is not None else []
     if files and bucket_validation.managed_modules(model):
         try:
-            metas = checkpoint_headers.meta_tensors(files, keep=weight_name_filter)
-            bucket_validation.check_bucket(model, metas, headers=True, what=f"checkpoint {model_path}")
+            bucket_validation.check_checkpoint(model, files, keep=weight_name_filter, what=f"checkpoint {model_path}")
         except bucket_validation.BucketRefused as e:
             return False, str(e)
     return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)

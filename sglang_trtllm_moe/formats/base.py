@@ -37,8 +37,18 @@ Layer = Any
 #: weight_scale, global scales); input_scale: one activation scale per expert and shard.
 WEIGHT, BLOCK_SCALE, TENSOR_SCALE, INPUT_SCALE = "weight", "block_scale", "tensor_scale", "input_scale"
 KINDS = (WEIGHT, BLOCK_SCALE, TENSOR_SCALE, INPUT_SCALE)
-#: value rules (LoadRule.values): every value finite and > 0 / finite and >= 0
+#: value rules of float values (LoadRule.values): every value finite and > 0 / finite and >= 0
 POSITIVE, NONNEGATIVE = "positive", "nonnegative"
+#: value rules of 1-byte scale encodings, checked on the bytes (value_checks.py): e4m3 (NVFP4 block scales) has NaN
+#: at 0x7F / 0xFF and negative values above 0x80 (a block scale is >= 0, as in 16/32-bit floats; 0x80 is -0 = 0);
+#: UE8M0 (MXFP8 / MXFP4 scales, as float8_e8m0fnu or uint8 bytes) has NaN at 0xFF and no negative values. An all-zero
+#: e4m3 block scale is valid: the block is zero (SGLang's loader zero-fills padding the same way).
+E4M3_BYTES, UE8M0_BYTES = "e4m3 bytes", "ue8m0 bytes"
+VALUE_RULES = (POSITIVE, NONNEGATIVE, E4M3_BYTES, UE8M0_BYTES)
+#: the byte encoding a 1-byte scale storage dtype implies (uint8 storage says nothing: the format declares it)
+BYTE_CODES = {torch.float8_e4m3fn: E4M3_BYTES}
+if hasattr(torch, "float8_e8m0fnu"):
+    BYTE_CODES[torch.float8_e8m0fnu] = UE8M0_BYTES
 
 
 @dataclass(frozen=True)
@@ -58,8 +68,12 @@ class ParamLayout:
     #: dtypes a loaded tensor may have besides the derived ones (e.g. float32 block scales SGLang's loader
     #: converts into 1-byte e8m0 storage)
     load_dtypes: tuple = ()
-    #: POSITIVE | NONNEGATIVE | None; None = derived (NONNEGATIVE for block scales kept in 16/32-bit floats)
+    #: POSITIVE | NONNEGATIVE | None: the rule for float values written into it; None = derived (NONNEGATIVE for
+    #: block scales)
     values: str | None = None
+    #: E4M3_BYTES | UE8M0_BYTES | None: how 1-byte block scales are encoded; None = derived from the storage dtype
+    #: (float8_e4m3fn, float8_e8m0fnu); uint8 scale storage declares it (MXFP8, gpt-oss: UE8M0 bytes)
+    byte_code: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,8 +93,10 @@ class LoadRule:
     kind: str
     #: accepted besides the derived ones
     dtypes: tuple = ()
-    #: POSITIVE | NONNEGATIVE | None (not value-checked)
+    #: POSITIVE | NONNEGATIVE | None: float values written into it (None = derived, see `value_rule`)
     values: str | None = None
+    #: E4M3_BYTES | UE8M0_BYTES | None: 1-byte scale bytes written into it (None = derived from the storage dtype)
+    byte_code: str | None = None
 
     @property
     def scalar(self) -> bool:
@@ -98,12 +114,20 @@ class LoadRule:
             and not loaded.is_complex
         )
 
-    def value_rule(self, storage: torch.dtype) -> str | None:
+    def value_rule(self, storage: torch.dtype, loaded: torch.dtype | None = None) -> str | None:
+        """The rule every value of a tensor of dtype `loaded` (default: the storage's) written into `storage` must
+        satisfy, or None (weights are data: not value-checked). Scales only: per-tensor and input scales finite and
+        > 0, block scales finite and >= 0 — as float values, or on the bytes of a 1-byte encoding."""
+        loaded = storage if loaded is None else loaded
+        if loaded.itemsize == 1:
+            if self.kind != BLOCK_SCALE:
+                return None
+            return self.byte_code or BYTE_CODES.get(loaded)
+        if not loaded.is_floating_point:
+            return None
         if self.values is not None or self.scalar:
             return self.values
-        if self.kind == BLOCK_SCALE and storage.is_floating_point and storage.itemsize >= 2:
-            return NONNEGATIVE
-        return None
+        return NONNEGATIVE if self.kind == BLOCK_SCALE else None
 
 
 @dataclass(frozen=True)
@@ -236,7 +260,7 @@ class WeightFormat:
             rules = {}
             for p in self.params:
                 kind = p.kind or (BLOCK_SCALE if (p.sf_swizzle or "scale" in p.name) else WEIGHT)
-                rules[p.name] = LoadRule(p.name, p.group, kind, tuple(p.load_dtypes), p.values)
+                rules[p.name] = LoadRule(p.name, p.group, kind, tuple(p.load_dtypes), p.values, p.byte_code)
             for n in self.scalar_params:
                 rules[n] = self.scalar_rules.get(n) or LoadRule(
                     n,

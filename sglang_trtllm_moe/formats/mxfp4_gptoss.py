@@ -28,7 +28,7 @@ import torch
 
 from .. import layouts
 from ..layouts.maps import _cached, _norm_device
-from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import UE8M0_BYTES, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
 
@@ -49,13 +49,14 @@ class Mxfp4GptOss(WeightFormat):
     fused = True
     params = (
         ParamLayout("w13_weight", "w13"),
-        ParamLayout("w13_weight_scale", "w13", sf_swizzle=True),
+        ParamLayout("w13_weight_scale", "w13", sf_swizzle=True, byte_code=UE8M0_BYTES),
         ParamLayout("w13_weight_bias", "w13"),
         ParamLayout("w2_weight", "w2"),
-        ParamLayout("w2_weight_scale", "w2", sf_swizzle=True),
+        ParamLayout("w2_weight_scale", "w2", sf_swizzle=True, byte_code=UE8M0_BYTES),
         ParamLayout("w2_weight_bias", "w2"),
     )
-    # validation (LoadRule, derived; fused writes: validation.validate_fused): uint8 blocks and scale bytes only
+    # validation (LoadRule, derived; fused writes: validation.validate_fused): uint8 blocks and UE8M0 scale bytes only
+    # (0xFF, UE8M0's NaN, refused)
     # (float8_e8m0fnu scales would be value-converted into the uint8 storage), any float bias (fp32 storage)
     scalar_names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, UE8M0_BYTES, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 MX_BLOCK = 32
 
@@ -55,12 +55,13 @@ class Mxfp8(WeightFormat):
     accepts_prequantized = True
     params = (
         ParamLayout("w13_weight", "w13"),
-        ParamLayout("w13_weight_scale_inv", "w13", sf_swizzle=True),
+        ParamLayout("w13_weight_scale_inv", "w13", sf_swizzle=True, byte_code=UE8M0_BYTES),
         ParamLayout("w2_weight", "w2"),
-        ParamLayout("w2_weight_scale_inv", "w2", sf_swizzle=True),
+        ParamLayout("w2_weight_scale_inv", "w2", sf_swizzle=True, byte_code=UE8M0_BYTES),
     )
     # validation (LoadRule, derived): e4m3 weights and uint8 UE8M0 scale bytes only — float8_e8m0fnu scales would be
-    # value-converted into the uint8 storage (2^k as integers), so they are refused, naming uint8
+    # value-converted into the uint8 storage (2^k as integers), so they are refused, naming uint8; a 0xFF scale byte
+    # (UE8M0's NaN) is refused
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "mxfp8" and not checkpoint.online
