@@ -153,13 +153,19 @@ def run(
     layer = runner_config.layer
     ensure_prepared(layer)
     x = dispatch_output.hidden_states
-    backend, on_kernel = _kernel_backend(layer, x.device)
     hidden_scale = getattr(dispatch_output, "hidden_states_scale", None)
     if hidden_scale is not None and not fmt.accepts_prequantized:
         raise NotImplementedError(
             f"{layer_state.layer_name(layer)}: pre-quantized (a2a) {fmt.title or fmt.name} dispatch is not supported "
             "by the plugin runner yet"
         )
+    out_dtype = getattr(dispatch_output, "output_dtype", None) or (x.dtype if hidden_scale is None else torch.bfloat16)
+    if x.shape[0] == 0:
+        # SGLang runs 0-token forwards (idle DP-attention / EP ranks, a server's warm-up): nothing to compute, and
+        # neither the activation quantizers nor the kernels take an empty batch
+        width = x.shape[-1] if hidden_scale is None else int(getattr(layer, "hidden_size", x.shape[-1]))
+        return StandardCombineInput(hidden_states=x.new_empty((0, width), dtype=out_dtype))
+    backend, on_kernel = _kernel_backend(layer, x.device)
     call = KernelCall(layer, quant_info, runner_config, x, on_kernel, hidden_scale)
     routing, routed = routing_kwargs(
         dispatch_output.topk_output,
@@ -178,7 +184,6 @@ def run(
     )
     out = getattr(backend, kernel_api.kernel_function(fmt.kernel, routed))(**kwargs)
     out = out[0] if isinstance(out, (list, tuple)) else out
-    out_dtype = getattr(dispatch_output, "output_dtype", None) or (x.dtype if hidden_scale is None else torch.bfloat16)
     return StandardCombineInput(hidden_states=out.to(out_dtype))
 
 
