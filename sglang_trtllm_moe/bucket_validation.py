@@ -26,6 +26,7 @@ from .validation import (
     managed_names,
     param_name,
     param_view,
+    validate_fused,
 )
 
 
@@ -118,11 +119,12 @@ def check_bucket(
     return writes
 
 
-def check_checkpoint(model, files, keep=None, what: str = "checkpoint") -> None:
+def check_checkpoint(model, files, keep=None, what: str = "checkpoint") -> checkpoint_headers.Headers:
     """A disk update's checkpoint directory, whole, before SGLang touches the model: every file readable and as long
     as its header says; every tensor that targets a managed layer checked from its header (name, shard, expert,
     dtype, shape) as `check_bucket` checks a tensor; then the values of every one of them that has a value rule
-    (every scale, of any size, 1-byte scales on their bytes), read one tensor at a time. Raises BucketRefused."""
+    (every scale, of any size, 1-byte scales on their bytes), read one tensor at a time. Raises BucketRefused;
+    returns the headers."""
     headers = checkpoint_headers.read_headers(files, keep)
     problems, _, jobs = _check_items(model, headers.tensors, False, frozenset(), True)
     problems = headers.problems + problems
@@ -133,6 +135,7 @@ def check_checkpoint(model, files, keep=None, what: str = "checkpoint") -> None:
             if value_checks.find_bad([(tensor, job.code)]):
                 problems.append(job.refusal(tensor))
     _raise(problems, what, len(headers.tensors))
+    return headers
 
 
 def _raise(problems: list[str], what: str, n: int) -> None:
@@ -166,6 +169,17 @@ def _check_items(model, named_tensors, direct: bool, skip, headers: bool) -> tup
         if layer is not None:  # "<layer>.<param>"
             fmt = format_of(layer)
             param = layer._parameters.get(pname)
+            fused_param = fmt.fused_checkpoint_names.get(pname) if param is None and not direct else None
+            if fused_param is not None:  # a checkpoint tensor of all experts (gpt-oss): dtype and values here;
+                # its shape once the model's loader has narrowed it to this rank (validate_fused at the write)
+                n_jobs = len(jobs)
+                try:
+                    validate_fused(layer, fused_param, layer._parameters[fused_param], tensor, shape=False, values=jobs)
+                except WeightUpdateRefused as e:
+                    problems.append(str(e))
+                for job in jobs[n_jobs:]:
+                    job.name = name
+                continue
             if param is None:
                 if direct:
                     problems.append(

@@ -377,12 +377,14 @@ def check_local_expert(layer, param, name, expert_id, shard_id) -> int:
 # ---- fused all-expert writes (gpt-oss MXFP4) ---------------------------------------------------------------------
 
 
-def validate_fused(layer, name: str, param, loaded) -> None:
+def validate_fused(layer, name: str, param, loaded, shape: bool = True, values: bool | list = True) -> None:
     """A write of all experts of one parameter at once (`expert_id=None`, shard None: gpt-oss's MXFP4 loader) into
     a format declared `fused`, refused before a byte changes: SGLang's fast path copies it into the top-left corner
     of the padded parameter, so it must be a tensor on the parameter's device or the CPU, of a dtype the parameter's
     rule accepts, with exactly the layer's experts and every other dimension at most the parameter's (a bias
-    [E, rows], a weight or block scale [E, rows, cols]), and valid values where the rule has a value rule."""
+    [E, rows], a weight or block scale [E, rows, cols]), and valid values where the rule has a value rule.
+    shape=False: a checkpoint tensor before the model's loader narrows it to this rank (a whole request's check);
+    values as in `check_tensor`."""
     fmt = format_of(layer)
     refuse = Refusal(layer, name, None, None, what="all experts at once")
     rule = fmt.load_rule(name) if fmt is not None else None
@@ -390,7 +392,7 @@ def validate_fused(layer, name: str, param, loaded) -> None:
         refuse(f"{name} is not one of this layer's checkpoint parameters", f"one of {managed_names(layer, fmt)}")
     if not isinstance(loaded, torch.Tensor):
         refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
-    if loaded.device != param.device and loaded.device.type != "cpu":
+    if loaded.device != param.device and loaded.device.type != "cpu" and (shape or loaded.device.type != "meta"):
         refuse(f"the tensor is on {loaded.device}", f"a tensor on {param.device} or on the CPU")
     if not rule.accepts_dtype(loaded.dtype, param.dtype):
         extra = f" or {', '.join(map(str, rule.dtypes))}" if rule.dtypes else ""
@@ -406,9 +408,14 @@ def validate_fused(layer, name: str, param, loaded) -> None:
         and loaded.shape[0] == param.shape[0]
         and all(0 < a <= b for a, b in zip(loaded.shape[1:], param.shape[1:], strict=True))
     )
-    if not fits:
+    if shape and not fits:
         refuse(
             f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}",
             "the layer's experts exactly, every other dimension at most the parameter's",
         )
-    check_values(rule, param, loaded, refuse)
+    if isinstance(values, list):
+        code = rule.value_rule(param.dtype, loaded.dtype) if loaded.numel() else None
+        if code is not None:
+            values.append(ValueJob(loaded, code, rule, refuse))
+    elif values:
+        check_values(rule, param, loaded, refuse)

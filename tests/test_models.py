@@ -36,9 +36,12 @@ pytestmark = pytest.mark.sglang(
     "differently",
 )
 
-#: models SGLang builds with FusedMoE layers, and the one it builds without
-FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4")]
+#: models SGLang builds with FusedMoE layers, and the one it builds without; variants (other sizes, a few checks)
+FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4") and "@" not in q]
 FUSED_IDS = [job_key(a, q) for a, q in FUSED]
+#: every model, variants included, for the checks every job runs (load, malformed updates, failed disk updates)
+ALL_FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4")]
+ALL_FUSED_IDS = [job_key(a, q) for a, q in ALL_FUSED]
 
 #: relative error of the prefill next-token logits vs transformers (float32, dequantized experts), measured on this
 #: box with the emulated kernels (docs/TESTING.md), asserted with ~1.5x margin. NVFP4 quantizes the activations to
@@ -132,7 +135,7 @@ def _check(rep: dict, name: str) -> dict:
     return res
 
 
-@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("arch,quant", ALL_FUSED, ids=ALL_FUSED_IDS)
 def test_model_loads_with_every_moe_layer_managed(arch, quant):
     """Every FusedMoE layer is prepared by the plugin, or (compat/defer.py) by SGLang and observed by the plugin."""
     res = _check(report(arch, quant), "load")
@@ -189,7 +192,7 @@ def _refused(arch, quant) -> dict:
 
 
 @pytest.mark.parametrize("case", ("extra_column/tensor", "extra_column/disk", "wrong_dtype/tensor", "wrong_dtype/disk"))
-@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("arch,quant", ALL_FUSED, ids=ALL_FUSED_IDS)
 def test_malformed_update_is_refused_before_a_byte_changes(request, arch, quant, case):
     """A tensor the loader would value-convert (float32 into byte storage) or broadcast (one column too many) is
     refused, by tensor and by disk, and the model is untouched."""
@@ -201,7 +204,7 @@ def test_malformed_update_is_refused_before_a_byte_changes(request, arch, quant,
     assert c["refused"] and not c["changed"], c
 
 
-@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("arch,quant", ALL_FUSED, ids=ALL_FUSED_IDS)
 def test_update_one_row_short_is_refused(arch, quant):
     """One row short would leave the old last row: a silently mixed expert. Refused, by tensor and by disk."""
     cases = _refused(arch, quant)
@@ -210,7 +213,7 @@ def test_update_one_row_short_is_refused(arch, quant):
         assert c["refused"] and not c["changed"], (how, c)
 
 
-@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("arch,quant", ALL_FUSED, ids=ALL_FUSED_IDS)
 def test_refused_request_writes_nothing(arch, quant):
     """Well-formed tensors of the same expert before the malformed one: the whole request is refused (a bucket at
     the tensor entry point, the checkpoint's headers before SGLang restores anything on a disk update)."""
@@ -222,9 +225,9 @@ def test_refused_request_writes_nothing(arch, quant):
 
 @pytest.mark.parametrize("arch,quant", [(a, q) for a, q in FUSED if q in ("nvfp4", "fp8", "fp8_static")])
 def test_non_finite_scale_is_refused_before_a_byte_changes(arch, quant):
-    """A NaN per-tensor scale, by tensor and by disk. On disk the scalar scales are read with the checkpoint's
-    headers, so the whole checkpoint is refused as (False, message) before SGLang restores anything: refused while
-    loading, SGLang's rollback would re-read the same NaN and the entry point raise."""
+    """A NaN per-tensor scale, by tensor and by disk. On disk every scale is read and checked before SGLang restores
+    anything, so the whole checkpoint is refused as (False, message): refused while loading, SGLang's rollback would
+    re-read the same NaN and the entry point raise."""
     cases = _refused(arch, quant)
     for how in ("tensor", "disk"):
         c = cases[f"nan_scale/{how}"]
@@ -232,11 +235,46 @@ def test_non_finite_scale_is_refused_before_a_byte_changes(arch, quant):
         assert c["returned_failure"] and "nan" in c["message"].lower(), (how, c)
 
 
-@pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("arch,quant", ALL_FUSED, ids=ALL_FUSED_IDS)
 def test_refused_update_is_reported_not_raised(arch, quant):
     """SGLang's update_weights_from_tensor does not catch loader exceptions (a refusal would escape the scheduler
     and sglang.Engine exit), and its disk rollback re-reads the refused checkpoint: the plugin answers both entry
-    points with (False, message) before anything is loaded, as SGLang reports its own failures."""
+    points with (False, message) before anything is loaded, as SGLang reports its own failures — every case."""
     cases = _refused(arch, quant)
-    for key in ("extra_column/tensor", "extra_column/disk"):
-        assert cases[key]["returned_failure"], (key, cases[key])
+    for key, c in cases.items():
+        assert c["returned_failure"] and not c["raised"], (key, c)
+
+
+BLOCK_SCALED = [(a, q) for a, q in ALL_FUSED if q.partition("@")[0] in ("nvfp4", "fp8_block")]
+
+
+@pytest.mark.parametrize("arch,quant", BLOCK_SCALED, ids=[job_key(a, q) for a, q in BLOCK_SCALED])
+def test_one_bad_block_scale_is_refused_at_real_scale_sizes(arch, quant):
+    """Issue #27: one NaN in an expert's block scale — NVFP4's e4m3 byte 0x7F of a [rows, H/16] scale, DeepSeek FP8
+    block's float32 NaN in weight_scale_inv ([8, 9] on the wide variant: more values than the old 64-value header
+    read) — refused by tensor and by disk as (False, message) naming the parameter, nothing changed. Before: the NVFP4
+    byte was served (every prompt then answered token 0), the FP8 one killed the server on a disk update."""
+    cases = _refused(arch, quant)
+    for how in ("tensor", "disk"):
+        c = cases[f"nan_block_scale/{how}"]
+        assert c["returned_failure"] and not c["raised"] and not c["changed"], (how, c)
+        assert "weight_scale" in c["message"] and ("nan" in c["message"].lower()), (how, c)
+    if quant.endswith("@wide"):
+        assert cases["nan_block_scale/disk"]["shape"] == [8, 9], cases["nan_block_scale/disk"]
+
+
+@pytest.mark.parametrize("arch,quant", ALL_FUSED, ids=ALL_FUSED_IDS)
+def test_a_disk_update_that_fails_after_the_check_changes_nothing(arch, quant):
+    """Issue #27: a shard cut short (refused before SGLang touches anything), removed after the plugin's check
+    (SGLang loads what is left and calls it a success), gone when SGLang opens it, or unreadable (an I/O error):
+    answered (False, message), never raised into the scheduler, every byte of the model the previous one — put back
+    by reloading the checkpoints the served weights came from when they are unchanged on disk, from a host snapshot
+    when they came as tensors — and a good update afterwards equals a fresh load."""
+    res = report(arch, quant)["disk_failures"]
+    assert "cases" in res, res
+    for key, c in res["cases"].items():
+        assert c["answered"] and not c["raised"] and not c["changed"], (key, c)
+        case, served = key.split("/")
+        want = "refused first" if case == "truncated" else ("reloaded" if served == "from_disk" else "snapshot")
+        assert c["put_back"] == want, (key, c)
+    assert res["good_update_after"] and res["ok"], res

@@ -10,17 +10,23 @@ loads them in order; a bad 5th tensor would leave the first four written. While 
 model's `load_weights` first validates every tensor of the list that targets a managed layer (bucket_validation.py
 `check_bucket`): one bad tensor refuses the whole bucket before any of it is written, and the entry point returns
 (False, message) as SGLang's update entry points report failures. A disk update is checked the same way from the
-checkpoint's safetensors headers (checkpoint_headers.py) before SGLang returns any layer to checkpoint layout.
+checkpoint's files (headers, sizes, every scale's values: checkpoint_headers.py) before SGLang returns any layer to
+checkpoint layout, and is whole or nothing: if SGLang's load still fails, the served weights are put back
+(rollback.py) and the update answers (False, message) instead of raising out of the scheduler.
 Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
 layout first, so they are exact outside a begin/end session too.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from .. import bucket_validation, checkpoint_headers, hookimpl, layer_state
+from .. import bucket_validation, checkpoint_headers, hookimpl, layer_state, rollback
 from ..targets import HookTarget
+
+logger = logging.getLogger("sglang_trtllm_moe")
 
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
@@ -33,6 +39,7 @@ def drop_caches_before(*args, **kwargs):
 def unprepare_all_before(updater, *args, **kwargs):
     """begin_weight_update: the session's model (WeightUpdater.get_model) to checkpoint layout."""
     layer_state.on_reload_start()
+    rollback.forget(updater.get_model())
     layer_state.unprepare_all(updater.get_model())
 
 
@@ -87,6 +94,7 @@ def check_buckets_around(original, owner, *args, **kwargs):
         return real(weights, *a, **k)
 
     vars(model)["load_weights"] = load_weights
+    rollback.forget(model)  # served weights from tensors: no longer reproducible from disk loads
     try:
         result = original(owner, *args, **kwargs)
     except bucket_validation.BucketRefused as e:
@@ -99,23 +107,84 @@ def check_buckets_around(original, owner, *args, **kwargs):
 
 
 def check_disk_around(original, owner, model_path, load_format=None, weight_name_filter=None, *args, **kwargs):
-    """Refuse a checkpoint directory with a malformed expert tensor before SGLang restores or loads anything (its
-    rollback would re-read the same path): files whole, names, dtypes and shapes from the headers, every scale's
-    values from the files (bucket_validation.check_checkpoint)."""
+    """A disk update, whole or not at all. Before SGLang restores or loads anything (its rollback would re-read the
+    same path): the checkpoint is refused if any file is cut short or any tensor of a managed layer is malformed —
+    names, dtypes and shapes from the headers, every scale's values from the files (bucket_validation.
+    check_checkpoint). Then a way back is prepared (rollback.py); if SGLang's load still fails, or raises, the
+    served weights are put back and the update answers (False, message)."""
     model = _model_of(owner)
-    files = checkpoint_headers.files_of(model_path, load_format) if model is not None else []
-    if files and bucket_validation.managed_modules(model):
+    if model is None or not bucket_validation.managed_modules(model):
+        return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
+    names = None
+    files = checkpoint_headers.files_of(model_path, load_format)
+    checked = rollback.fingerprint(model_path) if files else None  # the files as the pre-check is about to read them
+    if files:
         try:
-            bucket_validation.check_checkpoint(model, files, keep=weight_name_filter, what=f"checkpoint {model_path}")
+            headers = bucket_validation.check_checkpoint(
+                model, files, keep=weight_name_filter, what=f"checkpoint {model_path}"
+            )
         except bucket_validation.BucketRefused as e:
             return False, str(e)
-    return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
+        names = frozenset(n for n, _ in headers.tensors)
+    net = rollback.prepare(model, names)
+    try:
+        result = original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - SGLang's load or its rollback raised: the scheduler must live
+        logger.exception("sglang-trtllm-moe: update_weights_from_disk(%r) raised", model_path)
+        return _put_back(net, original, owner, f"Failed to update weights: {type(e).__name__}: {e}", ())
+    ok, message = result[0], str(result[1])
+    if ok and checked is not None and rollback.fingerprint(model_path) != checked:
+        # a file removed, added or rewritten while SGLang loaded: what it loaded is not what was checked (SGLang
+        # itself loads whatever files are left and calls it a success)
+        return _put_back(
+            net,
+            original,
+            owner,
+            f"Failed to update weights: the checkpoint {model_path} changed while it was loaded (a file removed, "
+            "added or rewritten after the plugin checked it); write the checkpoint completely before updating",
+            tuple(result[2:]),
+        )
+    if ok:
+        if names is None:
+            rollback.forget(model)
+        else:
+            rollback.succeeded(model, model_path, load_format, weight_name_filter, names)
+        return result
+    if rollback.SGLANG_ROLLED_BACK in message:  # SGLang had started writing, then re-read the path it failed on
+        return _put_back(net, original, owner, message, tuple(result[2:]))
+    return result
+
+
+def _put_back(net, original, owner, message: str, rest: tuple):
+    try:
+        how = net.restore(original, owner)
+    except Exception as e:  # noqa: BLE001 - said in the answer; the scheduler must live
+        logger.exception("sglang-trtllm-moe: restoring the served weights failed")
+        return (
+            False,
+            f"{message}\nsglang-trtllm-moe could not restore the previous weights ({type(e).__name__}: {e}): "
+            "the served weights are partly the new checkpoint's; load a good checkpoint",
+            *rest,
+        )
+    logger.warning("sglang-trtllm-moe: a disk update failed; the previous weights are served again (%s)", how)
+    return False, f"{message}\nsglang-trtllm-moe: the previous weights are served again, bit for bit ({how})", *rest
+
+
+def remember_load_after(model, loader, *args, **kwargs):
+    """SGLang's DefaultModelLoader built and loaded a model: where from (rollback.py: the first of the loads that
+    reproduce its served weights)."""
+    model_config = kwargs.get("model_config", args[0] if args else None)
+    load_config = getattr(loader, "load_config", None)
+    if model is not None and model_config is not None and load_config is not None:
+        rollback.remember_load(model, getattr(model_config, "model_path", None), load_config.load_format)
+    return None
 
 
 def check_direct_before(model, named_tensors, *args, **kwargs):
     """load_format="direct": validate the whole list, then return every written group to checkpoint layout (SGLang
     copies whole parameters; the entry point's flush prepares them again)."""
     named_tensors = list(named_tensors)
+    rollback.forget(model)
     for layer, name in bucket_validation.check_bucket(model, named_tensors, direct=True):
         layer_state.before_write(layer, name, None)
     return (model, named_tensors, *args), kwargs
@@ -137,6 +206,8 @@ RELOAD_START = (
     (f"{MODEL_RUNNER}.update_weights_from_disk", "<0.5.16"),
 )
 
+
+DEFAULT_LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader.load_model"
 
 DIRECT = (
     ("sglang.srt.model_executor.model_runner_components.weight_updater._model_load_weights_direct", ">=0.5.16"),
@@ -165,9 +236,20 @@ def register_sglang_hooks(register, release):
                 "around",
                 releases=rel,
                 capability="rl-update",
-                why="refuse a malformed checkpoint from its headers before SGLang restores or loads any layer",
+                why="refuse a malformed checkpoint (headers, sizes, every scale's values) before SGLang restores or "
+                "loads any layer, and put the served weights back if the load still fails",
             )
         )
+    register(
+        HookTarget(
+            DEFAULT_LOADER,
+            remember_load_after,
+            "after",
+            releases=">=0.5.11",
+            capability="rl-update",
+            why="remember the checkpoint a model was loaded from: a failed disk update reloads it (rollback.py)",
+        )
+    )
     for target, rel in DIRECT:
         register(
             HookTarget(

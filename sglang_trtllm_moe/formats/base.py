@@ -179,7 +179,7 @@ class WeightFormat:
     `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept),
     what a weight update may write (`ParamLayout.kind / load_dtypes / values`, `scalar_rules`, and
     `converted_by_sglang` for writes SGLang's loader converts itself; see `LoadRule`), `fused` (all experts are
-    written at once: gpt-oss), `own_backend` (the non-trtllm runner backend SGLang serves the format on, e.g.
+    written at once: gpt-oss) with `fused_checkpoint_names`, `own_backend` (the non-trtllm runner backend SGLang serves the format on, e.g.
     flashinfer_mxfp4: reported by selection, never auto-selected), `accepts_prequantized` (activations quantized by
     the dispatcher reach `kernel_args` as `KernelCall.hidden_scale`)."""
 
@@ -208,6 +208,9 @@ class WeightFormat:
     #: the loader writes all experts of a parameter at once (gpt-oss: `expert_id=None`); a "partial" update is a
     #: whole-group write, validated and un-prepared in the FusedMoE.weight_loader hook
     fused: ClassVar[bool] = False
+    #: `fused` formats: the checkpoint's names of all-expert tensors below the MoE layer -> the parameter SGLang's
+    #: model loader writes them into (so a whole request's check finds them)
+    fused_checkpoint_names: ClassVar[Mapping[str, str]] = {}
     #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None

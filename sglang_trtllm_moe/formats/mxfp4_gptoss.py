@@ -58,6 +58,15 @@ class Mxfp4GptOss(WeightFormat):
     # validation (LoadRule, derived; fused writes: validation.validate_fused): uint8 blocks and UE8M0 scale bytes only
     # (0xFF, UE8M0's NaN, refused)
     # (float8_e8m0fnu scales would be value-converted into the uint8 storage), any float bias (fp32 storage)
+    #: SGLang's GptOssForCausalLM.load_weights: checkpoint names below `...mlp.experts.` -> the parameter it writes
+    fused_checkpoint_names = {
+        "gate_up_proj_blocks": "w13_weight",
+        "gate_up_proj_scales": "w13_weight_scale",
+        "gate_up_proj_bias": "w13_weight_bias",
+        "down_proj_blocks": "w2_weight",
+        "down_proj_scales": "w2_weight_scale",
+        "down_proj_bias": "w2_weight_bias",
+    }
     scalar_names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 
     def describes(self, checkpoint: Checkpoint) -> bool:

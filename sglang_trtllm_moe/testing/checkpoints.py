@@ -225,15 +225,27 @@ def reference_state(spec: TinySpec) -> dict[str, torch.Tensor]:
 # ---- writing ---------------------------------------------------------------------------------------------------------
 
 
-def _save(path: str, tensors: dict[str, torch.Tensor], cfg: dict, extra: dict | None = None) -> str:
+def _save(path: str, tensors: dict[str, torch.Tensor], cfg: dict, extra: dict | None = None, shards: int = 1) -> str:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        os.path.join(path, "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    if shards <= 1:
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            os.path.join(path, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+    else:  # as Hugging Face shards a checkpoint: model-0000i-of-0000N.safetensors and the index naming each tensor's file
+        names = sorted(tensors)
+        size = -(-len(names) // shards)
+        weight_map = {}
+        for i in range(shards):
+            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[i * size : (i + 1) * size]
+            save_file({k: tensors[k].contiguous() for k in part}, os.path.join(path, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in part})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     for name, body in (extra or {}).items():
@@ -254,13 +266,14 @@ def write(out: str, spec: TinySpec, layers=None, experts=None, roles=None, dense
     return _save(out, checkpoint(spec, layers, experts, roles, dense), config(spec), extra)
 
 
-def write_tensors(out: str, spec: TinySpec, tensors: dict[str, torch.Tensor]) -> str:
-    """A model directory holding exactly `tensors` (e.g. a mix of two checkpoints), with `spec`'s configs."""
+def write_tensors(out: str, spec: TinySpec, tensors: dict[str, torch.Tensor], shards: int = 1) -> str:
+    """A model directory holding exactly `tensors` (e.g. a mix of two checkpoints), with `spec`'s configs, in
+    `shards` safetensors files."""
     extra = {}
     hq = hf_quant_config(spec)
     if hq is not None:
         extra["hf_quant_config.json"] = hq
-    return _save(out, tensors, config(spec), extra)
+    return _save(out, tensors, config(spec), extra, shards=shards)
 
 
 def write_reference(out: str, spec: TinySpec) -> str:

@@ -24,6 +24,7 @@ import contextlib
 import torch
 
 from .. import layouts, quant
+from ..formats.mxfp4_gptoss import MXFP4_GPTOSS
 from .layers import DOWN, GATE, UP, MoeSpec, _random_experts
 
 MX_FORMATS = ("mxfp8", "mxfp4_experts", "mxfp4_gptoss")
@@ -172,14 +173,7 @@ def load_fused(layer, tensors: dict[str, torch.Tensor]) -> None:
 
 
 #: gpt-oss's checkpoint tensor names -> the FusedMoE parameters GptOssForCausalLM loads them into
-GPTOSS_CHECKPOINT_NAMES = {
-    "gate_up_proj_blocks": "w13_weight",
-    "gate_up_proj_scales": "w13_weight_scale",
-    "gate_up_proj_bias": "w13_weight_bias",
-    "down_proj_blocks": "w2_weight",
-    "down_proj_scales": "w2_weight_scale",
-    "down_proj_bias": "w2_weight_bias",
-}
+GPTOSS_CHECKPOINT_NAMES = dict(MXFP4_GPTOSS.fused_checkpoint_names)
 _PARAM_TO_CHECKPOINT = {v: k for k, v in GPTOSS_CHECKPOINT_NAMES.items()}
 
 

@@ -16,6 +16,7 @@ single-threaded torch (`models.threads()`), which is what makes a 2-core box fas
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
@@ -54,7 +55,8 @@ class Worker:
 
         self.ck = ck
         self.arch, self.quant, self.workdir = arch, quant, workdir
-        self.spec = ck.TinySpec(arch, quant, seed=0)
+        quant, _, variant = quant.partition("@")
+        self.spec = ck.TinySpec(arch, quant, seed=0, **VARIANTS.get(variant, {}).get("spec", {}))
         self.dirs: dict = {}
         self.report: dict = {}
         self._n = 0
@@ -408,6 +410,16 @@ class Worker:
         ]
         if scalar_scales:
             cases["nan_scale"] = {scalar_scales[0]: torch.full_like(part[scalar_scales[0]], float("nan"))}
+        # one NaN in a block scale of the same projection (NVFP4 / compressed-tensors e4m3 bytes: 0x7F; DeepSeek
+        # FP8 block float32 weight_scale_inv: a float NaN) at the last block, the one short header reads never reach
+        block = [n for n, t in part.items() if n.rsplit(".", 1)[0] == proj and "scale" in n.rsplit(".", 1)[1] and t.dim() == 2]
+        if block:
+            t = part[block[0]].clone()
+            if t.element_size() == 1:
+                t.view(torch.uint8)[-1, -1] = 0x7F
+            else:
+                t[-1, -1] = float("nan")
+            cases["nan_block_scale"] = {block[0]: t}
         mixed = "wrong_dtype" if "wrong_dtype" in bad else "extra_column"
         cases["mixed"] = {**{n: t for n, t in part.items() if n != wname}, wname: bad[mixed]}  # good ones first
         out: dict = {}
@@ -432,6 +444,7 @@ class Worker:
                 changed = [n for n in before if not torch.equal(before[n], after[n])]
                 out[f"{case}/{how}"] = {
                     "refused": bool(raised) or (returned is not None and not returned[0]),
+                    "shape": [list(t.shape) for t in payload.values()][-1],
                     "returned_failure": returned is not None and not returned[0],
                     "raised": raised,
                     "message": None if returned is None else str(returned[1])[:300],
@@ -446,6 +459,111 @@ class Worker:
             "restored": back["ok"],
             "mixed_with": mixed,
         }
+
+    def check_disk_failures(self, m) -> dict:
+        """Issue #27: a disk update that fails after the plugin's pre-check answers (False, message), returns into
+        the scheduler, and leaves every byte of the model as it was; a good update afterwards equals a fresh load.
+        Faults, on a 2-shard checkpoint (the second shard is the one hit): a shard cut short (refused before SGLang
+        touches anything); removed right after the check from a directory without an index (SGLang then loads the
+        shard that is left and calls it a success); gone when SGLang opens it (SGLang's rollback re-reads the same directory); an I/O error when SGLang
+        reads it. Each from two served states: weights loaded from disk and unchanged there (put back by reloading
+        those checkpoints) and weights that came as tensors (put back from the host snapshot taken before the
+        update)."""
+        import errno
+
+        import safetensors
+
+        from sglang_trtllm_moe import bucket_validation
+
+        real_check, real_open = bucket_validation.check_checkpoint, safetensors.safe_open
+        armed: dict = {}
+
+        def check_then(model, files, *a, **k):
+            headers = real_check(model, files, *a, **k)
+            fault = armed.get("after_check")
+            if fault is not None:
+                fault()
+            armed["open"] = armed.get("on_open")
+            return headers
+
+        def safe_open(path, *a, **k):
+            fault = armed.get("open")
+            if fault is not None and str(path) == armed["shard"]:
+                armed["open"] = None
+                fault()
+            return real_open(path, *a, **k)
+
+        def gone():
+            os.remove(armed["shard"])
+
+        def io_error():
+            raise OSError(errno.EIO, "Input/output error", armed["shard"])
+
+        def cut():
+            with open(armed["shard"], "r+b") as f:
+                f.truncate(os.path.getsize(armed["shard"]) - 64)
+
+        def no_index():  # shards without model.safetensors.index.json: SGLang loads whatever *.safetensors it finds
+            os.remove(os.path.join(os.path.dirname(armed["shard"]), "model.safetensors.index.json"))
+
+        faults = {
+            "truncated": {"before": cut},
+            "removed_after_check": {"before": no_index, "after_check": gone},
+            "gone_at_open": {"on_open": gone},
+            "io_error_at_open": {"on_open": io_error},
+        }
+        new = self.full(7)
+        out: dict = {}
+        bucket_validation.check_checkpoint, safetensors.safe_open = check_then, safe_open
+        try:
+            for served in ("from_disk", "from_tensors"):
+                for case, fault in faults.items():
+                    if served == "from_tensors":  # the same weights, pushed as tensors: not reproducible from disk
+                        m.update_from_tensor(sorted(self.intended.items()))
+                    d = self.ck.write_tensors(os.path.join(self.workdir, f"fail-{served}-{case}"), self.spec, new, 2)
+                    armed.clear()
+                    armed.update(fault, shard=sorted(glob.glob(os.path.join(d, "*.safetensors")))[-1])
+                    if "before" in fault:
+                        fault["before"]()
+                    before = m.state_bytes()
+                    raised, returned = "", None
+                    try:
+                        returned = m.updater.update_weights_from_disk(d, "auto")
+                    except Exception as e:  # noqa: BLE001 - recorded: the scheduler would die
+                        raised = f"{type(e).__name__}: {str(e)[:300]}"
+                    armed.clear()
+                    after = m.state_bytes()
+                    changed = [n for n in before if not torch.equal(before[n], after[n])]
+                    message = "" if returned is None else str(returned[1])
+                    out[f"{case}/{served}"] = {
+                        "answered": returned is not None and not returned[0],
+                        "raised": raised,
+                        "message": message[-400:],
+                        "changed": changed[:6],
+                        "n_changed": len(changed),
+                        "put_back": (
+                            "refused first"
+                            if "refused the whole checkpoint" in message
+                            else "reloaded"
+                            if "reloaded" in message
+                            else "snapshot"
+                            if "snapshot" in message
+                            else ""
+                        ),
+                    }
+                    m.update_from_disk(self.write_tensors(self.intended))  # a good update afterwards
+        finally:
+            bucket_validation.check_checkpoint, safetensors.safe_open = real_check, real_open
+        back = self.compare(m, self.intended, m.pointers())
+        expected = {"truncated": "refused first"}
+        ok = all(
+            c["answered"]
+            and not c["raised"]
+            and not c["changed"]
+            and c["put_back"] == expected.get(k.split("/")[0], "reloaded" if k.endswith("from_disk") else "snapshot")
+            for k, c in out.items()
+        )
+        return {"ok": ok and back["ok"], "cases": out, "good_update_after": back["ok"]}
 
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
@@ -523,6 +641,7 @@ class Worker:
         "weight_checker",
         "greedy",
         "refused_updates",
+        "disk_failures",
         "threaded_disk_ab",
         "explain",
     )
@@ -655,11 +774,22 @@ def _explain(model_dir: str) -> dict:
 #: checkpoint suffixes of per-tensor scales (one value per expert and shard), which validation value-checks
 SCALAR_SCALES = ("input_scale", "weight_scale", "weight_scale_2", "weight_global_scale", "input_global_scale")
 
+#: variants of a tiny checkpoint ("QUANT@VARIANT"): other sizes, and the only checks that run on them.
+#: wide: DeepSeek-V3 FP8 block with expert scales [8, 9] (hidden 1152, intermediate 1024; a real DeepSeek-V3 expert's
+#: are [16, 56]): more than the 64 values a disk update's pre-check used to read, so a bad value there went unseen
+VARIANTS = {
+    "wide": {
+        "spec": {"hidden": 1152, "moe_intermediate": 1024},
+        "checks": ("load", "refused_updates", "disk_failures"),
+    },
+}
+
 JOBS = (
     ("qwen3_moe", "nvfp4", ()),
     ("qwen3_moe", "fp8", ()),
     ("deepseek_v3", "nvfp4", ("threaded_disk_ab",)),
     ("deepseek_v3", "fp8_block", ()),
+    ("deepseek_v3", "fp8_block@wide", ()),
     ("nemotron_h", "nvfp4", ()),
     ("nemotron_h", "fp8", ()),
     ("mixtral", "bf16", ()),
@@ -674,6 +804,9 @@ def job_key(arch: str, quant: str) -> str:
 
 def _run_job(arch: str, quant: str, extra: tuple, workdir: str) -> dict:
     checks = None if not extra else [c for c in Worker.ORDER if c not in Worker.ON_REQUEST or c in extra]
+    only = VARIANTS.get(quant.partition("@")[2], {}).get("checks")
+    if only:
+        checks = [c for c in (checks or Worker.ORDER) if c in only]
     return Worker(arch, quant, workdir).run(checks)
 
 
