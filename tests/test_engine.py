@@ -44,6 +44,8 @@ STEPS = (
     "round 2: tensor buckets",
     "round 3: flattened buckets",
     "partial disk",
+    "bad update answered",
+    "still serving",
     "weight checker",
     "corrupted update caught",
     "restored",
@@ -101,6 +103,7 @@ def test_engine_serves_the_fresh_load_bytes_and_tokens(model):
         "round 2: tensor buckets",
         "round 3: flattened buckets",
         "partial disk",
+        "still serving",
         "restored",
     ):
         assert steps[name]["differs"] == [] and steps[name]["tokens"] == steps[name]["fresh_tokens"], steps[name]

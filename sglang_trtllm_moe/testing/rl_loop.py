@@ -294,6 +294,31 @@ def rl_loop(
         eng.update_from_disk(d)
         served("partial disk", "C+3+4", f"{len(part4)} tensors of experts 1 and 6 of layer {moe[0]}")
 
+        st.say("a bad update: one NaN in a block scale of expert 5 (an e4m3 byte 0x7F / a float NaN), by disk and by tensor")
+        layer = moe[-1]
+        sname = next(
+            n
+            for n in sorted(intended["C+3+4"])
+            if n.startswith(ck.expert_base(spec, layer, 5, "up")) and "scale" in n and intended["C+3+4"][n].dim() == 2
+        )
+        spoilt = intended["C+3+4"][sname].clone()
+        if spoilt.element_size() == 1:
+            spoilt.view(torch.uint8)[-1, -1] = 0x7F
+        else:
+            spoilt[-1, -1] = float("nan")
+        d = ck.write_tensors(os.path.join(work, "nan-block-scale"), spec, {**intended["C+3+4"], sname: spoilt})
+        by_disk = eng.engine.update_weights_from_disk(d)
+        by_tensor = eng.update_from_tensor([(sname, spoilt)], check=False)
+        refused = [r for r in (by_disk, by_tensor) if not r[0] and "refused the whole" in str(r[1])]
+        st.check(
+            "bad update answered",
+            len(refused) == 2,
+            f"update_weights_from_disk -> {by_disk[0]}, update_weights_from_tensor -> {by_tensor[0]}: "
+            + str(by_disk[1])[str(by_disk[1]).find("refused weight update") :][:160],
+            messages=[str(by_disk[1])[:600], str(by_tensor[1])[:600]],
+        )
+        served("still serving", "C+3+4", "after both refusals the Engine serves the previous weights")
+
         st.say("the weight checker: snapshot, reset every tensor, replay the update, compare")
         ok1 = eng.check_weights("snapshot")
         ok2 = eng.check_weights("reset_tensors")
