@@ -126,6 +126,9 @@ def disk_row(experts: int, h: int, i: int, repeat: int) -> dict:
     spec = cpu_layers.MoeSpec(num_experts=experts, hidden=h, intermediate=i, fmt="nvfp4")
     model = cpu_layers.TinyMoeModel(spec)
     ck = cpu_layers.random_nvfp4_checkpoint(spec, seed=1)
+    model.load_weights([(model.prefix + k, v) for k, v in ck.items()])
+    model.experts.quant_method.process_weights_after_loading(model.experts)  # the plugin manages the layer now
+    assert bucket_validation.managed_modules(model), "the layer is not managed: nothing would be checked"
     with tempfile.TemporaryDirectory(prefix="value-checks-") as d:
         save_file({model.prefix + k: v.contiguous() for k, v in ck.items()}, os.path.join(d, "model.safetensors"))
         files = checkpoint_headers.files_of(d, "auto")
@@ -133,23 +136,23 @@ def disk_row(experts: int, h: int, i: int, repeat: int) -> dict:
         def check():
             bucket_validation.check_checkpoint(model, files)
 
-        def read():
+        def read():  # what SGLang's loader does with each tensor at least: read it (mmap) and copy its bytes out
             with safe_open(files[0], framework="pt", device="cpu") as f:
                 for n in f.keys():
-                    f.get_tensor(n)
+                    f.get_tensor(n).clone()
 
         t_check, t_read = _best(check, torch.device("cpu"), repeat), _best(read, torch.device("cpu"), repeat)
         size = os.path.getsize(files[0])
     return {
         "format": "nvfp4",
-        "path": "disk pre-check (check_checkpoint) vs reading the checkpoint's tensors once",
+        "path": "disk pre-check (check_checkpoint) vs reading and copying the checkpoint's tensors once",
         "experts": experts,
         "hidden": h,
         "intermediate": i,
         "checkpoint_MiB": round(size / 2**20, 1),
         "check_checkpoint_ms": round(t_check * 1e3, 2),
-        "read_tensors_ms": round(t_read * 1e3, 2),
-        "check_over_read": round(t_check / t_read, 3),
+        "read_copy_ms": round(t_read * 1e3, 2),
+        "check_over_read_copy": round(t_check / t_read, 3),
     }
 
 
