@@ -114,12 +114,11 @@ def disk_row(experts: int, h: int, i: int, repeat: int) -> dict:
     """check_checkpoint of a real FusedMoE NVFP4 layer's checkpoint vs reading its tensors once."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+    from sglang.srt.plugins import load_plugins
 
     from sglang_trtllm_moe import bucket_validation, checkpoint_headers
     from sglang_trtllm_moe.testing import layers as cpu_layers
     from sglang_trtllm_moe.testing.runtime import init_single_process
-
-    from sglang.srt.plugins import load_plugins
 
     load_plugins()
     init_single_process("flashinfer_trtllm")

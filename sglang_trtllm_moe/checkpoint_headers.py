@@ -103,7 +103,7 @@ def read_headers(files: Iterable[str], keep: Callable[[str], bool] | None = None
             end = max(end, start + int(offsets[1]))
             if keep is not None and not keep(name):
                 continue
-            dtype = DTYPES.get(info.get("dtype"))
+            dtype = DTYPES.get(str(info.get("dtype")))
             if dtype is None:
                 continue
             shape = tuple(int(d) for d in info.get("shape", ()))

@@ -146,7 +146,8 @@ class Net:
     @property
     def how(self) -> str:
         if self.loads:
-            return "reloaded " + ", ".join(repr(load.path) for load in self.loads) + " (unchanged since they were loaded)"
+            paths = ", ".join(repr(load.path) for load in self.loads)
+            return f"reloaded {paths} (unchanged since they were loaded)"
         if self.saved:
             return "copied back from the host snapshot taken before the update"
         return ""
@@ -187,7 +188,7 @@ def _snapshot(net: Net) -> None:
     storages = _storages(net.model)
     need = sum(st.nbytes() for st in storages)
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped]  # SGLang depends on it; no stubs in the env
 
         available = psutil.virtual_memory().available
     except Exception:  # noqa: BLE001 - no way to tell: assume it fits

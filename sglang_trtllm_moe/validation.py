@@ -38,8 +38,8 @@ from typing import NoReturn
 
 import torch
 
-from .errors import WeightUpdateRefused
 from . import value_checks
+from .errors import WeightUpdateRefused
 from .formats.base import LoadRule
 from .layer_state import layer_name, observed, state_of
 

@@ -26,10 +26,11 @@ MAKERS = {
     "fp8_block": cpu_layers.random_fp8_checkpoint,
     "bf16": cpu_layers.random_bf16_checkpoint,
 }
-MX_FP4 = pytest.mark.sglang(">=0.5.12", reason="FP4 experts on an FP8 config (Fp8Config.is_fp4_experts) arrive in 0.5.12")
+MX_FP4 = pytest.mark.sglang(
+    ">=0.5.12", reason="FP4 experts on an FP8 config (Fp8Config.is_fp4_experts) arrive in 0.5.12"
+)
 CASES = [
-    pytest.param(TRTLLM, cpu_layers.MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt=f), id=f)
-    for f in MAKERS
+    pytest.param(TRTLLM, cpu_layers.MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt=f), id=f) for f in MAKERS
 ] + [
     pytest.param(
         TRTLLM,
@@ -38,7 +39,10 @@ CASES = [
     ),
     pytest.param(TRTLLM, cpu_layers.MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8"), id="mxfp8"),
     pytest.param(
-        MXFP4, cpu_layers.MoeSpec(num_experts=4, intermediate=128, fmt="mxfp4_experts"), id="mxfp4_experts", marks=MX_FP4
+        MXFP4,
+        cpu_layers.MoeSpec(num_experts=4, intermediate=128, fmt="mxfp4_experts"),
+        id="mxfp4_experts",
+        marks=MX_FP4,
     ),
     pytest.param(
         MXFP4, cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt="mxfp4_gptoss"), id="mxfp4_gptoss"

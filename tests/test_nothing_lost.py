@@ -31,7 +31,9 @@ from .support.bad_updates import MAKERS
 
 TRTLLM, MXFP4 = "flashinfer_trtllm", "flashinfer_mxfp4"
 FP8 = pytest.mark.sglang("capability:fp8-prep", reason="the plugin prepares FP8 layers from 0.5.19")
-FP4_EXPERTS = pytest.mark.sglang(">=0.5.12", reason="FP4 experts on an FP8 config (Fp8Config.is_fp4_experts) arrive in 0.5.12")
+FP4_EXPERTS = pytest.mark.sglang(
+    ">=0.5.12", reason="FP4 experts on an FP8 config (Fp8Config.is_fp4_experts) arrive in 0.5.12"
+)
 #: DeepSeek-V3's routed expert: hidden 7168, moe_intermediate 2048 (2 experts here: the scales are what matters)
 DEEPSEEK_V3_EXPERT = dict(hidden=7168, intermediate=2048)
 
@@ -60,7 +62,10 @@ CASES = [
         marks=FP8,
     ),
     pytest.param(
-        TRTLLM, MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8"), "experts.3.up_proj.weight_scale_inv", (0xFF,),
+        TRTLLM,
+        MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8"),
+        "experts.3.up_proj.weight_scale_inv",
+        (0xFF,),
         id="mxfp8",
     ),
     pytest.param(
@@ -150,7 +155,7 @@ def test_one_bad_block_scale_is_refused_by_disk_and_tensor_and_a_good_update_fol
                 ok, msg = up.update_weights_from_tensor([(model.prefix + k, v) for k, v in spoilt.items()])[:2]
             assert not ok, (how, bad, msg)
             assert "refused the whole" in msg and "model.layers.0.mlp.experts" in msg and "scale" in msg, (how, msg)
-            assert ("NaN" in msg or "nan" in msg or "negative" in msg or "-inf" in msg or "-1.0" in msg), (how, msg)
+            assert "NaN" in msg or "nan" in msg or "negative" in msg or "-inf" in msg or "-1.0" in msg, (how, msg)
             after = _bytes(model)
             assert [n for n in before if not torch.equal(before[n], after[n])] == [], (how, bad)
     good = _write(str(tmp_path / "good"), spec, new, model.prefix)

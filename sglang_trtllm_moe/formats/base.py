@@ -179,9 +179,10 @@ class WeightFormat:
     `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept),
     what a weight update may write (`ParamLayout.kind / load_dtypes / values`, `scalar_rules`, and
     `converted_by_sglang` for writes SGLang's loader converts itself; see `LoadRule`), `fused` (all experts are
-    written at once: gpt-oss) with `fused_checkpoint_names`, `own_backend` (the non-trtllm runner backend SGLang serves the format on, e.g.
-    flashinfer_mxfp4: reported by selection, never auto-selected), `accepts_prequantized` (activations quantized by
-    the dispatcher reach `kernel_args` as `KernelCall.hidden_scale`)."""
+    written at once: gpt-oss) with `fused_checkpoint_names`, `own_backend` (the non-trtllm runner backend SGLang
+    serves the format on, e.g. flashinfer_mxfp4: reported by selection, never auto-selected),
+    `accepts_prequantized` (activations quantized by the dispatcher reach `kernel_args` as
+    `KernelCall.hidden_scale`)."""
 
     # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
     # per instance (Fp8PerTensor)

@@ -235,7 +235,7 @@ def _save(path: str, tensors: dict[str, torch.Tensor], cfg: dict, extra: dict | 
             os.path.join(path, "model.safetensors"),
             metadata={"format": "pt"},
         )
-    else:  # as Hugging Face shards a checkpoint: model-0000i-of-0000N.safetensors and the index naming each tensor's file
+    else:  # as Hugging Face shards a checkpoint: model-0000i-of-0000N.safetensors, an index naming each tensor's file
         names = sorted(tensors)
         size = -(-len(names) // shards)
         weight_map = {}

@@ -294,7 +294,7 @@ def rl_loop(
         eng.update_from_disk(d)
         served("partial disk", "C+3+4", f"{len(part4)} tensors of experts 1 and 6 of layer {moe[0]}")
 
-        st.say("a bad update: one NaN in a block scale of expert 5 (an e4m3 byte 0x7F / a float NaN), by disk and by tensor")
+        st.say("a bad update: one NaN in a block scale of expert 5 (e4m3 byte 0x7F / float NaN), by disk and by tensor")
         layer = moe[-1]
         sname = next(
             n

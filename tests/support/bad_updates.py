@@ -203,9 +203,8 @@ def mutations(layer, spec: MoeSpec, w: Write) -> list[tuple[str, Write]]:
             add(f"value={case} (one block)", tensor=bad)
     elif kind == "block_scale" and t.dtype.itemsize == 1:
         # 1-byte scales, checked on their bytes: e4m3 NaN (0x7F, 0xFF) and negative (0x81, -2^-9); UE8M0 NaN (0xFF)
-        cases = (("0x7f NaN", 0x7F), ("0xff NaN", 0xFF), ("0x81 negative", 0x81)) if t.dtype == torch.float8_e4m3fn else (
-            (("0xff NaN", 0xFF),)
-        )
+        e4m3 = t.dtype == torch.float8_e4m3fn
+        cases = (("0x7f NaN", 0x7F), ("0xff NaN", 0xFF), ("0x81 negative", 0x81)) if e4m3 else (("0xff NaN", 0xFF),)
         for case, byte in cases:
             bad = t.clone()
             bad.view(torch.uint8).view(-1)[-1] = byte

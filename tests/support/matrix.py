@@ -102,6 +102,17 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         "whole models",
         (("tests/test_models.py", None), ("tests/test_engine.py", None), ("tests/test_demo.py", None)),
     ),
+    # issue #27: a bad or failed update changes nothing (refused before a byte, or put back), and empty forwards
+    (
+        "nothing_lost",
+        "nothing lost",
+        (
+            ("tests/test_nothing_lost.py", None),
+            ("tests/test_models.py::test_a_disk_update_that_fails_after_the_check", None),
+            ("tests/test_models.py::test_one_bad_block_scale", None),
+        ),
+    ),
+    ("empty_forward", "0-token forward", (("tests/test_empty_forward.py", None),)),
     # update_weights_from_distributed (NCCL in production; gloo on CPU): the whole-model flow and the whole-bucket
     # refusal (README support table row)
     (

@@ -412,7 +412,8 @@ class Worker:
             cases["nan_scale"] = {scalar_scales[0]: torch.full_like(part[scalar_scales[0]], float("nan"))}
         # one NaN in a block scale of the same projection (NVFP4 / compressed-tensors e4m3 bytes: 0x7F; DeepSeek
         # FP8 block float32 weight_scale_inv: a float NaN) at the last block, the one short header reads never reach
-        block = [n for n, t in part.items() if n.rsplit(".", 1)[0] == proj and "scale" in n.rsplit(".", 1)[1] and t.dim() == 2]
+        block = [n for n, t in part.items() if n.rsplit(".", 1)[0] == proj and "scale" in n.rsplit(".", 1)[1]]
+        block = [n for n in block if part[n].dim() == 2]
         if block:
             t = part[block[0]].clone()
             if t.element_size() == 1:
@@ -465,10 +466,10 @@ class Worker:
         the scheduler, and leaves every byte of the model as it was; a good update afterwards equals a fresh load.
         Faults, on a 2-shard checkpoint (the second shard is the one hit): a shard cut short (refused before SGLang
         touches anything); removed right after the check from a directory without an index (SGLang then loads the
-        shard that is left and calls it a success); gone when SGLang opens it (SGLang's rollback re-reads the same directory); an I/O error when SGLang
-        reads it. Each from two served states: weights loaded from disk and unchanged there (put back by reloading
-        those checkpoints) and weights that came as tensors (put back from the host snapshot taken before the
-        update)."""
+        shard that is left and calls it a success); gone when SGLang opens it (SGLang's rollback re-reads the same
+        directory); an I/O error when SGLang reads it. Each from two served states: weights loaded from disk and
+        unchanged there (put back by reloading those checkpoints) and weights that came as tensors (put back from
+        the host snapshot taken before the update)."""
         import errno
 
         import safetensors

@@ -28,6 +28,8 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("RL update from tensors (buckets, sessions)", ("rl_tensor",)),
     ("RL update of some experts only", ("rl_partial",)),
     ("RL update from concurrent loader threads", ("threads",)),
+    ("a bad or failed weight update changes nothing (refused, or put back bit for bit)", ("nothing_lost",)),
+    ("a MoE forward with 0 tokens (idle ranks, warm-up)", ("empty_forward",)),
     ("weight checker (snapshot / compare)", ("checker",)),
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
