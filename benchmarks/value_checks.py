@@ -4,9 +4,9 @@ copy the update does anyway, in the same run.
 Why: a weight update is refused when any scale holds a bad value (NaN, negative; 1-byte scales on their bytes), so
 every scale of every update is read once more. This measures that read on one layer's scales, as an RL bucket holds
 them (one tensor per expert and projection: 256 x 3), with the plugin's batched check (value_checks.find_bad: one
-verdict per tensor computed on its device, one transfer per call) and with a verdict read per tensor (what a check
-per loader call costs: on CUDA one synchronisation each), and the copy of the same layer's weights and scales into
-their storage (what the update itself writes).
+verdict per tensor from max / min reductions on its device, one transfer per call) and with an elementwise mask
+read back per tensor (the first implementation; on CUDA one synchronisation each), and the copy of the same layer's
+weights and scales into their storage (what the update itself writes).
 
 `--disk` (CPU, SGLang installed): the pre-check of a disk update of a real SGLang FusedMoE NVFP4 layer at hidden 7168
 / intermediate 2048 (`--disk-experts` of them) — bucket_validation.check_checkpoint: headers, file sizes, every scale
@@ -81,7 +81,7 @@ def bucket_row(fmt: str, e: int, h: int, i: int, device: torch.device, repeat: i
     def batched():
         assert value_checks.find_bad(scales) == []
 
-    def per_tensor():
+    def elementwise():  # the first implementation: a 4-op mask per tensor, read back per tensor
         for s, rule in scales:
             assert not bool(value_checks.bad_mask(s, rule).any())  # one synchronisation each on CUDA
 
@@ -91,7 +91,7 @@ def bucket_row(fmt: str, e: int, h: int, i: int, device: torch.device, repeat: i
         for d, (s, _) in zip(dst_s, scales, strict=True):
             d.copy_(s)
 
-    t_batched, t_per, t_copy = (_best(f, device, repeat) for f in (batched, per_tensor, copy))
+    t_batched, t_per, t_copy = (_best(f, device, repeat) for f in (batched, elementwise, copy))
     scale_bytes = sum(s.numel() * s.element_size() for s, _ in scales)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     return {
@@ -104,7 +104,7 @@ def bucket_row(fmt: str, e: int, h: int, i: int, device: torch.device, repeat: i
         "scale_MiB": round(scale_bytes / 2**20, 1),
         "weight_MiB": round(weight_bytes / 2**20, 1),
         "check_batched_ms": round(t_batched * 1e3, 3),
-        "check_per_tensor_ms": round(t_per * 1e3, 3),
+        "check_elementwise_per_tensor_ms": round(t_per * 1e3, 3),
         "copy_layer_ms": round(t_copy * 1e3, 3),
         "check_over_copy": round(t_batched / t_copy, 3),
     }
