@@ -94,7 +94,8 @@ def _real_size_checkpoint(spec, seed):
     out: dict[str, torch.Tensor] = {}
     for e in range(spec.num_experts):
         for proj in spec.shards:
-            rows, cols = (spec.hidden, spec.intermediate) if proj == cpu_layers.DOWN else (spec.intermediate, spec.hidden)
+            down = proj == cpu_layers.DOWN
+            rows, cols = (spec.hidden, spec.intermediate) if down else (spec.intermediate, spec.hidden)
             base = f"experts.{e}.{proj}."
             if spec.fmt == "nvfp4":
                 out[base + "weight"] = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
@@ -249,7 +250,8 @@ def test_property_a_bad_scale_anywhere_in_a_real_size_tensor_is_found_and_locate
     from safetensors.torch import save_file
 
     # the checkpoint of a partial update holding the layer's scales (the weights would only make the file bigger)
-    save_file({n: v.contiguous() for n, v in named if n[len(model.prefix) :] in scales}, os.path.join(d, "s.safetensors"))
+    held = {n: v.contiguous() for n, v in named if n[len(model.prefix) :] in scales}
+    save_file(held, os.path.join(d, "s.safetensors"))
     with pytest.raises(bucket_validation.BucketRefused) as disk_path:
         bucket_validation.check_checkpoint(model, checkpoint_headers.files_of(str(d), "auto"))
     for e in (tensor_path.value, disk_path.value):
