@@ -29,7 +29,9 @@ per-expert layout state), `begin_weight_update`'s `layer_state.unprepare_all` an
 
 Rows (wall seconds, each run ends with torch.cuda.synchronize; plugin and bare interleaved, min and median):
 * ``session``: a whole-layer update in a begin/end session (the 0.5.23 scheduler's tensor path): plugin vs bare
-  (the same layout work: every expert to checkpoint layout at begin, every expert prepared at the end);
+  (the same layout work: every expert to checkpoint layout at begin, every expert prepared at the end), and
+  ``bypassed``: the plugin's hooks with its checks replaced by pass-throughs (`testing/bench_update.bypass`), which
+  splits what the plugin adds into its checks and its hooks' bookkeeping;
 * ``partial``: `--partial` experts updated outside a session (the disk path's shape): the plugin un-prepares each
   expert in its loader hook before the first write, and flushes; bare: unprepare_ of those experts, the writes,
   prepare_;
@@ -56,6 +58,7 @@ import torch
 from sglang_trtllm_moe import bucket_validation, layer_state, layouts, validation
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
+from sglang_trtllm_moe.testing.bench_update import bypass  # torch-only: the checks' pass-throughs
 
 PREFIX = "model.layers.3.mlp.experts"
 PROJ = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
@@ -88,7 +91,8 @@ class Layer(torch.nn.Module):
         u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
 
         def param(shape, dtype):
-            return torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=dev), requires_grad=False)
+            data = torch.zeros(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype, device=dev).view(dtype)
+            return torch.nn.Parameter(data, requires_grad=False)
 
         self.w13_weight = param((e, 2 * i, h // 2), u8)
         self.w2_weight = param((e, h, i // 2), u8)
@@ -349,6 +353,10 @@ def main(argv=None) -> int:
                 weight_updates.flush_after((ok, msg), updater, part)
             weight_updates.end_session_after(None, updater)
 
+    def bypassed_session():
+        with bypass():
+            plugin_session()
+
     def bare_session():
         layer_state.unprepare_all(model)
         for part in parts:
@@ -376,7 +384,7 @@ def main(argv=None) -> int:
     bare_session()
     same = all(torch.equal(after_plugin[n], u8(getattr(layer, n).data)) for n in LAID_OUT)
     del after_plugin
-    sess = interleaved({"plugin": plugin_session, "bare": bare_session}, dev, a.repeats)
+    sess = interleaved({"plugin": plugin_session, "bypassed": bypassed_session, "bare": bare_session}, dev, a.repeats)
     parts_t = interleaved(
         {"validation_only": validation_only, "writes_only": writes_only, "layout_only": layout_only}, dev, a.repeats
     )
@@ -389,7 +397,9 @@ def main(argv=None) -> int:
         **sess,
         ratio_median=sess["plugin"]["median_s"] / sess["bare"]["median_s"],
         ratio_min=sess["plugin"]["min_s"] / sess["bare"]["min_s"],
+        bypassed_ratio_median=sess["bypassed"]["median_s"] / sess["bare"]["median_s"],
         plugin_us_per_loader_call=1e6 * (sess["plugin"]["median_s"] - sess["bare"]["median_s"]) / len(everything),
+        checks_us_per_loader_call=1e6 * (sess["plugin"]["median_s"] - sess["bypassed"]["median_s"]) / len(everything),
         parts=parts_t,
         same_bytes_plugin_vs_bare=same,
         tensor_to_python_in_plugin_update=session_syncs,
@@ -406,6 +416,10 @@ def main(argv=None) -> int:
             model.load_weights(some)
         layer_state.flush(layer)
 
+    def bypassed_partial():
+        with bypass():
+            plugin_partial()
+
     def bare_partial():
         for g in NVFP4.groups():
             NVFP4.unprepare_(layer, g, ids)
@@ -413,11 +427,12 @@ def main(argv=None) -> int:
         for g in NVFP4.groups():
             NVFP4.prepare_(layer, g, ids)
 
-    part = interleaved({"plugin": plugin_partial, "bare": bare_partial}, dev, a.repeats)
+    part = interleaved({"plugin": plugin_partial, "bypassed": bypassed_partial, "bare": bare_partial}, dev, a.repeats)
     res["partial"] = dict(
         what=f"{len(ids)} experts written outside a session (each un-prepared before its first write), then flushed",
         **part,
         ratio_median=part["plugin"]["median_s"] / part["bare"]["median_s"],
+        bypassed_ratio_median=part["bypassed"]["median_s"] / part["bare"]["median_s"],
         loader_calls=len(some),
     )
 
@@ -479,13 +494,17 @@ def main(argv=None) -> int:
 def summary(res):
     s = res["session"]
     print(
-        f"session: plugin {s['plugin']['median_s'] * 1e3:.2f} ms, bare {s['bare']['median_s'] * 1e3:.2f} ms, "
+        f"session: plugin {s['plugin']['median_s'] * 1e3:.2f} ms, bypassed {s['bypassed']['median_s'] * 1e3:.2f} ms, "
+        f"bare {s['bare']['median_s'] * 1e3:.2f} ms, "
         f"ratio {s['ratio_median']:.2f} ({s['plugin_us_per_loader_call']:.1f} us per loader call); parts: "
         + ", ".join(f"{k} {v['median_s'] * 1e3:.2f} ms" for k, v in s["parts"].items())
         + f"; tensor -> Python {s['tensor_to_python_in_plugin_update']}"
     )
     p = res["partial"]
-    print(f"partial: plugin {p['plugin']['median_s'] * 1e3:.2f} ms, bare {p['bare']['median_s'] * 1e3:.2f} ms")
+    print(
+        f"partial: plugin {p['plugin']['median_s'] * 1e3:.2f} ms, bypassed {p['bypassed']['median_s'] * 1e3:.2f} ms, "
+        f"bare {p['bare']['median_s'] * 1e3:.2f} ms"
+    )
     for k, v in res["value_checks"]["rows"].items():
         print(f"value check {k}: {v['median_s'] * 1e3:.3f} ms, {v['syncs']} syncs")
 
