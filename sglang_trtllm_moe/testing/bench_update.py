@@ -18,9 +18,12 @@ Each flow runs in three modes, interleaved (order rotated per repeat), in the sa
   prepares itself, compat/defer.py): ``FusedMoE.weight_loader`` and ``_weight_loader_impl`` are SGLang's own
   functions (the hook wrappers unwrapped, per layer), the entry-point checks bypassed as above.
 
-Every timed update also times the plugin's layout work on its own (``layout_s``: ``layer_state.flush`` — prepare
-of the dirty experts and the kernel scalars — plus every ``WeightFormat.unprepare_``), so ``overhead_pct`` compares
-the updates without it: (plugin - layout) / (bypassed - layout) - 1.
+Each update is timed in wall seconds and in CPU seconds of the process (`time.process_time`: less disturbed by
+other work on a shared box; one torch thread, and the loader calls run in the calling thread: `_load_synchronously`).
+Inside it, `Clock` times the plugin's layout work on its own (``layout_s``: ``layer_state.flush`` — prepare of the
+dirty experts and the kernel scalars — plus every ``WeightFormat.unprepare_``), the entry points' whole-request
+checks and the loader hooks' checks; ``overhead_pct_vs_bypassed_{cpu,wall}`` compares the updates without the layout
+work: (plugin - layout) / (bypassed - layout) - 1, medians.
 
 An untimed counting run per flow (plugin and bypassed) says per update: FusedMoE.weight_loader calls, how many times
 each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader hooks), value
@@ -31,7 +34,7 @@ NCCL updates deliver CUDA tensors).
 Weights are random bytes of the checkpoint's dtypes and shapes (finite, positive scales): their values do not change
 the cost of a copy or a permutation, and quantizing real weights of this size would dominate the run.
 
-    PYTHONPATH=. python -m benchmarks.model_update [--tiny]     (the command line; sglang-trtllm-moe bench has rows)
+    PYTHONPATH=. python benchmarks/model_update.py [--tiny]     (the command line; sglang-trtllm-moe bench has rows)
 """
 
 from __future__ import annotations
@@ -305,9 +308,13 @@ class Clock:
         ]
         self._cm = None
 
+    #: kinds also timed in CPU seconds of the calling thread (a few calls per update: `time.thread_time` is a system
+    #: call, ~1.5 us here, too dear around each of thousands of loader calls)
+    CPU_KINDS = ("layout", "entry_checks")
+
     def reset(self) -> None:
-        self.s = dict.fromkeys(self.KINDS, 0.0)  # wall seconds
-        self.cpu = dict.fromkeys(self.KINDS, 0.0)  # CPU seconds of the calling thread
+        self.s = dict.fromkeys(self.KINDS, 0.0)  # wall seconds (the loader calls run in the calling thread)
+        self.cpu = dict.fromkeys(self.CPU_KINDS, 0.0)
 
     def _timed(self, fn, kind):
         @functools.wraps(fn)
@@ -315,15 +322,19 @@ class Clock:
             if getattr(self._tls, kind, False):
                 return fn(*a, **k)
             setattr(self._tls, kind, True)
-            t, c = time.perf_counter(), time.thread_time()
+            cpu = kind in self.CPU_KINDS
+            c = time.thread_time() if cpu else 0.0
+            t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                dt, dc = time.perf_counter() - t, time.thread_time() - c
+                dt = time.perf_counter() - t
+                dc = time.thread_time() - c if cpu else 0.0
                 setattr(self._tls, kind, False)
                 with self._lock:
                     self.s[kind] += dt
-                    self.cpu[kind] += dc
+                    if cpu:
+                        self.cpu[kind] += dc
 
         return timed
 
@@ -449,6 +460,32 @@ def _summary(c: dict, expert_tensors: int, buckets: int) -> dict:
     }
 
 
+def _profile(fn, context, calls: int, top: int) -> list[dict]:
+    """cProfile of one update in `context`: the `top` functions by own time, in microseconds per loader call
+    (cProfile's overhead inflates small functions; the timed rows are uninstrumented)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    with context():
+        prof.enable()
+        fn()
+        prof.disable()
+    rows = []
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        where = file.split("site-packages/")[-1].split("sglang_trtllm_moe/")[-1]
+        rows.append(
+            dict(
+                function=f"{where}:{line}({func})",
+                calls_per_loader_call=round(nc / max(calls, 1), 2),
+                own_us_per_loader_call=round(1e6 * tt / max(calls, 1), 2),
+                cumulative_us_per_loader_call=round(1e6 * ct / max(calls, 1), 2),
+            )
+        )
+    rows.sort(key=lambda r: -r["own_us_per_loader_call"])
+    return rows[:top]
+
+
 def _load_synchronously() -> None:
     """DeepSeek's load_weights hands each CPU tensor's loader call to a thread pool (`should_async_load`: to overlap
     host-to-device copies) and loads device tensors in the calling thread. Here every tensor is a CPU tensor; the
@@ -466,17 +503,21 @@ def _load_synchronously() -> None:
 
 
 def _stats(got: list[dict]) -> dict:
-    """min / median of each measure over the repeats (seconds, rounded)."""
+    """min / median of each measure over the repeats (seconds, rounded). total / without_layout: wall and CPU seconds
+    of the process (the layout work subtracted in the same clock); the kinds of work (Clock.KINDS): wall seconds,
+    and CPU seconds of the thread for Clock.CPU_KINDS."""
     out = {}
     for clock_kind in ("wall", "cpu"):
         tot = [g[clock_kind] for g in got]
-        excl = [g[clock_kind] - g[f"layout_{clock_kind}"] for g in got]
+        excl = [g[clock_kind] - g["layout" if clock_kind == "wall" else "layout_cpu"] for g in got]
         out[f"total_{clock_kind}_s_min"] = round(min(tot), 4)
         out[f"total_{clock_kind}_s_median"] = round(statistics.median(tot), 4)
         out[f"without_layout_{clock_kind}_s_min"] = round(min(excl), 4)
         out[f"without_layout_{clock_kind}_s_median"] = round(statistics.median(excl), 4)
-        for k in Clock.KINDS:
-            out[f"{k}_{clock_kind}_s_median"] = round(statistics.median(g[f"{k}_{clock_kind}"] for g in got), 4)
+    for k in Clock.KINDS:
+        out[f"{k}_s_median"] = round(statistics.median(g[k] for g in got), 4)
+    for k in Clock.CPU_KINDS:
+        out[f"{k}_cpu_s_median"] = round(statistics.median(g[f"{k}_cpu"] for g in got), 4)
     return out
 
 
@@ -493,6 +534,7 @@ def run_in_this_process(
     flows=FLOWS,
     workdir: str | None = None,
     sglang_threads: bool = False,
+    profile_top: int = 0,
 ) -> dict:
     """Build the model, then time and count every (flow, mode). Returns one JSON-able report."""
     from .. import layer_state
@@ -539,9 +581,7 @@ def run_in_this_process(
             t, c = time.perf_counter(), time.process_time()
             updates[flow]()
             total, cpu = time.perf_counter() - t, time.process_time() - c
-        return {"wall": total, "cpu": cpu, **{f"{k}_wall": v for k, v in clock.s.items()}} | {
-            f"{k}_cpu": v for k, v in clock.cpu.items()
-        }
+        return {"wall": total, "cpu": cpu, **clock.s, **{f"{k}_cpu": v for k, v in clock.cpu.items()}}
 
     report: dict = {
         "model": f"DeepSeek-V3 architecture ({len(spec.moe_layers)} MoE layers of {experts} experts, H {hidden}, "
@@ -589,6 +629,14 @@ def run_in_this_process(
             with contexts[mode](), counting(m.model) as c:
                 updates[flow]()
             entry[f"counts_{mode}"] = _summary(c, expert_tensors, n_buckets)
+        if profile_top:
+            for mode in ("plugin", "bypassed"):
+                entry[f"profile_{mode}"] = _profile(
+                    updates[flow],
+                    contexts[mode],
+                    entry["counts_plugin"]["fused_moe_weight_loader_calls"],
+                    profile_top,
+                )
         calls = entry["counts_plugin"]["fused_moe_weight_loader_calls"]
         if calls:
             key = "without_layout_cpu_s_median"
@@ -656,13 +704,14 @@ def bench_rows(reports: list[dict]) -> list[dict]:
                     compared_with="the same update, same run, the plugin's checks bypassed (bench_update.bypass)",
                 )
             )
+            none = "" if "plugin" in rep["layers_prepared_by"] else " (none: SGLang prepares these layers itself here)"
             rows.append(
                 dict(
-                    name=f"model RL update ({what}), {label}: the plugin's layout work alone",
+                    name=f"model RL update ({what}), {label}: the plugin's layout work alone{none}",
                     plugin_s=p["layout_cpu_s_median"],
                     upstream_s=b["layout_cpu_s_median"],
                     ratio=(b["layout_cpu_s_median"] / p["layout_cpu_s_median"]) if p["layout_cpu_s_median"] else 1.0,
-                    clock="CPU seconds of the process (medians)",
+                    clock="CPU seconds in layer_state.flush and WeightFormat.unprepare_ (medians)",
                     compared_with="the same layout work in the bypassed run",
                 )
             )
@@ -688,6 +737,7 @@ def main(argv=None) -> int:
         "--sglang-threads", action="store_true", help="keep DeepSeek's thread pool for the loader calls of CPU tensors"
     )
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--profile-top", type=int, default=0, help="cProfile one update per flow and mode: top N")
     a = ap.parse_args(argv)
     size, repeats, bucket = ("tiny", 1, 1.0) if a.tiny else (a.size, a.repeats, a.bucket_mib)
     quants = tuple(a.quant or (("nvfp4",) if a.tiny else ("nvfp4", "fp8_block")))
@@ -701,6 +751,7 @@ def main(argv=None) -> int:
         intermediate=a.intermediate,
         flows=tuple(a.flows.split(",")),
         sglang_threads=a.sglang_threads or None,
+        profile_top=a.profile_top or None,
     )
     doc = json.dumps({"reports": reports})
     if a.out:
