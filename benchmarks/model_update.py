@@ -6,7 +6,7 @@ replaces: `sglang_trtllm_moe/testing/bench_update.py` (`sglang-trtllm-moe bench`
 
     PYTHONPATH=. <venv>/bin/python benchmarks/model_update.py [--tiny] [--quant nvfp4 --quant fp8_block]
         [--size default|small|tiny] [--experts 256] [--hidden 2048] [--intermediate 512] [--repeats 5]
-        [--bucket-mib 256] [--flows tensor,disk] [--sglang-threads] [--out FILE]
+        [--bucket-mib 256] [--flows tensor,disk] [--sglang-threads] [--profile-top N] [--out FILE]
 
 Prints one JSON line: {"reports": [one per format: timings per flow and mode (wall and CPU seconds, min / median,
 layout work / entry-point checks / loader checks on their own), overheads, and the counts of one update]}.

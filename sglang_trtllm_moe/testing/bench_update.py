@@ -462,7 +462,7 @@ def _summary(c: dict, expert_tensors: int, buckets: int) -> dict:
 
 def _profile(fn, context, calls: int, top: int) -> list[dict]:
     """cProfile of one update in `context`: the `top` functions by own time, in microseconds per loader call
-    (cProfile's overhead inflates small functions; the timed rows are uninstrumented)."""
+    (cProfile's overhead inflates small functions; the timed updates are never profiled)."""
     import cProfile
     import pstats
 
