@@ -536,7 +536,19 @@ def run_in_this_process(
     sglang_threads: bool = False,
     profile_top: int = 0,
 ) -> dict:
-    """Build the model, then time and count every (flow, mode). Returns one JSON-able report."""
+    """Build the model, then time and count every (flow, mode). Returns one JSON-able report. The two checkpoint
+    directories go to `workdir`, or to a temporary directory removed at the end."""
+    if workdir is not None:
+        return _run_in(
+            workdir, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
+        )
+    with tempfile.TemporaryDirectory(prefix=f"sglang-trtllm-moe-update-{quant}-") as work:
+        return _run_in(
+            work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
+        )
+
+
+def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top):
     from .. import layer_state
     from . import checkpoints as ck
     from . import models
@@ -544,7 +556,6 @@ def run_in_this_process(
     spec = _spec(quant, experts, hidden, intermediate)
     if not sglang_threads:
         _load_synchronously()
-    work = workdir or tempfile.mkdtemp(prefix=f"sglang-trtllm-moe-update-{quant}-")
     t0 = time.perf_counter()
     first = random_checkpoint(spec, seed=0)
     dir_a = ck.write_tensors(os.path.join(work, "a"), spec, first)
