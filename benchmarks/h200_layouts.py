@@ -3,6 +3,7 @@ per-expert loop, all in one run; CUDA == CPU bytes; the emulator's quantizer on 
 Needs only torch (+ triton for the fast path) and this package (no SGLang, no flashinfer).
 
     python benchmarks/h200_layouts.py --out result.json [--variants]
+    python benchmarks/h200_layouts.py --tiny          (CPU, 2 experts, H 512, I 256: a smoke run of the script)
 
 Bandwidths count each byte read once and written once (2 x tensor bytes / time), the way the copy is counted.
 "fast" is the default path on CUDA (one-pass Triton kernels, layouts._triton_layouts); "reference" is the pure-torch
@@ -171,16 +172,17 @@ def fast_path(fast: bool):
         layouts.set_fast_path(old)
 
 
-def copy_bandwidth(dev):
+def copy_bandwidth(dev, nbytes=None):
     """Read + write GB/s of one large device copy (the buffers are freed on return)."""
-    x = torch.empty(4 * 2**30 if dev.type == "cuda" else 2**28, dtype=torch.uint8, device=dev)
+    x = torch.empty(nbytes or (4 * 2**30 if dev.type == "cuda" else 2**28), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     return 2 * x.numel() / cuda_time(lambda: y.copy_(x), repeats=10) / 1e9
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
+    p.add_argument("--tiny", action="store_true", help="CPU, 2 experts, H 512, I 256: a smoke run of the script")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument(
         "--variants",
@@ -189,6 +191,11 @@ def main():
     )
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (use few --experts)")
     a = p.parse_args()
+    shape = (7168, 2048)
+    if a.tiny:
+        a.device, a.experts, a.variants, shape = "cpu", 2, False, (512, 256)
+    elif not a.out:
+        p.error("--out is required (except with --tiny)")
     dev = torch.device(a.device)
     fastmod = layouts._triton_layouts()
     res = {
@@ -199,11 +206,11 @@ def main():
         "fast_path_config": dict(fastmod.CONFIG) if fastmod is not None else None,
     }
 
-    copy_bw = copy_bandwidth(dev)
+    copy_bw = copy_bandwidth(dev, 2**22 if a.tiny else None)
     res["copy_gbps_read_plus_write"] = copy_bw
 
     # ---- one DeepSeek-V3 NVFP4 layer (its tensors are freed when this returns)
-    deepseek_layer(res, a.experts, dev, copy_bw, fastmod if a.variants else None)
+    deepseek_layer(res, a.experts, dev, copy_bw, fastmod if a.variants else None, shape)
     torch.cuda.empty_cache()
 
     # ---- CUDA == CPU, bytes, on small layers (gated and non-gated), storage unchanged
@@ -223,14 +230,15 @@ def main():
     pc, sc = quant.nvfp4_quantize(w, 100.0)
     pg, sg = quant.nvfp4_quantize(w.to(dev), 100.0)
     res["nvfp4_quantize_cuda_equals_cpu"] = bool(torch.equal(pc, pg.cpu()) and torch.equal(u8(sc), u8(sg).cpu()))
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
     summary(res)
+    print(json.dumps(res))
 
 
-def deepseek_layer(res, e, dev, copy_bw, variants_mod):
-    """One DeepSeek-V3 NVFP4 layer (e of 256 experts, H 7168, I 2048), in place through formats/nvfp4.py: byte
+def deepseek_layer(res, e, dev, copy_bw, variants_mod, shape=(7168, 2048)):
+    """One DeepSeek-V3 NVFP4 layer (e of 256 experts, H 7168, I 2048 = `shape`), in place through formats/nvfp4.py: byte
     checks, prep/unprep rows per path, same-run references, RL updates, and the tile variants when variants_mod (the
     fast path's module) is given. Writes its sections into res."""
 
@@ -238,7 +246,7 @@ def deepseek_layer(res, e, dev, copy_bw, variants_mod):
         gbps = 2 * nb / s / 1e9
         return dict(s=s, gbps=gbps, fraction_of_copy=gbps / copy_bw)
 
-    layer = nvfp4_layer(e, 7168, 2048, dev)
+    layer = nvfp4_layer(e, *shape, dev)
     orig = {n: getattr(layer, n).clone() for n in NAMES}
     total = sum(nbytes(getattr(layer, n)) for n in NAMES)
     ptrs = {n: getattr(layer, n).data_ptr() for n in NAMES}

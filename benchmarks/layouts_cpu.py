@@ -8,13 +8,15 @@ on the same random NVFP4 checkpoint tensors and checks that the prepared bytes a
 flashinfer's CUDA-JIT-only `nvfp4_block_scale_interleave` swapped (where that function imports it, the `flashinfer`
 module attribute) for SGLang's own pure-torch `swizzle_blockscale`, so it runs on CPU and without SM100 on CUDA.
 
-Run: `python benchmarks/layouts_cpu.py [--experts 32] [--hidden 7168] [--intermediate 2048] [--device cpu]`.
+Run: `python benchmarks/layouts_cpu.py [--experts 32] [--hidden 7168] [--intermediate 2048] [--device cpu]`
+(`--tiny`: 2 experts, H 256, I 128, one repeat: a smoke run). The last line printed is the rows as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 
 import torch
@@ -166,10 +168,14 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--tiny", action="store_true", help="2 experts, H 256, I 128, one repeat: a smoke run")
     a = p.parse_args(argv)
+    if a.tiny:
+        a.experts, a.hidden, a.intermediate, a.repeats = 2, 256, 128, 1
     if a.threads:
         torch.set_num_threads(a.threads)
-    for row in bench_nvfp4_layer_prep(a.experts, a.hidden, a.intermediate, a.device, a.repeats):
+    rows = bench_nvfp4_layer_prep(a.experts, a.hidden, a.intermediate, a.device, a.repeats)
+    for row in rows:
         print(f"{row['name']} on {row['device']} ({row['threads']} threads)")
         print(
             f"  plugin   {row['plugin_s']:.3f} s  {row['plugin_gbps']:.2f} GB/s  "
@@ -180,6 +186,7 @@ def main(argv=None) -> int:
             f"extra {row['upstream_extra_bytes'] / 2**20:.1f} MiB"
         )
         print(f"  ratio {row['ratio']:.1f}x, {row['bytes'] / 2**30:.2f} GiB, same bytes: {row['same_bytes']}")
+    print(json.dumps({"rows": rows}))
     return 0
 
 

@@ -1,27 +1,36 @@
-"""What validating every weight update costs: a full-layer load through SGLang's FusedMoE.weight_loader, with the
-plugin's validation and without it (the same hooks, `validation.check_write` replaced by a pass-through), on a
-prepared layer (the RL update path: validate, un-prepare the expert, SGLang's write). Also the cost of the
-whole-bucket check at the update entry points (`validation.check_bucket`) for the same tensors.
+"""What validating every weight update costs per `FusedMoE.weight_loader` call: a full-layer load through SGLang's
+FusedMoE.weight_loader, with the plugin's validation and without it (the same hooks, `validation.check_write`
+replaced by a pass-through that returns the parameter's name and the expert id), on a prepared layer (the RL update
+path: validate, un-prepare the expert, SGLang's write). Also the whole-bucket check at the update entry points
+(`bucket_validation.check_bucket`) for the same tensors, where each `check_write` call's time goes (its pieces
+timed one by one, uninstrumented), and a cProfile of the checks (the top functions by own time).
 
-    PYTHONPATH=. <venv>/bin/python -m benchmarks.validation_overhead [--fmt nvfp4] [--experts 32] [--hidden 1024]
-        [--intermediate 512] [--repeats 5]
+    PYTHONPATH=. <venv>/bin/python benchmarks/validation_overhead.py [--fmt nvfp4] [--experts 32] [--hidden 1024]
+        [--intermediate 512] [--repeats 5] [--profile-top 15] [--tiny]
 
-Prints JSON: seconds per full-layer load (min over repeats) with and without validation, calls, microseconds of
-validation per call, and the bucket check.
+Prints one JSON line: seconds per full-layer load (min over interleaved repeats) with and without validation,
+calls, microseconds of validation per call, the bucket check, the per-call breakdown and the profile.
+--tiny: 4 experts, H 256, I 128, one repeat (a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
+import pstats
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout first
 
 
 def main(argv=None) -> int:
     import torch
 
     import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
-    from sglang_trtllm_moe import layer_state, validation
+    from sglang_trtllm_moe import bucket_validation, layer_state, validation
     from sglang_trtllm_moe.testing import layers as cpu_layers
     from tests.support import bad_updates, sglang_runtime
 
@@ -32,7 +41,11 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile-top", type=int, default=15, help="functions of the cProfile listed (0: no profile)")
+    ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.experts, args.hidden, args.intermediate, args.repeats, args.profile_top = 4, 256, 128, 1, 5
     torch.set_num_threads(args.threads)
     sglang_runtime.ensure("flashinfer_trtllm")
     spec = cpu_layers.MoeSpec(
@@ -56,7 +69,7 @@ def main(argv=None) -> int:
 
     real = validation.check_write
 
-    def unchecked(layer, param, loaded, weight_name, shard_id, expert_id, scope="local"):
+    def unchecked(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False):
         st = layer_state.state_of(layer)
         return validation.param_name(layer, param, st.fmt), int(expert_id)
 
@@ -71,11 +84,11 @@ def main(argv=None) -> int:
     full_load(), without_validation()
     pairs = [(full_load(), without_validation()) for _ in range(args.repeats)]
     with_validation, without = min(p[0] for p in pairs), min(p[1] for p in pairs)
+    calls = [(getattr(layer, w.param), w) for w in writes]
 
     def only_checks():
         t = time.perf_counter()
-        for w in writes:
-            p = getattr(layer, w.param)
+        for p, w in calls:
             real(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, scope="global")
         return time.perf_counter() - t
 
@@ -87,29 +100,112 @@ def main(argv=None) -> int:
 
     def bucket_check():
         t = time.perf_counter()
-        validation.check_bucket(model, named)
+        bucket_validation.check_bucket(model, named)
         return time.perf_counter() - t
 
     bucket = best(bucket_check)
-    print(
-        json.dumps(
-            {
-                "fmt": args.fmt,
-                "experts": args.experts,
-                "hidden": args.hidden,
-                "intermediate": args.intermediate,
-                "torch_threads": args.threads,
-                "loader_calls": len(writes),
-                "checkpoint_MiB": round(sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20, 1),
-                "full_load_s_with_validation": round(with_validation, 4),
-                "full_load_s_without": round(without, 4),
-                "overhead_pct": round(100 * (with_validation - without) / without, 1),
-                "check_write_us_per_call": round(1e6 * checks / len(writes), 1),
-                "check_bucket_s": round(bucket, 4),
-            }
-        )
-    )
+    out = {
+        "fmt": args.fmt,
+        "experts": args.experts,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "torch_threads": args.threads,
+        "loader_calls": len(writes),
+        "checkpoint_MiB": round(sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20, 1),
+        "full_load_s_with_validation": round(with_validation, 4),
+        "full_load_s_without": round(without, 4),
+        "overhead_pct": round(100 * (with_validation - without) / without, 1),
+        "check_write_us_per_call": round(1e6 * checks / len(writes), 1),
+        "check_bucket_s": round(bucket, 4),
+        "check_bucket_us_per_tensor": round(1e6 * bucket / len(named), 1),
+        "check_write_breakdown_us_per_call": breakdown(layer, calls, args.repeats),
+    }
+    if args.profile_top:
+        out["profile_check_write"] = profile(lambda: [only_checks() for _ in range(3)], 3 * len(writes), args)
+        out["profile_full_load"] = profile(lambda: [full_load() for _ in range(3)], 3 * len(writes), args)
+    print(json.dumps(out))
     return 0
+
+
+def breakdown(layer, calls, repeats: int) -> dict:
+    """Microseconds per loader call of each step `validation.check_write` takes for these writes (scope "global"),
+    each step timed on its own over all calls (min over repeats); "check_write" is the whole call for comparison."""
+    from sglang_trtllm_moe import validation as v
+    from sglang_trtllm_moe.formats.base import POSITIVE
+
+    fmt = v.format_of(layer)
+    gated = fmt.is_gated(layer)
+    prep = []
+    for p, w in calls:
+        name = v.param_name(layer, p, fmt)
+        rule = fmt.load_rule(name)
+        refuse = v.Refusal(layer, name, w.shard_id, w.expert_id)
+        view = v.param_view(layer, fmt, name, p)
+        prep.append((p, w, name, rule, refuse, view))
+    n = len(calls)
+    values = [(w.tensor, rule.value_rule(p.dtype)) for p, w, _, rule, _, _ in prep]
+    values = [(t, r) for t, r in values if r is not None and t.numel()]
+    steps = {
+        "check_write (whole)": lambda: [
+            v.check_write(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, scope="global") for p, w in calls
+        ],
+        "format_of": lambda: [v.format_of(layer) for _ in calls],
+        "param_name": lambda: [v.param_name(layer, p, fmt) for p, _ in calls],
+        "Refusal(...) (its message prefix, built for every call)": lambda: [
+            v.Refusal(layer, name, w.shard_id, w.expert_id) for p, w, name, *_ in prep
+        ],
+        "_check_name": lambda: [
+            v._check_name(layer, fmt, p, name, w.weight_name, refuse) for p, w, name, _, refuse, _ in prep
+        ],
+        "_check_shard": lambda: [v._check_shard(rule, w.shard_id, gated, refuse) for p, w, _, rule, refuse, _ in prep],
+        "param_view": lambda: [v.param_view(layer, fmt, name, p) for p, w, name, *_ in prep],
+        "_check_expert": lambda: [
+            v._check_expert(layer, view, p, w.expert_id, "global", refuse) for p, w, _, _, refuse, view in prep
+        ],
+        "check_tensor (device, dtype, shape, values)": lambda: [
+            v.check_tensor(layer, fmt, rule, p, view, w.tensor, gated, refuse) for p, w, _, rule, refuse, view in prep
+        ],
+        "_intermediate_extents (inside check_tensor, weights and block scales)": lambda: [
+            v._intermediate_extents(layer, fmt, rule, view, gated) for p, w, _, rule, _, view in prep if not rule.scalar
+        ],
+        "_bad_value (inside check_tensor, scales with a value rule)": lambda: [
+            v._bad_value(t, r == POSITIVE) for t, r in values
+        ],
+    }
+    out = {}
+    for label, fn in steps.items():
+        fn()
+        best = float("inf")
+        for _ in range(max(3, repeats)):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        out[label] = round(1e6 * best / n, 2)  # per loader call (steps that run on some calls only: averaged over all)
+    out["value-checked calls"] = f"{len(values)} of {n}"
+    return out
+
+
+def profile(fn, calls: int, args) -> list[dict]:
+    """cProfile of fn: the top functions by own time, in microseconds per loader call (cProfile's own overhead
+    inflates small functions; the breakdown above is uninstrumented)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        where = file.split("site-packages/")[-1].split("sglang_trtllm_moe/")[-1]
+        rows.append(
+            dict(
+                function=f"{where}:{line}({func})",
+                calls_per_loader_call=round(nc / calls, 2),
+                own_us_per_loader_call=round(1e6 * tt / calls, 2),
+                cumulative_us_per_loader_call=round(1e6 * ct / calls, 2),
+            )
+        )
+    rows.sort(key=lambda r: -r["own_us_per_loader_call"])
+    return rows[: args.profile_top]
 
 
 if __name__ == "__main__":

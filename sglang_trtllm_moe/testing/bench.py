@@ -9,6 +9,10 @@ Rows (each: name, plugin_s, upstream_s, ratio = upstream_s / plugin_s, plus byte
   upstream's flow (loader writes → `process_weights_after_loading` over the whole layer, which is also what
   corrupts the experts that were not updated: tests/support/upstream_rl.py measures it).
 * `load_plugins()`: the time SGLang's plugin loading takes with the plugin enabled vs disabled (fresh processes).
+* RL update of a whole model (DeepSeek-V3 architecture, NVFP4 and block FP8, small sizes: `bench_update.SIZES`)
+  through SGLang's WeightUpdater, tensor buckets in a session and from disk: the plugin against the same update with
+  its checks bypassed, in the same process (`bench_update.bypass` says what is replaced), CPU seconds with the
+  layout work excluded; the layout work on its own row (SGLang 0.5.21+: testing/models.py).
 Peak extra memory is the growth of the process's peak RSS during each step (ru_maxrss; plugin measured first, so
 upstream's figure is a lower bound). Timings are medians of `repeats` runs. Never used as a test.
 """
@@ -25,7 +29,7 @@ import time
 
 import torch
 
-from . import bench_startup
+from . import bench_startup, bench_update
 
 SHAPES = {
     # name: (experts in the real model, hidden, moe intermediate)
@@ -338,6 +342,7 @@ def run(
     threads: int | None = None,
     mx_formats=tuple(MX_SHAPES),
     mx_experts: int | None = None,
+    model_update: bool = True,
 ) -> list[dict]:
     """Each model (and each MX format) runs in a fresh process, so its peak-RSS figures start from that layer alone."""
     rows = []
@@ -351,10 +356,32 @@ def run(
             raise RuntimeError(f"bench {job} failed:\n{out.stderr[-3000:]}")
         rows.extend(json.loads(out.stdout.strip().splitlines()[-1]))
     rows.extend(bench_startup.bench_load_plugins(repeats))
+    if model_update:
+        rows.extend(model_update_rows(experts, repeats))
     env = dict(torch_threads=threads or torch.get_num_threads(), torch=torch.__version__, device="cpu")
     for r in rows:
         r.update(env)
     return rows
+
+
+def model_update_rows(experts: int, repeats: int) -> list[dict]:
+    """The model-level update rows (bench_update.run at its "small" size, `experts` per layer), or one row saying why
+    they are not measured on this release."""
+    from .models import SUPPORTED_RELEASES
+    from .runtime import release
+
+    if release() not in SUPPORTED_RELEASES:
+        nan = float("nan")
+        return [
+            dict(
+                name=f"model RL update: not measured (testing.models builds whole models on SGLang "
+                f"{SUPPORTED_RELEASES}; this is {release()})",
+                plugin_s=nan,
+                upstream_s=nan,
+                ratio=nan,
+            )
+        ]
+    return bench_update.bench_rows(bench_update.run(size="small", repeats=repeats, experts=experts))
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -366,6 +393,11 @@ def format_rows(rows: list[dict]) -> str:
             notes.append(
                 f"{r['plugin_gbps']:.1f} GB/s, same bytes: {r['same_bytes']}, peak extra "
                 f"{r['plugin_peak_extra_bytes'] / 2**20:.0f} MiB vs {r['upstream_peak_extra_bytes'] / 2**20:.0f} MiB"
+            )
+        if "overhead_pct" in r:
+            notes.append(
+                f"plugin adds {r['overhead_pct']:.1f} % ({r['loader_calls']} loader calls, "
+                f"{r['syncs_in_validation']} tensor-to-Python conversions in validation)"
             )
         if "added_s" in r:
             notes.append(
@@ -379,6 +411,11 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(args) -> int:
-    rows = run(experts=args.experts, repeats=args.repeats, threads=args.threads)
+    rows = run(
+        experts=args.experts,
+        repeats=args.repeats,
+        threads=args.threads,
+        model_update=not getattr(args, "no_model_update", False),
+    )
     print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
     return 0

@@ -1,0 +1,772 @@
+"""What the plugin adds to an RL weight update of a whole model, measured through SGLang's own update entry points.
+
+A DeepSeek-V3 model (testing/checkpoints.py TinySpec, `deepseek_v3`: a dense first layer, then MoE layers; experts,
+hidden and intermediate scaled to fit the machine) is loaded by SGLang's ModelRunner (testing/models.py TinyModel,
+0.5.21+), then updated the way SGLang's scheduler calls the runner's WeightUpdater:
+
+* ``tensor``: ``begin_weight_update``; ``update_weights_from_tensor`` once per bucket (the whole model, every
+  tensor, in buckets of about ``bucket_mib``); ``end_weight_update`` (the flush of every written expert);
+* ``disk``: ``update_weights_from_disk`` of a second checkpoint directory (the whole model).
+
+Each flow runs in three modes, interleaved (order rotated per repeat), in the same process:
+
+* ``plugin``: as shipped;
+* ``bypassed``: the plugin's checks and their bookkeeping replaced by pass-throughs (``bypass()`` says exactly
+  what); its layout work (un-prepare / prepare of the written experts) still runs, so the layer stays exact;
+* ``unhooked`` (only where it is exact without the plugin's loader hooks: inside a begin/end session, where
+  ``begin_weight_update`` already returned every managed layer to checkpoint layout, and for formats SGLang
+  prepares itself, compat/defer.py): ``FusedMoE.weight_loader`` and ``_weight_loader_impl`` are SGLang's own
+  functions (the hook wrappers unwrapped, per layer), the entry-point checks bypassed as above.
+
+Each update is timed in wall seconds and in CPU seconds of the process (`time.process_time`: less disturbed by
+other work on a shared box; one torch thread, and the loader calls run in the calling thread: `_load_synchronously`).
+Inside it, `Clock` times the plugin's layout work on its own (``layout_s``: ``layer_state.flush`` — prepare of the
+dirty experts and the kernel scalars — plus every ``WeightFormat.unprepare_``), the entry points' whole-request
+checks and the loader hooks' checks; ``overhead_pct_vs_bypassed_{cpu,wall}`` compares the updates without the layout
+work: (plugin - layout) / (bypassed - layout) - 1, medians.
+
+An untimed counting run per flow (plugin and bypassed) says per update: FusedMoE.weight_loader calls, how many times
+each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader hooks), value
+checks (``_bad_value``), and the tensor-to-Python conversions in the validation path (``bool(t)``, ``float(t)``,
+``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the tensor is on a GPU (IPC /
+NCCL updates deliver CUDA tensors).
+
+Weights are random bytes of the checkpoint's dtypes and shapes (finite, positive scales): their values do not change
+the cost of a copy or a permutation, and quantizing real weights of this size would dominate the run.
+
+    PYTHONPATH=. python benchmarks/model_update.py [--tiny]     (the command line; sglang-trtllm-moe bench has rows)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from collections import Counter
+from typing import Any
+
+import torch
+
+#: experts / hidden / moe intermediate per size (DeepSeek-V3 has 256 experts, H 7168, I 2048)
+SIZES = {
+    "tiny": dict(experts=8, hidden=256, intermediate=128),
+    "small": dict(experts=32, hidden=1024, intermediate=256),
+    "default": dict(experts=256, hidden=2048, intermediate=512),
+}
+FLOWS = ("tensor", "disk")
+MODES = ("plugin", "bypassed", "unhooked")
+
+
+# ---- a whole random checkpoint ------------------------------------------------------------------------------------
+
+
+def _spec(quant: str, experts: int, hidden: int, intermediate: int):
+    from .checkpoints import TinySpec
+
+    return TinySpec(
+        arch="deepseek_v3",
+        quant=quant,
+        hidden=hidden,
+        moe_intermediate=intermediate,
+        dense_intermediate=2 * intermediate,
+        num_experts=experts,
+        top_k=min(8, experts // 4),
+    )
+
+
+def random_checkpoint(spec, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of `spec`'s checkpoint: the dense ones as checkpoints.py draws them, the routed experts with their
+    real names, dtypes and shapes, filled from pools of random bytes (packed FP4 / FP8 bytes without NaN, positive
+    finite scales; drawing every byte afresh takes minutes on a small box)."""
+    from . import checkpoints as ck
+
+    out = ck.checkpoint(spec, experts=[], dense=True)
+    first = spec.moe_layers[0]
+    template = ck.quantized_experts(spec, layers=[first], experts=[0])  # names, dtypes, shapes of one expert
+    head = f"{ck.moe_prefix(spec, first)}.experts.0."
+    pool = _Pool(seed)
+    gate, up = (ck.expert_proj_names(spec)[r] for r in (ck.GATE, ck.UP))
+    for layer in spec.moe_layers:
+        for e in range(spec.num_experts):
+            base = f"{ck.moe_prefix(spec, layer)}.experts.{e}."
+            for name, t in template.items():
+                tail = name[len(head) :]
+                out[base + tail] = pool.like(t, tail)
+            # one activation feeds gate and up: their input scales are one value (SGLang keeps one per expert)
+            if f"{base}{up}.input_scale" in out:
+                out[f"{base}{up}.input_scale"] = out[f"{base}{gate}.input_scale"].clone()
+    return out
+
+
+class _Pool:
+    """Random bytes per kind (16 MiB each), handed out in consecutive slices (wrapping, each slice copied)."""
+
+    SIZE = 16 * 2**20
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        n = self.SIZE
+        fp8 = torch.randint(0, 0x7F, (n,), dtype=torch.uint8, generator=g)
+        fp8 |= torch.randint(0, 2, (n,), dtype=torch.uint8, generator=g) << 7
+        self.pools = {
+            "bytes": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g),  # packed e2m1 pairs: any byte
+            "e4m3_scale": torch.randint(0x08, 0x7F, (n,), dtype=torch.uint8, generator=g),  # positive, finite
+            "fp8_weight": fp8,  # either sign, never the NaN bytes 0x7f / 0xff
+            "float": torch.rand(n // 4, generator=g) * 0.01 + 1e-3,  # per-tensor / block / input scales
+        }
+        self.at = dict.fromkeys(self.pools, 0)
+
+    def take(self, kind: str, n: int) -> torch.Tensor:
+        src = self.pools[kind]
+        out = torch.empty(n, dtype=src.dtype)
+        done = 0
+        while done < n:
+            k = min(n - done, src.numel() - self.at[kind])
+            out[done : done + k] = src[self.at[kind] : self.at[kind] + k]
+            done += k
+            self.at[kind] = (self.at[kind] + k) % src.numel()
+        self.at[kind] = (self.at[kind] + 4099) % src.numel()  # the next tensor starts elsewhere
+        return out
+
+    def like(self, t: torch.Tensor, tail: str) -> torch.Tensor:
+        n = t.numel()
+        if t.dtype == torch.uint8:
+            return self.take("bytes", n).reshape(t.shape)
+        if t.dtype == torch.float8_e4m3fn:
+            kind = "e4m3_scale" if "scale" in tail else "fp8_weight"
+            return self.take(kind, n).reshape(t.shape).view(torch.float8_e4m3fn)
+        return self.take("float", n).reshape(t.shape).to(t.dtype)
+
+
+def bucketed(tensors: dict[str, torch.Tensor], bucket_mib: float) -> list[list[tuple[str, torch.Tensor]]]:
+    """The whole model as an RL framework sends it: (name, tensor) in checkpoint order, in buckets of at most
+    `bucket_mib` (a larger tensor is a bucket of its own)."""
+    limit = bucket_mib * 2**20
+    out: list[list] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        nb = t.numel() * t.element_size()
+        if out[-1] and size + nb > limit:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += nb
+    return out
+
+
+# ---- what the modes replace ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _patched(pairs):
+    """Set (object, attribute, value) for the block, then restore every original: an attribute the object held
+    itself is set back, one it inherited (a method of a format instance's class, torch.Tensor's C slots) is deleted
+    again."""
+    saved = [(obj, attr, attr in vars(obj), getattr(obj, attr)) for obj, attr, _ in pairs]
+    try:
+        for obj, attr, value in pairs:
+            setattr(obj, attr, value)
+        yield
+    finally:
+        for obj, attr, own, value in reversed(saved):
+            if own:
+                setattr(obj, attr, value)
+            else:
+                delattr(obj, attr)
+
+
+def bypass():
+    """The plugin's checks and their bookkeeping replaced by pass-throughs (a context manager):
+
+    * ``bucket_validation.managed_modules`` -> {}: the entry-point hooks (builtins/weight_updates.py
+      `check_buckets_around`, `check_disk_around`) skip the whole-bucket check, the `load_weights` wrapper that
+      re-checks each list SGLang loads, the id set of checked tensors, and the disk path's header check;
+      ``checkpoint_headers.files_of`` -> [] (no listing of the checkpoint directory for its headers);
+    * ``validation.check_write`` -> (the parameter's name, int(expert_id)) for a managed or watched layer, None
+      otherwise: only what the loader hooks need to route the write (no name / shard / expert / device / dtype /
+      shape / value checks);
+    * the thread-local handshake between the two loader hooks: ``mark_validated`` / ``restore_validated`` ->
+      no-ops, ``was_validated`` -> True, ``check_local_expert`` -> int(expert_id).
+    Kept: the loader hooks themselves (layer lock, per-expert un-prepare before a write into a prepared expert,
+    the layout callbacks) and the flushes — the layout work that keeps the layer exact."""
+    from .. import bucket_validation, checkpoint_headers, validation
+    from ..layer_state import observed, state_of
+
+    def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False):
+        st = state_of(layer)
+        fmt = st.fmt if st is not None else observed(layer)
+        if fmt is None:
+            return None
+        return validation.param_name(layer, param, fmt), int(expert_id)
+
+    return _patched(
+        [
+            (bucket_validation, "managed_modules", lambda model: {}),
+            (checkpoint_headers, "files_of", lambda *a, **k: []),
+            (validation, "check_write", check_write),
+            (validation, "mark_validated", lambda param, loaded: None),
+            (validation, "restore_validated", lambda prev: None),
+            (validation, "was_validated", lambda param, loaded: True),
+            (validation, "check_local_expert", lambda layer, param, name, expert_id, shard_id: int(expert_id)),
+        ]
+    )
+
+
+def _set_loader(p, fn) -> None:
+    """A Parameter's `weight_loader`: SGLang's BasevLLMParameter keeps it behind a read-only property."""
+    if isinstance(getattr(type(p), "weight_loader", None), property):
+        p._weight_loader = fn
+    else:
+        p.weight_loader = fn
+
+
+def _unwrapped(fn):
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+@contextlib.contextmanager
+def unhooked(model):
+    """`bypass()`, and every FusedMoE layer of `model` loads through SGLang's own `weight_loader` and
+    `_weight_loader_impl` (the HookRegistry wrappers unwrapped): the Parameters' `weight_loader` (bound at
+    create_weights) and the layer's `_weight_loader_impl` point at the originals for the block. Exact only where
+    no write lands on a prepared expert: inside a begin/end session, or for layers SGLang prepares itself."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    from .models import moe_layers
+
+    loader, impl = _unwrapped(FusedMoE.weight_loader), _unwrapped(FusedMoE._weight_loader_impl)
+    saved = []
+    for layer in moe_layers(model).values():
+        for p in layer.parameters(recurse=False):
+            wl = getattr(p, "weight_loader", None)
+            if getattr(wl, "__self__", None) is layer and getattr(wl, "__func__", None) is FusedMoE.weight_loader:
+                saved.append((p, wl))
+                _set_loader(p, types.MethodType(loader, layer))
+        layer.__dict__["_weight_loader_impl"] = types.MethodType(impl, layer)
+    try:
+        with bypass():
+            yield
+    finally:
+        for p, wl in saved:
+            _set_loader(p, wl)
+        for layer in moe_layers(model).values():
+            layer.__dict__.pop("_weight_loader_impl", None)
+
+
+def unhooked_exact(flow: str, model) -> bool:
+    """Whether `unhooked` leaves `model` exact in `flow`: always in a session (tensor); on disk only where no layer
+    has the plugin's layout state (every MoE layer prepared by SGLang itself)."""
+    from .. import layer_state
+    from .models import moe_layers
+
+    return flow == "tensor" or all(layer_state.state_of(m) is None for m in moe_layers(model).values())
+
+
+# ---- where the time goes, in every mode ---------------------------------------------------------------------------
+
+
+class Clock:
+    """Seconds per kind of work during one update (perf_counter around each call; nested calls of one kind counted
+    once):
+
+    * ``layout``: the plugin's layout work: `layer_state.flush` (prepare of the dirty experts, kernel scalars) and
+      every `WeightFormat.unprepare_` (before a write into a prepared expert, at begin_weight_update);
+    * ``entry_checks``: the entry points' whole-request checks: `bucket_validation.check_bucket` (tensor buckets, and
+      the disk path's check of the headers) and `checkpoint_headers.files_of` / `meta_tensors` (reading them);
+    * ``loader_checks``: `validation.check_write` / `check_local_expert` called by the loader hooks (per write).
+    In the bypassed mode the same names time the pass-throughs."""
+
+    KINDS = ("layout", "entry_checks", "loader_checks")
+
+    def __init__(self, model):
+        from .. import bucket_validation, checkpoint_headers, layer_state, validation
+        from .models import moe_layers
+
+        self.reset()
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        fmts = {id(st.fmt): st.fmt for m in moe_layers(model).values() if (st := layer_state.state_of(m))}
+        self._targets: list[tuple[Any, str, str]] = [(layer_state, "flush", "layout")]
+        self._targets += [(f, "unprepare_", "layout") for f in fmts.values()]
+        self._targets += [
+            (bucket_validation, "check_bucket", "entry_checks"),
+            (checkpoint_headers, "files_of", "entry_checks"),
+            (checkpoint_headers, "meta_tensors", "entry_checks"),
+            (validation, "check_write", "loader_checks"),
+            (validation, "check_local_expert", "loader_checks"),
+        ]
+        self._cm = None
+
+    #: kinds also timed in CPU seconds of the calling thread (a few calls per update: `time.thread_time` is a system
+    #: call, ~1.5 us here, too dear around each of thousands of loader calls)
+    CPU_KINDS = ("layout", "entry_checks")
+
+    def reset(self) -> None:
+        self.s = dict.fromkeys(self.KINDS, 0.0)  # wall seconds (the loader calls run in the calling thread)
+        self.cpu = dict.fromkeys(self.CPU_KINDS, 0.0)
+
+    def _timed(self, fn, kind):
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            if getattr(self._tls, kind, False):
+                return fn(*a, **k)
+            setattr(self._tls, kind, True)
+            cpu = kind in self.CPU_KINDS
+            c = time.thread_time() if cpu else 0.0
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                dc = time.thread_time() - c if cpu else 0.0
+                setattr(self._tls, kind, False)
+                with self._lock:
+                    self.s[kind] += dt
+                    if cpu:
+                        self.cpu[kind] += dc
+
+        return timed
+
+    def __enter__(self):
+        # wraps what is there now (the mode's pass-throughs, when a mode patched them first)
+        self._cm = _patched([(obj, attr, self._timed(getattr(obj, attr), kind)) for obj, attr, kind in self._targets])
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        assert self._cm is not None
+        return self._cm.__exit__(*exc)
+
+
+# ---- counting run -----------------------------------------------------------------------------------------------
+
+#: tensor -> Python conversions: each waits for the device when the tensor lives on a GPU
+SYNCS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist")
+
+
+@contextlib.contextmanager
+def counting(model):
+    """Counters for one update (untimed): FusedMoE.weight_loader calls, check_write calls per source and per
+    written (layer, parameter, shard, expert), value checks, and tensor-to-Python conversions in the validation
+    path (inside check_write / check_tensor / _bad_value / check_bucket / check_local_expert / expert_index) and
+    outside it."""
+    from .. import bucket_validation, validation
+    from .models import moe_layers
+
+    c: dict = {"loader_calls": 0, "check_write": Counter(), "per_write": Counter(), "syncs_in_validation": Counter()}
+    c["conversions_elsewhere"] = Counter()
+    c["bad_value_calls"] = 0
+    c["bucket_checks"] = 0
+    tls = threading.local()
+    lock = threading.Lock()
+
+    def depth():
+        return getattr(tls, "depth", 0)
+
+    def in_validation(fn, tag=None):
+        if getattr(fn, "__module__", None) == __name__:
+            return fn  # a pass-through of bypass(): validates nothing, counted as nothing
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            if tag is not None:
+                with lock:
+                    if tag == "bad_value":
+                        c["bad_value_calls"] += 1
+                    elif tag == "bucket":
+                        c["bucket_checks"] += 1
+                    else:
+                        layer, param, _, _, shard, expert = a[:6]
+                        scope = k.get("scope", a[6] if len(a) > 6 else "local")
+                        src = "bucket" if tag == "entry" else f"loader/{scope}"
+                        c["check_write"][src] += 1
+                        key = (id(layer), validation.param_name(layer, param), shard, expert)
+                        c["per_write"][key] += 1
+            tls.depth = depth() + 1
+            try:
+                return fn(*a, **k)
+            finally:
+                tls.depth = depth() - 1
+
+        return wrapper
+
+    def conversion(name, orig):
+        def wrapper(self, *a, **k):
+            with lock:
+                (c["syncs_in_validation"] if depth() else c["conversions_elsewhere"])[name] += 1
+            return orig(self, *a, **k)
+
+        return wrapper
+
+    pairs: list[tuple[Any, str, Any]] = [
+        (validation, "check_write", in_validation(validation.check_write, "loader")),
+        (bucket_validation, "check_write", in_validation(bucket_validation.check_write, "entry")),
+        (bucket_validation, "check_bucket", in_validation(bucket_validation.check_bucket, "bucket")),
+        (validation, "check_tensor", in_validation(validation.check_tensor)),
+        (bucket_validation, "check_tensor", in_validation(bucket_validation.check_tensor)),
+        (validation, "_bad_value", in_validation(validation._bad_value, "bad_value")),
+        (validation, "check_local_expert", in_validation(validation.check_local_expert)),
+        (validation, "expert_index", in_validation(validation.expert_index)),
+    ]
+    pairs += [(torch.Tensor, n, conversion(n, getattr(torch.Tensor, n))) for n in SYNCS]
+    loaders = []
+    for layer in moe_layers(model).values():
+        for p in layer.parameters(recurse=False):
+            wl = getattr(p, "weight_loader", None)
+            if wl is None:
+                continue
+
+            def counted(*a, _wl=wl, **k):
+                with lock:
+                    c["loader_calls"] += 1
+                return _wl(*a, **k)
+
+            loaders.append((p, wl))
+            _set_loader(p, counted)
+    try:
+        with _patched(pairs):
+            yield c
+    finally:
+        for p, wl in loaders:
+            _set_loader(p, wl)
+
+
+def _summary(c: dict, expert_tensors: int, buckets: int) -> dict:
+    per = c["per_write"]
+    syncs = sum(c["syncs_in_validation"].values())
+    return {
+        "fused_moe_weight_loader_calls": c["loader_calls"],
+        "expert_tensors_in_request": expert_tensors,
+        "check_write_calls": dict(c["check_write"]),
+        "bucket_checks": c["bucket_checks"],
+        "validations_per_write": dict(sorted(Counter(per.values()).items())),  # times validated: writes
+        "value_checks": c["bad_value_calls"],
+        "syncs_in_validation": dict(c["syncs_in_validation"]),
+        "syncs_in_validation_total": syncs,
+        "syncs_in_validation_per_bucket": round(syncs / buckets, 1) if buckets else None,
+        # SGLang's loader, layer_state's CPU masks: not the validation path
+        "tensor_to_python_outside_validation": dict(c["conversions_elsewhere"]),
+    }
+
+
+def _profile(fn, context, calls: int, top: int) -> list[dict]:
+    """cProfile of one update in `context`: the `top` functions by own time, in microseconds per loader call
+    (cProfile's overhead inflates small functions; the timed updates are never profiled)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    with context():
+        prof.enable()
+        fn()
+        prof.disable()
+    rows = []
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        where = file.split("site-packages/")[-1].split("sglang_trtllm_moe/")[-1]
+        rows.append(
+            dict(
+                function=f"{where}:{line}({func})",
+                calls_per_loader_call=round(nc / max(calls, 1), 2),
+                own_us_per_loader_call=round(1e6 * tt / max(calls, 1), 2),
+                cumulative_us_per_loader_call=round(1e6 * ct / max(calls, 1), 2),
+            )
+        )
+    rows.sort(key=lambda r: -r["own_us_per_loader_call"])
+    return rows[:top]
+
+
+def _load_synchronously() -> None:
+    """DeepSeek's load_weights hands each CPU tensor's loader call to a thread pool (`should_async_load`: to overlap
+    host-to-device copies) and loads device tensors in the calling thread. Here every tensor is a CPU tensor; the
+    pool would only add GIL contention on a small box and make per-call timing unreadable, so the loader calls run
+    in the calling thread, as they do for the CUDA tensors of IPC / NCCL updates (`sglang_threads=True` keeps it)."""
+    import importlib
+
+    for mod in ("sglang.srt.models.deepseek_common.deepseek_weight_loader", "sglang.srt.models.deepseek_v2"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        if hasattr(m, "should_async_load"):
+            setattr(m, "should_async_load", lambda weight: False)  # noqa: B010 - a name mypy cannot see
+
+
+def _stats(got: list[dict]) -> dict:
+    """min / median of each measure over the repeats (seconds, rounded). total / without_layout: wall and CPU seconds
+    of the process (the layout work subtracted in the same clock); the kinds of work (Clock.KINDS): wall seconds,
+    and CPU seconds of the thread for Clock.CPU_KINDS."""
+    out = {}
+    for clock_kind in ("wall", "cpu"):
+        tot = [g[clock_kind] for g in got]
+        excl = [g[clock_kind] - g["layout" if clock_kind == "wall" else "layout_cpu"] for g in got]
+        out[f"total_{clock_kind}_s_min"] = round(min(tot), 4)
+        out[f"total_{clock_kind}_s_median"] = round(statistics.median(tot), 4)
+        out[f"without_layout_{clock_kind}_s_min"] = round(min(excl), 4)
+        out[f"without_layout_{clock_kind}_s_median"] = round(statistics.median(excl), 4)
+    for k in Clock.KINDS:
+        out[f"{k}_s_median"] = round(statistics.median(g[k] for g in got), 4)
+    for k in Clock.CPU_KINDS:
+        out[f"{k}_cpu_s_median"] = round(statistics.median(g[f"{k}_cpu"] for g in got), 4)
+    return out
+
+
+# ---- one format in this process ---------------------------------------------------------------------------------
+
+
+def run_in_this_process(
+    quant: str = "nvfp4",
+    experts: int = 8,
+    hidden: int = 256,
+    intermediate: int = 128,
+    repeats: int = 3,
+    bucket_mib: float = 64,
+    flows=FLOWS,
+    workdir: str | None = None,
+    sglang_threads: bool = False,
+    profile_top: int = 0,
+) -> dict:
+    """Build the model, then time and count every (flow, mode). Returns one JSON-able report. The two checkpoint
+    directories go to `workdir`, or to a temporary directory removed at the end."""
+    if workdir is not None:
+        return _run_in(
+            workdir, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
+        )
+    with tempfile.TemporaryDirectory(prefix=f"sglang-trtllm-moe-update-{quant}-") as work:
+        return _run_in(
+            work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
+        )
+
+
+def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top):
+    from .. import layer_state
+    from . import checkpoints as ck
+    from . import models
+
+    spec = _spec(quant, experts, hidden, intermediate)
+    if not sglang_threads:
+        _load_synchronously()
+    t0 = time.perf_counter()
+    first = random_checkpoint(spec, seed=0)
+    dir_a = ck.write_tensors(os.path.join(work, "a"), spec, first)
+    del first
+    new = random_checkpoint(spec, seed=1)
+    dir_b = ck.write_tensors(os.path.join(work, "b"), spec, new)
+    made_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    m = models.TinyModel(dir_a)
+    load_s = time.perf_counter() - t0
+    layers = m.moe_layers()
+    owners = sorted({"plugin" if layer_state.state_of(x) is not None else "sglang" for x in layers.values()})
+    buckets = bucketed(new, bucket_mib)
+    expert_tensors = sum(1 for n in new if ".experts." in n)
+    nbytes = sum(t.numel() * t.element_size() for t in new.values())
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in new.items() if ".experts." in n)
+
+    def tensor_update():
+        with m.session():
+            for b in buckets:
+                m.update_from_tensor(b)
+
+    def disk_update():
+        m.update_from_disk(dir_b)
+
+    updates = {"tensor": tensor_update, "disk": disk_update}
+    clock = Clock(m.model)
+
+    contexts = {"plugin": contextlib.nullcontext, "bypassed": bypass, "unhooked": lambda: unhooked(m.model)}
+
+    def once(flow, mode):
+        clock.reset()
+        with contexts[mode](), clock:
+            t, c = time.perf_counter(), time.process_time()
+            updates[flow]()
+            total, cpu = time.perf_counter() - t, time.process_time() - c
+        return {"wall": total, "cpu": cpu, **clock.s, **{f"{k}_cpu": v for k, v in clock.cpu.items()}}
+
+    report: dict = {
+        "model": f"DeepSeek-V3 architecture ({len(spec.moe_layers)} MoE layers of {experts} experts, H {hidden}, "
+        f"I {intermediate}; a dense first layer)",
+        "quant": quant,
+        "experts": experts,
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "moe_layers": len(spec.moe_layers),
+        "layers_prepared_by": owners,
+        "request_tensors": len(new),
+        "request_MiB": round(nbytes / 2**20, 1),
+        "expert_MiB": round(expert_bytes / 2**20, 1),
+        "buckets": len(buckets),
+        "bucket_mib": bucket_mib,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "loader_calls_from": "SGLang's thread pool (CPU tensors)" if sglang_threads else "the calling thread",
+        "checkpoint_write_s": round(made_s, 2),
+        "model_load_s": round(load_s, 2),
+        "flows": {},
+    }
+    for flow in flows:
+        modes = [x for x in MODES if x != "unhooked" or unhooked_exact(flow, m.model)]
+        for mode in modes:  # warm-up: caches, allocator, first-touch of pages
+            once(flow, mode)
+        samples: dict[str, list] = {x: [] for x in modes}
+        for r in range(repeats):
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
+            for mode in order:
+                samples[mode].append(once(flow, mode))
+        rows = {mode: _stats(got) for mode, got in samples.items()}
+        entry: dict = {"modes": rows}
+        for clock_kind in ("cpu", "wall"):
+            key = f"without_layout_{clock_kind}_s_median"
+            base, plug = rows["bypassed"][key], rows["plugin"][key]
+            entry[f"overhead_pct_vs_bypassed_{clock_kind}"] = round(100 * (plug - base) / base, 1)
+            if "unhooked" in rows:
+                u = rows["unhooked"][key]
+                entry[f"overhead_pct_vs_unhooked_{clock_kind}"] = round(100 * (plug - u) / u, 1)
+        if "unhooked" not in rows:
+            entry["unhooked"] = "not exact on this flow (writes land on prepared experts): not run"
+        n_buckets = len(buckets) if flow == "tensor" else 1
+        for mode in ("plugin", "bypassed"):
+            with contexts[mode](), counting(m.model) as c:
+                updates[flow]()
+            entry[f"counts_{mode}"] = _summary(c, expert_tensors, n_buckets)
+        if profile_top:
+            for mode in ("plugin", "bypassed"):
+                entry[f"profile_{mode}"] = _profile(
+                    updates[flow],
+                    contexts[mode],
+                    entry["counts_plugin"]["fused_moe_weight_loader_calls"],
+                    profile_top,
+                )
+        calls = entry["counts_plugin"]["fused_moe_weight_loader_calls"]
+        if calls:
+            key = "without_layout_cpu_s_median"
+            added = rows["plugin"][key] - rows["bypassed"][key]
+            entry["plugin_cpu_us_per_loader_call"] = round(1e6 * added / calls, 1)
+        report["flows"][flow] = entry
+    exact = m.differences(m.fresh(dir_b))
+    report["model_equals_fresh_load_of_the_update"] = not exact
+    if exact:
+        report["differs"] = exact[:8]
+    return report
+
+
+# ---- one process per format -------------------------------------------------------------------------------------
+
+
+def run(quants=("nvfp4", "fp8_block"), size: str = "default", repeats: int = 3, bucket_mib: float = 256, **over):
+    """Each format in a fresh process (one ModelRunner per process: SGLang's expert-location metadata is global)."""
+    kw = {**SIZES[size], **{k: v for k, v in over.items() if v is not None}}
+    out = []
+    for q in quants:
+        args = dict(quant=q, repeats=repeats, bucket_mib=bucket_mib, **kw)
+        code = (
+            "import json; from sglang_trtllm_moe.testing import bench_update; "
+            f"print(json.dumps(bench_update.run_in_this_process(**{args!r})))"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env())
+        if proc.returncode:
+            raise RuntimeError(f"model update bench ({q}) failed:\n{proc.stderr[-3000:]}")
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _child_env() -> dict:
+    """This process's environment, with the directory this package was imported from first on PYTHONPATH (so a
+    child imports the same copy: a checkout run with PYTHONPATH=. or sys.path set by a script)."""
+    import sglang_trtllm_moe
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(sglang_trtllm_moe.__file__)))
+    rest = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, rest] if rest else [root])}
+
+
+def bench_rows(reports: list[dict]) -> list[dict]:
+    """`sglang-trtllm-moe bench` rows: per format and flow, the plugin vs the same update with its checks bypassed
+    (CPU seconds of the process, medians, the layout work excluded), and the layout work on its own row."""
+    rows = []
+    for rep in reports:
+        label = f"{rep['quant']}, {rep['moe_layers']} MoE layers x {rep['experts']} experts, H {rep['hidden']}"
+        for flow, e in rep["flows"].items():
+            p, b = e["modes"]["plugin"], e["modes"]["bypassed"]
+            what = "tensor buckets in a session" if flow == "tensor" else "from disk"
+            key = "without_layout_cpu_s_median"
+            rows.append(
+                dict(
+                    name=f"model RL update ({what}), {label}: plugin vs checks bypassed, layout work excluded",
+                    plugin_s=p[key],
+                    upstream_s=b[key],
+                    ratio=b[key] / p[key],
+                    overhead_pct=e["overhead_pct_vs_bypassed_cpu"],
+                    loader_calls=e["counts_plugin"]["fused_moe_weight_loader_calls"],
+                    syncs_in_validation=e["counts_plugin"]["syncs_in_validation_total"],
+                    validations_per_write=e["counts_plugin"]["validations_per_write"],
+                    clock="CPU seconds of the process (medians)",
+                    compared_with="the same update, same run, the plugin's checks bypassed (bench_update.bypass)",
+                )
+            )
+            none = "" if "plugin" in rep["layers_prepared_by"] else " (none: SGLang prepares these layers itself here)"
+            rows.append(
+                dict(
+                    name=f"model RL update ({what}), {label}: the plugin's layout work alone{none}",
+                    plugin_s=p["layout_cpu_s_median"],
+                    upstream_s=b["layout_cpu_s_median"],
+                    ratio=(b["layout_cpu_s_median"] / p["layout_cpu_s_median"]) if p["layout_cpu_s_median"] else 1.0,
+                    clock="CPU seconds in layer_state.flush and WeightFormat.unprepare_ (medians)",
+                    compared_with="the same layout work in the bypassed run",
+                )
+            )
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--tiny", action="store_true", help="NVFP4 (unless --quant), 8 experts, H 256, one repeat: a smoke run"
+    )
+    ap.add_argument("--size", choices=sorted(SIZES), default="default")
+    ap.add_argument("--quant", action="append", help="nvfp4 | fp8_block (repeatable; default both)")
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--intermediate", type=int)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-mib", type=float, default=256)
+    ap.add_argument("--flows", default=",".join(FLOWS))
+    ap.add_argument(
+        "--sglang-threads", action="store_true", help="keep DeepSeek's thread pool for the loader calls of CPU tensors"
+    )
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--profile-top", type=int, default=0, help="cProfile one update per flow and mode: top N")
+    a = ap.parse_args(argv)
+    size, repeats, bucket = ("tiny", 1, 1.0) if a.tiny else (a.size, a.repeats, a.bucket_mib)
+    quants = tuple(a.quant or (("nvfp4",) if a.tiny else ("nvfp4", "fp8_block")))
+    reports = run(
+        quants,
+        size,
+        repeats,
+        bucket,
+        experts=a.experts,
+        hidden=a.hidden,
+        intermediate=a.intermediate,
+        flows=tuple(a.flows.split(",")),
+        sglang_threads=a.sglang_threads or None,
+        profile_top=a.profile_top or None,
+    )
+    doc = json.dumps({"reports": reports})
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(json.dumps({"reports": reports}, indent=1) + "\n")
+    print(doc)
+    return 0
