@@ -36,7 +36,8 @@ Rows (wall seconds, each run ends with torch.cuda.synchronize; plugin and bare i
   expert in its loader hook before the first write, and flushes; bare: unprepare_ of those experts, the writes,
   prepare_;
 * the parts: validation alone (bucket check + check_write of every write), writes alone, layout alone;
-* ``value_checks``: every scale of the layer: the float per-tensor / input scales (today: `validation._bad_value` per
+* ``value_checks``: every scale of the layer: the float per-tensor / input scales (the loader hook's check: one
+  `value_checks.find_bad` per
   tensor, one `float(t)` each; batched: one reduction), and the 1-byte e4m3 block scales' NaN bytes (0x7f / 0xff; per
   tensor with a sync each, per tensor with one sync at the end, one reduction per buffer), each with the device
   synchronisations counted (`bool` / `float` / `int` / `item` / `tolist` of a tensor).
@@ -55,8 +56,9 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_trtllm_moe import bucket_validation, layer_state, layouts, validation
+from sglang_trtllm_moe import bucket_validation, layer_state, layouts, validation, value_checks
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
+from sglang_trtllm_moe.formats.base import POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
 from sglang_trtllm_moe.testing.bench_update import bypass  # torch-only: the checks' pass-throughs
 
@@ -441,9 +443,9 @@ def main(argv=None) -> int:
     bytes1 = [t for n, t in everything if n.endswith(".weight_scale")]
     bufs1 = [b for (_, s), b in buf.items() if s == "weight_scale"]
 
-    def float_per_tensor():  # today: validation._bad_value per write
+    def float_per_tensor():  # the loader hook's check per write: value_checks.find_bad of one tensor
         for t in floats:
-            assert validation._bad_value(t, True) is None
+            assert value_checks.find_bad([(t, POSITIVE)]) == []
 
     def float_batched():
         v = torch.stack([t.reshape(()) for t in floats])

@@ -131,7 +131,7 @@ def breakdown(layer, calls, repeats: int) -> dict:
     """Microseconds per loader call of each step `validation.check_write` takes for these writes (scope "global"),
     each step timed on its own over all calls (min over repeats); "check_write" is the whole call for comparison."""
     from sglang_trtllm_moe import validation as v
-    from sglang_trtllm_moe.formats.base import POSITIVE
+    from sglang_trtllm_moe import value_checks
 
     fmt = v.format_of(layer)
     gated = fmt.is_gated(layer)
@@ -143,7 +143,7 @@ def breakdown(layer, calls, repeats: int) -> dict:
         view = v.param_view(layer, fmt, name, p)
         prep.append((p, w, name, rule, refuse, view))
     n = len(calls)
-    values = [(w.tensor, rule.value_rule(p.dtype)) for p, w, _, rule, _, _ in prep]
+    values = [(w.tensor, rule.value_rule(p.dtype, w.tensor.dtype)) for p, w, _, rule, _, _ in prep]
     values = [(t, r) for t, r in values if r is not None and t.numel()]
     steps = {
         "check_write (whole)": lambda: [
@@ -168,8 +168,8 @@ def breakdown(layer, calls, repeats: int) -> dict:
         "_intermediate_extents (inside check_tensor, weights and block scales)": lambda: [
             v._intermediate_extents(layer, fmt, rule, view, gated) for p, w, _, rule, _, view in prep if not rule.scalar
         ],
-        "_bad_value (inside check_tensor, scales with a value rule)": lambda: [
-            v._bad_value(t, r == POSITIVE) for t, r in values
+        "value_checks.find_bad (inside check_tensor, scales with a value rule)": lambda: [
+            value_checks.find_bad([(t, r)]) for t, r in values
         ],
     }
     out = {}

@@ -43,7 +43,8 @@ def _check_layouts_cpu(out):
 
 def _check_validation_overhead(out):
     assert out["loader_calls"] == 4 * 12  # 4 experts x (w1, w3, w2) x (weight, scale, scale_2, input_scale)
-    assert out["check_write_breakdown_us_per_call"]["value-checked calls"] == "24 of 48"
+    # the per-tensor and input scales (24) and the e4m3 block scales (12: checked on their bytes since #27)
+    assert out["check_write_breakdown_us_per_call"]["value-checked calls"] == "36 of 48"
     assert any("check_write" in r["function"] for r in out["profile_check_write"])
 
 
@@ -54,6 +55,13 @@ def _check_h200_update_path(out):
     assert rows["float_scales_per_tensor_today"]["syncs"] == out["value_checks"]["float_scale_tensors"]
     assert rows["float_scales_batched"]["syncs"] == 1
     assert rows["byte_scales_nan_one_reduction_per_buffer"]["syncs"] == 1
+
+
+def _check_value_checks(out):
+    rows = {(r["format"], r.get("device", "disk")): r for r in out["rows"]}
+    assert {f for f, _ in rows} == {"nvfp4", "fp8_block", "mxfp8"}
+    assert all(r["scale_tensors"] == 2 * 3 for r in out["rows"] if "scale_tensors" in r)
+    assert rows[("nvfp4", "disk")]["checkpoint_MiB"] > 0
 
 
 def _check_model_update(out):
@@ -77,6 +85,7 @@ SCRIPTS = {
     "layouts_cpu.py": (["--tiny"], ">=0.5.11", _check_layouts_cpu),
     "validation_overhead.py": (["--tiny"], ">=0.5.11", _check_validation_overhead),
     "model_update.py": (["--tiny"], ">=0.5.21", _check_model_update),
+    "value_checks.py": (["--tiny", "--disk"], ">=0.5.11", _check_value_checks),
 }
 
 _RESULTS: dict = {}

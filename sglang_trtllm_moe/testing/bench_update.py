@@ -27,7 +27,7 @@ work: (plugin - layout) / (bypassed - layout) - 1, medians.
 
 An untimed counting run per flow (plugin and bypassed) says per update: FusedMoE.weight_loader calls, how many times
 each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader hooks), value
-checks (``_bad_value``), and the tensor-to-Python conversions in the validation path (``bool(t)``, ``float(t)``,
+checks (``value_checks.find_bad``), and the tensor-to-Python conversions in the validation path (``bool(t)``, ``float(t)``,
 ``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the tensor is on a GPU (IPC /
 NCCL updates deliver CUDA tensors).
 
@@ -201,7 +201,7 @@ def bypass():
     from .. import bucket_validation, checkpoint_headers, validation
     from ..layer_state import observed, state_of
 
-    def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False):
+    def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False, values=True):
         st = state_of(layer)
         fmt = st.fmt if st is not None else observed(layer)
         if fmt is None:
@@ -283,7 +283,7 @@ class Clock:
     * ``layout``: the plugin's layout work: `layer_state.flush` (prepare of the dirty experts, kernel scalars) and
       every `WeightFormat.unprepare_` (before a write into a prepared expert, at begin_weight_update);
     * ``entry_checks``: the entry points' whole-request checks: `bucket_validation.check_bucket` (tensor buckets, and
-      the disk path's check of the headers) and `checkpoint_headers.files_of` / `meta_tensors` (reading them);
+      the disk path's check of the checkpoint: `check_checkpoint`) and `checkpoint_headers.files_of` (listing it);
     * ``loader_checks``: `validation.check_write` / `check_local_expert` called by the loader hooks (per write).
     In the bypassed mode the same names time the pass-throughs."""
 
@@ -302,7 +302,7 @@ class Clock:
         self._targets += [
             (bucket_validation, "check_bucket", "entry_checks"),
             (checkpoint_headers, "files_of", "entry_checks"),
-            (checkpoint_headers, "meta_tensors", "entry_checks"),
+            (bucket_validation, "check_checkpoint", "entry_checks"),
             (validation, "check_write", "loader_checks"),
             (validation, "check_local_expert", "loader_checks"),
         ]
@@ -359,9 +359,9 @@ SYNCS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist")
 def counting(model):
     """Counters for one update (untimed): FusedMoE.weight_loader calls, check_write calls per source and per
     written (layer, parameter, shard, expert), value checks, and tensor-to-Python conversions in the validation
-    path (inside check_write / check_tensor / _bad_value / check_bucket / check_local_expert / expert_index) and
-    outside it."""
-    from .. import bucket_validation, validation
+    path (inside check_write / check_tensor / value_checks.find_bad / check_bucket / check_local_expert /
+    expert_index) and outside it."""
+    from .. import bucket_validation, validation, value_checks
     from .models import moe_layers
 
     c: dict = {"loader_calls": 0, "check_write": Counter(), "per_write": Counter(), "syncs_in_validation": Counter()}
@@ -415,7 +415,7 @@ def counting(model):
         (bucket_validation, "check_bucket", in_validation(bucket_validation.check_bucket, "bucket")),
         (validation, "check_tensor", in_validation(validation.check_tensor)),
         (bucket_validation, "check_tensor", in_validation(bucket_validation.check_tensor)),
-        (validation, "_bad_value", in_validation(validation._bad_value, "bad_value")),
+        (value_checks, "find_bad", in_validation(value_checks.find_bad, "bad_value")),
         (validation, "check_local_expert", in_validation(validation.check_local_expert)),
         (validation, "expert_index", in_validation(validation.expert_index)),
     ]
