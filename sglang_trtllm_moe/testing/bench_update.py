@@ -28,8 +28,8 @@ work: (plugin - layout) / (bypassed - layout) - 1, medians.
 An untimed counting run per flow (plugin and bypassed) says per update: FusedMoE.weight_loader calls, how many times
 each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader hooks), value
 checks (``value_checks.find_bad``), and the tensor-to-Python conversions in the validation path (``bool(t)``,
-``float(t)``, ``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the tensor is on a GPU (IPC /
-NCCL updates deliver CUDA tensors).
+``float(t)``, ``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the tensor is on a
+GPU (IPC / NCCL updates deliver CUDA tensors).
 
 Weights are random bytes of the checkpoint's dtypes and shapes (finite, positive scales): their values do not change
 the cost of a copy or a permutation, and quantizing real weights of this size would dominate the run.
