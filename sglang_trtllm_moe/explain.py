@@ -2,7 +2,7 @@
 
 The same rules as the resolution hook (selection/), offline from config.json, plus — when SGLang is installed —
 SGLang's own resolution of the same model with and without the plugin (device="cpu", platform faked to the asked SM:
-`testing.platform`, the one place that fakes a platform).
+`compat.fake_platform`, the one place that fakes a platform).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ def _sglang_resolutions(model_path: str, sm: int | None, server_kwargs: dict) ->
     import contextlib
     import os
 
+    from .compat.fake_platform import fake_platform
     from .compat.platform import resolved_moe_runner_backend
     from .doctor import load_into_this_process
     from .plugin import state
     from .selection import ENV_AUTO
-    from .testing.platform import fake_platform
 
     load_into_this_process()
     from sglang.srt.server_args import ServerArgs

@@ -2,10 +2,11 @@
 
 `TinyEngine(model_dir)` is `sglang.Engine(model_path=..., device="cpu", ...)` with the harness's flags
 (models.DEFAULT_SERVER_ARGS: torch_native attention, `--moe-runner-backend auto` on a faked SM100, ...). The Engine
-spawns its scheduler and detokenizer processes itself; they get the CPU stand-ins and the faked SM100 through the
-test-time `sglang.srt.plugins` distribution (standins.spawn_path: SGLang's load_plugins() runs it first in every
-process it starts), the emulated kernels through SGLANG_TRTLLM_MOE_EMULATE=1 and single-threaded torch through
-OMP_NUM_THREADS, both inherited. What it offers is only what the Engine offers:
+spawns its scheduler and detokenizer processes itself; they get the CPU stand-ins, the faked SM100 and the emulated
+kernels from the plugin itself — SGLang's load_plugins() runs its register() first in every process it starts, and
+with the test-only switches SGLANG_TRTLLM_MOE_EMULATE=1 and SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100 (inherited) it
+activates the CPU sandbox (compat/cpu_sandbox.py) — and single-threaded torch through OMP_NUM_THREADS. What it
+offers is only what the Engine offers:
 
 | method | Engine API |
 |---|---|
@@ -31,7 +32,6 @@ import contextlib
 import glob
 import importlib.util
 import os
-import sys
 import tempfile
 
 import torch
@@ -49,13 +49,12 @@ class EngineUnavailable(RuntimeError):
     pass
 
 
-_SPAWN_PATH: list[str] = []
-
-
-def prepare_process(workdir: str) -> str:
-    """This process as the Engine's launcher needs it, and its children through the spawn-time distribution.
-    Returns the spawn path (a directory on sys.path and PYTHONPATH)."""
-    from . import standins
+def prepare_process(workdir: str | None = None) -> None:
+    """This process as the Engine's launcher needs it; its children get the same through the plugin's own
+    register() (the test-only switches, set here in the environment they inherit). `workdir` is unused (kept for
+    callers of the spawn-path era)."""
+    from ..compat.cpu_sandbox import ENV_FAKE_SM
+    from ..runner import ENV_EMULATE
     from .runtime import release
 
     if release() not in SUPPORTED_RELEASES:
@@ -70,19 +69,9 @@ def prepare_process(workdir: str) -> str:
             "and this environment has none: install SGLang's pin (xgrammar==0.2.7 for 0.5.23; ci/releases.tsv "
             "extra-no-deps)"
         )
+    os.environ[ENV_EMULATE] = "1"
+    os.environ[ENV_FAKE_SM] = str(FAKE_SM)
     models.prepare_process()
-    if _SPAWN_PATH:
-        return _SPAWN_PATH[0]
-    sp = standins.spawn_path(os.path.join(workdir, "standins"))
-    _SPAWN_PATH.append(sp)
-    if sp not in sys.path:
-        # multiprocessing's spawn hands the child the parent's sys.path (it replaces what PYTHONPATH gave it)
-        sys.path.insert(0, sp)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [sp] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    )
-    os.environ[standins.ENV_FAKE_SM] = str(FAKE_SM)
-    return sp
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -319,7 +319,8 @@ def rl_loop(
         eng.update_from_disk(dirs["C+3+4"])
         eng.update_from_tensor([(wname, bad)])
         ok, msg = eng.check_weights("compare")
-        where = msg[msg.find("first, in checkpoint layout") :][:120] if "checkpoint layout" in msg else msg[:200]
+        mark = "first, in checkpoint coordinates: "
+        where = msg[msg.find(mark) + len(mark) :][:160] if mark in msg else msg[:200]
         st.check(
             "corrupted update caught",
             not ok and "expert 3" in msg and f"layers.{layer}." in msg,
