@@ -108,7 +108,17 @@ def explain_model(
             "sglang": sglang,
         }
     res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
-    return {**res.to_dict(), "problem": asdict(problem), "sglang": sglang, "plugin_prepares": _prepares(problem)}
+    out = {**res.to_dict(), "problem": asdict(problem), "sglang": sglang, "plugin_prepares": _prepares(problem)}
+    if device.sm is None:
+        out["note"] = NO_GPU_NOTE
+    return out
+
+
+#: what `explain` adds when it was asked about this machine and this machine has no CUDA GPU
+NO_GPU_NOTE = (
+    "this machine has no CUDA GPU, so the answer is for no GPU at all; to ask how the model resolves on a "
+    "Blackwell server, pass --sm 100 (B200 / GB200) or the SM of your GPU"
+)
 
 
 def _prepares(problem) -> dict:

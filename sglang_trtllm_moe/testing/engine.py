@@ -74,6 +74,32 @@ def prepare_process(workdir: str | None = None) -> None:
     models.prepare_process()
 
 
+@contextlib.contextmanager
+def _children_output(path: str | None):
+    """While the Engine spawns its processes, this process's stdout / stderr (file descriptors 1 and 2, which the
+    children inherit) point to `path`; restored afterwards, so only the children keep writing there."""
+    if path is None:
+        yield
+        return
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (*saved, fd):
+            os.close(f)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -81,14 +107,18 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class TinyEngine:
     """sglang.Engine(device="cpu") for a tiny checkpoint, through the Engine's public API only."""
 
-    def __init__(self, model_dir: str, workdir: str | None = None, **server_args):
+    def __init__(self, model_dir: str, workdir: str | None = None, log: str | None = None, **server_args):
+        """`log`: a file for the output of the processes the Engine spawns (scheduler, detokenizer: SGLang's own
+        log lines and tracebacks, e.g. the one its weight checker prints for a failed compare); default: inherited."""
         import sglang
 
         self.workdir = workdir or tempfile.mkdtemp(prefix="sglang-trtllm-moe-engine-")
         prepare_process(self.workdir)
         kw = {**models.DEFAULT_SERVER_ARGS, **server_args}
         self.model_dir = model_dir
-        self.engine = sglang.Engine(model_path=model_dir, skip_tokenizer_init=True, **kw)
+        self.log = log
+        with _children_output(log):
+            self.engine = sglang.Engine(model_path=model_dir, skip_tokenizer_init=True, **kw)
         self._session = False
         self._n = 0
 

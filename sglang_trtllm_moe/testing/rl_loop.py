@@ -138,6 +138,7 @@ def rl_loop(
     steps: Steps | None = None,
     workdir: str | None = None,
     doctor: bool = True,
+    sglang_log: str | None = None,
 ) -> Steps:
     """The whole-model RL loop on sglang.Engine(device="cpu"): load, generate, three RL rounds (disk; tensors in
     buckets; flattened buckets), a partial disk update, the weight checker, a corrupted update caught. Every state
@@ -212,7 +213,7 @@ def rl_loop(
         f"its scheduler and detokenizer processes"
     )
     t = time.perf_counter()
-    eng = TinyEngine(dirs["A"], workdir=work)
+    eng = TinyEngine(dirs["A"], workdir=work, log=sglang_log)
     try:
         st.check(
             "engine up",
