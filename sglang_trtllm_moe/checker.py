@@ -282,7 +282,8 @@ def _note(
                 # a stored element holding `pack` values: the values whose bits differ (low bits = even value)
                 width = stored_bits // pack if pack > 1 else 0
                 mask = (1 << width) - 1 if width else 0
-                values = [c * pack + i for i in range(pack) if not width or ((va ^ vb) >> (i * width)) & mask]
+                bits = int(va) ^ int(vb)  # raw compares integer views of the stored elements
+                values = [c * pack + i for i in range(pack) if not width or (bits >> (i * width)) & mask]
                 where = checkpoint_coordinates(side, param, s + e, r, c, pack, values)
             else:
                 where = checkpoint_coordinates(side, param, s + e, r, c // pack, pack, [c])

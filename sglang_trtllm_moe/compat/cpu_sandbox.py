@@ -153,6 +153,33 @@ def deepseek_mla_on_torch_native() -> None:
     h.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
 
 
+def cpu_tensors_through_the_reduction_patch() -> None:
+    """`utils/patch_torch.py` `monkey_patch_torch_reductions` (applied by `weight_sync.utils.update_weights`, verl's
+    client helper, and by the WeightUpdater's tensor path) replaces torch's tensor reducer with one that rewrites the
+    device index of a CUDA IPC handle (argument 6 of `rebuild_cuda_tensor`) into that GPU's uuid. A CPU tensor's
+    reduction has no such argument (torch's `rebuild_tensor(cls, storage, metadata)`), so on a box without CUDA the
+    patched reducer raises IndexError for every tensor. The stand-in hands tensors that are not on CUDA to torch's own
+    reducer, unchanged; CUDA tensors keep SGLang's rewrite."""
+    try:
+        from sglang.srt.utils import patch_torch
+    except ImportError:  # a release without the patch: nothing to stand in for
+        return
+    modified = getattr(patch_torch, "_reduce_tensor_modified", None)
+    if modified is None or getattr(modified, "_trtllm_moe_standin", False):
+        return
+    import torch
+    from torch.multiprocessing import reductions
+
+    def _reduce_tensor_modified(*args, **kwargs):
+        tensor = args[0] if args else kwargs.get("tensor")
+        if isinstance(tensor, torch.Tensor) and not tensor.is_cuda:
+            return getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)(*args, **kwargs)
+        return modified(*args, **kwargs)
+
+    vars(_reduce_tensor_modified).update(_trtllm_moe_standin=True, __wrapped__=modified)
+    patch_torch._reduce_tensor_modified = _reduce_tensor_modified  # read by monkey_patch_torch_reductions
+
+
 #: every stand-in, in the order apply() installs them: (name, function, needs sglang imported)
 STANDINS = (
     ("torchvision op schemas", torchvision_op_schemas, False),
@@ -160,6 +187,7 @@ STANDINS = (
     ("CPU aten::mm.dtype", cpu_mm_out_dtype, False),
     ("TopK bypassed routing on CPU", topk_bypass_on_cpu, True),
     ("DeepSeek MLA on torch_native", deepseek_mla_on_torch_native, True),
+    ("CPU tensors through SGLang's CUDA reduction patch", cpu_tensors_through_the_reduction_patch, True),
 )
 
 
@@ -227,4 +255,12 @@ def activate_from_env() -> str | None:
     return f"test-only CPU sandbox: SGLang sees an SM{sm} GPU; stand-ins: {', '.join(done) or 'none (CUDA present)'}"
 
 
-__all__ = ["ENV_FAKE_SM", "STANDINS", "activate", "activate_from_env", "apply", "requested_sm"]
+__all__ = [
+    "ENV_FAKE_SM",
+    "STANDINS",
+    "activate",
+    "activate_from_env",
+    "apply",
+    "cpu_tensors_through_the_reduction_patch",
+    "requested_sm",
+]

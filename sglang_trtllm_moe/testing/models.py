@@ -375,8 +375,8 @@ class TinyModel:
         `load_format="flattened_bucket"`: `named_tensors` is grouped into one FlattenedTensorBucket (as RL
         frameworks send buckets)."""
         # The Engine serializes with MultiprocessingSerializer and the scheduler deserializes the same tensors; the
-        # round trip is skipped here: in one process SGLang's CUDA-only reduction patch (utils/patch_torch.py,
-        # applied by update_weights_from_tensor) would also apply to the Engine side and fails on CPU tensors.
+        # round trip is skipped here (in one process it would hand the same tensors back); the Engine, HTTP server
+        # and verl tests make it across real processes.
         payload = flattened_bucket(named_tensors) if load_format == "flattened_bucket" else list(named_tensors)
         return self._in_session(lambda: self.updater.update_weights_from_tensor(payload, load_format=load_format))
 

@@ -74,7 +74,7 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None),)),
     ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
     ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
-    ("checker", "weight checker", (("tests/test_checker.py", None),)),
+    ("checker", "weight checker", (("tests/test_checker.py", None), ("tests/test_checker_coordinates.py", None))),
     (
         "auto",
         "auto-select",
@@ -100,14 +100,25 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     (
         "models",
         "whole models",
-        (("tests/test_models.py", None), ("tests/test_engine.py", None), ("tests/test_demo.py", None)),
+        (
+            ("tests/test_models.py", None),
+            ("tests/test_engine.py", None),
+            ("tests/test_demo.py", None),
+            ("tests/test_http_server.py", None),
+            ("tests/test_verl_weight_sync.py", None),
+        ),
     ),
     # update_weights_from_distributed (NCCL in production; gloo on CPU): the whole-model flow and the whole-bucket
     # refusal (README support table row)
     (
         "rl_distributed",
         "RL update: distributed",
-        (("tests/test_models.py", "distributed"), ("tests/test_validation.py::test_distributed", None)),
+        (
+            ("tests/test_models.py", "distributed"),
+            ("tests/test_validation.py::test_distributed", None),
+            ("tests/test_distributed_updates.py", None),
+            ("tests/test_http_server.py::test_nccl_style", None),
+        ),
     ),
 )
 
