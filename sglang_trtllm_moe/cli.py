@@ -50,6 +50,8 @@ def _cmd_explain(args) -> int:
         prep = r.get("plugin_prepares") or {}
         if prep:
             print(f"plugin preparation: {prep['reason']}")
+    if r.get("note"):
+        print(f"note: {r['note']}")
     sg = r.get("sglang") or {}
     if "error" in sg:
         print(f"SGLang resolution not run: {sg['error']}")

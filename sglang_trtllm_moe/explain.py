@@ -2,7 +2,7 @@
 
 The same rules as the resolution hook (selection/), offline from config.json, plus — when SGLang is installed —
 SGLang's own resolution of the same model with and without the plugin (device="cpu", platform faked to the asked SM:
-`testing.platform`, the one place that fakes a platform).
+`compat.fake_platform`, the one place that fakes a platform).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ def _sglang_resolutions(model_path: str, sm: int | None, server_kwargs: dict) ->
     import contextlib
     import os
 
+    from .compat.fake_platform import fake_platform
     from .compat.platform import resolved_moe_runner_backend
     from .doctor import load_into_this_process
     from .plugin import state
     from .selection import ENV_AUTO
-    from .testing.platform import fake_platform
 
     load_into_this_process()
     from sglang.srt.server_args import ServerArgs
@@ -108,7 +108,17 @@ def explain_model(
             "sglang": sglang,
         }
     res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
-    return {**res.to_dict(), "problem": asdict(problem), "sglang": sglang, "plugin_prepares": _prepares(problem)}
+    out = {**res.to_dict(), "problem": asdict(problem), "sglang": sglang, "plugin_prepares": _prepares(problem)}
+    if device.sm is None:
+        out["note"] = NO_GPU_NOTE
+    return out
+
+
+#: what `explain` adds when it was asked about this machine and this machine has no CUDA GPU
+NO_GPU_NOTE = (
+    "this machine has no CUDA GPU, so the answer is for no GPU at all; to ask how the model resolves on a "
+    "Blackwell server, pass --sm 100 (B200 / GB200) or the SM of your GPU"
+)
 
 
 def _prepares(problem) -> dict:

@@ -63,6 +63,8 @@ class PluginState:
     not_applicable: list[HookTarget] = field(default_factory=list)
     extensions: list[Extension] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: the test-only CPU sandbox (compat.cpu_sandbox), when both of its switches are set: what it did; "" otherwise
+    sandbox: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -164,6 +166,33 @@ def _collect_targets(pm: pluggy.PluginManager, release: Version, st: PluginState
     return collected
 
 
+def _sandbox(st: PluginState) -> None:
+    """The test-only CPU sandbox (SGLANG_TRTLLM_MOE_EMULATE=1 with SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100): this process
+    sees an SM100 GPU and gets the CPU stand-ins (compat.cpu_sandbox). After the hook targets are installed, so the
+    modules the stand-ins import are hooked as they load. Without the switch nothing is imported (torch, SGLang)."""
+    from .compat import cpu_sandbox  # a few names; its functions import what they need
+
+    if not os.environ.get(cpu_sandbox.ENV_FAKE_SM, "").strip():
+        return
+    try:
+        done = cpu_sandbox.activate_from_env()
+    except Exception as e:  # noqa: BLE001 - a test switch must not take the plugin down; say what to fix
+        msg = f"the test-only CPU sandbox was not activated: {type(e).__name__}: {e}"
+        logger.error("sglang-trtllm-moe: %s", msg)
+        st.errors.append(msg)
+        return
+    if done is None:
+        msg = (
+            f"{cpu_sandbox.ENV_FAKE_SM} is set without SGLANG_TRTLLM_MOE_EMULATE=1: the test-only CPU sandbox is off "
+            "(a faked SM100 without the emulator would reach the kernels); set both, or neither"
+        )
+        logger.warning("sglang-trtllm-moe: %s", msg)
+        st.errors.append(msg)
+        return
+    st.sandbox = done
+    logger.info("sglang-trtllm-moe: %s", done)
+
+
 def register() -> None:
     """SGLang entry point. Idempotent, cheap, never raises."""
     global _STATE
@@ -199,6 +228,7 @@ def register() -> None:
 
         installer.install(st.targets, source=_current_plugin_source.get())
         st.status = "enabled"
+        _sandbox(st)
         logger.info(
             "sglang-trtllm-moe: enabled on sglang %s: %d hook targets registered, %d not applicable, %d extensions",
             st.release.version,

@@ -35,17 +35,20 @@ def _dist_version(name: str) -> str | None:
 
 
 def env_fingerprint(device: DeviceInfo) -> dict:
-    """What decides the answer besides the model: compare across ranks to find why two nodes diverged."""
+    """What decides the answer besides the model: compare across ranks to find why two nodes diverged. The id hashes
+    the plugin, SGLang and flashinfer versions, the SM and the SGLANG_TRTLLM_MOE_* environment — not where the SM was
+    read (`sm_source`: SGLang's platform in a server, `--sm` or torch in `explain`), so `explain --sm N` in the
+    server's environment gives the server's id."""
     env = {k: os.environ[k] for k in sorted(os.environ) if k.startswith("SGLANG_TRTLLM_MOE_")}
     fp = {
         "plugin": __version__,
         "sglang": _dist_version("sglang"),
         "flashinfer": device.flashinfer_version,
         "sm": device.sm,
-        "sm_source": device.source,
         "env": env,
     }
     fp["id"] = hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+    fp["sm_source"] = device.source
     return fp
 
 

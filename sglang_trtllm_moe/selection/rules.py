@@ -230,8 +230,11 @@ def resolve(
     if problem.speculative_draft:
         return done(base, Code.SPEC_DRAFT_KEEPS_UPSTREAM, SPEC_DRAFT_WHY)
     if not device.sm100_family:
-        where = f"SM{device.sm}" if device.sm is not None else "no CUDA GPU"
-        return done(base, Code.NOT_SM100, f"{where} is not SM 10.x: SGLang's choice ({base}) stands")
+        if device.sm is None:
+            why = "no CUDA GPU on this machine (the TRT-LLM-Gen kernels need SM 10.x)"
+        else:
+            why = f"SM{device.sm} is not SM 10.x"
+        return done(base, Code.NOT_SM100, f"{why}: SGLang's choice ({base}) stands")
     if upstream is not None and upstream not in ("auto", *BACKENDS):
         fmt, _ = problem.weight_format()
         also = (

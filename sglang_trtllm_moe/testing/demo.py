@@ -19,17 +19,23 @@ from __future__ import annotations
 import sys
 
 
-def run(out=None, arch: str = "qwen3_moe", quant: str = "nvfp4") -> int:
+def run(out=None, arch: str = "qwen3_moe", quant: str = "nvfp4", sglang_log: str | None = None) -> int:
+    """`sglang_log`: where the Engine's own processes write (SGLang's log lines, and the traceback its weight checker
+    prints when the corrupted update is caught); default `sglang-engine.log` in the current directory."""
+    import os
+
     from . import engine, rl_loop
 
     out = out if out is not None else sys.stdout
+    log = os.path.abspath(sglang_log or "sglang-engine.log")
     steps = rl_loop.Steps(out=out)
     steps.say(
         f'sglang-trtllm-moe demo: a whole {arch} {quant} model on sglang.Engine(device="cpu"), driven like an '
-        f"RL rollout engine (emulated TRT-LLM-Gen kernels, faked SM100)"
+        f"RL rollout engine (emulated TRT-LLM-Gen kernels, faked SM100)\n"
+        f"SGLang's own output (the Engine's scheduler and detokenizer): {log}"
     )
     try:
-        rl_loop.rl_loop(arch, quant, steps=steps)
+        rl_loop.rl_loop(arch, quant, steps=steps, sglang_log=log)
     except engine.EngineUnavailable as e:
         steps.check("sglang.Engine available", False, str(e))
     except Exception as e:  # noqa: BLE001 - a crash is a failed step with its reason, then the summary
@@ -37,7 +43,10 @@ def run(out=None, arch: str = "qwen3_moe", quant: str = "nvfp4") -> int:
 
         traceback.print_exc()
         steps.check("demo ran to the end", False, f"{type(e).__name__}: {str(e)[:400]}")
-    return steps.summary()
+    code = steps.summary()
+    if code:
+        steps.say(f"SGLang's own output: {log}")
+    return code
 
 
 __all__ = ["run"]

@@ -2,10 +2,11 @@
 
 `TinyEngine(model_dir)` is `sglang.Engine(model_path=..., device="cpu", ...)` with the harness's flags
 (models.DEFAULT_SERVER_ARGS: torch_native attention, `--moe-runner-backend auto` on a faked SM100, ...). The Engine
-spawns its scheduler and detokenizer processes itself; they get the CPU stand-ins and the faked SM100 through the
-test-time `sglang.srt.plugins` distribution (standins.spawn_path: SGLang's load_plugins() runs it first in every
-process it starts), the emulated kernels through SGLANG_TRTLLM_MOE_EMULATE=1 and single-threaded torch through
-OMP_NUM_THREADS, both inherited. What it offers is only what the Engine offers:
+spawns its scheduler and detokenizer processes itself; they get the CPU stand-ins, the faked SM100 and the emulated
+kernels from the plugin itself — SGLang's load_plugins() runs its register() first in every process it starts, and
+with the test-only switches SGLANG_TRTLLM_MOE_EMULATE=1 and SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100 (inherited) it
+activates the CPU sandbox (compat/cpu_sandbox.py) — and single-threaded torch through OMP_NUM_THREADS. What it
+offers is only what the Engine offers:
 
 | method | Engine API |
 |---|---|
@@ -31,7 +32,6 @@ import contextlib
 import glob
 import importlib.util
 import os
-import sys
 import tempfile
 
 import torch
@@ -49,13 +49,12 @@ class EngineUnavailable(RuntimeError):
     pass
 
 
-_SPAWN_PATH: list[str] = []
-
-
-def prepare_process(workdir: str) -> str:
-    """This process as the Engine's launcher needs it, and its children through the spawn-time distribution.
-    Returns the spawn path (a directory on sys.path and PYTHONPATH)."""
-    from . import standins
+def prepare_process(workdir: str | None = None) -> None:
+    """This process as the Engine's launcher needs it; its children get the same through the plugin's own
+    register() (the test-only switches, set here in the environment they inherit). `workdir` is unused (kept for
+    callers of the spawn-path era)."""
+    from ..compat.cpu_sandbox import ENV_FAKE_SM
+    from ..runner import ENV_EMULATE
     from .runtime import release
 
     if release() not in SUPPORTED_RELEASES:
@@ -70,19 +69,35 @@ def prepare_process(workdir: str) -> str:
             "and this environment has none: install SGLang's pin (xgrammar==0.2.7 for 0.5.23; ci/releases.tsv "
             "extra-no-deps)"
         )
+    os.environ[ENV_EMULATE] = "1"
+    os.environ[ENV_FAKE_SM] = str(FAKE_SM)
     models.prepare_process()
-    if _SPAWN_PATH:
-        return _SPAWN_PATH[0]
-    sp = standins.spawn_path(os.path.join(workdir, "standins"))
-    _SPAWN_PATH.append(sp)
-    if sp not in sys.path:
-        # multiprocessing's spawn hands the child the parent's sys.path (it replaces what PYTHONPATH gave it)
-        sys.path.insert(0, sp)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [sp] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    )
-    os.environ[standins.ENV_FAKE_SM] = str(FAKE_SM)
-    return sp
+
+
+@contextlib.contextmanager
+def _children_output(path: str | None):
+    """While the Engine spawns its processes, this process's stdout / stderr (file descriptors 1 and 2, which the
+    children inherit) point to `path`; restored afterwards, so only the children keep writing there."""
+    if path is None:
+        yield
+        return
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (*saved, fd):
+            os.close(f)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -92,14 +107,18 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class TinyEngine:
     """sglang.Engine(device="cpu") for a tiny checkpoint, through the Engine's public API only."""
 
-    def __init__(self, model_dir: str, workdir: str | None = None, **server_args):
+    def __init__(self, model_dir: str, workdir: str | None = None, log: str | None = None, **server_args):
+        """`log`: a file for the output of the processes the Engine spawns (scheduler, detokenizer: SGLang's own
+        log lines and tracebacks, e.g. the one its weight checker prints for a failed compare); default: inherited."""
         import sglang
 
         self.workdir = workdir or tempfile.mkdtemp(prefix="sglang-trtllm-moe-engine-")
         prepare_process(self.workdir)
         kw = {**models.DEFAULT_SERVER_ARGS, **server_args}
         self.model_dir = model_dir
-        self.engine = sglang.Engine(model_path=model_dir, skip_tokenizer_init=True, **kw)
+        self.log = log
+        with _children_output(log):
+            self.engine = sglang.Engine(model_path=model_dir, skip_tokenizer_init=True, **kw)
         self._session = False
         self._n = 0
 

@@ -14,7 +14,7 @@ scheduler's `deserialize_own_rank` does; tensor and distributed updates run insi
 (the 0.5.23 scheduler refuses them outside one); `end_weight_update(run_post_load=...)` gets the scheduler's value.
 
 Every SGLang model class needs a platform the CPU box is not: the process fakes an SM100 platform (runtime.py) and
-applies the same-math stand-ins (standins.py). Emulated kernels: SGLANG_TRTLLM_MOE_EMULATE=1 (set by `init`).
+applies the same-math stand-ins (compat/cpu_sandbox.py). Emulated kernels: SGLANG_TRTLLM_MOE_EMULATE=1 (set by `init`).
 
 Release support: 0.5.23 (the bench_one_batch flow above). Older releases spell publishing, bootstrap and the
 runner differently; they raise NotImplementedError naming the release.
@@ -95,16 +95,13 @@ def prepare_process(preload: bool = False) -> None:
     os.environ.setdefault("SGLANG_TRTLLM_MOE_EMULATE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads()))
     torch.set_num_threads(threads())
-    from . import standins
+    from ..compat import cpu_sandbox
 
-    standins.apply(with_sglang=False)
+    cpu_sandbox.apply(with_sglang=False)
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    standins.apply()
-    from .platform import fake_blackwell
-
-    fake_blackwell()
+    cpu_sandbox.activate()
     _STATE["prepared"] = True
     if preload:
         import importlib
@@ -378,8 +375,8 @@ class TinyModel:
         `load_format="flattened_bucket"`: `named_tensors` is grouped into one FlattenedTensorBucket (as RL
         frameworks send buckets)."""
         # The Engine serializes with MultiprocessingSerializer and the scheduler deserializes the same tensors; the
-        # round trip is skipped here: in one process SGLang's CUDA-only reduction patch (utils/patch_torch.py,
-        # applied by update_weights_from_tensor) would also apply to the Engine side and fails on CPU tensors.
+        # round trip is skipped here (in one process it would hand the same tensors back); the Engine, HTTP server
+        # and verl tests make it across real processes.
         payload = flattened_bucket(named_tensors) if load_format == "flattened_bucket" else list(named_tensors)
         return self._in_session(lambda: self.updater.update_weights_from_tensor(payload, load_format=load_format))
 

@@ -138,6 +138,7 @@ def rl_loop(
     steps: Steps | None = None,
     workdir: str | None = None,
     doctor: bool = True,
+    sglang_log: str | None = None,
 ) -> Steps:
     """The whole-model RL loop on sglang.Engine(device="cpu"): load, generate, three RL rounds (disk; tensors in
     buckets; flattened buckets), a partial disk update, the weight checker, a corrupted update caught. Every state
@@ -212,7 +213,7 @@ def rl_loop(
         f"its scheduler and detokenizer processes"
     )
     t = time.perf_counter()
-    eng = TinyEngine(dirs["A"], workdir=work)
+    eng = TinyEngine(dirs["A"], workdir=work, log=sglang_log)
     try:
         st.check(
             "engine up",
@@ -344,7 +345,8 @@ def rl_loop(
         eng.update_from_disk(dirs["C+3+4"])
         eng.update_from_tensor([(wname, bad)])
         ok, msg = eng.check_weights("compare")
-        where = msg[msg.find("first, in checkpoint layout") :][:120] if "checkpoint layout" in msg else msg[:200]
+        mark = "first, in checkpoint coordinates: "
+        where = msg[msg.find(mark) + len(mark) :][:160] if mark in msg else msg[:200]
         st.check(
             "corrupted update caught",
             not ok and "expert 3" in msg and f"layers.{layer}." in msg,

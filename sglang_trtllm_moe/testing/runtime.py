@@ -113,7 +113,7 @@ def init_single_process(moe_runner_backend: str = "flashinfer_trtllm", port: int
     from sglang.srt.server_args import ServerArgs
 
     if not _INITIALISED.get("platform"):
-        from .platform import fake_blackwell
+        from ..compat.fake_platform import fake_blackwell
 
         fake_blackwell()
         if features.SWIZZLE_MOVES_TO_CUDA.present() and not torch.cuda.is_available():

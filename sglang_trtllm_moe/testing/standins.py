@@ -1,197 +1,37 @@
-"""Same-math stand-ins that let SGLang's own model classes run on a CPU box without a GPU (test harness only).
+"""The CPU stand-ins of the harness: they live with the product (`compat.cpu_sandbox`, which `plugin.register()`
+activates in every process SGLang starts when SGLANG_TRTLLM_MOE_EMULATE=1 and SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100
+are set); this name keeps the harness's imports working.
 
-SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`) needs `sgl_kernel`, which has no CPU build on PyPI, so on this box
-SGLang runs with neither CUDA nor its CPU engine and takes its plain-PyTorch fallbacks. A few places still reach a
-CUDA-only kernel or pick a branch the GPU server never takes; each stand-in below replaces exactly one of them with
-the same math in torch, or selects the GPU server's own branch. Nothing here changes SGLang's logic: model code,
-loaders, weight updaters, routing decisions and the plugin run unchanged. docs/TESTING.md lists every stand-in with
-the SGLang file it is needed for and why it is the same math.
-
-`apply()` installs them in this process (idempotent). Spawned processes (sglang.Engine's scheduler and
-detokenizer) get them through `spawn_path()`: a directory to put on PYTHONPATH holding a tiny distribution whose
-`sglang.srt.plugins` entry point calls `apply()` — SGLang's `load_plugins()` runs it first thing in every process
-it starts. Nothing is active in a normal installation: the distribution exists only in that temporary directory.
+`spawn_path()` is the older way to reach spawned processes, kept for tests that want the stand-ins without the
+faked platform: a directory to put on PYTHONPATH holding a tiny distribution whose `sglang.srt.plugins` entry point
+calls `plugin_entry()` (the stand-ins; and the sandbox when both switches are set). Nothing is active in a normal
+installation: the distribution exists only in that temporary directory.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import types
 
-_APPLIED: dict[str, object] = {}
-
-
-def torchvision_op_schemas() -> None:
-    """PyPI's torchvision is a CUDA build whose _C.so cannot load against CPU torch; its meta registrations then fail
-    on `torchvision::nms`. SGLang imports torchvision unconditionally (configs -> internvl_utils) but needs only its
-    pure-Python parts: defining the two op schemas is enough (no kernel is registered, none is ever called)."""
-    import torch
-
-    lib = torch.library.Library("torchvision", "FRAGMENT")
-    for op in ("nms", "qnms"):
-        try:
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except RuntimeError:
-            pass  # the real torchvision ops are already registered
-    _APPLIED["_tv_lib"] = lib  # keep the library object alive
-
-
-def vllm_custom_ops_import_stub() -> None:
-    """`layers/rotary_embedding/base.py` (RotaryEmbedding.__init__) imports `vllm._custom_ops.rotary_embedding` when
-    the platform is neither CUDA, HIP nor SGLang's CPU engine, and stores it as `fallback_rotary_embedding`. That
-    function is called only from `forward_cuda`; on this box the op dispatches to `forward_native` (torch). So an
-    import-only module is enough; calling it raises, so a use would be seen, not silently replaced."""
-    if "vllm._custom_ops" in sys.modules:
-        return
-    try:
-        importlib.import_module("vllm._custom_ops")  # a real vLLM is installed: nothing to stand in for
-        return
-    except ImportError:
-        pass
-
-    def rotary_embedding(*args, **kwargs):
-        raise RuntimeError(
-            "sglang-trtllm-moe CPU stand-in: vllm._custom_ops.rotary_embedding is import-only "
-            "(SGLang's CUDA branch called it on a CPU box)"
-        )
-
-    pkg = sys.modules.get("vllm") or types.ModuleType("vllm")
-    pkg.__path__ = getattr(pkg, "__path__", [])
-    vars(pkg)["__sglang_trtllm_moe_standin__"] = True
-    ops = types.ModuleType("vllm._custom_ops")
-    vars(ops).update(rotary_embedding=rotary_embedding, __sglang_trtllm_moe_standin__=True)
-    vars(pkg)["_custom_ops"] = ops
-    sys.modules.setdefault("vllm", pkg)
-    sys.modules["vllm._custom_ops"] = ops
-
-
-def cpu_mm_out_dtype() -> None:
-    """`torch.mm(a, b, out_dtype=torch.float32)` (`aten::mm.dtype`) has no CPU kernel in torch 2.13; Nemotron-H's
-    router calls it (`models/nemotron_h.py`, NemotronHMoE router logits: BF16 inputs, FP32 output). The CUDA kernel
-    multiplies BF16 inputs with FP32 accumulation into an FP32 result; the stand-in upcasts the BF16 inputs to FP32
-    (exact) and multiplies in FP32: the same products and accumulation type (summation order may differ)."""
-    import torch
-
-    try:
-        torch.mm(
-            torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16), out_dtype=torch.float32
-        )
-        return  # this torch has a CPU kernel
-    except (NotImplementedError, RuntimeError):
-        pass
-    lib = torch.library.Library("aten", "IMPL")
-
-    def mm_dtype(a, b, out_dtype):
-        return torch.mm(a.to(out_dtype), b.to(out_dtype))
-
-    lib.impl("mm.dtype", mm_dtype, "CPU")
-    _APPLIED["_aten_lib"] = lib
-
-
-def topk_bypass_on_cpu() -> None:
-    """Routers bound to the flashinfer_trtllm runner (`TopK.bind_runner_backend`, layers/moe/topk.py) get output
-    format BYPASSED: on a GPU, `TopK.forward_cuda` only packages the router logits and the fused kernel routes. On a
-    box without CUDA the op dispatches to `forward_native`, which runs `select_experts` and hands the kernel a
-    materialized routing instead (the per-tensor FP8 trtllm `apply` in modelopt_quant.py refuses it; other formats
-    would route twice). The stand-in takes the GPU server's own branch — `forward_cuda` — for exactly those routers
-    (BYPASSED output); every other TopK keeps SGLang's CPU dispatch. Before 0.5.23 routers have no bound backend:
-    `forward_cuda` chooses BYPASSED itself when no output format is set and the process-wide runner backend is
-    flashinfer_trtllm, and so does the stand-in."""
-    from sglang.srt.layers.moe.topk import TopK
-
-    native = TopK.forward_native
-    if getattr(native, "_trtllm_moe_standin", False):
-        return
-    try:
-        from sglang.srt.layers.moe.topk import TopKOutputFormat
-    except ImportError:  # releases without bypassed TopK output: nothing to select
-        return
-
-    def forward_native(self, hidden_states, router_logits, *args, **kwargs):
-        cfg = self.topk_config
-        if kwargs.get("dynamic_expert_bias") is None:
-            fmt = getattr(cfg, "output_format", None)
-            if hasattr(cfg, "runner_backend"):  # 0.5.23: TopK.bind_runner_backend sets both
-                backend = cfg.runner_backend
-                bypassed = fmt == TopKOutputFormat.BYPASSED and backend is not None and backend.is_flashinfer_trtllm()
-            else:  # before: forward_cuda picks BYPASSED from the process-wide backend when no format is set
-                from sglang.srt.layers.moe.utils import get_moe_runner_backend
-
-                bypassed = fmt is None and get_moe_runner_backend().is_flashinfer_trtllm()
-            if bypassed:
-                return self.forward_cuda(hidden_states, router_logits, *args, **kwargs)
-        return native(self, hidden_states, router_logits, *args, **kwargs)
-
-    vars(forward_native).update(_trtllm_moe_standin=True, __wrapped__=native)
-    TopK.forward_native = forward_native
-
-
-def deepseek_mla_on_torch_native() -> None:
-    """DeepSeek's attention picks a forward method per attention backend (models/deepseek_common/
-    attention_backend_handler.py, AttentionBackendRegistry); `torch_native` has no entry, so it falls back to the
-    triton handler, which takes the MHA path for prefill. torch_native's extend reads K/V from the KV pool, and the
-    MLA pool holds the compressed latent (kv_lora_rank + rope wide), so that MHA prefill fails (width 96 vs 160).
-    The stand-in registers torch_native with SGLang's own MLA dispatch (`_dispatch_mla_subtype`, what the triton
-    handler returns for decode): the weight-absorbed MLA form of the same attention, which torch_native supports."""
-    try:
-        from sglang.srt.models.deepseek_common import attention_backend_handler as h
-    except ImportError:
-        return
-    if "torch_native" in h.AttentionBackendRegistry._handlers:
-        return
-
-    def handle_attention_torch_native(attn, forward_batch):
-        return h._dispatch_mla_subtype(attn, forward_batch)
-
-    h.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
-
-
-#: every stand-in, in the order apply() installs them: (name, function, needs sglang imported)
-STANDINS = (
-    ("torchvision op schemas", torchvision_op_schemas, False),
-    ("vllm._custom_ops import stub", vllm_custom_ops_import_stub, False),
-    ("CPU aten::mm.dtype", cpu_mm_out_dtype, False),
-    ("TopK bypassed routing on CPU", topk_bypass_on_cpu, True),
-    ("DeepSeek MLA on torch_native", deepseek_mla_on_torch_native, True),
+from ..compat.cpu_sandbox import (
+    ENV_FAKE_SM,
+    STANDINS,
+    activate,
+    activate_from_env,
+    apply,
+    cpu_mm_out_dtype,
+    deepseek_mla_on_torch_native,
+    requested_sm,
+    topk_bypass_on_cpu,
+    torchvision_op_schemas,
+    vllm_custom_ops_import_stub,
 )
 
 
-def apply(with_sglang: bool = True) -> list[str]:
-    """Install every stand-in (idempotent); only on a box without CUDA. Returns the names applied."""
-    import torch
-
-    if torch.cuda.is_available():
-        return []
-    done = []
-    for name, fn, needs_sglang in STANDINS:
-        if needs_sglang and not with_sglang:
-            continue
-        if not _APPLIED.get(name):
-            fn()
-            _APPLIED[name] = True
-        done.append(name)
-    return done
-
-
-#: environment variable of the spawn-time distribution: the SM that processes SGLang spawns fake (testing.platform)
-ENV_FAKE_SM = "SGLANG_TRTLLM_MOE_TEST_FAKE_SM"
-
-
 def plugin_entry() -> None:
-    """`sglang.srt.plugins` entry point of the spawn-time distribution (see `spawn_path`): the stand-ins, and —
-    when `SGLANG_TRTLLM_MOE_TEST_FAKE_SM` is set (sglang.Engine's scheduler of a CPU test) — the faked platform
-    the parent process runs with (testing.platform.fake_blackwell), so the scheduler builds the model for the
-    same GPU the parent resolved its ServerArgs for."""
+    """`sglang.srt.plugins` entry point of the spawn-time distribution (see `spawn_path`): the stand-ins, and the
+    whole sandbox (faked SM100) when both test-only switches are set — what the plugin's own register() does then."""
     apply()
-    sm = os.environ.get(ENV_FAKE_SM)
-    if sm:
-        if int(sm) // 10 != 10:
-            raise ValueError(f"{ENV_FAKE_SM}={sm}: the spawned processes of the CPU harness fake an SM100 only")
-        from .platform import fake_blackwell
-
-        fake_blackwell()
+    activate_from_env()
 
 
 SPAWN_DIST = "sglang_trtllm_moe_cpu_standins"
@@ -211,3 +51,21 @@ def spawn_path(root: str | None = None) -> str:
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
         f.write("[sglang.srt.plugins]\ncpu_standins = sglang_trtllm_moe.testing.standins:plugin_entry\n")
     return root
+
+
+__all__ = [
+    "ENV_FAKE_SM",
+    "SPAWN_DIST",
+    "STANDINS",
+    "activate",
+    "activate_from_env",
+    "apply",
+    "cpu_mm_out_dtype",
+    "deepseek_mla_on_torch_native",
+    "plugin_entry",
+    "requested_sm",
+    "spawn_path",
+    "topk_bypass_on_cpu",
+    "torchvision_op_schemas",
+    "vllm_custom_ops_import_stub",
+]

@@ -74,7 +74,7 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None),)),
     ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
     ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
-    ("checker", "weight checker", (("tests/test_checker.py", None),)),
+    ("checker", "weight checker", (("tests/test_checker.py", None), ("tests/test_checker_coordinates.py", None))),
     (
         "auto",
         "auto-select",
@@ -100,7 +100,13 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     (
         "models",
         "whole models",
-        (("tests/test_models.py", None), ("tests/test_engine.py", None), ("tests/test_demo.py", None)),
+        (
+            ("tests/test_models.py", None),
+            ("tests/test_engine.py", None),
+            ("tests/test_demo.py", None),
+            ("tests/test_http_server.py", None),
+            ("tests/test_verl_weight_sync.py", None),
+        ),
     ),
     # issue #27: a bad or failed update changes nothing (refused before a byte, or put back), and empty forwards
     (
@@ -118,7 +124,12 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     (
         "rl_distributed",
         "RL update: distributed",
-        (("tests/test_models.py", "distributed"), ("tests/test_validation.py::test_distributed", None)),
+        (
+            ("tests/test_models.py", "distributed"),
+            ("tests/test_validation.py::test_distributed", None),
+            ("tests/test_distributed_updates.py", None),
+            ("tests/test_http_server.py::test_nccl_style", None),
+        ),
     ),
 )
 

@@ -1,0 +1,232 @@
+"""SGLang's HTTP server for the tests: started from the README's CPU recipe (a plain `python -m
+sglang.launch_server --device cpu ...` with the test-only switches), on 127.0.0.1, driven by bounded HTTP requests
+(every request has a timeout), stopped by its PID — its own process group: the launcher, the scheduler, the
+detokenizer and the torch_shm_manager helpers of tensor clients that the scheduler keeps alive — and never left
+running.
+
+`recipe()` reads the README's recipe: the ```bash block right after the `<!-- readme-test: http -->` line, one
+command per line (backslash continuations joined, comments dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .helpers import REPO
+
+README = REPO / "README.md"
+HTTP_MARK = "<!-- readme-test: http -->"
+#: the literals of the recipe a test replaces with its own (a temporary model directory, a free port)
+RECIPE_PORT = "30000"
+RECIPE_DIR = "/tmp/tiny-moe"
+
+
+def recipe(text: str | None = None) -> list[str]:
+    """The commands of the README's HTTP recipe, in order."""
+    text = README.read_text() if text is None else text
+    m = re.search(re.escape(HTTP_MARK) + r"\s*\n```bash\n(.*?)\n```", text, re.DOTALL)
+    if m is None:
+        raise AssertionError(f"README.md has no ```bash block after {HTTP_MARK!r}")
+    joined = re.sub(r"\\\n\s*", " ", m.group(1))
+    out = []
+    for line in joined.splitlines():
+        code = _strip_comment(line).strip()
+        if code:
+            out.append(code)
+    return out
+
+
+def _strip_comment(line: str) -> str:
+    """The line without a trailing `# ...` comment (outside quotes)."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            if c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HTTPResult:
+    def __init__(self, status: int, body):
+        self.status = status
+        self.body = body
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    def __repr__(self) -> str:
+        text = json.dumps(self.body)[:600] if not isinstance(self.body, str) else self.body[:600]
+        return f"HTTP {self.status}: {text}"
+
+
+def request(url: str, body: dict | None = None, timeout: float = 120, method: str | None = None) -> HTTPResult:
+    """One bounded request; the JSON body of any answer (200 or an error status) is returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"))
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return HTTPResult(status, json.loads(raw))
+    except ValueError:
+        return HTTPResult(status, raw.decode(errors="replace"))
+
+
+class Server:
+    """One `python -m sglang.launch_server` process group."""
+
+    def __init__(self, argv: list[str], env: dict, log_path: Path, port: int):
+        self.argv, self.env, self.log_path, self.port = argv, env, Path(log_path), port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self._shm: set[str] = set()
+
+    def start(self) -> Server:
+        log = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop()
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            cwd=str(self.log_path.parent),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() ends exactly the processes it started
+        )
+        log.close()
+        return self
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 900) -> float:
+        """Until GET /health_generate answers 200 (SGLang's own warm-up done); returns the seconds it took."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"the server exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError):
+                if request(self.url + "/health_generate", timeout=10).ok:
+                    self._remember_shm()
+                    return time.monotonic() - t0
+            time.sleep(2)
+        raise AssertionError(f"the server was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 120) -> HTTPResult:
+        return request(self.url + path, {} if body is None else body, timeout=timeout)
+
+    def get(self, path: str, timeout: float = 60) -> HTTPResult:
+        return request(self.url + path, None, timeout=timeout)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _group_pids(self) -> list[int]:
+        assert self.proc is not None
+        pgid = self.proc.pid
+        out = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{d}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                if int(fields[2]) == pgid:  # field 5 of /proc/PID/stat: the process group
+                    out.append(int(d))
+        return out
+
+    def _remember_shm(self) -> None:
+        """SGLang's own /dev/shm segments mapped by this server's processes (`sglang_loads_*`: not unlinked when its
+        processes are killed); removed by stop()."""
+        for pid in self._group_pids():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                    path = line.split()[-1] if line.split() else ""
+                    if path.startswith("/dev/shm/sglang_loads_"):
+                        self._shm.add(path)
+
+    def stop(self, timeout: float = 60) -> list[int]:
+        """SIGTERM to the server's process group, SIGKILL to what is left after `timeout`; returns the PIDs still
+        alive afterwards (none, or the test fails)."""
+        if self.proc is None:
+            return []
+        pgid = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout and self._group_pids():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=1)
+        if self._group_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            time.sleep(2)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        for path in self._shm:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return self._group_pids()
+
+
+def recipe_env(extra: dict | None = None) -> dict:
+    """The environment a user's shell would give the recipe: this checkout's plugin first on PYTHONPATH (as an
+    installed plugin would be), this env's bin first on PATH (`python`, `sglang-trtllm-moe`), no SGLANG_TRTLLM_MOE_*
+    of the test process; one torch thread (a small shared box)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_TRTLLM_MOE_") and k != "SGLANG_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def split(command: str, replacements: dict[str, str]) -> list[str]:
+    argv = shlex.split(command)
+    return [replacements.get(a, a) for a in argv]
+
+
+__all__ = [
+    "HTTPResult",
+    "HTTP_MARK",
+    "RECIPE_DIR",
+    "RECIPE_PORT",
+    "Server",
+    "free_port",
+    "recipe",
+    "recipe_env",
+    "request",
+    "split",
+]

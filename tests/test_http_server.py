@@ -1,0 +1,569 @@
+"""SGLang's HTTP server as slime drives it (issue #28): the README's CPU recipe — a plain `python -m
+sglang.launch_server --device cpu ...` with the two test-only switches, nothing of the harness on PYTHONPATH — then
+slime's flows end to end against that one server on 127.0.0.1. What each flow proves, and how:
+
+- the recipe: its commands run as written (paths and port replaced): tiny checkpoints, the server, its curl lines;
+  the log shows the plugin's decision line and every MoE layer "prepared in place";
+- generate: greedy tokens == a fresh load's (SGLang's ModelRunner in another process: support/http_reference.py);
+- disk update A -> B -> A: on B, the weight checker's per-tensor checksums == a fresh load of B's; back on A, tokens
+  restored exactly, and `/weights_checker` compare against the snapshot taken of the fresh load at start-up passes
+  (raw: the served bytes == the fresh load's, bit for bit);
+- a partial checkpoint (two experts of one layer): checksums == a fresh load of A with those experts;
+- a refused checkpoint / bucket: HTTP 400 with the refusal in the body; checksums unchanged; the same tokens;
+- tensors as slime sends them: `/update_weights_from_tensor` inside `/begin_weight_update` ... `/end_weight_update`
+  sessions, a plain bucket then a `flattened_bucket` (MultiprocessingSerializer, one base64 string per rank), then
+  `direct` (whole parameters): checksums == fresh loads;
+- the weight checker: snapshot / reset_tensors / replay from disk / compare passes; after a corrupted replay the
+  compare fails with HTTP 400 naming the checkpoint tensor, expert, row and column;
+- pause / continue: `retract` around an update: every request answered, the tokens of each weight version
+  (meta_info.weight_versions) that version's greedy continuation; `abort`: answered as aborted, a prefix of the old
+  weights' output; `in_place`: SGLang answers a successful update with HTTP 400 "Weights were updated, but the
+  cache was not flushed" (not a refusal: clients key on the message);
+- requests in flight around a disk update: all answered, each from one weight version, its tokens that version's.
+
+Every request has a timeout; the server runs in its own process group and is stopped by its PID at the end, with
+the torch_shm_manager helpers of the tensor clients; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .support import http_server as hs
+from .support.helpers import REPO
+
+pytestmark = pytest.mark.sglang(
+    ">=0.5.23",
+    reason="the README's CPU server recipe: SGLang's HTTP server with begin/end weight-update sessions, "
+    "weight versions per token span and the weight-checker endpoint (0.5.23)",
+)
+
+ARCH, QUANT = "qwen3_moe", "nvfp4"
+PROMPTS = [[5, 17, 42, 99], [5, 17, 42, 99, 260, 311, 7], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]
+NEW_TOKENS = 4
+#: decode steps of the requests kept in flight around an update (long enough that the update lands mid-way)
+LONG = 64
+REFUSED_BUCKET = "refused the whole weight-update bucket"
+REFUSED_CHECKPOINT = "refused the whole checkpoint"
+
+
+def _spec(seed=0):
+    from sglang_trtllm_moe.testing import checkpoints as ck
+
+    return ck.TinySpec(arch=ARCH, quant=QUANT, seed=seed)
+
+
+class Run:
+    """The one server of this module and what the tests need around it."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self.dirs: dict[str, str] = {}
+        self.ref: dict = {}
+        self.recipe_out: list = []
+        self.server: hs.Server | None = None
+        self.timings: dict[str, float] = {}
+        self.client_logs: list[Path] = []
+        #: the recipe's environment (its exports included)
+        self.env: dict = {}
+        #: the trainer process's answers, by label (run once: tests/support/http_client.py)
+        self.trainer: dict = {}
+        #: the checkpoint the server was last updated to from disk (or by the trainer)
+        self.state = "A"
+
+    @property
+    def srv(self) -> hs.Server:
+        assert self.server is not None
+        return self.server
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts=PROMPTS, n=NEW_TOKENS, timeout=300) -> list[list[int]]:
+        r = self.srv.post("/generate", _gen_body(prompts, n), timeout=timeout)
+        assert r.ok, r
+        return [list(o["output_ids"]) for o in r.body]
+
+    def checksums(self) -> dict[str, str]:
+        r = self.srv.post("/weights_checker", {"action": "checksum"}, timeout=300)
+        assert r.ok, r
+        (rank,) = r.body["ranks"]
+        return dict(rank["checksums"])
+
+    def check(self, action: str) -> hs.HTTPResult:
+        return self.srv.post("/weights_checker", {"action": action}, timeout=300)
+
+    def disk(self, key: str, version: str | None = None, timeout=300) -> hs.HTTPResult:
+        body = {"model_path": self.dirs[key], "weight_version": version or key}
+        r = self.srv.post("/update_weights_from_disk", body, timeout=timeout)
+        self.state = key if r.ok else "?"
+        return r
+
+    def at(self, key: str) -> None:
+        """The server on checkpoint `key` (a disk update unless it already is)."""
+        if self.state != key:
+            r = self.disk(key)
+            assert r.ok and r.body["success"], r
+
+    def serves(self, key: str) -> list[str]:
+        """Tensors whose checksum differs from a fresh load of `key` (empty: the server holds those weights)."""
+        mine, theirs = self.checksums(), self.ref[key]["checksums"]
+        if set(mine) != set(theirs):
+            return sorted(set(mine) ^ set(theirs))
+        return [n for n in mine if mine[n] != theirs[n]]
+
+    def assert_serves(self, key: str) -> None:
+        diff = self.serves(key)
+        assert not diff, f"served weights differ from a fresh load of {key}: {diff[:8]}"
+        assert self.generate() == self.ref[key]["tokens"], key
+
+    def client(self, steps: list[dict], name: str, timeout=600) -> list[dict]:
+        """A slime-style tensor client in its own process (tests/support/http_client.py); its output goes to a
+        file: the torch_shm_manager it starts inherits it and lives as long as the server holds the tensors."""
+        job = self.work / f"{name}.json"
+        out = self.work / f"{name}.out.json"
+        log = self.work / f"{name}.log"
+        job.write_text(json.dumps({"url": self.srv.url, "spec": {"arch": ARCH, "quant": QUANT}, "steps": steps}))
+        self.client_logs.append(log)
+        with open(log, "w") as f:
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.support.http_client", str(job), str(out)],
+                cwd=str(REPO),
+                env=hs.recipe_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            )
+        assert proc.returncode == 0, log.read_text()[-4000:]
+        return json.loads(out.read_text())
+
+
+def _gen_body(prompts, n):
+    return {"input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+
+
+def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
+    """Beside the recipe's A (seed 0) and B (seed 1): a partial checkpoint and the full one it makes, C and D for
+    the tensor updates, and two bad ones."""
+    from sglang_trtllm_moe.testing import checkpoints as ck
+
+    spec = _spec()
+    layer = spec.moe_layers[-1]
+    part = ck.checkpoint(spec.with_seed(1), layers=[layer], experts=[2, 5], dense=False)
+    dirs["partial"] = ck.write_tensors(str(work / "partial"), spec, part)
+    dirs["A+partial"] = ck.write_tensors(str(work / "a-plus-partial"), spec, {**ck.checkpoint(spec), **part})
+    dirs["C"] = ck.write(str(work / "c"), spec.with_seed(2))
+    dirs["D"] = ck.write(str(work / "d"), spec.with_seed(3))
+    a = ck.checkpoint(spec)
+    bad = dict(a)
+    name = f"model.layers.{spec.moe_layers[0]}.mlp.experts.3.down_proj.weight"
+    bad[name] = bad[name].float()  # float32 for packed FP4 bytes
+    dirs["bad"] = ck.write_tensors(str(work / "bad"), spec, bad)
+    corrupt = dict(a)
+    name = f"model.layers.{spec.moe_layers[0]}.mlp.experts.5.up_proj.weight"
+    t = corrupt[name].clone()
+    t[10, 20] ^= 0x01  # one bit of the low FP4 value of byte [10, 20]: value column 40
+    corrupt[name] = t
+    dirs["corrupt"] = ck.write_tensors(str(work / "corrupt"), spec, corrupt)
+
+
+def _start_reference(work: Path, dirs: dict[str, str]) -> tuple[subprocess.Popen, Path, Path]:
+    job = {
+        "first": dirs["A"],
+        "targets": {k: dirs[k] for k in ("A", "B", "A+partial", "C", "D")},
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+        "direct": {"dir": dirs["D"], "out": str(work / "direct-D.safetensors")},
+    }
+    (work / "reference.json").write_text(json.dumps(job))
+    log = work / "reference.log"
+    env = {k: v for k, v in hs.recipe_env().items()}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.http_reference", str(work / "reference.json"), str(work / "ref.out")],
+            cwd=str(REPO),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, work / "ref.out", log
+
+
+def _shm_managers(logs: list[Path]) -> list[int]:
+    """PIDs of torch_shm_manager processes whose output is one of our clients' logs (theirs, nobody else's)."""
+    wanted = {str(p) for p in logs}
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{d}/comm").read_text().strip() != "torch_shm_manager":
+                continue
+            if any(os.readlink(f"/proc/{d}/fd/{fd}") in wanted for fd in (1, 2)):
+                out.append(int(d))
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    pytest.importorskip(
+        "xgrammar", reason="SGLang's detokenizer imports xgrammar (ci/releases.tsv installs the pin of 0.5.23)"
+    )
+    pytest.importorskip("jsonschema", reason="SGLang's HTTP server imports jsonschema (ci/make-env base recipe)")
+    work = tmp_path_factory.mktemp("http-server")
+    r = Run(work)
+    t0 = time.monotonic()
+    port = hs.free_port()
+    text = hs.README.read_text()
+    commands = hs.recipe(text)
+    assert any(hs.RECIPE_DIR in c for c in commands) and any(hs.RECIPE_PORT in c for c in commands), commands
+    commands = [c.replace(hs.RECIPE_DIR, str(work / "tiny-moe")).replace(hs.RECIPE_PORT, str(port)) for c in commands]
+    env = hs.recipe_env()
+    r.dirs = {"A": str(work / "tiny-moe"), "B": str(work / "tiny-moe-step1")}
+    ref = None
+    try:
+        for cmd in commands:
+            argv = hs.split(cmd, {})
+            if argv[0] == "export":
+                env.update(dict(a.split("=", 1) for a in argv[1:]))
+            elif cmd.endswith("&"):  # the server
+                _write_checkpoints(work, r.dirs)
+                ref = _start_reference(work, r.dirs)
+                r.env = dict(env)
+                r.server = hs.Server(argv[:-1], env, work / "server.log", port).start()
+                r.timings["server ready"] = r.srv.wait_ready()
+                # a copy of the fresh load's bytes inside the server (compared after A -> B -> A)
+                assert r.check("snapshot").ok
+            elif argv[0] == "curl":
+                proc = subprocess.run(
+                    [*argv, "--max-time", "300"], capture_output=True, text=True, timeout=330, check=False
+                )
+                assert proc.returncode == 0, (cmd, proc.stderr)
+                r.recipe_out.append(json.loads(proc.stdout))
+            else:
+                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+                assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-4000:])
+        assert r.server is not None, "the README's recipe starts no server"
+        proc, out, log = ref
+        proc.wait(timeout=900)
+        assert proc.returncode == 0 and out.exists(), log.read_text()[-6000:]
+        r.ref = json.loads(out.read_text())
+        r.timings["setup"] = time.monotonic() - t0
+        yield r
+    finally:
+        left = r.server.stop() if r.server is not None else []
+        if ref is not None and ref[0].poll() is None:
+            os.killpg(ref[0].pid, 9)
+        managers = _shm_managers(r.client_logs)
+        t1 = time.monotonic()
+        while managers and time.monotonic() - t1 < 30:
+            time.sleep(1)
+            managers = _shm_managers(r.client_logs)
+        for pid in managers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        r.timings["module"] = time.monotonic() - t0
+        (work / "timings.json").write_text(json.dumps(r.timings))
+        print(f"\ntest_http_server timings (s): {json.dumps({k: round(v, 1) for k, v in r.timings.items()})}")
+        assert not left, f"server processes still running after stop: {left}"
+        assert not managers, f"torch_shm_manager helpers outlived the server: {managers}"
+
+
+# ---- the recipe ----------------------------------------------------------------------------------------------------
+
+
+def test_the_readme_recipe_serves_through_the_plugin(run):
+    gen, update = run.recipe_out
+    assert gen["output_ids"] == run.ref["A"]["tokens"][0], gen  # the first prompt is the recipe's
+    assert update["success"], update
+    log = run.srv.log_tail(10**7)
+    assert "moe_runner_backend=flashinfer_trtllm" in log  # the plugin's decision line (the launcher)
+    assert log.count("nvfp4 prepared in place for flashinfer_trtllm") == 2  # the scheduler: both MoE layers
+    assert "stood down" not in log and "sandbox was not activated" not in log
+    # `explain --sm 100` in the server's environment names the same environment fingerprint as its decision line
+    proc = subprocess.run(
+        ["sglang-trtllm-moe", "explain", "--model", run.dirs["A"], "--sm", "100", "--json", "--no-sglang"],
+        env=run.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fingerprint = json.loads(proc.stdout)["fingerprint"]["id"]
+    assert f"| fingerprint {fingerprint}" in log, (fingerprint, [x for x in log.splitlines() if "fingerprint" in x])
+
+
+# ---- disk ----------------------------------------------------------------------------------------------------------
+
+
+def test_disk_update_to_b_and_back_restores_the_fresh_load_exactly(run):
+    run.assert_serves("B")  # the recipe's update: B as a fresh load of B
+    r = run.disk("A")
+    assert r.ok and r.body["success"], r
+    run.assert_serves("A")
+    assert run.generate()[0] == run.recipe_out[0]["output_ids"]  # tokens restored exactly
+    r = run.check("compare")  # vs the snapshot of the fresh load taken at start-up: raw, bit for bit
+    assert r.ok and r.body["success"], r
+
+
+def test_partial_checkpoint(run):
+    run.at("A")
+    r = run.disk("partial")
+    assert r.ok and r.body["success"], r
+    run.assert_serves("A+partial")
+    assert run.disk("A").ok
+    run.assert_serves("A")
+
+
+def test_a_refused_checkpoint_changes_nothing_and_the_server_keeps_serving(run):
+    run.at("A")
+    before = run.checksums()
+    r = run.disk("bad")
+    assert r.status == 400 and not r.body["success"], r
+    assert r.body["message"].startswith(REFUSED_CHECKPOINT) and "expert 3" in r.body["message"], r
+    assert run.checksums() == before
+    assert run.generate() == run.ref["A"]["tokens"]
+
+
+# ---- tensors, as slime sends them ----------------------------------------------------------------------------------
+
+
+def _trainer_steps(run) -> list[dict]:
+    """One trainer process (what slime / verl run): C (seed 2) whole as a plain bucket then a flattened one, in a
+    session; buckets with one bad tensor, plain and flattened, refused whole; D (seed 3) as whole parameters
+    (`direct`, SGLang's names in checkpoint layout: the reference's fresh load of D) in two calls; then the
+    NCCL-style path: the update group, B (seed 1) in two broadcast buckets in a session, and a refused bucket.
+    After each session the trainer asks the checksums and greedy tokens, which must be a fresh load's."""
+    spec = _spec()
+    bad = f"{spec.moe_layers[0]}.mlp.experts.3.down_proj.weight"  # float32 for packed FP4 bytes
+    direct = str(run.work / "direct-D.safetensors")
+    begin, end = {"path": "/begin_weight_update"}, {"path": "/end_weight_update"}
+    t, dist = "/update_weights_from_tensor", "/update_weights_from_distributed"
+    port = hs.free_port()
+
+    def served(label):
+        return [
+            {"label": f"{label}: checksum", "path": "/weights_checker", "body": {"action": "checksum"}},
+            {"label": f"{label}: generate", "path": "/generate", "body": _gen_body(PROMPTS, NEW_TOKENS)},
+        ]
+
+    return [
+        begin,
+        {"label": "C plain", "path": t, "tensors": {"seed": 2, "bucket": [0, 2]}, "body": {"weight_version": "C"}},
+        {"label": "C flat", "path": t, "tensors": {"seed": 2, "bucket": [1, 2], "load_format": "flattened_bucket"}},
+        end,
+        *served("C"),
+        begin,
+        {"label": "bad plain", "path": t, "tensors": {"seed": 1, "bucket": [0, 1], "bad": bad}},
+        {
+            "label": "bad flat",
+            "path": t,
+            "tensors": {"seed": 1, "bucket": [0, 1], "bad": bad, "load_format": "flattened_bucket"},
+        },
+        end,
+        *served("C after the refusals"),
+        begin,
+        {"label": "D direct 1", "path": t, "tensors": {"file": direct, "bucket": [0, 2], "load_format": "direct"}},
+        {"label": "D direct 2", "path": t, "tensors": {"file": direct, "bucket": [1, 2], "load_format": "direct"}},
+        end,
+        *served("D"),
+        # NCCL-style (gloo on a CPU)
+        {"label": "init group", "path": "/init_weights_update_group", "init_group": {"port": port, "group": "rl"}},
+        begin,
+        {"label": "B dist 1", "path": dist, "distributed": {"seed": 1, "bucket": [0, 2], "group": "rl"}},
+        {"label": "B dist 2", "path": dist, "distributed": {"seed": 1, "bucket": [1, 2], "group": "rl"}},
+        end,
+        *served("B"),
+        begin,
+        {"label": "bad dist", "path": dist, "distributed": {"seed": 4, "bucket": [0, 1], "bad": bad, "group": "rl"}},
+        end,
+        *served("B after the refusal"),
+        {"label": "destroy group", "path": "/destroy_weights_update_group", "body": {"group_name": "rl"}},
+    ]
+
+
+def _trainer(run) -> dict:
+    if not run.trainer:
+        res = run.client(_trainer_steps(run), "trainer")
+        run.trainer = {x["label"] or f"{i}:{x['path']}": x for i, x in enumerate(res)}
+        run.state = "B"
+    return run.trainer
+
+
+def _check_served(run, res, label, key):
+    (rank,) = res[f"{label}: checksum"]["body"]["ranks"]
+    theirs = run.ref[key]["checksums"]
+    assert rank["checksums"] == theirs, (label, [n for n in theirs if rank["checksums"].get(n) != theirs[n]][:8])
+    tokens = [o["output_ids"] for o in res[f"{label}: generate"]["body"]]
+    assert tokens == run.ref[key]["tokens"], label
+
+
+def _answers(res, labels):
+    for label in labels:
+        x = res[label]
+        if label.startswith("bad"):
+            assert x["status"] == 400 and x["body"]["message"].startswith(REFUSED_BUCKET), (label, x)
+            assert "expert 3" in x["body"]["message"], x
+        else:
+            assert x["status"] == 200, (label, x)
+
+
+def test_tensor_updates_plain_flattened_and_direct_in_sessions_and_refused_buckets(run):
+    run.at("A")
+    res = _trainer(run)
+    _answers(res, ["C plain", "C flat", "bad plain", "bad flat", "D direct 1", "D direct 2"])
+    for label, key in (("C", "C"), ("C after the refusals", "C"), ("D", "D")):
+        _check_served(run, res, label, key)  # nothing of the refused buckets was written
+
+
+def test_nccl_style_update_group_over_gloo_and_a_refused_broadcast_bucket(run):
+    res = _trainer(run)
+    _answers(res, ["init group", "B dist 1", "B dist 2", "bad dist", "destroy group"])
+    for label, key in (("B", "B"), ("B after the refusal", "B")):
+        _check_served(run, res, label, key)
+    run.at("A")
+    run.assert_serves("A")
+
+
+# ---- the weight checker (slime's --check-weight-update-equal) -----------------------------------------------------
+
+
+def test_weight_checker_passes_a_correct_replay_and_names_a_corrupted_one(run):
+    run.at("A")
+    spec = _spec()
+    for action in ("snapshot", "reset_tensors"):
+        assert run.check(action).ok
+    assert run.disk("A").ok
+    r = run.check("compare")
+    assert r.ok and r.body["success"], r
+
+    for action in ("snapshot", "reset_tensors"):
+        assert run.check(action).ok
+    assert run.disk("corrupt").ok
+    r = run.check("compare")
+    assert r.status == 400 and not r.body["success"], r
+    msg = r.body["message"]
+    layer = spec.moe_layers[0]
+    # checkpoint coordinates: the tensor's own name, expert, row and byte column, and the FP4 value column
+    assert f"model.layers.{layer}.mlp.experts.5.up_proj.weight[10, 20] (packed: value 40)" in msg, msg[-3000:]
+    assert run.disk("A").ok
+    run.assert_serves("A")
+
+
+# ---- pause / continue and requests in flight ----------------------------------------------------------------------
+
+
+def _running(run) -> int:
+    r = run.srv.get("/v1/loads?include=core", timeout=30)
+    return int(r.body["loads"][0]["num_running_reqs"]) if r.ok else 0
+
+
+def _in_flight(run, prompts, action, n=LONG):
+    """Send every prompt as its own request; once all of them run, `action()`; every answer."""
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        futures = [ex.submit(run.srv.post, "/generate", _gen_body(p, n), 600) for p in prompts]
+        t0 = time.monotonic()
+        while _running(run) < len(prompts) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        assert _running(run) == len(prompts), "the requests did not all run"
+        out = action()
+        return out, [f.result() for f in futures]
+
+
+def _spans(body) -> list[tuple[str, int, int]]:
+    return [(s["version"], s["start"], s["end"]) for s in body["meta_info"]["weight_versions"]]
+
+
+def test_pause_retract_abort_and_in_place_around_an_update(run):
+    run.at("A")
+    prompts = PROMPTS[:4]
+    a_long = run.generate(prompts, LONG)  # the old weights' greedy continuation of each prompt
+
+    def paused(mode, key):
+        def act():
+            p = run.srv.post("/pause_generation", {"mode": mode})
+            u = run.disk(key, version=f"{key}-{mode}")
+            c = run.srv.post("/continue_generation", {})
+            return p, u, c
+
+        return act
+
+    # retract: running requests go back to the queue; after continue they are recomputed on the new weights
+    (p, u, c), answers = _in_flight(run, prompts, paused("retract", "B"))
+    assert p.ok and u.ok and u.body["success"] and c.ok, (p, u, c)
+    mixed = 0
+    for prompt, want_a, a in zip(prompts, a_long, answers, strict=True):
+        assert a.ok and len(a.body["output_ids"]) == LONG, a
+        out = a.body["output_ids"]
+        spans = _spans(a.body)
+        assert spans[-1][0] == "B-retract" and spans[-1][2] == LONG, spans
+        for version, s, e in spans:
+            if version == "B-retract":  # B's greedy continuation of what was generated before
+                assert run.generate([prompt + out[:s]], e - s)[0] == out[s:e], (spans, "B continuation")
+            else:
+                assert out[s:e] == want_a[s:e], (spans, "A prefix")
+        mixed += len(spans) > 1
+    assert mixed, "no request spanned the update"
+
+    # abort: running requests are answered as aborted, with what the old weights had generated
+    b_long = run.generate(prompts, LONG)
+    (p, u, c), answers = _in_flight(run, prompts, paused("abort", "A"))
+    assert p.ok and u.ok and u.body["success"] and c.ok, (p, u, c)
+    for want_b, a in zip(b_long, answers, strict=True):
+        assert a.ok and a.body["meta_info"]["finish_reason"]["type"] == "abort", a
+        out = a.body["output_ids"]
+        assert len(out) < LONG and out == want_b[: len(out)] and {v for v, _, _ in _spans(a.body)} == {"B-retract"}
+    run.assert_serves("A")
+
+    # in_place: the requests keep their old KV cache; SGLang updates the weights but cannot flush the cache and
+    # answers HTTP 400 — not a refusal (the README: key on the refusal message, not on the status alone)
+    (p, u, c), answers = _in_flight(run, prompts, paused("in_place", "B"))
+    assert p.ok and c.ok, (p, c)
+    assert u.status == 400 and not u.body["success"], u
+    assert "Weights were updated, but the cache was not flushed" in u.body["message"], u
+    assert not u.body["message"].startswith(("refused", REFUSED_BUCKET, REFUSED_CHECKPOINT))
+    for want_a, a in zip(a_long, answers, strict=True):
+        assert a.ok and len(a.body["output_ids"]) == LONG, a
+        (v0, s0, e0), *rest = _spans(a.body)
+        assert v0 == "A-abort" and a.body["output_ids"][s0:e0] == want_a[s0:e0] and rest and rest[-1][0] == "B-in_place"
+    assert run.srv.post("/flush_cache", {}).ok
+    run.assert_serves("B")  # the update did land
+    assert run.disk("A").ok
+    run.assert_serves("A")
+
+
+def test_requests_in_flight_during_an_update_are_all_answered_each_from_one_version(run):
+    run.at("A")
+    prompts = [PROMPTS[i % 4][: 3 + i % 5] + [i + 1] for i in range(8)]
+    a_long = run.generate(prompts, LONG)
+
+    def update():
+        return run.disk("B", version="B-live")
+
+    u, answers = _in_flight(run, prompts[:4], update)
+    assert u.ok and u.body["success"], u
+    # the update waited for the requests in flight (SGLang's writer lock): they finished on A; the next are B's
+    later = [run.srv.post("/generate", _gen_body(p, LONG), 600) for p in prompts[4:]]
+    b_long = run.generate(prompts, LONG)
+    for i, a in enumerate(answers + later):
+        assert a.ok, a
+        (version, s, e), *rest = _spans(a.body)
+        assert not rest and (s, e) == (0, LONG), _spans(a.body)
+        want = a_long[i] if version == "A" else b_long[i]
+        assert version in ("A", "B-live") and a.body["output_ids"] == want, (i, version)
+    assert {_spans(a.body)[0][0] for a in answers} == {"A"} and {_spans(a.body)[0][0] for a in later} == {"B-live"}
+    assert run.disk("A").ok
+    run.assert_serves("A")
