@@ -154,7 +154,9 @@ def _gen_body(prompts, n):
 
 def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
     """Beside the recipe's A (seed 0) and B (seed 1): a partial checkpoint and the full one it makes, C and D for
-    the tensor updates, and two bad ones."""
+    the tensor updates, and three bad ones."""
+    import torch
+
     from sglang_trtllm_moe.testing import checkpoints as ck
 
     spec = _spec()
@@ -169,6 +171,12 @@ def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
     name = f"model.layers.{spec.moe_layers[0]}.mlp.experts.3.down_proj.weight"
     bad[name] = bad[name].float()  # float32 for packed FP4 bytes
     dirs["bad"] = ck.write_tensors(str(work / "bad"), spec, bad)
+    nan = dict(a)  # issue #27: one NaN byte (e4m3 0x7F) in the last block scale of an expert, in the second shard
+    name = f"model.layers.{spec.moe_layers[-1]}.mlp.experts.6.gate_proj.weight_scale"
+    t = nan[name].clone()
+    t.view(torch.uint8)[-1, -1] = 0x7F
+    nan[name] = t
+    dirs["nan-scale"] = ck.write_tensors(str(work / "nan-scale"), spec, nan, shards=2)
     corrupt = dict(a)
     name = f"model.layers.{spec.moe_layers[0]}.mlp.experts.5.up_proj.weight"
     t = corrupt[name].clone()
@@ -334,6 +342,21 @@ def test_a_refused_checkpoint_changes_nothing_and_the_server_keeps_serving(run):
     r = run.disk("bad")
     assert r.status == 400 and not r.body["success"], r
     assert r.body["message"].startswith(REFUSED_CHECKPOINT) and "expert 3" in r.body["message"], r
+    assert run.checksums() == before
+    assert run.generate() == run.ref["A"]["tokens"]
+
+
+def test_a_nan_block_scale_is_refused_and_the_server_keeps_serving(run):
+    """Issue #27 through slime's door: one NaN e4m3 byte in an NVFP4 block scale (2048 of them in that tensor; the
+    old pre-check read none) — before, answered 200 and then every prompt came back as token 0; now HTTP 400 with
+    the tensor and its index named, checksums unchanged, the same tokens."""
+    run.at("A")
+    before = run.checksums()
+    r = run.disk("nan-scale")
+    assert r.status == 400 and not r.body["success"], r
+    msg = r.body["message"]
+    assert msg.startswith(REFUSED_CHECKPOINT) and "w13_weight_scale" in msg and "NaN in e4m3" in msg, r
+    assert "expert 6" in msg, r
     assert run.checksums() == before
     assert run.generate() == run.ref["A"]["tokens"]
 
