@@ -129,6 +129,7 @@ def flashinfer_predates(version: str, owner: str) -> set[str]:
     v = Version(version)
     return {n for since, owners, names in FLASHINFER_ADDED if owner in owners and v < Version(since) for n in names}
 
+
 __all__ = [
     "ActivationType",
     "WeightLayout",
