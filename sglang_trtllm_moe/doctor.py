@@ -1,7 +1,9 @@
 """`doctor`: what is installed, and whether the plugin is really wired into SGLang in this process.
 
 The JSON form is a stable contract (tests and CI read it): keys `enabled` (bool), `status`, `reason`,
-`plugin_version`, `sglang_version`, `release_status`, `versions`, `device`, `targets` (list of
+`plugin_version`, `sglang_version`, `release_status`, `release_message`, `flashinfer_version`, `flashinfer_status`
+(tested | untested | missing: whether the CI matrix runs this SGLang release with this flashinfer),
+`flashinfer_message`, `versions`, `device`, `targets` (list of
 {target, state in landed|missing|not_applicable|not_imported, reason, capability, hook_type, source, module}),
 `extensions`, `errors`.
 
@@ -66,6 +68,9 @@ def report(load: bool = True, import_targets: bool | None = None) -> dict:
         from .compat import check_release
 
         rel = check_release()
+    from .compat import check_flashinfer
+
+    fi = check_flashinfer(rel.version)
     return {
         "enabled": st.enabled,
         "status": st.status,
@@ -74,6 +79,9 @@ def report(load: bool = True, import_targets: bool | None = None) -> dict:
         "sglang_version": str(rel.version) if rel.version else None,
         "release_status": rel.status,
         "release_message": rel.message,
+        "flashinfer_version": fi.version,
+        "flashinfer_status": fi.status,
+        "flashinfer_message": fi.message,
         "versions": {d: _version(d) for d in ("sglang", "flashinfer-python", "torch", "pluggy", "sglang-trtllm-moe")},
         "device": _device(),
         "targets": st.target_report() if st.enabled else [],
@@ -86,6 +94,7 @@ def format_text(r: dict) -> str:
     lines = [
         f"sglang-trtllm-moe {r['plugin_version']}: {r['status']}" + (f" ({r['reason']})" if r["reason"] else ""),
         f"sglang {r['sglang_version']} [{r['release_status']}]: {r['release_message']}",
+        f"flashinfer {r['flashinfer_version'] or '-'} [{r['flashinfer_status']}]: {r['flashinfer_message']}",
         "versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r["versions"].items()),
     ]
     d = r["device"]

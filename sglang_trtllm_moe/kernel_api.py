@@ -9,6 +9,7 @@ importing flashinfer on a CPU box is slow or impossible (0.6.8-0.6.12 assert lib
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class ActivationType(enum.IntEnum):
@@ -27,6 +28,7 @@ class ActivationType(enum.IntEnum):
     Situ = 10
     InvalidType = 11
     ClampedRelu2 = 12
+    PowLU = 13  # flashinfer 0.7.4+ (FLASHINFER_ADDED)
 
 
 class WeightLayout(enum.IntEnum):
@@ -89,6 +91,45 @@ def kernel_function(family: str, routed: bool) -> str:
 
 KERNEL_FUNCTIONS = tuple(kernel_function(f, r) for f in FAMILIES for r in (False, True))
 
+
+class _Unset:
+    """flashinfer 0.7.4's default of `nvfp4_4over6` ("not passed: read the FLASHINFER_NVFP4_4OVER6* environment"),
+    mirrored: the same repr, compared by identity as theirs is (it has no `__eq__`)."""
+
+    def __repr__(self) -> str:
+        return "<nvfp4_4over6 unset: read FLASHINFER_NVFP4_4OVER6*>"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+#: the default of the FP4 entry points' `nvfp4_4over6` (see `_Unset`)
+UNSET: Any = _Unset()
+
+#: What flashinfer added to these entry points and enums after 0.7.2.post1 (the flashinfer of SGLang 0.5.23's env,
+#: the oldest the contract tests compare against), read from the wheels: (first version, entry points or enums of
+#: this module, parameter or member names). The emulator and the enums here follow the newest; tests/test_emulator.py
+#: leaves out what the installed flashinfer predates and compares the rest exactly (names, order, kinds, defaults).
+#: 0.7.4 (next after 0.7.2.post1): a caller-owned scratch buffer on every entry point (keyword-only on
+#: trtllm_fp8_block_scale_moe, after its keyword-only biases), the NVFP4 "4over6" recipe of the per-token
+#: requantization on both FP4 entry points, precomputed routing metadata on the routed FP4 one, and PowLU.
+FLASHINFER_ADDED: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("0.7.4", KERNEL_FUNCTIONS, ("workspace_buffer",)),
+    ("0.7.4", ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe"), ("nvfp4_4over6",)),
+    ("0.7.4", ("trtllm_fp4_block_scale_routed_moe",), ("routing_metadata",)),
+    ("0.7.4", ("ActivationType",), ("PowLU",)),
+)
+
+
+def flashinfer_predates(version: str, owner: str) -> set[str]:
+    """The parameters (of entry point `owner`) or members (of enum `owner`) that flashinfer `version` does not have
+    yet, per FLASHINFER_ADDED."""
+    from packaging.version import Version
+
+    v = Version(version)
+    return {n for since, owners, names in FLASHINFER_ADDED if owner in owners and v < Version(since) for n in names}
+
+
 __all__ = [
     "ActivationType",
     "WeightLayout",
@@ -100,4 +141,7 @@ __all__ = [
     "FAMILIES",
     "kernel_function",
     "KERNEL_FUNCTIONS",
+    "UNSET",
+    "FLASHINFER_ADDED",
+    "flashinfer_predates",
 ]

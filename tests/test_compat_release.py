@@ -5,6 +5,7 @@ would. Runs unchanged on every release 0.5.11 ... 0.5.23 (ci/matrix)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 from sglang_trtllm_moe.compat.releases import installed_version
@@ -54,7 +55,9 @@ REPORT = """
 """
 
 
+@functools.cache
 def _report():
+    """doctor's report of a process that ran SGLang's load_plugins(), once per session (read-only: copy to edit)."""
     proc = run_python(REPORT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return last_json(proc)
@@ -188,23 +191,54 @@ def test_the_plugin_provides_every_capability_the_tests_need_on_every_release():
             ):
                 needed.add(node.args[0].value)
     needed = {n.split(":", 1)[1] for n in needed if n.startswith("capability:")}
-    rows = [
-        line.split()[0]
-        for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    rows = [r["release"] for r in matrix.releases_tsv(REPO / "ci" / "releases.tsv") if not r["lane"]]
     for rel in rows:
         missing = needed - matrix.plugin_capabilities(Version(rel))
         assert not missing, f"sglang {rel}: not provided by the plugin: {sorted(missing)}"
 
 
 def test_newest_tested_and_oldest_supported_are_the_matrix_ends():
-    """One constant each (compat/releases.py); ci/releases.tsv's first and last rows must agree with them."""
+    """One constant each (compat/releases.py); ci/releases.tsv's first and last release rows must agree with them."""
     from sglang_trtllm_moe.compat import NEWEST_TESTED, OLDEST_SUPPORTED
+    from tests.support import matrix
 
-    rows = [
-        line.split()[0]
-        for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    rows = [r["release"] for r in matrix.releases_tsv(REPO / "ci" / "releases.tsv") if not r["lane"]]
     assert (rows[0], rows[-1]) == (str(OLDEST_SUPPORTED), str(NEWEST_TESTED))
+
+
+def test_tested_versions_are_the_ones_ci_releases_tsv_runs():
+    """compat/releases.py's TESTED (what `doctor` reports a flashinfer as tested against) is generated from
+    ci/releases.tsv (release pins + lanes) by ci/add-release: the two must agree, byte for byte."""
+    from sglang_trtllm_moe.compat import TESTED
+    from tests.support import matrix
+
+    tsv = REPO / "ci" / "releases.tsv"
+    assert TESTED == matrix.tested_versions(tsv)
+    text = (REPO / "sglang_trtllm_moe" / "compat" / "releases.py").read_text()
+    start, end = matrix.tested_block(text)
+    assert text[start:end] == matrix.render_tested(tsv), "run: ci/add-release --row-only <release> (or write_tested)"
+
+
+def test_doctor_reports_this_envs_flashinfer_as_the_matrix_runs_it():
+    """In every env of the matrix `doctor` says whether this (SGLang, flashinfer) pair is one the matrix runs: its
+    release's pin or a lane's flashinfer is "tested"; the oracle of a release whose pin cannot be imported on CPU is
+    not (the matrix runs SGLang there without flashinfer)."""
+    import importlib.metadata
+
+    from tests.support import matrix
+
+    r = _report()
+    release = str(installed_version().base_version) if installed_version() else None
+    runs = {row["flashinfer"] for row in matrix.releases_tsv(REPO / "ci" / "releases.tsv") if row["sglang"] == release}
+    try:
+        here = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        here = None
+    assert r["flashinfer_version"] == here
+    if here is None:
+        assert r["flashinfer_status"] == "missing"
+    elif here in runs:
+        assert r["flashinfer_status"] == "tested", r["flashinfer_message"]
+    else:
+        assert runs == {"-"}, f"sglang {release} runs flashinfer {runs}, this env has {here}"
+        assert r["flashinfer_status"] == "untested" and "without flashinfer" in r["flashinfer_message"]

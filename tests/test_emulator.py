@@ -17,6 +17,7 @@ Shapes: E=8, top_k=2, H=256, T=16 (small, the whole file runs in a few seconds o
 
 import inspect
 
+import flashinfer
 import flashinfer.fused_moe.api as fi_api
 import flashinfer.fused_moe.core as fi_core
 import flashinfer.fused_moe.prepare as fi_prep
@@ -24,7 +25,7 @@ import flashinfer.quantization.fp4_quantization as fi_fp4
 import pytest
 import torch
 
-from sglang_trtllm_moe import emulator, layouts, quant
+from sglang_trtllm_moe import emulator, kernel_api, layouts, quant
 from sglang_trtllm_moe.emulator.routing import pack_topk, route
 
 E, H, TOPK, T = 8, 256, 2, 16
@@ -315,6 +316,24 @@ def test_unsupported_options_raise_not_implemented():
         emulator.trtllm_fp4_block_scale_moe(**dict(args, gemm1_weights_scale=layouts.swizzle_sf_128x4(mx_scale)))
 
 
+def test_options_of_newer_flashinfer_change_nothing_or_raise():
+    """flashinfer 0.7.4's additions (kernel_api.FLASHINFER_ADDED): a workspace buffer is scratch and changes nothing;
+    `nvfp4_4over6` left unset or None changes nothing (it only acts on the per-token NVFP4 requantization, which the
+    emulator refuses anyway); a 4over6 recipe and precomputed routing metadata are refused by name."""
+    args, _, _, _ = _nvfp4_case(96, True, seed=6)
+    plain = emulator.trtllm_fp4_block_scale_moe(**args)[0]
+    scratch = torch.zeros(1 << 16, dtype=torch.uint8)
+    for extra in ({"workspace_buffer": scratch}, {"nvfp4_4over6": None}, {"nvfp4_4over6": kernel_api.UNSET}):
+        assert torch.equal(emulator.trtllm_fp4_block_scale_moe(**dict(args, **extra))[0], plain), extra
+    assert torch.equal(scratch, torch.zeros_like(scratch))
+    with pytest.raises(NotImplementedError, match="nvfp4_4over6"):
+        emulator.trtllm_fp4_block_scale_moe(**dict(args, nvfp4_4over6=object()))
+    ids, w = route(RENORM, args["routing_logits"], TOPK)
+    routed = {k: v for k, v in args.items() if k != "routing_logits"}
+    with pytest.raises(NotImplementedError, match="routing_metadata"):
+        emulator.trtllm_fp4_block_scale_routed_moe(topk_ids=pack_topk(ids, w), **routed, routing_metadata=object())
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # FP8 per-tensor, prepared by flashinfer's own CPU prep (weights, row layout and the three scalars)
 # ----------------------------------------------------------------------------------------------------------------
@@ -551,14 +570,25 @@ def test_bf16_with_flashinfer_prepared_weights(gated):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _same_default(ours, theirs) -> bool:
+    """Equal, or both identity sentinels with the same repr (0.7.4's `nvfp4_4over6=_UNSET` has no `__eq__`)."""
+    if ours == theirs:
+        return True
+    sentinel = type(theirs).__eq__ is object.__eq__ and type(ours).__eq__ is object.__eq__
+    return sentinel and theirs is not None and repr(ours) == repr(theirs)
+
+
 @pytest.mark.parametrize("name", emulator.KERNEL_FUNCTIONS)
 def test_signatures_match_flashinfer(name):
-    ours = inspect.signature(getattr(emulator, name)).parameters
+    """The emulator follows the newest tested flashinfer; against an older one installed here, what it predates
+    (kernel_api.FLASHINFER_ADDED) is left out and the rest must match exactly: names, order, kinds, defaults."""
+    later = kernel_api.flashinfer_predates(flashinfer.__version__, name)
+    ours = {n: p for n, p in inspect.signature(getattr(emulator, name)).parameters.items() if n not in later}
     theirs = inspect.signature(inspect.unwrap(getattr(fi_core, name))).parameters
-    assert list(ours) == list(theirs)
+    assert list(ours) == list(theirs), f"flashinfer {flashinfer.__version__}"
     for p in theirs:
         assert ours[p].kind == theirs[p].kind, p
-        assert ours[p].default == theirs[p].default, (p, ours[p].default, theirs[p].default)
+        assert _same_default(ours[p].default, theirs[p].default), (p, ours[p].default, theirs[p].default)
 
 
 def test_enums_match_flashinfer():
@@ -568,8 +598,12 @@ def test_enums_match_flashinfer():
         (emulator.ActivationType, enums.ActivationType),
         (emulator.WeightLayout, enums.WeightLayout),
         (emulator.Fp8QuantizationType, enums.Fp8QuantizationType),
+        (kernel_api.RoutingMethodType, enums.RoutingMethodType),
     ):
-        assert {m.name: int(m) for m in mine} == {m.name: int(m) for m in fi}
+        later = kernel_api.flashinfer_predates(flashinfer.__version__, mine.__name__)
+        assert {m.name: int(m) for m in mine if m.name not in later} == {m.name: int(m) for m in fi}, (
+            f"flashinfer {flashinfer.__version__}: {mine.__name__}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

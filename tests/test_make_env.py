@@ -1,9 +1,11 @@
-"""ci/make-env's post-steps (outside the hashed recipe blocks), run alone against a scratch root.
+"""ci/make-env's post-steps (outside the hashed recipe blocks), run alone against a scratch root, and its listing of
+ci/releases.tsv.
 
 `ensure_oracle`: an env whose release pins a flashinfer that cannot be imported on CPU (ci/releases.tsv "-") gets
-the newest row's flashinfer, installed once into a directory shared by such envs and put on the env's path by a
-.pth; an env with its own importable pin gets nothing; every call is idempotent. pip is a stand-in here that
-records its arguments and writes a minimal flashinfer package (the real install is what ci/make-env runs)."""
+the newest release's flashinfer, from the directory `ensure_flashinfer` installs once per version (shared with every
+env that runs that version), put on the env's path by a .pth; an env with its own importable pin gets nothing;
+every call is idempotent. pip is a stand-in here that records its arguments and writes a minimal flashinfer package
+(the real install is what ci/make-env runs)."""
 
 from __future__ import annotations
 
@@ -40,12 +42,9 @@ def _ensure(tmp_path, fi: str, venv):
 
 
 def _newest_pin() -> str:
-    rows = [
-        line.split()
-        for line in (REPO / "ci" / "releases.tsv").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    return rows[-1][4]
+    from .support.matrix import releases_tsv
+
+    return [r for r in releases_tsv(REPO / "ci" / "releases.tsv") if not r["lane"]][-1]["flashinfer"]
 
 
 def test_ensure_oracle_puts_the_newest_flashinfer_on_the_path_of_envs_without_their_own(tmp_path):
@@ -58,7 +57,7 @@ def test_ensure_oracle_puts_the_newest_flashinfer_on_the_path_of_envs_without_th
         venvs[name] = tmp_path / name
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venvs[name])], check=True, timeout=120)
     pin = _newest_pin()
-    oracle = tmp_path / "root" / f"flashinfer-oracle-{pin}"
+    oracle = tmp_path / "root" / f"flashinfer-{pin}"
 
     for _ in range(2):  # idempotent: the second call installs nothing and rewrites nothing
         r = _ensure(tmp_path, "-", venvs["old"])
@@ -87,3 +86,27 @@ def test_ensure_oracle_puts_the_newest_flashinfer_on_the_path_of_envs_without_th
         [str(venvs["new"] / "bin" / "python"), "-c", "import flashinfer"], capture_output=True, text=True, timeout=60
     )
     assert none.returncode != 0 and "No module named 'flashinfer'" in none.stderr
+
+
+def test_make_env_lists_the_releases_and_lanes_the_matrix_reads():
+    """`ci/make-env --releases / --lanes / --newest / --all` (what ci/matrix, ci/test, ci/lint and ci/demo iterate)
+    agree with tests/support/matrix.py's reader of the same file; a lane names an existing release and runs another
+    flashinfer than that release's pin, with every other column taken from the release ("=")."""
+    from .support.matrix import releases_tsv
+
+    def listed(flag):
+        out = subprocess.run([str(REPO / "ci" / "make-env"), flag], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    rows = releases_tsv(REPO / "ci" / "releases.tsv")
+    releases = [r["release"] for r in rows if not r["lane"]]
+    assert listed("--releases") == releases and listed("--newest") == releases[-1:]
+    assert listed("--lanes") == [r["release"] for r in rows if r["lane"]]
+    assert listed("--all") == [r["release"] for r in rows]
+    by_name = {r["release"]: r for r in rows}
+    for lane in (r for r in rows if r["lane"]):
+        base = by_name[lane["sglang"]]
+        assert lane["release"] == f"{base['release']}+flashinfer-{lane['flashinfer']}"
+        assert lane["flashinfer"] not in ("-", base["flashinfer"])
+        assert all(lane[k] == base[k] for k in ("transformers", "tvm_ffi", "openai", "extra"))

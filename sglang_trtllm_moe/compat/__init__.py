@@ -8,9 +8,23 @@ through the code, so adding a release means adding table rows.
 from .releases import (
     NEWEST_TESTED,
     OLDEST_SUPPORTED,
+    TESTED,
+    FlashinferStatus,
     ReleaseStatus,
+    check_flashinfer,
     check_release,
+    installed_flashinfer,
     installed_version,
 )
 
-__all__ = ["NEWEST_TESTED", "OLDEST_SUPPORTED", "ReleaseStatus", "check_release", "installed_version"]
+__all__ = [
+    "NEWEST_TESTED",
+    "OLDEST_SUPPORTED",
+    "TESTED",
+    "FlashinferStatus",
+    "ReleaseStatus",
+    "check_flashinfer",
+    "check_release",
+    "installed_flashinfer",
+    "installed_version",
+]

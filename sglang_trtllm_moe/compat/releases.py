@@ -13,7 +13,28 @@ from dataclasses import dataclass
 from packaging.version import InvalidVersion, Version
 
 OLDEST_SUPPORTED = Version("0.5.11")
-NEWEST_TESTED = Version("0.5.23")
+
+# >>> tested (generated from ci/releases.tsv by ci/add-release; tests/test_compat_release.py checks that they agree)
+#: every SGLang release the CI matrix runs, with the flashinfer-python versions it runs that release with (its
+#: pin, and the newest flashinfer on the newest release); none where the release's pin cannot be imported on CPU
+TESTED: dict[str, tuple[str, ...]] = {
+    "0.5.11": (),
+    "0.5.12": (),
+    "0.5.13": (),
+    "0.5.14": (),
+    "0.5.15": (),
+    "0.5.16": ("0.6.14",),
+    "0.5.17": ("0.6.15.post1",),
+    "0.5.18": ("0.6.17",),
+    "0.5.19": ("0.6.18",),
+    "0.5.20": ("0.6.18",),
+    "0.5.21": ("0.6.18",),
+    "0.5.22": ("0.7.1",),
+    "0.5.23": ("0.7.2.post1", "0.7.4"),
+}
+# <<< tested
+
+NEWEST_TESTED = max(map(Version, TESTED))
 
 
 @dataclass(frozen=True)
@@ -59,3 +80,50 @@ def check_release(version: Version | str | None = None) -> ReleaseStatus:
             "check `sglang-trtllm-moe doctor` for hook targets that moved",
         )
     return ReleaseStatus(version, "tested", f"sglang {version} is a tested release")
+
+
+@dataclass(frozen=True)
+class FlashinferStatus:
+    version: str | None
+    #: "tested" (the CI matrix runs this SGLang release with this flashinfer) | "untested" | "missing"
+    status: str
+    message: str
+
+
+def installed_flashinfer() -> str | None:
+    try:
+        return importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_flashinfer(sglang: Version | str | None = None, flashinfer: str | None = None) -> FlashinferStatus:
+    """Whether the CI matrix runs `sglang` (default: the installed release) with `flashinfer` (default: the
+    installed flashinfer-python). Untested is not refused: users upgrade flashinfer for a kernel fix, and the
+    plugin checks every hook target it applies either way; this says whether the matrix vouches for the pair."""
+    if sglang is None:
+        sglang = installed_version()
+    if flashinfer is None:
+        flashinfer = installed_flashinfer()
+    if flashinfer is None:
+        return FlashinferStatus(None, "missing", "flashinfer-python is not installed: the kernels cannot run")
+    if sglang is None:
+        return FlashinferStatus(flashinfer, "untested", "sglang is not installed")
+    release = Version(Version(str(sglang)).base_version)
+    tested = TESTED.get(str(release))
+    if tested is None:
+        return FlashinferStatus(
+            flashinfer, "untested", f"flashinfer {flashinfer}: sglang {sglang} is not a release the CI matrix runs"
+        )
+    if Version(flashinfer) in {Version(v) for v in tested}:
+        return FlashinferStatus(flashinfer, "tested", f"flashinfer {flashinfer} is tested with sglang {release}")
+    ran = (
+        f"the CI matrix runs sglang {release} with flashinfer {', '.join(tested)}"
+        if tested
+        else f"the CI matrix runs sglang {release} without flashinfer: its pin cannot be imported on CPU"
+    )
+    return FlashinferStatus(
+        flashinfer,
+        "untested",
+        f"flashinfer {flashinfer} is untested with sglang {release} ({ran})",
+    )

@@ -121,6 +121,7 @@ def trtllm_bf16_moe(
     gemm1_beta: torch.Tensor | None = None,
     gemm1_clamp_limit: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
+    workspace_buffer: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_bf16_moe`."""
     common_unsupported(do_finalize)
@@ -163,6 +164,7 @@ def trtllm_bf16_routed_moe(
     gemm1_beta: torch.Tensor | None = None,
     gemm1_clamp_limit: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
+    workspace_buffer: torch.Tensor | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Emulates flashinfer `trtllm_bf16_routed_moe`."""
     common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)

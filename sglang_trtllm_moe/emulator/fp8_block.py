@@ -232,6 +232,7 @@ def trtllm_fp8_block_scale_moe(
     *,
     gemm1_bias: torch.Tensor | None = None,
     gemm2_bias: torch.Tensor | None = None,
+    workspace_buffer: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_block_scale_moe` (DeepSeekFp8 MajorK/BlockMajorK unshuffled; MxFp8 shuffled)."""
     common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias)
@@ -280,6 +281,7 @@ def trtllm_fp8_block_scale_routed_moe(
     gemm1_clamp_limit: torch.Tensor | None = None,
     valid_hidden_size: int | None = None,
     valid_intermediate_size: int | None = None,
+    workspace_buffer: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_block_scale_routed_moe`."""
     common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)

@@ -109,6 +109,7 @@ def trtllm_fp8_per_tensor_scale_moe(
     routing_replay_out: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
     gemm1_clamp_limit: torch.Tensor | None = None,
+    workspace_buffer: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_per_tensor_scale_moe`; returns the output tensor (do_finalize=True)."""
     common_unsupported(do_finalize)
@@ -151,6 +152,7 @@ def trtllm_fp8_per_tensor_scale_routed_moe(
     routing_replay_out: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
     gemm1_clamp_limit: torch.Tensor | None = None,
+    workspace_buffer: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | torch.Tensor:
     """Emulates flashinfer `trtllm_fp8_per_tensor_scale_routed_moe`."""
     common_unsupported(do_finalize)

@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import layouts, quant
-from ..kernel_api import ActivationType
+from ..kernel_api import UNSET, ActivationType
 from .common import (
     _act_name,
     _activate,
@@ -161,11 +163,15 @@ def _fp4_impl(
     return [out]
 
 
-def _fp4unsupported(per_token_scale, hidden_states_scale_layout) -> None:
+def _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6) -> None:
+    """What the FP4 entry points take and the emulator does not model. `nvfp4_4over6` (flashinfer 0.7.4+) only
+    changes the per-token NVFP4 requantization, which is refused here already: left unset (the kernel reads its
+    environment then) or None it changes nothing; a recipe is refused by name."""
     linear = hidden_states_scale_layout is None or int(hidden_states_scale_layout) == 2  # SfLayout.layout_linear
     unsupported(
         per_token_scale=("<tensor>", per_token_scale is None),
         hidden_states_scale_layout=(hidden_states_scale_layout, linear),
+        nvfp4_4over6=(nvfp4_4over6, nvfp4_4over6 is UNSET or nvfp4_4over6 is None),
     )
 
 
@@ -207,11 +213,13 @@ def trtllm_fp4_block_scale_moe(
     valid_hidden_size: int | None = None,
     valid_intermediate_size: int | None = None,
     hidden_states_scale_layout=None,
+    workspace_buffer: torch.Tensor | None = None,
+    nvfp4_4over6: Any = UNSET,
 ) -> list[torch.Tensor]:
     """Emulates flashinfer `trtllm_fp4_block_scale_moe` (NVFP4 x NVFP4, MXFP4 x MXFP8 / BF16, biases); returns
     [output]."""
     common_unsupported(do_finalize, num_fused_shared_experts)
-    _fp4unsupported(per_token_scale, hidden_states_scale_layout)
+    _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6)
     ids, w = routing(
         routing_logits,
         routing_bias,
@@ -262,9 +270,13 @@ def trtllm_fp4_block_scale_routed_moe(
     valid_intermediate_size: int | None = None,
     num_fused_shared_experts: int | None = None,
     hidden_states_scale_layout=None,
+    workspace_buffer: torch.Tensor | None = None,
+    nvfp4_4over6: Any = UNSET,
+    routing_metadata: Any = None,
 ) -> list[torch.Tensor]:
     """Emulates flashinfer `trtllm_fp4_block_scale_routed_moe` (precomputed top-k, packed or (ids, weights))."""
     common_unsupported(do_finalize, num_fused_shared_experts, gemm1_lora_delta=gemm1_lora_delta)
-    _fp4unsupported(per_token_scale, hidden_states_scale_layout)
+    _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6)
+    unsupported(routing_metadata=("<routing metadata>", routing_metadata is None))
     ids, w = split_routed_input(topk_ids)
     return call_impl(_fp4_impl, ids, w, locals(), routing_replay_out=None)

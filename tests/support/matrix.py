@@ -460,14 +460,71 @@ def capability_cells(tests: dict, release: str) -> dict:
     return cells
 
 
-def _rows(releases_tsv):
-    rows = []
-    with open(releases_tsv) as f:
+def releases_tsv(path="ci/releases.tsv") -> list[dict]:
+    """The rows of ci/releases.tsv in file order: {"release": name, "sglang": the SGLang release, "lane": bool,
+    "transformers", "tvm_ffi", "openai", "flashinfer", "extra"}. A lane (named <release>+flashinfer-<version>) is
+    its release's env with another flashinfer; its "=" columns are the release row's."""
+    rows: list[dict] = []
+    with open(path) as f:
         for line in f:
             if line.strip() and not line.startswith("#"):
-                rel, tf, tvm, oai, fi, extra = (line.split() + ["-"] * 6)[:6]
-                rows.append({"release": rel, "transformers": tf, "flashinfer": fi, "extra": extra})
+                name, tf, tvm, oai, fi, extra = (line.split() + ["-"] * 6)[:6]
+                row = {"release": name, "sglang": name.split("+")[0], "lane": "+" in name}
+                row.update(transformers=tf, tvm_ffi=tvm, openai=oai, flashinfer=fi, extra=extra)
+                if row["lane"]:
+                    base = next(r for r in rows if r["release"] == row["sglang"])
+                    row.update({k: base[k] for k, v in row.items() if v == "="})
+                rows.append(row)
     return rows
+
+
+def tested_versions(path="ci/releases.tsv") -> dict[str, tuple[str, ...]]:
+    """SGLang release -> the flashinfer versions the matrix runs it with (compat/releases.py TESTED)."""
+    tested: dict[str, tuple[str, ...]] = {}
+    for r in releases_tsv(path):
+        fi = () if r["flashinfer"] == "-" else (r["flashinfer"],)
+        tested[r["sglang"]] = tested.get(r["sglang"], ()) + fi
+    return tested
+
+
+TESTED_BEGIN = "# >>> tested (generated from ci/releases.tsv by ci/add-release"
+TESTED_END = "# <<< tested"
+
+
+def render_tested(path="ci/releases.tsv") -> str:
+    """compat/releases.py's TESTED dict, as ruff formats it."""
+    lines = ["TESTED: dict[str, tuple[str, ...]] = {"]
+    for rel, fis in tested_versions(path).items():
+        inner = ", ".join(f'"{v}"' for v in fis) + ("," if len(fis) == 1 else "")
+        lines.append(f'    "{rel}": ({inner}),')
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def tested_block(py_text: str) -> tuple[int, int]:
+    """(start, end) offsets of the TESTED dict inside the generated block of compat/releases.py's text."""
+    begin = py_text.index(TESTED_BEGIN)
+    start = py_text.index("TESTED: dict", begin)
+    end = py_text.index(TESTED_END, start)
+    return start, end
+
+
+def write_tested(py_path="sglang_trtllm_moe/compat/releases.py", tsv="ci/releases.tsv") -> bool:
+    """Regenerate the TESTED dict from the tsv; True if the file changed."""
+    with open(py_path) as f:
+        text = f.read()
+    start, end = tested_block(text)
+    new = text[:start] + render_tested(tsv) + text[end:]
+    if new != text:
+        with open(py_path, "w") as f:
+            f.write(new)
+    return new != text
+
+
+def _rows(releases_tsv_path):
+    return [
+        {k: r[k] for k in ("release", "transformers", "flashinfer", "extra")} | ({"lane": True} if r["lane"] else {})
+        for r in releases_tsv(releases_tsv_path)
+    ]
 
 
 SYMBOL = {
@@ -520,11 +577,23 @@ def render_markdown(data: dict) -> str:
     out = "\n".join(lines) + "\n"
     full = data.get("last_full_run")
     if full:
-        out += (
-            f"\nLast full `ci/matrix` run (all {len(full['releases'])} releases): {full['total_s']} s wall on 2 "
-            f"cores, {full['env_s']} s of it env reuse + plugin install (envs cached; a cold build adds about "
-            "1 min for the shared base and 0.5-2 min per release).\n"
-        )
+        wheel = full.get("wheel")
+        checked = ""
+        if wheel:
+            checked = f", the wheel check {'passed' if wheel['rc'] == 0 else 'FAILED'} in {wheel['tests_s']} s"
+        if full.get("builder_overlaps_tests"):  # ci/matrix's background builder (since the lanes)
+            lanes = sum("+" in r for r in full["releases"])
+            out += (
+                f"\nLast full `ci/matrix` run ({len(full['releases']) - lanes} releases, {lanes} lane(s){checked}): "
+                f"{full['total_s']} s wall on 2 cores; env builds (or reuse) + plugin installs took {full['env_s']} s "
+                "in the background builder, overlapping the tests.\n"
+            )
+        else:
+            out += (
+                f"\nLast full `ci/matrix` run (all {len(full['releases'])} releases): {full['total_s']} s wall on 2 "
+                f"cores, {full['env_s']} s of it env reuse + plugin install (envs cached; a cold build adds about "
+                "1 min for the shared base and 0.5-2 min per release).\n"
+            )
     part = data.get("last_partial_run")
     if part:
         out += f"Last partial run: {', '.join(part['releases'])} in {part['total_s']} s.\n"
@@ -544,7 +613,9 @@ How a cell is computed: the tests that prove a capability are listed in `tests/s
 **n/a**: none applies on that release; the note says whether it is absent upstream or not (yet) provided by the
 plugin, or that flashinfer (SGLang's own trtllm preparation, and the oracle) cannot be imported on CPU there.
 **bug**: a known bug, expected to fail (note names it). **FAIL**: a test failed (note names it). The newest
-release runs the whole suite; older ones the SGLang-dependent subset (`ci/matrix`), so their counts are smaller.
+release runs the whole suite; older ones the SGLang-dependent subset (`ci/matrix`), so their counts are smaller; a
+lane (`<release>+flashinfer-<version>`: that release with the newest flashinfer) runs the tests that compare against
+flashinfer (`ci/matrix` `LANE_TESTS`), so its "-" cells are capabilities proven on its release's row.
 Real-kernel tests (`requires_sm100`) are left out of the cells: no CPU row can run them.
 
 ## Release differences the plugin (or the CPU test runtime) handles
@@ -678,7 +749,8 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
                 n: r["outcome"] + (f" #{reasons.index(r['reason'])}" if r["reason"] else "")
                 for n, r in sorted(tests.items())
             }
-            new.update(tests=compact, reasons=reasons, counts=counts, capabilities=capability_cells(tests, rel))
+            sglang = rel.split("+")[0]  # a lane's skip reasons name its SGLang release
+            new.update(tests=compact, reasons=reasons, counts=counts, capabilities=capability_cells(tests, sglang))
         rows.append(new)
     previous = data
     data = {
@@ -695,7 +767,11 @@ def report(out_dir, releases_tsv, json_path, md_path, readme=None, total_s=None,
         for rel in ran:
             with open(os.path.join(out_dir, f"timing-{rel}.json")) as f:
                 envs += json.load(f).get("env_s", 0)
-        run = {"total_s": total_s, "env_s": envs, "releases": ran}
+        run = {"total_s": total_s, "env_s": envs, "releases": ran, "builder_overlaps_tests": True}
+        wheel_f = os.path.join(out_dir, "wheel.json")
+        if os.path.exists(wheel_f):  # ci/wheel-check's job: the built wheel installed and checked
+            with open(wheel_f) as f:
+                run["wheel"] = json.load(f)
         data["last_full_run" if set(ran) >= {r["release"] for r in rows} else "last_partial_run"] = run
     with open(json_path, "w") as f:
         json.dump(data, f, indent=0, sort_keys=True)

@@ -84,7 +84,8 @@ def _note(detail: str, after: str) -> str:
 
 
 def render(data: dict) -> str:
-    releases = [r for r in data["releases"] if "capabilities" in r]
+    # one column per SGLang release range; a lane (a release with another flashinfer) is a maintainer's row
+    releases = [r for r in data["releases"] if "capabilities" in r and not r.get("lane")]
     if not releases:
         return ""
     answers = {r["release"]: [_answer(r["capabilities"], keys) for _, keys in ROWS] for r in releases}
