@@ -48,22 +48,11 @@ def for_checkpoint(checkpoint: Checkpoint) -> tuple[WeightFormat | None, str]:
     for f in FORMATS:
         if f.describes(checkpoint):
             return f, f.title
-    q = checkpoint.quantization
-    if q == "mxfp8" and checkpoint.online:
-        return None, (
-            "online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at load time and "
-            "rebinds the Parameters to fp8, so the plugin leaves the layer to SGLang's own preparation"
-        )
-    if q == "compressed-tensors":
-        return None, f"compressed-tensors scheme {checkpoint.quant_scheme or 'unknown'!r} is not NVFP4"
-    if q == "fp8":
-        if checkpoint.weight_block_size is not None:
-            return None, f"fp8 with weight_block_size {list(checkpoint.weight_block_size)} (only [128, 128] is served)"
-        return None, (
-            f"fp8 per-tensor with {checkpoint.activation_scheme or 'unstated'} activation scales: the "
-            "TRT-LLM per-tensor kernel takes one static input scale"
-        )
-    return None, f"quantization {q!r} is not a format the plugin prepares"
+    for f in FORMATS:
+        why = f.refusal(checkpoint)
+        if why is not None:
+            return None, why
+    return None, f"quantization {checkpoint.quantization!r} is not a format the plugin prepares"
 
 
 __all__ = [

@@ -216,10 +216,19 @@ class WeightFormat:
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None
 
+    def __repr__(self) -> str:
+        return f"<weight format {self.name}>"
+
     # ---- what it serves ---------------------------------------------------------------------------------------
     def describes(self, checkpoint: Checkpoint) -> bool:
         """True when a checkpoint of this kind is held in this format on the TRT-LLM-Gen path."""
         return False
+
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        """Why a checkpoint of this format's quantization that the format does not describe is not prepared (a
+        variant of it the kernels or SGLang's path do not serve), or None when the checkpoint is not this format's
+        to refuse. `formats.for_checkpoint` asks it when no format describes the checkpoint."""
+        return None
 
     def serves(self, backend: str, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization in self.quantizations.get(backend, ())

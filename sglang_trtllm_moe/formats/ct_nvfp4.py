@@ -57,6 +57,11 @@ class CtNvFp4(NvFp4):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "compressed-tensors" and checkpoint.quant_scheme == "nvfp4"
 
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        if checkpoint.quantization == "compressed-tensors" and not self.describes(checkpoint):
+            return f"compressed-tensors scheme {checkpoint.quant_scheme or 'unknown'!r} is not NVFP4"
+        return None
+
     def scale_of(self, name: str) -> str | None:
         if name.endswith("_weight_packed"):
             return name[: -len("_packed")] + "_scale"

@@ -48,6 +48,12 @@ class Fp8Block(WeightFormat):
             and not checkpoint.fp4_experts
         )
 
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        wbs = checkpoint.weight_block_size
+        if checkpoint.quantization == "fp8" and wbs is not None and not self.describes(checkpoint):
+            return f"fp8 with weight_block_size {list(wbs)} (only [{BLOCK}, {BLOCK}] is served)"
+        return None
+
     params = (
         ParamLayout("w13_weight", "w13", permute_rows=False),
         ParamLayout("w13_weight_scale_inv", "w13", permute_rows=False),

@@ -58,6 +58,20 @@ class Fp8PerTensor(WeightFormat):
             and (want.activation_scheme is None or checkpoint.activation_scheme == want.activation_scheme)
         )
 
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        want = self._checkpoint
+        if (
+            checkpoint.quantization == want.quantization
+            and checkpoint.weight_block_size is None
+            and want.activation_scheme is not None
+            and checkpoint.activation_scheme != want.activation_scheme
+        ):
+            return (
+                f"{want.quantization} per-tensor with {checkpoint.activation_scheme or 'unstated'} activation scales: "
+                f"the TRT-LLM per-tensor kernel takes one {want.activation_scheme} input scale"
+            )
+        return None
+
     def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         base = super().row_map(layer, p, t)
         if p.group != "w13" or not self.gate_first or not self.is_gated(layer):

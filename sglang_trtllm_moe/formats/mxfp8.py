@@ -66,6 +66,14 @@ class Mxfp8(WeightFormat):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "mxfp8" and not checkpoint.online
 
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        if checkpoint.quantization == "mxfp8" and checkpoint.online:
+            return (
+                "online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at load time and "
+                "rebinds the Parameters to fp8, so the plugin leaves the layer to SGLang's own preparation"
+            )
+        return None
+
     def activations(self, gated: bool) -> frozenset[str]:
         """Non-gated relu2 only where SGLang allocates the kernel's I-row w13 (0.5.19+): before, SGLang slices a
         2I-row allocation at its prep (new storage) and the plugin leaves the layer to SGLang."""
