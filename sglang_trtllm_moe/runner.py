@@ -19,7 +19,7 @@ import torch
 
 from . import kernel_api, layer_state
 from .errors import KernelUnavailableError
-from .formats import BF16, NVFP4, KernelCall, WeightFormat
+from .formats import KernelCall, WeightFormat, sglang_prepared
 from .formats.base import Layer
 
 # SGLang objects (SGLang ships no type information): a TopK output, a token dispatcher's output, a leaf's QuantInfo,
@@ -31,10 +31,6 @@ RunnerConfig = Any
 CombineInput = Any
 
 ENV_EMULATE = "SGLANG_TRTLLM_MOE_EMULATE"
-
-#: the format of a layer SGLang prepared itself, per leaf, for the emulator (FP8 layers SGLang prepares are MXFP8 or
-#: SGLang's own requantized per-tensor layout: they stay on SGLang's leaf)
-SGLANG_PREPARED = {"fp4": NVFP4, "bf16": BF16}
 
 
 def emulating() -> bool:
@@ -193,7 +189,7 @@ def format_for(
     """The format to run a layer with on SGLang's `leaf` ("fp4" | "fp8" | "bf16"), or None for SGLang's own leaf:
     a layer the plugin prepared runs on its format; a layer SGLang prepared that the plugin watches (compat/defer.py)
     runs on its format under the emulator, or where SGLang's leaf would guess an undeclared routing method; under the
-    emulator, NVFP4 and BF16 layers SGLang prepared run on the format SGLang's layout is."""
+    emulator, a layer SGLang prepared runs on the format whose layout its leaf holds (`formats.sglang_prepared`)."""
     layer = getattr(runner_config, "layer", None)
     st = layer_state.state_of(layer)
     if st is not None:
@@ -203,7 +199,7 @@ def format_for(
         return observed
     if not emulating():
         return None
-    return observed or SGLANG_PREPARED.get(leaf)
+    return observed or sglang_prepared(leaf)
 
 
 __all__ = [

@@ -38,6 +38,17 @@ def by_name(name: str) -> WeightFormat:
     raise KeyError(f"no weight format {name!r}; known: {[f.name for f in FORMATS]}")
 
 
+#: SGLang's fused-MoE leaf -> the format whose layout a layer SGLang prepared itself holds (WeightFormat.sglang_leaf)
+SGLANG_PREPARED: dict[str, WeightFormat] = {f.sglang_leaf: f for f in FORMATS if f.sglang_leaf is not None}
+if len(SGLANG_PREPARED) != sum(f.sglang_leaf is not None for f in FORMATS):
+    raise AssertionError(f"two formats claim one SGLang leaf: {[(f.name, f.sglang_leaf) for f in FORMATS]}")
+
+
+def sglang_prepared(leaf: str) -> WeightFormat | None:
+    """The format a layer SGLang prepared itself holds on its fused-MoE `leaf`, or None (SGLang's own layout)."""
+    return SGLANG_PREPARED.get(leaf)
+
+
 def prepared_on(fmt: WeightFormat) -> tuple[str, ...]:
     """The runner backends on which the plugin prepares `fmt` in place (the TRT-LLM-Gen ones SGLang serves it on)."""
     return tuple(fmt.quantizations)
@@ -64,9 +75,11 @@ __all__ = [
     "ParamLayout",
     "WeightFormat",
     "FORMATS",
+    "SGLANG_PREPARED",
     "by_name",
     "for_checkpoint",
     "prepared_on",
+    "sglang_prepared",
     "NVFP4",
     "CT_NVFP4",
     "FP8_TENSOR",

@@ -182,7 +182,7 @@ class WeightFormat:
     written at once: gpt-oss) with `fused_checkpoint_names`, `own_backend` (the non-trtllm runner backend SGLang
     serves the format on, e.g. flashinfer_mxfp4: reported by selection, never auto-selected),
     `accepts_prequantized` (activations quantized by the dispatcher reach `kernel_args` as
-    `KernelCall.hidden_scale`)."""
+    `KernelCall.hidden_scale`), `sglang_leaf` (SGLang's own prepared layers of that leaf are this layout)."""
 
     # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
     # per instance (Fp8PerTensor)
@@ -215,6 +215,11 @@ class WeightFormat:
     #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None
+    #: SGLang's fused-MoE leaf ("fp4" | "fp8" | "bf16") on which a layer SGLang prepared itself holds exactly this
+    #: format's kernel layout, so the emulator can run it as this format (`formats.sglang_prepared`); None = no leaf
+    #: of SGLang's own preparation is read as this format (FP8 layers SGLang prepares are MXFP8 or its own
+    #: requantized per-tensor layout: they stay on SGLang's leaf)
+    sglang_leaf: ClassVar[str | None] = None
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"

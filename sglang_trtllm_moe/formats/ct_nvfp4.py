@@ -26,6 +26,8 @@ class CtNvFp4(NvFp4):
     title = "NVFP4 (compressed-tensors nvfp4)"
     #: SGLang has no routed path for compressed-tensors (handle_moe_kernel_config asserts)
     quantizations = {TRTLLM: frozenset({"compressed-tensors"})}
+    #: SGLang's own prepared FP4-leaf layers are read as ModelOpt NVFP4 (the same bytes), not as this format
+    sglang_leaf = None
     params = (
         ParamLayout("w13_weight_packed", "w13"),
         ParamLayout("w13_weight_scale", "w13", sf_swizzle=True),

@@ -22,6 +22,8 @@ class NvFp4(WeightFormat):
     title = "NVFP4 (modelopt_fp4)"
     kernel = "fp4_block_scale"
     quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
+    #: SGLang's own trtllm NVFP4 prep produces this layout (its FP4 leaf's layers, emulated as NVFP4)
+    sglang_leaf = "fp4"
     #: flashinfer's FP4 launcher takes Swiglu / Geglu gated and Silu / Gelu / Relu2 non-gated from the first release
     #: SGLang 0.5.11 pins (activation_type); "situ" needs clamp parameters the plugin does not prepare
     gated_activations = frozenset({"silu", "gelu"})
