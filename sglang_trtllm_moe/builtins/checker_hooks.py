@@ -40,7 +40,7 @@ RELEASES = features.WEIGHT_CHECKER_COMPARATOR.releases
 SNAPSHOT_STATE_ATTR = "_trtllm_moe_prepared"
 
 
-class _Ref:
+class WeightRef:
     """A laid-out weight of a managed layer, by its full name in the model."""
 
     __slots__ = ("layer", "prefix", "name")
@@ -53,7 +53,7 @@ class _Ref:
 
 
 class PluginQuantizedSet(dict):
-    """SGLang's quantized set plus the plugin's entries (full weight name -> _Ref); SGLang reads it as a dict."""
+    """SGLang's quantized set plus the plugin's entries (full weight name -> WeightRef); SGLang reads it as a dict."""
 
     trtllm_moe: dict
 
@@ -61,19 +61,19 @@ class PluginQuantizedSet(dict):
         """Names compared inside a plugin entry (the rest of each weight's group), not on their own."""
         out = set()
         for ref in self.trtllm_moe.values():
-            fmt = _state(ref.layer).fmt
+            fmt = managed_state(ref.layer).fmt
             scale = fmt.scale_of(ref.name)
             if scale is not None:
                 out.add(ref.full(scale))
         return out
 
 
-def _managed(model) -> list[tuple[str, object]]:
+def managed_layers(model) -> list[tuple[str, object]]:
     return [(name, m) for name, m in model.named_modules() if layer_state.state_of(m) is not None]
 
 
-def _state(layer: object) -> layer_state.LayerState:
-    """The layout state of a layer `_managed` listed (a managed layer keeps its state for life)."""
+def managed_state(layer: object) -> layer_state.LayerState:
+    """The layout state of a layer `managed_layers` listed (a managed layer keeps its state for life)."""
     st = layer_state.state_of(layer)
     assert st is not None, f"{layer_state.layer_name(layer)} is not managed by sglang-trtllm-moe"
     return st
@@ -91,26 +91,26 @@ class _WithoutManaged:
                 yield name, m
 
 
-def _weight_names(fmt) -> list[str]:
+def weight_names(fmt) -> list[str]:
     """Laid-out parameters that are not some other parameter's block scales."""
     scales = {fmt.scale_of(p.name) for p in fmt.params}
     return [p.name for p in fmt.params if p.name not in scales]
 
 
 def build_quantized_set(original, model, *args, **kwargs):
-    managed = _managed(model)
+    managed = managed_layers(model)
     if not managed:
         return original(model, *args, **kwargs)
     out = PluginQuantizedSet(original(_WithoutManaged(model, {id(m) for _, m in managed}), *args, **kwargs))
     out.trtllm_moe = {}
     for mname, layer in managed:
         prefix = f"{mname}." if mname else ""
-        for name in _weight_names(_state(layer).fmt):
-            out.trtllm_moe[prefix + name] = _Ref(layer, prefix, name)
+        for name in weight_names(managed_state(layer).fmt):
+            out.trtllm_moe[prefix + name] = WeightRef(layer, prefix, name)
     return out
 
 
-def _side(ref: _Ref, raw: dict) -> checker.ParamSide:
+def side_of(ref: WeightRef, raw: dict) -> checker.ParamSide:
     live = checker.live_side(ref.layer, ref.name)
     tensors = {n: raw[ref.full(n)] for n in live.tensors}
     t = tensors[ref.name]
@@ -138,7 +138,7 @@ def _substitute(entries, raw, refs, consumed):
         if ref is None:
             yield entry
         else:
-            yield entry._replace(comparable=checker.TrtllmMoeComparable(_side(ref, raw), entry.name))
+            yield entry._replace(comparable=checker.TrtllmMoeComparable(side_of(ref, raw), entry.name))
 
 
 def compare_weights(original, expect, actual, *args, **kwargs):
@@ -154,15 +154,15 @@ def compare_weights(original, expect, actual, *args, **kwargs):
 def record_snapshot_state(original, self, *args, **kwargs):
     import contextlib
 
-    managed = _managed(_model_of(self))
+    managed = managed_layers(model_of(self))
     with contextlib.ExitStack() as held:
         # every layer's lock, in one global order (writers hold one lock at a time: no deadlock)
         for _, layer in sorted(managed, key=lambda m: id(m[1])):
-            held.enter_context(_state(layer).lock)
+            held.enter_context(managed_state(layer).lock)
         result = original(self, *args, **kwargs)
         snap = getattr(self, "_snapshot_tensors", None) or {}
         for mname, layer in managed:
-            st = _state(layer)
+            st = managed_state(layer)
             prefix = f"{mname}." if mname else ""
             for p in st.fmt.params:
                 t = snap.get(prefix + p.name)
@@ -186,7 +186,7 @@ def chunks_on_this_host(original, self, *args, **kwargs):
         torch.Tensor.cuda = real  # type: ignore[method-assign]  # restores the method patched above
 
 
-def _model_of(weight_checker):
+def model_of(weight_checker):
     if features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present():
         return weight_checker._model_runner.model
     return weight_checker._get_model()
