@@ -245,11 +245,11 @@ def register() -> None:
         _STATE = st
 
 
-def _reset_for_tests() -> None:
+def reset_for_tests() -> None:
     """Forget registration state (tests only; SGLang's HookRegistry has its own reset())."""
     global _STATE
     _STATE = PluginState()
-    installer._reset_for_tests()
+    installer.reset_for_tests()
 
 
 __all__ = ["register", "state", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]

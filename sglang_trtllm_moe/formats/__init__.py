@@ -7,7 +7,7 @@ the generic machinery (`layer_state`, `runner`, `selection`) never asks "which f
 
 from __future__ import annotations
 
-from .base import BACKENDS, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import BACKENDS, SUPPORTED, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, Support, WeightFormat
 from .bf16 import BF16
 from .ct_nvfp4 import CT_NVFP4
 from .fp8_block import FP8_BLOCK
@@ -73,6 +73,8 @@ __all__ = [
     "Checkpoint",
     "KernelCall",
     "ParamLayout",
+    "SUPPORTED",
+    "Support",
     "WeightFormat",
     "FORMATS",
     "SGLANG_PREPARED",

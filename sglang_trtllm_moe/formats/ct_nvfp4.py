@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import TRTLLM, Checkpoint, Layer, ParamLayout, WeightFormat
+from .base import TRTLLM, Checkpoint, Layer, ParamLayout, Support, WeightFormat
 from .nvfp4 import NvFp4
 
 
@@ -41,9 +41,9 @@ class CtNvFp4(NvFp4):
         "w2_input_global_scale",
     )
 
-    def activation_problem(self, activation: str, gated: bool) -> str | None:
+    def supports_activation(self, activation: str, gated: bool) -> Support:
         # its apply is compressed-tensors' (or the plugin's runner, before 0.5.17), not ModelOpt's activation table
-        return WeightFormat.activation_problem(self, activation, gated)
+        return WeightFormat.supports_activation(self, activation, gated)
 
     #: kernel-side names SGLang's apply reads -> the loaded Parameter they alias
     aliases = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts.maps import _cached, _norm_device
+from ..layouts.maps import cached, norm_device
 from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 
@@ -76,9 +76,9 @@ class Fp8PerTensor(WeightFormat):
         base = super().row_map(layer, p, t)
         if p.group != "w13" or not self.gate_first or not self.is_gated(layer):
             return base
-        m, dev = t.shape[1], _norm_device(t.device)
+        m, dev = t.shape[1], norm_device(t.device)
         # kernel row r = logical [up; gate] row base[r] = stored [gate; up] row swap[base[r]]
-        return _cached(("fp8-w13-gate-first", m, True, 128, dev), lambda: _swap_halves_map(m).to(dev)[base])
+        return cached(("fp8-w13-gate-first", m, True, 128, dev), lambda: _swap_halves_map(m).to(dev)[base])
 
     def check_layout(self, layer: Layer) -> str | None:
         problem = super().check_layout(layer)
