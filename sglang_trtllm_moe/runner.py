@@ -11,13 +11,12 @@ to SGLang's leaf unchanged — except under the emulator, which reads SGLang's b
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from . import kernel_api, layer_state
+from . import env, kernel_api, layer_state
 from .errors import KernelUnavailableError
 from .formats import KernelCall, WeightFormat, sglang_prepared
 from .formats.base import Layer
@@ -34,7 +33,7 @@ ENV_EMULATE = "SGLANG_TRTLLM_MOE_EMULATE"
 
 
 def emulating() -> bool:
-    return os.environ.get(ENV_EMULATE, "").strip().lower() in ("1", "true", "yes", "on")
+    return env.flag(ENV_EMULATE)
 
 
 def _kernel_backend(layer: Layer, device: torch.device) -> tuple[ModuleType, bool]:

@@ -13,9 +13,9 @@ is here is about the deployment:
 
 from __future__ import annotations
 
-import os
 import re
 
+from .. import env
 from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
 from .problem import DeviceInfo, Eligibility, MoeProblem, Resolution
 
@@ -178,7 +178,7 @@ def candidate_order(problem: MoeProblem) -> tuple[str, ...]:
 
 
 def auto_enabled() -> bool:
-    return os.environ.get(ENV_AUTO, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.flag(ENV_AUTO, default=True)
 
 
 def resolve(
