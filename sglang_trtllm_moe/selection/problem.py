@@ -8,7 +8,6 @@ from typing import Any
 
 from ..formats import Checkpoint, WeightFormat, for_checkpoint
 
-
 #: MoeProblem's keywords for the fields of its `checkpoint` (callers may pass them flat, as before it held one)
 CHECKPOINT_KEYWORDS = {
     "quantization": "quantization",
@@ -53,7 +52,9 @@ class MoeProblem:
         checkpoint = kw.pop("checkpoint", None) or Checkpoint()
         if flat:
             checkpoint = replace(checkpoint, **flat)
-        values = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts)
+        values: dict[str, Any] = dict(
+            hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts
+        )
         values.update(top_k=top_k, checkpoint=checkpoint)
         for f in fields(self):
             if f.name in values:
