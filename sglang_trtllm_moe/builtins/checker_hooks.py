@@ -17,13 +17,17 @@ into comparables, `compare_weights(expect, actual)` compares pairs. Our hooks, o
   taken in another layout (before the plugin prepared the layer, or mid-update) is undone correctly; the copy and
   the record happen with every managed layer's lock held, so no concurrent writer changes a layout in between;
 * `RawComparable.iter_chunks`, `Fp8BlockComparable.iter_chunks` (AROUND): SGLang moves every chunk with `.cuda()`;
-  on a host without CUDA (the emulator, CPU tests) the chunks stay where they are. With CUDA it is SGLang's own code.
+  on a host without CUDA (the emulator, CPU tests) SGLang's own code runs on a copy of the comparable whose tensors
+  stay on the weights' device (`HostTensor` views: their `.cuda()` is the identity; torch itself is never patched).
+  With CUDA it is SGLang's own code on SGLang's own comparable.
 
 0.5.15 has the same comparator module (the model read as `model_runner.model`); before 0.5.15 the checker compares
 through module functions, hooked in checker_legacy_hooks.py.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -171,19 +175,33 @@ def record_snapshot_state(original, self, *args, **kwargs):
     return result
 
 
+class HostTensor(torch.Tensor):
+    """A view of a comparable's tensor (same storage) that stays on the weights' device: `.cuda()` returns it.
+    Slices, reshapes and results of torch ops on it are HostTensors too (torch's default subclass propagation), so
+    every chunk SGLang's `iter_chunks` derives from it stays where the weights are."""
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+
+def on_this_host(comparable):
+    """A shallow copy of SGLang's `comparable` whose tensor attributes are HostTensor views of the same storage."""
+    out = copy.copy(comparable)
+    for name, value in vars(comparable).items():
+        if isinstance(value, torch.Tensor):
+            setattr(out, name, value.as_subclass(HostTensor))
+    return out
+
+
 def chunks_on_this_host(original, self, *args, **kwargs):
     """SGLang's comparables move every chunk with `.cuda()`; on a host without CUDA (the emulator, CPU tests) that
-    can only raise, so there the same chunks are compared where they are: SGLang's own code runs with `.cuda()` as
-    the identity. With CUDA it is SGLang's own code, untouched."""
+    can only raise, so there SGLang's own code compares the same chunks where the weights are, on `on_this_host`'s
+    copy of the comparable (no global state: torch is not patched, other threads see nothing). With CUDA it is
+    SGLang's own code on its own comparable, untouched."""
     if torch.cuda.is_available():
         yield from original(self, *args, **kwargs)
         return
-    real = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]  # undone in the finally below
-    try:
-        yield from original(self, *args, **kwargs)
-    finally:
-        torch.Tensor.cuda = real  # type: ignore[method-assign]  # restores the method patched above
+    yield from original(on_this_host(self), *args, **kwargs)
 
 
 def model_of(weight_checker):
