@@ -248,7 +248,6 @@ def register_sglang_hooks(register, release):
             f"{WC}.WeightChecker._snapshot",
             record_snapshot_state,
             "around",
-            releases=">=0.5.11",
             capability="weight-check",
             why="remember the layout each snapshot tensor was taken in",
         )

@@ -112,6 +112,12 @@ FP8_W13_ALWAYS_TWO_HALVES = Feature(
     "0.5.19 is_concat=is_gated. A non-gated (relu2) per-tensor layer on flashinfer_trtllm then hands the kernel an "
     "uninitialised second half: the plugin allocates it at the kernel's [E, I, H] before anything is loaded",
 )
+BF16_LOAD_RESTORES_LAYOUT = Feature(
+    ">=0.5.23",
+    "UnquantizedFusedMoEMethod.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load un-blocks the whole 4-D "
+    "BF16 layer (bytes and shape) before each load on both trtllm backends (sglang#33743; before, a shape-only "
+    "restore on the routed backend): the plugin skips it for the [E, M, K] layers it manages",
+)
 CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
     "<0.5.17",
     "CompressedTensorsW4A4Nvfp4MoE.apply_weights calls flashinfer itself (no MoeRunner), reading "
@@ -239,7 +245,6 @@ WEIGHT_CHECKER_TAKES_PS = Feature(
     ">=0.5.16,<0.5.21",
     "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
 )
-SPAWN_RANKS = Feature(">=0.5.21", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
 
 
 def all_features() -> dict[str, Feature]:
