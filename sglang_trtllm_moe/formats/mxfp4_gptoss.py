@@ -67,7 +67,6 @@ class Mxfp4GptOss(WeightFormat):
         "down_proj_scales": "w2_weight_scale",
         "down_proj_bias": "w2_weight_bias",
     }
-    scalar_names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "mxfp4"
