@@ -3,9 +3,11 @@
 Code asks a flag (`features.NVFP4_W13_SCALE_2_UP_GATE.present()`) instead of comparing versions or probing for an
 attribute, so a new release is a matter of widening or closing ranges here (docs/ARCHITECTURE.md, "add an SGLang
 release"), and `tests/test_compat_features.py` checks each flag against the installed SGLang's code.
-Hook targets carry their own `releases=` (the table of what exists where); this module holds the facts that change
-what a hook must do once it runs. The CPU harness's facts (how to stand a process up) are here too, grouped last:
-they are facts about SGLang releases as well.
+A hook target names its range through a flag here (`releases=features.X.releases`) or carries none (it exists on
+every release the plugin runs on); release-range literals live in compat/ only (tests/test_house_rules.py, which
+lists the files still pending). This module holds the facts that decide where a hook applies and what it must do
+once it runs. The CPU harness's facts (how to stand a process up) are here too, grouped last: they are facts about
+SGLang releases as well.
 """
 
 from __future__ import annotations
