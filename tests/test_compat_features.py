@@ -94,6 +94,13 @@ PROBES = {
     "FP8_W13_ALWAYS_TWO_HALVES": lambda: (
         "is_concat=True" in inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.fp8"))
     ),
+    "BF16_LOAD_RESTORES_LAYOUT": lambda: (
+        "_restore_trtllm_bf16_canonical_layout"
+        in _source(
+            "sglang.srt.layers.quantization.unquant:"
+            "UnquantizedFusedMoEMethod.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load"
+        )
+    ),
     "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: (
         "trtllm_fp4_block_scale_moe"
         in _source(
@@ -152,7 +159,6 @@ PROBES = {
             importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__
         ).parameters
     ),
-    "SPAWN_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks"),
     # MX formats
     "MXFP8_ACTIVATION_PARAMS": lambda: hasattr(
         importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,

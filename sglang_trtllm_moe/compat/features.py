@@ -3,9 +3,11 @@
 Code asks a flag (`features.NVFP4_W13_SCALE_2_UP_GATE.present()`) instead of comparing versions or probing for an
 attribute, so a new release is a matter of widening or closing ranges here (docs/ARCHITECTURE.md, "add an SGLang
 release"), and `tests/test_compat_features.py` checks each flag against the installed SGLang's code.
-Hook targets carry their own `releases=` (the table of what exists where); this module holds the facts that change
-what a hook must do once it runs. The CPU harness's facts (how to stand a process up) are here too, grouped last:
-they are facts about SGLang releases as well.
+A hook target names its range through a flag here (`releases=features.X.releases`) or carries none (it exists on
+every release the plugin runs on); release-range literals live in compat/ only (tests/test_house_rules.py, which
+lists the files still pending). This module holds the facts that decide where a hook applies and what it must do
+once it runs. The CPU harness's facts (how to stand a process up) are here too, grouped last: they are facts about
+SGLang releases as well.
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ FP8_W13_ALWAYS_TWO_HALVES = Feature(
     "Fp8MoEMethod allocates w13 as [E, 2*I, H] (get_moe_weight_sizes(is_concat=True)) whatever the activation; from "
     "0.5.19 is_concat=is_gated. A non-gated (relu2) per-tensor layer on flashinfer_trtllm then hands the kernel an "
     "uninitialised second half: the plugin allocates it at the kernel's [E, I, H] before anything is loaded",
+)
+BF16_LOAD_RESTORES_LAYOUT = Feature(
+    ">=0.5.23",
+    "UnquantizedFusedMoEMethod.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load un-blocks the whole 4-D "
+    "BF16 layer (bytes and shape) before each load on both trtllm backends (sglang#33743; before, a shape-only "
+    "restore on the routed backend): the plugin skips it for the [E, M, K] layers it manages",
 )
 CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
     "<0.5.17",
@@ -239,7 +247,6 @@ WEIGHT_CHECKER_TAKES_PS = Feature(
     ">=0.5.16,<0.5.21",
     "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
 )
-SPAWN_RANKS = Feature(">=0.5.21", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
 
 
 def all_features() -> dict[str, Feature]:

@@ -724,7 +724,7 @@ def expected_owner(layer) -> str:
     fmt = st.fmt if st is not None else layer_state.observed(layer)
     if fmt is None:
         return "plugin or sglang"  # neither: never what is expected
-    v = defer.verdict(fmt.name)
+    v = defer.verdict(fmt)
     return "sglang" if v is not None and v.upstream_correct else "plugin"
 
 
