@@ -58,7 +58,9 @@ NOTHING_WRITTEN = "; nothing was written"
 #: checkpoint projection names -> SGLang shard ids (FusedMoE.make_expert_params_mapping of SGLang's model classes)
 PROJECTIONS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
-_TLS = threading.local()
+#: per thread, what weight_loader validated for the _weight_loader_impl call SGLang makes inside it (param, tensor,
+#: parameter name, local expert count); the loader hooks read and set it inline on every write
+HANDSHAKE = threading.local()
 
 
 def param_name(layer, param, fmt=None) -> str | None:
@@ -657,24 +659,24 @@ def refuse_values(rule: LoadRule, loaded, code: str, refuse: Refusal) -> NoRetur
 def mark_validated(param, loaded, name: str | None = None, local_experts: int = 0):
     """`FusedMoE.weight_loader` validated this (param, tensor) as parameter `name` (of `local_experts` local experts,
     0: not known): `_weight_loader_impl` only checks the local id. Returns what to restore."""
-    prev = getattr(_TLS, "validated", None)
-    _TLS.validated = (param, loaded, name, local_experts)
+    prev = getattr(HANDSHAKE, "validated", None)
+    HANDSHAKE.validated = (param, loaded, name, local_experts)
     return prev
 
 
 def restore_validated(prev) -> None:
-    _TLS.validated = prev
+    HANDSHAKE.validated = prev
 
 
 def was_validated(param, loaded) -> bool:
-    v = getattr(_TLS, "validated", None)
+    v = getattr(HANDSHAKE, "validated", None)
     return v is not None and v[0] is param and v[1] is loaded
 
 
 def validated(param, loaded) -> tuple | None:
     """(param, tensor, parameter name, local expert count or 0) when `weight_loader` validated this write in this
     thread; None if it did not."""
-    v = getattr(_TLS, "validated", None)
+    v = getattr(HANDSHAKE, "validated", None)
     if v is not None and v[0] is param and v[1] is loaded:
         return v
     return None

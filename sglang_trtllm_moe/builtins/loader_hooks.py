@@ -26,7 +26,7 @@ FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 
 #: the thread-local handshake: weight_loader's (param, tensor, parameter name, local expert count) for the
 #: _weight_loader_impl call SGLang makes inside it (validation.mark_validated / validated, inlined: every write)
-_TLS = validation._TLS
+_TLS = validation.HANDSHAKE
 _STATE = layer_state.STATE_ATTR
 
 
