@@ -59,8 +59,9 @@ def _check_h200_update_path(out):
     assert rows["float_scales_batched"]["syncs"] == 1
     assert rows["all_scales_find_bad"]["syncs"] == 1
     assert rows["byte_scales_nan_one_reduction_per_buffer"]["syncs"] == 1
-    # through the entry point nothing is read back per write; through a bare load_weights every scale is
-    assert "checks" not in out["partial"]["tensor_to_python"]
+    # through the entry point the one bucket's values are read back once, nothing per write; through a bare
+    # load_weights every scale is
+    assert sum(out["partial"]["tensor_to_python"].get("checks", {}).values()) == 1
     assert sum(out["partial"]["tensor_to_python_no_entry_point"]["checks"].values()) >= 2 * 9
 
 
