@@ -30,11 +30,6 @@ RELEASE_RANGE = re.compile(r"(?:[<>]=?|==|!=|~=)\s*\d+\.\d+")
 
 #: files (relative to the package) whose release-range literals wait for other work: what for
 PENDING_RELEASE_LITERALS = {
-    "builtins/weight_updates.py": (
-        "pending the hot-path work (its entry-point ranges are WEIGHT_UPDATER / DISTRIBUTED_UPDATE_RENAMED / "
-        "UPDATE_SESSIONS; its '>=0.5.11' targets need no range)"
-    ),
-    "builtins/loader_hooks.py": "pending the hot-path work (three '>=0.5.11' targets: every release, the default)",
     "testing/engine.py": "pending issue #30's CPU-harness move (SUPPORTED_RELEASES '>=0.5.23')",
     "testing/models.py": "pending issue #30's CPU-harness move (SUPPORTED_RELEASES '>=0.5.21')",
     "testing/runtime.py": "pending issue #30's CPU-harness move (init_rank's message names SpawnRanks' '>= 0.5.21')",

@@ -142,7 +142,6 @@ def register_sglang_hooks(register, release):
             f"{FUSED_MOE}.weight_loader",
             weight_loader,
             "around",
-            releases=">=0.5.11",
             capability="rl-update",
             why="validate every write (shard, expert id, dtype, shape, device, scale values) before SGLang "
             "maps expert ids to ranks, so every rank refuses the same bad tensor",
@@ -153,7 +152,6 @@ def register_sglang_hooks(register, release):
             f"{FUSED_MOE}.__init__",
             remember_prefix,
             "after",
-            releases=">=0.5.11",
             capability="core",
             why="remember each MoE layer's checkpoint prefix (errors and reports name it) and logical "
             "intermediate size (validation tells a short tensor from a padded one)",
@@ -164,7 +162,6 @@ def register_sglang_hooks(register, release):
             f"{FUSED_MOE}._weight_loader_impl",
             weight_loader_impl,
             "around",
-            releases=">=0.5.11",
             capability="rl-update",
             why="validate shards and un-prepare an expert before SGLang's loader writes into it",
         )

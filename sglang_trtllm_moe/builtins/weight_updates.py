@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 from .. import bucket_validation, checkpoint_headers, hookimpl, layer_state, rollback, validation
+from ..compat import features
 from ..targets import HookTarget
 
 logger = logging.getLogger("sglang_trtllm_moe")
@@ -194,27 +195,28 @@ def check_direct_before(model, named_tensors, *args, **kwargs):
 
 
 # (dotted path, releases): where each release keeps its weight-update entry points (read from each release's
-# model_runner.py / model_runner_components/weight_updater.py; compat/features.py WEIGHT_UPDATER,
-# DISTRIBUTED_UPDATE_RENAMED).
+# model_runner.py / model_runner_components/weight_updater.py; the ranges are compat/features.py's WEIGHT_UPDATER
+# and DISTRIBUTED_UPDATE_RENAMED).
+_UPDATER, _RUNNER = features.WEIGHT_UPDATER.releases, features.WEIGHT_UPDATER.before
 LOAD_ONLY_ENTRY_POINTS = (
-    (f"{UPDATER}.update_weights_from_tensor", ">=0.5.16"),
-    (f"{UPDATER}.update_weights_from_distributed", ">=0.5.16,<0.5.21"),  # renamed in 0.5.21:
-    (f"{UPDATER}.load_weights_from_distributed", ">=0.5.21"),
-    (f"{UPDATER}.update_weights_from_ipc", ">=0.5.16"),
-    (f"{MODEL_RUNNER}.update_weights_from_tensor", "<0.5.16"),
-    (f"{MODEL_RUNNER}.update_weights_from_distributed", "<0.5.16"),
+    (f"{UPDATER}.update_weights_from_tensor", _UPDATER),
+    (f"{UPDATER}.update_weights_from_distributed", f"{_UPDATER},{features.DISTRIBUTED_UPDATE_RENAMED.before}"),
+    (f"{UPDATER}.load_weights_from_distributed", features.DISTRIBUTED_UPDATE_RENAMED.releases),
+    (f"{UPDATER}.update_weights_from_ipc", _UPDATER),
+    (f"{MODEL_RUNNER}.update_weights_from_tensor", _RUNNER),
+    (f"{MODEL_RUNNER}.update_weights_from_distributed", _RUNNER),
 )
 RELOAD_START = (
-    (f"{UPDATER}.update_weights_from_disk", ">=0.5.16"),
-    (f"{MODEL_RUNNER}.update_weights_from_disk", "<0.5.16"),
+    (f"{UPDATER}.update_weights_from_disk", _UPDATER),
+    (f"{MODEL_RUNNER}.update_weights_from_disk", _RUNNER),
 )
 
 
 DEFAULT_LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader.load_model"
 
 DIRECT = (
-    ("sglang.srt.model_executor.model_runner_components.weight_updater._model_load_weights_direct", ">=0.5.16"),
-    ("sglang.srt.model_executor.model_runner._model_load_weights_direct", "<0.5.16"),
+    ("sglang.srt.model_executor.model_runner_components.weight_updater._model_load_weights_direct", _UPDATER),
+    ("sglang.srt.model_executor.model_runner._model_load_weights_direct", _RUNNER),
 )
 
 
@@ -248,7 +250,6 @@ def register_sglang_hooks(register, release):
             DEFAULT_LOADER,
             remember_load_after,
             "after",
-            releases=">=0.5.11",
             capability="rl-update",
             why="remember the checkpoint a model was loaded from: a failed disk update reloads it (rollback.py)",
         )
@@ -291,7 +292,7 @@ def register_sglang_hooks(register, release):
             f"{UPDATER}.end_weight_update",
             end_session_after,
             "after",
-            releases=">=0.5.21",
+            releases=features.UPDATE_SESSIONS.releases,
             capability="rl-update",
             why="the session is over: prepare everything it wrote",
         )
@@ -301,7 +302,7 @@ def register_sglang_hooks(register, release):
             f"{UPDATER}.begin_weight_update",
             unprepare_all_before,
             "before",
-            releases=">=0.5.21",
+            releases=features.UPDATE_SESSIONS.releases,
             capability="rl-update",
             why="a begin/end session may write straight into parameters: every managed layer to checkpoint layout",
         )

@@ -43,6 +43,14 @@ class Feature:
         v = Version(Version(str(release)).base_version)
         return SpecifierSet(self.releases).contains(v, prereleases=True)
 
+    @property
+    def before(self) -> str:
+        """The releases before a ">=X" range starts ("<X"): where the older code path of the same fact lives."""
+        lower = self.releases.replace(" ", "")
+        if not lower.startswith(">=") or "," in lower:
+            raise ValueError(f"{self.releases!r} is not a '>=X' range: it has no single 'before'")
+        return "<" + lower[2:]
+
 
 # ---- what the runtime hooks act on -------------------------------------------------------------------------------
 
