@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from . import checkpoint_headers, layer_state, value_checks
+from . import checkpoint_headers, layer_attrs, layer_state, value_checks
 from .errors import WeightUpdateRefused
 from .layer_state import layer_name, state_of
 from .validation import (
@@ -86,7 +86,7 @@ def _managed_modules(model) -> dict[str, object]:
     for path, m in model.named_modules():
         if format_of(m) is not None:
             out[path] = m
-            prefix = getattr(m, "_trtllm_moe_prefix", None)
+            prefix = getattr(m, layer_attrs.PREFIX, None)
             if prefix:
                 out.setdefault(prefix, m)
             tail = _from_layers(path)

@@ -34,19 +34,19 @@ from typing import Any
 
 import torch
 
-from . import layouts
+from . import layer_attrs, layouts
 from .errors import WeightPrepError
 from .formats.base import Layer, WeightFormat, set_scalar_
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
-STATE_ATTR = "_trtllm_moe_state"
+STATE_ATTR = layer_attrs.STATE
 _LAYERS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 #: guards `_LAYERS` and the creation of a layer's state (two threads must never attach two states to one layer)
 _REGISTRY_LOCK = threading.Lock()
 #: what validation caches per layer (validation.plan_of: one write plan per parameter); dropped when the layer's
 #: state or watched format is set
-PLANS_ATTR = "_trtllm_moe_plans"
+PLANS_ATTR = layer_attrs.PLANS
 #: bumped whenever a layer starts being managed or watched: caches of which layers a model holds compare it
 _GENERATION = [0]
 
@@ -71,7 +71,7 @@ def _set_own(layer: Layer, attr: str, value: Any) -> None:
 
 
 def layer_name(layer: Layer) -> str:
-    prefix = getattr(layer, "_trtllm_moe_prefix", None) or getattr(layer, "prefix", None)
+    prefix = getattr(layer, layer_attrs.PREFIX, None) or getattr(layer, "prefix", None)
     if prefix:
         return str(prefix)
     lid = getattr(layer, "layer_id", None)
@@ -155,7 +155,7 @@ def _forget_plans(layer: Layer) -> None:
         d.pop(PLANS_ATTR, None)
 
 
-OBSERVED_ATTR = "_trtllm_moe_observed"
+OBSERVED_ATTR = layer_attrs.OBSERVED
 
 
 def observe(layer: Layer, fmt: WeightFormat) -> None:

@@ -46,7 +46,7 @@ from typing import NoReturn
 
 import torch
 
-from . import value_checks
+from . import layer_attrs, value_checks
 from .errors import WeightUpdateRefused
 from .formats.base import LoadRule, WeightFormat
 from .layer_state import PLANS_ATTR, layer_name, observed, state_of
@@ -531,7 +531,7 @@ def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
     ranks = 1 if presharded else tp
     padded = per_rank * ranks
     ref = next((fmt.tensor(layer, p) for p in fmt.params if p.group == "w13"), None)
-    full = getattr(layer, "_trtllm_moe_intermediate", None)
+    full = getattr(layer, layer_attrs.INTERMEDIATE, None)
     if ref is None or not full:
         return range(1, padded + 1), f"at most {padded}", per_rank
     ip = int(ref.shape[1]) // (2 if gated else 1)  # the layer's padded per-rank intermediate

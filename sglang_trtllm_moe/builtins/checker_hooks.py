@@ -31,7 +31,7 @@ import copy
 
 import torch
 
-from .. import checker, hookimpl, layer_state
+from .. import checker, hookimpl, layer_attrs, layer_state
 from ..compat import features
 from ..targets import HookTarget
 
@@ -41,7 +41,7 @@ RELEASES = features.WEIGHT_CHECKER_COMPARATOR.releases
 
 #: attribute of a snapshot tensor: bool[E] prepared mask of its layer's group when the snapshot was taken (on the
 #: tensor itself, so it lives exactly as long as the snapshot; tensors cannot be weak-dict keys, they compare by value)
-SNAPSHOT_STATE_ATTR = "_trtllm_moe_prepared"
+SNAPSHOT_STATE_ATTR = layer_attrs.SNAPSHOT_PREPARED
 
 
 class WeightRef:

@@ -17,7 +17,7 @@ a managed layer un-prepares just the written expert.
 
 from __future__ import annotations
 
-from .. import hookimpl, layer_state, validation
+from .. import hookimpl, layer_attrs, layer_state, validation
 from ..compat import features
 from ..targets import HookTarget
 
@@ -126,9 +126,9 @@ def remember_prefix(result, layer, *args, **kwargs):
         arguments = kwargs
     prefix = arguments.get("prefix")
     if prefix:
-        object.__setattr__(layer, "_trtllm_moe_prefix", prefix)
+        layer_attrs.record(layer, layer_attrs.PREFIX, prefix)
     if isinstance(arguments.get("intermediate_size"), int):
-        object.__setattr__(layer, "_trtllm_moe_intermediate", arguments["intermediate_size"])
+        layer_attrs.record(layer, layer_attrs.INTERMEDIATE, arguments["intermediate_size"])
     cfg = getattr(layer, "moe_runner_config", None)
     if cfg is not None and not features.MOE_RUNNER_CONFIG_LAYER.present():
         cfg.layer = layer  # the plugin runner finds the layer being run through its config

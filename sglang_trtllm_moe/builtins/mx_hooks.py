@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import hookimpl, layer_state
+from .. import hookimpl, layer_attrs, layer_state
 from ..compat import features
 from ..errors import TrtllmLayerError
 from ..formats.mxfp4_experts import MXFP4_EXPERTS
@@ -36,8 +36,8 @@ logger = logging.getLogger("sglang_trtllm_moe")
 FP4_EXPERTS = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe.Mxfp4FlashinferTrtllmMoEMethod"
 GPTOSS = "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod"
 #: set on a layer whose storage the plugin allocated (its unpadded per-rank intermediate size)
-ALLOCATED = "_trtllm_moe_unpadded_intermediate"
-GPTOSS_ALLOCATED = "_trtllm_moe_gptoss"
+ALLOCATED = layer_attrs.UNPADDED_INTERMEDIATE
+GPTOSS_ALLOCATED = layer_attrs.GPTOSS_ALLOCATED
 
 _LOGGED: set = set()
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import layouts
+from .. import layer_attrs, layouts
 from ..layouts.maps import cached, norm_device
 from .base import NONNEGATIVE, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .mxfp8 import MX_BLOCK
@@ -139,7 +139,7 @@ class Mxfp4Experts(WeightFormat):
     def pad_(self, layer: Layer, group: str, experts: Sequence[int]) -> None:
         """Re-set the pad scale bytes (intermediate rows / columns past I) of `experts` to the UE8M0 one, as SGLang
         pads (the loader zero-fills them from 0.5.23, leaves them before): idempotent, in checkpoint layout."""
-        i = getattr(layer, "_trtllm_moe_unpadded_intermediate", None)
+        i = getattr(layer, layer_attrs.UNPADDED_INTERMEDIATE, None)
         ip = layer.w2_weight.shape[2] * 2
         if i is None or i == ip or not experts:
             return
