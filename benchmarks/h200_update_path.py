@@ -60,7 +60,7 @@ from sglang_trtllm_moe import bucket_validation, layer_state, layouts, validatio
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
 from sglang_trtllm_moe.formats.base import POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
-from sglang_trtllm_moe.testing.bench_update import bypass  # torch-only: the checks' pass-throughs
+from sglang_trtllm_moe.sandbox.bench_update import bypass  # torch-only: the checks' pass-throughs
 
 PREFIX = "model.layers.3.mlp.experts"
 PROJ = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))

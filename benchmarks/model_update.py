@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
 
-from sglang_trtllm_moe.testing import bench_update  # noqa: E402
+from sglang_trtllm_moe.sandbox import bench_update  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(bench_update.main())

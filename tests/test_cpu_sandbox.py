@@ -85,10 +85,10 @@ ENGINE = """
 """
 
 
-@pytest.mark.sglang(">=0.5.23", reason="sglang.Engine's CPU spawn flow (the harness's testing.engine release range)")
+@pytest.mark.sglang(">=0.5.23", reason="sglang.Engine's CPU spawn flow (the harness's sandbox.engine release range)")
 def test_a_plain_sglang_engine_serves_through_the_plugin(tmp_path):
     pytest.importorskip("xgrammar", reason="sglang.Engine's detokenizer imports xgrammar (ci/releases.tsv pin)")
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     model = ck.write(str(tmp_path / "tiny"), ck.TinySpec(arch="qwen3_moe", quant="nvfp4"))
     script = tmp_path / "engine.py"

@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.sglang(
     ">=0.5.23",
     reason="the demo drives sglang.Engine through 0.5.23's weight-update "
-    "sessions and weight-checker request (testing.engine)",
+    "sessions and weight-checker request (sandbox.engine)",
 )
 
 STEPS = (

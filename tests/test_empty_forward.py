@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import layer_state, runner
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import mx_layers
 
 from .support import sglang_runtime
 

@@ -57,7 +57,7 @@ REFUSED_CHECKPOINT = "refused the whole checkpoint"
 
 
 def _spec(seed=0):
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     return ck.TinySpec(arch=ARCH, quant=QUANT, seed=seed)
 
@@ -157,7 +157,7 @@ def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
     the tensor updates, and three bad ones."""
     import torch
 
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     spec = _spec()
     layer = spec.moe_layers[-1]

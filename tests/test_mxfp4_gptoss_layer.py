@@ -15,8 +15,8 @@ import torch
 
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import mx_layers
-from sglang_trtllm_moe.testing.layers import MoeSpec
+from sglang_trtllm_moe.sandbox import mx_layers
+from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
 from .support import sglang_runtime
 
@@ -232,7 +232,7 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypat
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
 
-    from sglang_trtllm_moe.testing.runtime import weight_checker
+    from sglang_trtllm_moe.sandbox.runtime import weight_checker
 
     good = mx_layers.random_checkpoint(SPEC, 8)
     model = mx_layers.GptOssTinyModel(SPEC)

@@ -2,7 +2,7 @@
 flashinfer_trtllm and flashinfer_trtllm_routed, prepared in place by the plugin (formats/mxfp8.py).
 
 Oracles: SGLang's own preparation of the same checkpoint (`align_mxfp8_moe_weights_for_flashinfer_trtllm`, run on
-CPU with flashinfer's index helpers and a torch 128x4 interleave: testing/mx_layers.py), FlashInfer's own
+CPU with flashinfer's index helpers and a torch 128x4 interleave: sandbox/mx_layers.py), FlashInfer's own
 `prepare_trtllm_fp8_block_weights(MXFP8)`, SGLang's `dequant_mxfp8_2d_to_bf16`, and a fresh load of the intended
 checkpoint after every RL update. Facts pinned (read in SGLang's code, measured here): FusedMoE's loader swaps the
 w1/w3 shard ids for Fp8MoEMethod on the trtllm backends, so w13 loads [up; gate] per 128-padded half with pad rows
@@ -16,9 +16,9 @@ import torch
 
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
-from sglang_trtllm_moe.testing.layers import MoeSpec
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import mx_layers
+from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
 from .support import sglang_runtime
 
@@ -303,7 +303,7 @@ def test_emulated_forward_matches_the_dequantized_reference(backend, spec, act, 
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp8_block_convert import dequant_mxfp8_2d_to_bf16
 
-    from sglang_trtllm_moe.testing.runtime import weight_checker
+    from sglang_trtllm_moe.sandbox.runtime import weight_checker
 
     spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
     good = mx_layers.random_checkpoint(spec, 8)

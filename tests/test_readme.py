@@ -40,7 +40,7 @@ def test_the_readme_has_a_runnable_example_and_it_compiles():
 @pytest.mark.sglang(
     ">=0.5.23",
     reason='the README example drives sglang.Engine(device="cpu") with begin/end '
-    "weight-update sessions and the weight-checker request (testing.engine: the "
+    "weight-update sessions and the weight-checker request (sandbox.engine: the "
     "0.5.23 spawn flow)",
 )
 @pytest.mark.parametrize("index", range(len(runnable_blocks(README.read_text()))))

@@ -15,8 +15,8 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, kernel_api, layer_state
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import mx_layers
 
 from .support import sglang_runtime
 

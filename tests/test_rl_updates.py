@@ -11,7 +11,7 @@ import torch
 
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.formats.nvfp4 import NvFp4
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from sglang_trtllm_moe import layer_state, validation
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import bad_updates as B
 from .support import sglang_runtime
@@ -176,7 +176,7 @@ _FRESH: dict = {}
 
 
 def _fp8_prepared() -> bool:
-    from sglang_trtllm_moe.testing.runtime import release
+    from sglang_trtllm_moe.sandbox.runtime import release
 
     from .support import matrix
 

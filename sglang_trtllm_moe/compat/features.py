@@ -213,7 +213,7 @@ GPTOSS_FI_KERNEL_ATTR = Feature(
     "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
 )
 
-# ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
+# ---- how a process is stood up (CPU harness: sglang_trtllm_moe.sandbox) --------------------------------------------
 
 PLATFORM_OVERRIDE = Feature(
     ">=0.5.19",

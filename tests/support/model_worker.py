@@ -51,7 +51,7 @@ def _trainer(port: int, path: str, groups: list) -> None:
 
 class Worker:
     def __init__(self, arch: str, quant: str, workdir: str):
-        from sglang_trtllm_moe.testing import checkpoints as ck
+        from sglang_trtllm_moe.sandbox import checkpoints as ck
 
         self.ck = ck
         self.arch, self.quant, self.workdir = arch, quant, workdir
@@ -214,7 +214,7 @@ class Worker:
         return head + rest + tail
 
     def _buckets_update(self, m, seed: int, load_format) -> dict:
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         ptrs = m.pointers()
         new = self.full(seed)
@@ -252,7 +252,7 @@ class Worker:
         fresh model of seed 6 (its layers returned to checkpoint layout by the plugin's un-prepare, or by SGLang's own
         restore where SGLang prepares the format: compat/defer.py)."""
         from sglang_trtllm_moe import layer_state
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         ptrs = m.pointers()
         target = self.full(6)
@@ -332,7 +332,7 @@ class Worker:
     def check_random_rounds(self, m, rounds: int = 6) -> dict:
         """Random partial updates: random layers, experts and projections of a new seed each round, by disk or by
         tensors in buckets; after each round the whole model equals a fresh load of what was intended."""
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         rng = random.Random(1234)
         ptrs = m.pointers()
@@ -648,7 +648,7 @@ class Worker:
     )
 
     def run(self, checks=None) -> dict:
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         t0 = time.perf_counter()
         if not self.spec.supported:
@@ -679,7 +679,7 @@ class Worker:
         QuantMixtralForCausalLM). SGLang's own model class is constructed as its loader constructs it (loading
         stops on this box: the ModelOpt FP4 linear layers move their scales with `.cuda()`), and `explain` must
         say there is no FusedMoE layer instead of naming a winner; SGLang's resolution is not moved by the plugin."""
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         t = time.perf_counter()
         d = self.write_full(0)
@@ -748,7 +748,7 @@ def _runner_backends(layers: dict) -> dict:
 
 
 def _STATE_ARGS():
-    from sglang_trtllm_moe.testing import models
+    from sglang_trtllm_moe.sandbox import models
 
     return models._STATE["server_args"]
 
@@ -757,7 +757,7 @@ def _explain(model_dir: str) -> dict:
     """explain on a faked SM100, with the harness's own ServerArgs for SGLang's resolution (Nemotron-H needs
     disable_radix_cache on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform)."""
     from sglang_trtllm_moe.explain import explain_model
-    from sglang_trtllm_moe.testing import models
+    from sglang_trtllm_moe.sandbox import models
 
     extra = {
         k: v
@@ -813,7 +813,7 @@ def _run_job(arch: str, quant: str, extra: tuple, workdir: str) -> dict:
 
 def run_jobs(jobs, parallel: int, workdir: str) -> dict:
     """Fork one child per job from this (prepared, preloaded) process; at most `parallel` at a time."""
-    from sglang_trtllm_moe.testing import models
+    from sglang_trtllm_moe.sandbox import models
 
     models.prepare_process(preload=True)
     pending = list(jobs)

@@ -47,7 +47,7 @@ def forward(layer, spec, x, logits, bypass=False):
 
 
 def _build_loaded(spec, tensors):
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     layer = cpu_layers.build_layer(spec)
     # SGLang's model code reduces the MoE output across ranks (FusedMoE's own all-reduce when built with
@@ -58,7 +58,7 @@ def _build_loaded(spec, tensors):
 
 
 def checkpoint(spec, seed, experts=None):
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     if spec.fmt == "nvfp4":
         return cpu_layers.random_nvfp4_checkpoint(spec, seed=seed, experts=experts)
@@ -75,7 +75,7 @@ def _as_bytes(t):
 
 def run_scenario(sc: dict) -> dict:
     from sglang_trtllm_moe import layer_state
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     spec = cpu_layers.MoeSpec(**sc["spec"])
     tensors = checkpoint(spec, sc["seed"])
@@ -105,7 +105,7 @@ def run_scenario(sc: dict) -> dict:
 def _rl_update(layer, spec, tensors, sc, upd) -> dict:
     """An RL step that only changes some experts: every rank receives the same named tensors (as SGLang's
     update_weights_from_tensor broadcasts them); ranks that do not own an expert drop it in SGLang's loader."""
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     new = checkpoint(spec, upd["seed"], experts=upd["experts"])
     before = {n: _as_bytes(getattr(layer, n)) for n in PREPARED}
@@ -139,7 +139,7 @@ def _updater(model, spec):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     if "d" not in _CFG_DIR:  # from_tensor never reads the directory, but ModelConfig needs a config.json
         _CFG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-mr-cfg-")
@@ -190,7 +190,7 @@ def main(argv):
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo collectives crawl
     from sglang.srt.plugins import load_plugins
 
-    from sglang_trtllm_moe.testing.runtime import init_rank
+    from sglang_trtllm_moe.sandbox.runtime import init_rank
 
     load_plugins()  # SGLang's own entry-point discovery runs our register(), as in every scheduler process
     _record_kernel_calls()

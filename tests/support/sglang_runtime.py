@@ -9,7 +9,7 @@ from __future__ import annotations
 def ensure(backend: str = "flashinfer_trtllm") -> None:
     from sglang.srt.plugins import load_plugins
 
-    from sglang_trtllm_moe.testing.runtime import init_single_process
+    from sglang_trtllm_moe.sandbox.runtime import init_single_process
 
     load_plugins()
     init_single_process(backend)
@@ -49,8 +49,8 @@ def updater(model, path=None):
 
     from sglang.srt.configs.model_config import ModelConfig
 
-    from sglang_trtllm_moe.testing import layers as cpu_layers
-    from sglang_trtllm_moe.testing.runtime import weight_updater
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox.runtime import weight_updater
 
     if path is None:
         fmt = model.spec.fmt
@@ -63,7 +63,7 @@ def updater(model, path=None):
 
 def prepared_model(spec, tensors):
     """A TinyMoeModel loaded with `tensors` through SGLang's loader and prepared, as after a server's model load."""
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     model = cpu_layers.TinyMoeModel(spec)
     model.load_weights(cpu_layers.checkpoint_names(tensors).items())

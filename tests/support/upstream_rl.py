@@ -24,12 +24,12 @@ import torch  # noqa: E402
 from .. import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
 
 SEEDS = {"a": 0, "b": 1, "c": 2, "d": 3}
-#: the format registry's names (compat/defer.py) -> the CPU harness's layer kinds (testing.layers.MoeSpec.fmt)
+#: the format registry's names (compat/defer.py) -> the CPU harness's layer kinds (sandbox.layers.MoeSpec.fmt)
 SPEC_FMT = {"fp8_tensor_modelopt": "fp8_modelopt"}
 
 
 def _checkpoint(fmt: str, spec, seed: int, experts=None):
-    from sglang_trtllm_moe.testing import layers, mx_layers
+    from sglang_trtllm_moe.sandbox import layers, mx_layers
 
     if fmt in mx_layers.MX_FORMATS:  # gpt-oss's fused tensors hold every expert: a "one-expert" update is whole
         return mx_layers.random_checkpoint(spec, seed, experts)
@@ -81,12 +81,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class Case:
     def __init__(self, fmt: str):
-        from sglang_trtllm_moe.testing import layers
-        from sglang_trtllm_moe.testing.runtime import init_single_process
+        from sglang_trtllm_moe.sandbox import layers
+        from sglang_trtllm_moe.sandbox.runtime import init_single_process
 
         self.fmt = SPEC_FMT.get(fmt, fmt)
         self.spec = layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt=self.fmt)
-        # MX layers: SGLang's own prep needs CPU stand-ins for its CUDA-only helpers (testing/mx_layers.py)
+        # MX layers: SGLang's own prep needs CPU stand-ins for its CUDA-only helpers (sandbox/mx_layers.py)
         init_single_process(
             "flashinfer_mxfp4" if self.fmt in ("mxfp4_experts", "mxfp4_gptoss") else "flashinfer_trtllm"
         )
@@ -97,7 +97,7 @@ class Case:
         self.intended = _checkpoint(fmt, self.spec, SEEDS["a"])
 
     def _names(self, tensors) -> dict:
-        from sglang_trtllm_moe.testing import layers, mx_layers
+        from sglang_trtllm_moe.sandbox import layers, mx_layers
 
         if self.fmt == "mxfp4_gptoss":
             return mx_layers.gptoss_names(tensors)
@@ -106,14 +106,14 @@ class Case:
     def _patches(self, model=None):
         import contextlib
 
-        from sglang_trtllm_moe.testing import mx_layers
+        from sglang_trtllm_moe.sandbox import mx_layers
 
         if self.fmt not in mx_layers.MX_FORMATS:
             return contextlib.nullcontext()
         return mx_layers.prep_patches((model or self.model).experts.quant_method)
 
     def _prepared(self, tensors):
-        from sglang_trtllm_moe.testing import layers, mx_layers
+        from sglang_trtllm_moe.sandbox import layers, mx_layers
 
         model = (mx_layers.GptOssTinyModel if self.fmt == "mxfp4_gptoss" else layers.TinyMoeModel)(self.spec)
         model.load_weights(self._names(tensors).items())
@@ -124,8 +124,8 @@ class Case:
     def _updater(self, path=None):
         from sglang.srt.configs.model_config import ModelConfig
 
-        from sglang_trtllm_moe.testing import layers
-        from sglang_trtllm_moe.testing.runtime import weight_updater
+        from sglang_trtllm_moe.sandbox import layers
+        from sglang_trtllm_moe.sandbox.runtime import weight_updater
 
         if path is None:
             path = tempfile.mkdtemp(prefix="upstream-rl-cfg-")
@@ -150,11 +150,11 @@ class Case:
         }
 
     def from_disk(self, tensors) -> None:
-        from sglang_trtllm_moe.testing import layers
+        from sglang_trtllm_moe.sandbox import layers
 
         d = tempfile.mkdtemp(prefix="upstream-rl-")
         if self.fmt == "mxfp4_gptoss":
-            from sglang_trtllm_moe.testing import mx_layers
+            from sglang_trtllm_moe.sandbox import mx_layers
 
             tensors = mx_layers.gptoss_checkpoint(tensors)
         layers.write_safetensors_checkpoint(d, tensors, self.spec)
@@ -213,7 +213,7 @@ def main(formats: list[str]) -> dict:
     from sglang.srt.plugins import load_plugins
 
     from sglang_trtllm_moe import plugin
-    from sglang_trtllm_moe.testing.runtime import init_single_process
+    from sglang_trtllm_moe.sandbox.runtime import init_single_process
 
     load_plugins()
     if plugin.state().enabled:

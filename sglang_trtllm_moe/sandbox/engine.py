@@ -23,7 +23,7 @@ offers is only what the Engine offers:
   safetensors; read back here, byte for byte |
 
 Release support: 0.5.23 (begin/end weight-update sessions, the weight checker request, the Engine's spawn flow).
-The RL loop the demo runs on it: testing/rl_loop.py.
+The RL loop the demo runs on it: sandbox/rl_loop.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def prepare_process(workdir: str | None = None) -> None:
 
     if release() not in SUPPORTED_RELEASES:
         raise EngineUnavailable(
-            f"testing.engine drives sglang.Engine of SGLang {SUPPORTED_RELEASES}; this is SGLang {release()}"
+            f"sandbox.engine drives sglang.Engine of SGLang {SUPPORTED_RELEASES}; this is SGLang {release()}"
         )
     if importlib.util.find_spec("xgrammar") is None:
         # sglang requires it (Requires-Dist: xgrammar); the CPU env installs sglang --no-deps

@@ -1,6 +1,6 @@
 """Whole SGLang models on a CPU box, built and driven the way a server and an RL framework drive them.
 
-`TinyModel(model_dir)` is SGLang's own ModelRunner for a local checkpoint (testing/checkpoints.py writes tiny
+`TinyModel(model_dir)` is SGLang's own ModelRunner for a local checkpoint (sandbox/checkpoints.py writes tiny
 ones), set up as SGLang's `bench_one_batch` sets one up (sglang/benchmark/one_batch.py `load_model`): ServerArgs
 resolved and published for the scheduler role, the process-wide MoE / GEMM configs, `bootstrap.init_parallel_runtime`
 (a gloo world of one), `ModelRunner(...)` (get_model() -> DefaultModelLoader -> the model class's load_weights ->
@@ -89,7 +89,7 @@ def prepare_process(preload: bool = False) -> None:
         return
     if _release() not in SUPPORTED_RELEASES:
         raise NotImplementedError(
-            f"testing.models spells SGLang's runner set-up for {SUPPORTED_RELEASES} (bench_one_batch flow); "
+            f"sandbox.models spells SGLang's runner set-up for {SUPPORTED_RELEASES} (bench_one_batch flow); "
             f"this is SGLang {_release()}"
         )
     os.environ.setdefault("SGLANG_TRTLLM_MOE_EMULATE", "1")
