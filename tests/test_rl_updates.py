@@ -61,7 +61,7 @@ updater = sglang_runtime.updater
 
 def from_disk(model, tensors):
     d = tempfile.mkdtemp(prefix="trtllm-moe-ckpt-")
-    cpu_layers.write_safetensors_checkpoint(d, tensors, SPEC)
+    sglang_runtime.write_safetensors_checkpoint(d, tensors, SPEC)
     ok, msg = updater(model, d).update_weights_from_disk(d, "auto")
     assert ok, msg
 

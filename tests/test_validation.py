@@ -393,7 +393,7 @@ def test_a_model_without_load_weights_is_updated_by_sglang_alone(tmp_path):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
 
-    cpu_layers.write_safetensors_checkpoint(str(tmp_path), {}, B.CONFIGS["nvfp4"])  # ModelConfig's config.json
+    sglang_runtime.write_safetensors_checkpoint(str(tmp_path), {}, B.CONFIGS["nvfp4"])  # ModelConfig's config.json
     model = Plain()
     u = sglang_runtime.updater(model, str(tmp_path))
     ok, msg = u.update_weights_from_tensor([("w", torch.ones(4))], load_format="direct")

@@ -202,7 +202,7 @@ def _fill_random_mx(layer, seed: int = 0) -> None:
 
 
 def _mx_layers(fmt: str, experts: int):
-    from . import mx_layers
+    from . import layers as mx_layers
     from .layers import MoeSpec
 
     real_e, h, i = MX_SHAPES[fmt][2]
@@ -222,7 +222,7 @@ def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
     For the MXFP4 paths SGLang's own loader cannot write after its prep (the Parameters it made have no
     weight_loader): its update figure is its whole-layer prep alone, a lower bound."""
     from .. import layer_state, layouts
-    from . import mx_layers
+    from . import layers as mx_layers
 
     backend, shape, (real_e, h, i) = MX_SHAPES[fmt]
     spec, ours, theirs = _mx_layers(fmt, experts)

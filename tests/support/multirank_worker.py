@@ -60,13 +60,7 @@ def _build_loaded(spec, tensors):
 def checkpoint(spec, seed, experts=None):
     from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-    if spec.fmt == "nvfp4":
-        return cpu_layers.random_nvfp4_checkpoint(spec, seed=seed, experts=experts)
-    if spec.fmt in cpu_layers.FP8_CONFIGS:
-        return cpu_layers.random_fp8_checkpoint(spec, seed=seed, experts=experts)
-    if spec.fmt == "bf16":
-        return cpu_layers.random_bf16_checkpoint(spec, seed=seed, experts=experts)
-    raise NotImplementedError(spec.fmt)
+    return cpu_layers.random_checkpoint(spec, seed, experts)
 
 
 def _as_bytes(t):
@@ -139,11 +133,11 @@ def _updater(model, spec):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from sglang_trtllm_moe.sandbox import layers as cpu_layers
+    from . import sglang_runtime
 
     if "d" not in _CFG_DIR:  # from_tensor never reads the directory, but ModelConfig needs a config.json
         _CFG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-mr-cfg-")
-        cpu_layers.write_safetensors_checkpoint(_CFG_DIR["d"], {}, spec)
+        sglang_runtime.write_safetensors_checkpoint(_CFG_DIR["d"], {}, spec)
     import torch.distributed as dist
 
     return WeightUpdater(

@@ -41,6 +41,40 @@ def upstream_process_weights_after_loading(method, layer, monkeypatch) -> None:
 _CONFIG_DIRS: dict = {}
 
 
+def write_safetensors_checkpoint(path, tensors, spec) -> None:
+    """A model directory SGLang's update_weights_from_disk can read: config.json + model.safetensors of a
+    TinyMoeModel (`tensors` below the MoE block, as sandbox.layers' random checkpoints name them)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
+
+    os.makedirs(path, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in cpu_layers.checkpoint_names(tensors).items()},
+        os.path.join(path, "model.safetensors"),
+    )
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": spec.hidden,
+        "moe_intermediate_size": spec.intermediate,
+        "intermediate_size": 4 * spec.hidden,
+        "n_routed_experts": spec.num_experts,
+        "num_experts_per_tok": spec.top_k,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 256,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
 def updater(model, path=None):
     """The object that owns SGLang's weight-update entry points on this release (WeightUpdater, or ModelRunner
     before 0.5.16) around `model`. ModelConfig needs a config.json and must not reach a hub; update_weights_from_tensor
@@ -49,14 +83,13 @@ def updater(model, path=None):
 
     from sglang.srt.configs.model_config import ModelConfig
 
-    from sglang_trtllm_moe.sandbox import layers as cpu_layers
     from sglang_trtllm_moe.sandbox.runtime import weight_updater
 
     if path is None:
         fmt = model.spec.fmt
         if fmt not in _CONFIG_DIRS:
             _CONFIG_DIRS[fmt] = tempfile.mkdtemp(prefix=f"trtllm-moe-cfg-{fmt}-")
-            cpu_layers.write_safetensors_checkpoint(_CONFIG_DIRS[fmt], {}, model.spec)
+            write_safetensors_checkpoint(_CONFIG_DIRS[fmt], {}, model.spec)
         path = _CONFIG_DIRS[fmt]
     return weight_updater(model, ModelConfig(model_path=path))
 
