@@ -55,7 +55,7 @@ def clone_params(layer):
 
 
 def weight_checker(model):
-    from sglang_trtllm_moe.sandbox.runtime import weight_checker
+    from .support.sglang_runtime import weight_checker
 
     return weight_checker(model)
 

@@ -24,13 +24,14 @@ import sys
 
 import pytest
 
+from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES
+
 from .support.helpers import REPO, last_json
 
 pytestmark = pytest.mark.sglang(
-    ">=0.5.23",
+    str(ENGINE_RELEASES),
     reason="sglang.Engine's weight-update sessions (begin/end_weight_update), "
-    "the weight-checker request and the 0.5.23 spawn flow "
-    "(sandbox.engine)",
+    "the weight-checker request and the Engine's spawn flow (sandbox/releases.py ENGINE_RELEASES)",
 )
 
 MODELS = ("qwen3_moe:nvfp4", "nemotron_h:nvfp4")

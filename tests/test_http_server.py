@@ -38,13 +38,15 @@ from pathlib import Path
 
 import pytest
 
+from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES
+
 from .support import http_server as hs
 from .support.helpers import REPO
 
 pytestmark = pytest.mark.sglang(
-    ">=0.5.23",
+    str(ENGINE_RELEASES),
     reason="the README's CPU server recipe: SGLang's HTTP server with begin/end weight-update sessions, "
-    "weight versions per token span and the weight-checker endpoint (0.5.23)",
+    "weight versions per token span and the weight-checker endpoint (sandbox/releases.py ENGINE_RELEASES)",
 )
 
 ARCH, QUANT = "qwen3_moe", "nvfp4"

@@ -232,7 +232,7 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypat
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
 
-    from sglang_trtllm_moe.sandbox.runtime import weight_checker
+    from .support.sglang_runtime import weight_checker
 
     good = cpu_layers.random_checkpoint(SPEC, 8)
     model = cpu_layers.TinyMoeModel(SPEC)

@@ -302,7 +302,7 @@ def test_emulated_forward_matches_the_dequantized_reference(backend, spec, act, 
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp8_block_convert import dequant_mxfp8_2d_to_bf16
 
-    from sglang_trtllm_moe.sandbox.runtime import weight_checker
+    from .support.sglang_runtime import weight_checker
 
     spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
     good = cpu_layers.random_checkpoint(spec, 8)

@@ -4,8 +4,9 @@ Code asks a flag (`features.NVFP4_W13_SCALE_2_UP_GATE.present()`) instead of com
 attribute, so a new release is a matter of widening or closing ranges here (docs/ARCHITECTURE.md, "add an SGLang
 release"), and `tests/test_compat_features.py` checks each flag against the installed SGLang's code.
 Hook targets carry their own `releases=` (the table of what exists where); this module holds the facts that change
-what a hook must do once it runs. The CPU harness's facts (how to stand a process up) are here too, grouped last:
-they are facts about SGLang releases as well.
+what the product must do once it runs (hooks, `explain`'s faked platform). What only the CPU sandbox or the test
+fixtures need to know (how a process is stood up on each release) is named the same way beside the code that uses
+it: sglang_trtllm_moe/sandbox/releases.py, tests/support/releases.py.
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ SERVER_ARGS_FIELD_WRITES = Feature(
     "resolved_view): the model rules overwrite the user's value before _handle_moe_kernel_config, so the plugin "
     "records it before them and writes its choice into the field as those rules do",
 )
+PLATFORM_OVERRIDE = Feature(
+    ">=0.5.19",
+    "runtime_context.override_platform fakes the platform; before, lru-cached is_sm100_supported()-style functions "
+    "imported by name into many modules are rebound",
+)
 PUBLISHED_SERVER_ARGS = Feature(
     ">=0.5.15",
     "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "
@@ -212,34 +218,6 @@ GPTOSS_FI_KERNEL_ATTR = Feature(
     ">=0.5.12",
     "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
 )
-
-# ---- how a process is stood up (CPU harness: sglang_trtllm_moe.sandbox) --------------------------------------------
-
-PLATFORM_OVERRIDE = Feature(
-    ">=0.5.19",
-    "runtime_context.override_platform fakes the platform; before, lru-cached is_sm100_supported()-style functions "
-    "imported by name into many modules are rebound",
-)
-PUBLISH_WITH_RANKS = Feature(
-    ">=0.5.21",
-    "ServerArgs are published with runtime_context.publish(ranks=SpawnRanks); before with "
-    "set_global_server_args_for_scheduler",
-)
-MOE_CONFIG_TAKES_ARGS = Feature("<0.5.19", "initialize_moe_config(server_args) takes the ServerArgs")
-SWIZZLE_MOVES_TO_CUDA = Feature(
-    "<0.5.20",
-    "quantization.utils.swizzle_blockscale ends in .cuda(), so NVFP4 create_weights cannot run without a GPU",
-)
-WEIGHT_CACHE_CHECK = Feature(
-    ">=0.5.17,<0.5.20",
-    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off', read through "
-    "get_model_runner().server_args (0.5.20+ reads runtime_context.get_model().weight_cache_mode instead)",
-)
-WEIGHT_CHECKER_TAKES_PS = Feature(
-    ">=0.5.16,<0.5.21",
-    "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
-)
-SPAWN_RANKS = Feature(">=0.5.21", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
 
 
 def all_features() -> dict[str, Feature]:

@@ -23,7 +23,8 @@ def main(argv=None) -> int:
 
     from sglang_trtllm_moe import layer_state
     from sglang_trtllm_moe.sandbox import models
-    from sglang_trtllm_moe.sandbox.runtime import weight_checker
+
+    from .sglang_runtime import weight_checker
 
     job_path, out_path = (argv or sys.argv[1:])[:2]
     with open(job_path) as f:

@@ -49,6 +49,24 @@ def _trainer(port: int, path: str, groups: list) -> None:
         dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
 
 
+def _build_only(model_dir: str):
+    """The model class SGLang builds for `model_dir`, constructed as DefaultModelLoader.load_model constructs it
+    (quant config, dtype, device), without loading weights: for models SGLang cannot finish loading on a CPU box
+    (QuantMixtralForCausalLM's ModelOpt FP4 linear layers move their scales with `.cuda()` after loading)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    from sglang_trtllm_moe.sandbox import models
+
+    mc = ModelConfig.from_server_args(models.server_args(), model_path=model_dir)
+    lc = LoadConfig(load_format=models.server_args().load_format)
+    quant_config = loader._get_quantization_config(mc, lc)
+    with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
+        return loader._initialize_model(mc, lc, quant_config)
+
+
 class Worker:
     def __init__(self, arch: str, quant: str, workdir: str):
         from sglang_trtllm_moe.sandbox import checkpoints as ck
@@ -363,7 +381,9 @@ class Worker:
     def check_weight_checker(self, m) -> dict:
         """SGLang's WeightChecker: snapshot, reset_tensors, replay the final checkpoint from disk, compare passes;
         one flipped byte in an expert weight is caught."""
-        wc = m.weight_checker()
+        from .sglang_runtime import weight_checker
+
+        wc = weight_checker(m.model)
         final = self.write_tensors(self.intended)
         wc.handle("snapshot", role="target")
         wc.handle("reset_tensors", role="target")
@@ -684,7 +704,7 @@ class Worker:
         t = time.perf_counter()
         d = self.write_full(0)
         models.init(d)
-        model = models.build_only(d)
+        model = _build_only(d)
         layers = models.moe_layers(model)
         rep = _explain(d)
         ok = (

@@ -184,7 +184,7 @@ def main(argv):
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo collectives crawl
     from sglang.srt.plugins import load_plugins
 
-    from sglang_trtllm_moe.sandbox.runtime import init_rank
+    from .sglang_runtime import init_rank
 
     load_plugins()  # SGLang's own entry-point discovery runs our register(), as in every scheduler process
     _record_kernel_calls()

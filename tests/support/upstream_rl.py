@@ -116,12 +116,10 @@ class Case:
     def _updater(self, path=None):
         from sglang.srt.configs.model_config import ModelConfig
 
-        from sglang_trtllm_moe.sandbox.runtime import weight_updater
-
         if path is None:
             path = tempfile.mkdtemp(prefix="upstream-rl-cfg-")
             sglang_runtime.write_safetensors_checkpoint(path, {}, self.spec)
-        return weight_updater(self.model, ModelConfig(model_path=path))
+        return sglang_runtime.weight_updater(self.model, ModelConfig(model_path=path))
 
     def check(self) -> dict:
         fresh = self._prepared(self.intended)
