@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES
+from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
 
 from .support.helpers import last_json, run_python
 
@@ -87,7 +87,9 @@ ENGINE = """
 """
 
 
-@pytest.mark.sglang(str(ENGINE_RELEASES), reason="sglang.Engine's CPU spawn flow (sandbox/releases.py ENGINE_RELEASES)")
+@pytest.mark.sglang(
+    str(ENGINE_RELEASES), reason="sglang.Engine's CPU spawn flow (compat/sandbox_releases.py ENGINE_RELEASES)"
+)
 def test_a_plain_sglang_engine_serves_through_the_plugin(tmp_path):
     pytest.importorskip("xgrammar", reason="sglang.Engine's detokenizer imports xgrammar (ci/releases.tsv pin)")
     from sglang_trtllm_moe.sandbox import checkpoints as ck

@@ -5,8 +5,9 @@ attribute, so a new release is a matter of widening or closing ranges here (docs
 release"), and `tests/test_compat_features.py` checks each flag against the installed SGLang's code.
 Hook targets carry their own `releases=` (the table of what exists where); this module holds the facts that change
 what the product must do once it runs (hooks, `explain`'s faked platform). What only the CPU sandbox or the test
-fixtures need to know (how a process is stood up on each release) is named the same way beside the code that uses
-it: sglang_trtllm_moe/sandbox/releases.py, tests/support/releases.py.
+fixtures need to know (how a process is stood up on each release) is named the same way apart from the product's
+flags: compat/sandbox_releases.py (the sandbox's; in compat/ with every release-range literal of the package),
+tests/support/releases.py (the test fixtures').
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ offers is only what the Engine offers:
 | state | `Engine.save_sharded_model(path=...)`: the scheduler writes model.state_dict() (the prepared bytes) as
   safetensors; read back here, byte for byte |
 
-Release support: sandbox/releases.py ENGINE_RELEASES (begin/end weight-update sessions, the weight checker request,
-the Engine's spawn flow).
+Release support: compat/sandbox_releases.py ENGINE_RELEASES (begin/end weight-update sessions, the weight checker
+request, the Engine's spawn flow).
 The RL loop the demo runs on it: sandbox/rl_loop.py.
 """
 
@@ -37,8 +37,8 @@ import tempfile
 
 import torch
 
+from ..compat.sandbox_releases import ENGINE_RELEASES
 from . import models
-from .releases import ENGINE_RELEASES
 
 #: the faked SM the Engine's processes run with
 FAKE_SM = 100

@@ -16,8 +16,8 @@ scheduler's `deserialize_own_rank` does; tensor and distributed updates run insi
 Every SGLang model class needs a platform the CPU box is not: the process fakes an SM100 platform (runtime.py) and
 applies the same-math stand-ins (compat/cpu_sandbox.py). Emulated kernels: SGLANG_TRTLLM_MOE_EMULATE=1 (set by `init`).
 
-Release support: sandbox/releases.py MODEL_RUNNER_RELEASES (the bench_one_batch flow above). Older releases spell
-publishing, bootstrap and the runner differently; they raise NotImplementedError naming the release.
+Release support: compat/sandbox_releases.py MODEL_RUNNER_RELEASES (the bench_one_batch flow above). Older releases
+spell publishing, bootstrap and the runner differently; they raise NotImplementedError naming the release.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from array import array
 
 import torch
 
-from .releases import MODEL_RUNNER_RELEASES
+from ..compat.sandbox_releases import MODEL_RUNNER_RELEASES
 
 _STATE: dict = {}
 

@@ -4,7 +4,7 @@ SGLang's FusedMoE and quant methods read a published ServerArgs, model-parallel 
 the demo or the benchmark needs that state in one process without a GPU: gloo world of size 1, a faked Blackwell
 platform (the quant methods refuse NVFP4 elsewhere), and the MoE config initialised from the chosen backend.
 How each step is spelled changed between releases (read from the wheels: `runtime_context` exists from 0.5.14,
-`override_platform` from 0.5.19, `SpawnRanks` from 0.5.21), so each step asks a flag (sandbox/releases.py; the
+`override_platform` from 0.5.19, `SpawnRanks` from 0.5.21), so each step asks a flag (compat/sandbox_releases.py; the
 platform: compat/fake_platform.py):
 
 - fake SM100: < 0.5.19 rebind `is_sm100_supported` / `is_blackwell_supported` (lru-cached module globals, imported
@@ -29,7 +29,7 @@ import sys
 
 from packaging.version import Version
 
-from . import releases
+from ..compat import sandbox_releases as releases
 
 _INITIALISED: dict = {}
 
