@@ -30,7 +30,7 @@ per-expert layout state), `begin_weight_update`'s `layer_state.unprepare_all` an
 Rows (wall seconds, each run ends with torch.cuda.synchronize; plugin and bare interleaved, min and median):
 * ``session``: a whole-layer update in a begin/end session (the 0.5.23 scheduler's tensor path): plugin vs bare
   (the same layout work: every expert to checkpoint layout at begin, every expert prepared at the end), and
-  ``bypassed``: the plugin's hooks with its checks replaced by pass-throughs (`testing/bench_update.bypass`), which
+  ``bypassed``: the plugin's hooks with its checks replaced by pass-throughs (`sandbox/bench_update.bypass`), which
   splits what the plugin adds into its checks and its hooks' bookkeeping;
 * ``partial``: `--partial` experts updated outside a session (the disk path's shape): the plugin un-prepares each
   expert in its loader hook before the first write, and flushes; bare: unprepare_ of those experts, the writes,

@@ -12,7 +12,7 @@ Rows (each: name, plugin_s, upstream_s, ratio = upstream_s / plugin_s, plus byte
 * RL update of a whole model (DeepSeek-V3 architecture, NVFP4 and block FP8, small sizes: `bench_update.SIZES`)
   through SGLang's WeightUpdater, tensor buckets in a session and from disk: the plugin against the same update with
   its checks bypassed, in the same process (`bench_update.bypass` says what is replaced), CPU seconds with the
-  layout work excluded; the layout work on its own row (SGLang 0.5.21+: testing/models.py).
+  layout work excluded; the layout work on its own row (SGLang 0.5.21+: sandbox/models.py).
 Peak extra memory is the growth of the process's peak RSS during each step (ru_maxrss; plugin measured first, so
 upstream's figure is a lower bound). Timings are medians of `repeats` runs. Never used as a test.
 """
@@ -216,7 +216,7 @@ def _mx_layers(fmt: str, experts: int):
 
 def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
     """Plugin vs SGLang's own preparation of the same MX layer (SGLang's CUDA-only helpers replaced by CPU ones of the
-    same bytes: testing/mx_layers.sglang_prepare), and an RL update: one expert for MXFP8 / MXFP4 experts (the
+    same bytes: sandbox/layers.sglang_prepare), and an RL update: one expert for MXFP8 / MXFP4 experts (the
     plugin: loader writes + flush of that expert; SGLang: loader writes + its prep of the whole layer, which is also
     what re-shuffles the experts it did not reload), the whole layer for gpt-oss (its loader writes all experts).
     For the MXFP4 paths SGLang's own loader cannot write after its prep (the Parameters it made have no
@@ -350,7 +350,7 @@ def run(
     mx_e = mx_experts or max(2, experts // 4)  # MX layers are 2-4x the bytes of NVFP4 ones: fewer experts, same RAM
     jobs += [f"bench._one_mx_in_this_process({f!r}, {mx_e}, {repeats}, {threads!r})" for f in mx_formats]
     for job in jobs:
-        code = f"import json, sys; from sglang_trtllm_moe.testing import bench; print(json.dumps({job}))"
+        code = f"import json, sys; from sglang_trtllm_moe.sandbox import bench; print(json.dumps({job}))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"bench {job} failed:\n{out.stderr[-3000:]}")
@@ -374,7 +374,7 @@ def model_update_rows(experts: int, repeats: int) -> list[dict]:
         nan = float("nan")
         return [
             dict(
-                name=f"model RL update: not measured (testing.models builds whole models on SGLang "
+                name=f"model RL update: not measured (sandbox.models builds whole models on SGLang "
                 f"{SUPPORTED_RELEASES}; this is {release()})",
                 plugin_s=nan,
                 upstream_s=nan,
