@@ -7,9 +7,10 @@ fast layout path) and this package: SGLang does not run there.
     PYTHONPATH=. python benchmarks/h200_update_path.py --tiny          (CPU, 4 experts, H 256: a smoke run)
 
 What runs is the plugin's own code: the entry-point hook `builtins/weight_updates.check_buckets_around` (the whole
-bucket checked, `bucket_validation.check_bucket`), the loader hooks `builtins/loader_hooks.weight_loader` and
-`weight_loader_impl` (validation.check_write of each write, the thread-local handshake, the layer lock, the
-per-expert layout state), `begin_weight_update`'s `layer_state.unprepare_all` and the end of the session's
+bucket checked, `bucket_validation.check_bucket`, its values with one read-back; what it validated recorded in a
+`validation.Checked`), the loader hooks `builtins/loader_hooks.weight_loader` and `weight_loader_impl` (the request's
+record looked up — `validation.check_write` only for writes it does not hold —, the thread-local handshake, the layer
+lock, the per-expert layout state), `begin_weight_update`'s `layer_state.unprepare_all` and the end of the session's
 `layer_state.flush_all` (formats/nvfp4.py through layouts/: the Triton kernels on CUDA). What stands in for SGLang
 (the `STAND_INS` table, also in the JSON):
 
@@ -32,15 +33,19 @@ Rows (wall seconds, each run ends with torch.cuda.synchronize; plugin and bare i
   (the same layout work: every expert to checkpoint layout at begin, every expert prepared at the end), and
   ``bypassed``: the plugin's hooks with its checks replaced by pass-throughs (`sandbox/bench_update.bypass`), which
   splits what the plugin adds into its checks and its hooks' bookkeeping;
-* ``partial``: `--partial` experts updated outside a session (the disk path's shape): the plugin un-prepares each
-  expert in its loader hook before the first write, and flushes; bare: unprepare_ of those experts, the writes,
-  prepare_;
-* the parts: validation alone (bucket check + check_write of every write), writes alone, layout alone;
-* ``value_checks``: every scale of the layer: the float per-tensor / input scales (the loader hook's check: one
-  `value_checks.find_bad` per
-  tensor, one `float(t)` each; batched: one reduction), and the 1-byte e4m3 block scales' NaN bytes (0x7f / 0xff; per
-  tensor with a sync each, per tensor with one sync at the end, one reduction per buffer), each with the device
-  synchronisations counted (`bool` / `float` / `int` / `item` / `tolist` of a tensor).
+* ``partial``: `--partial` experts updated outside a session (the disk path's shape) through the entry point
+  (`update_weights_from_tensor` of one bucket, then its flush): the plugin un-prepares each expert in its loader
+  hook before the first write, and flushes; bare: unprepare_ of those experts, the writes, prepare_; and the same
+  writes through the model's `load_weights` without an entry point (``partial_no_entry``: every write checked whole
+  in the loader hook, its values with a read-back each — what a user's own loader gets);
+* the parts: validation alone (each bucket's check and record, and the loader hooks' look-ups of every write),
+  writes alone, layout alone;
+* ``value_checks``: every scale of the layer: the float per-tensor / input scales (checked one by one:
+  `value_checks.bad_one`, a read-back each — a write outside a request; batched: `value_checks.find_bad`, one
+  read-back), the 1-byte e4m3 block scales' NaN bytes (per tensor with a sync each, per tensor with one sync at the
+  end, one reduction per buffer) and every scale of the layer at once as a request's check takes them
+  (`value_checks.find_bad`: groups of one rule, dtype and trailing shape concatenated, one read-back), each with the
+  device synchronisations counted (`bool` / `float` / `int` / `item` / `tolist` of a tensor).
 """
 
 from __future__ import annotations
@@ -58,9 +63,9 @@ import torch
 
 from sglang_trtllm_moe import bucket_validation, layer_state, layouts, validation, value_checks
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
-from sglang_trtllm_moe.formats.base import POSITIVE
+from sglang_trtllm_moe.formats.base import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
-from sglang_trtllm_moe.sandbox.bench_update import bypass  # torch-only: the checks' pass-throughs
+from sglang_trtllm_moe.sandbox.bench_update import bypass, device_path  # torch-only: pass-throughs, device path
 
 PREFIX = "model.layers.3.mlp.experts"
 PROJ = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
@@ -239,10 +244,24 @@ def buckets(items, per_bucket_tensors):
 SYNCS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist")
 
 
+#: the modules of the plugin's checks (their conversions on the CPU are what CUDA tensors would synchronise on:
+#: `validation_conversions`); layer_state's and layouts' are on CPU masks on every device
+CHECKS = (
+    "sglang_trtllm_moe.validation",
+    "sglang_trtllm_moe.bucket_validation",
+    "sglang_trtllm_moe.value_checks",
+    "sglang_trtllm_moe.builtins.loader_hooks",
+    "sglang_trtllm_moe.builtins.weight_updates",
+)
+
+
 @contextlib.contextmanager
 def count_syncs():
     """{device type: {conversion: count}}: on a CUDA tensor each one waits for the device; on the CPU masks of
-    layer_state it does not."""
+    layer_state it does not. Also {"checks": {conversion: count}}: the conversions the plugin's checks (CHECKS) made,
+    on any device."""
+    import sys
+
     counts: dict = {}
     saved = {n: getattr(torch.Tensor, n) for n in SYNCS}
 
@@ -251,6 +270,10 @@ def count_syncs():
         def w(self, *a, **k):
             per = counts.setdefault(self.device.type, {})
             per[n] = per.get(n, 0) + 1
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller in CHECKS:
+                mine = counts.setdefault("checks", {})
+                mine[n] = mine.get(n, 0) + 1
             return orig(self, *a, **k)
 
         return w
@@ -368,10 +391,12 @@ def main(argv=None) -> int:
     def validation_only():
         with mode(model, plugin=True):
             for part in parts:
-                bucket_validation.check_bucket(model, part)
-            for name, t in everything:
-                param, mapped, shard, ex = model.route[name]
-                validation.check_write(layer, param, t, mapped, shard, ex, scope="global")
+                record = validation.Checked()
+                bucket_validation.check_bucket(model, part, record=record)
+                for name, t in part:
+                    param, mapped, shard, ex = model.route[name]
+                    assert validation.checked_write(param, t, mapped, shard, ex) is not None
+                record.close()
 
     def writes_only():
         for part in parts:
@@ -394,6 +419,12 @@ def main(argv=None) -> int:
     with count_syncs() as c:
         plugin_session()
     session_syncs = dict(c)
+    with count_syncs() as c:
+        bare_session()
+    bare_syncs = dict(c)
+    with device_path(), count_syncs() as c:  # CPU tensors take the device path too: the checks' read-backs
+        plugin_session()
+    checks_device_path = c.get("checks", {})
     res["session"] = dict(
         what=f"whole layer ({e} experts) in a begin/end session, {len(parts)} buckets of {a.bucket_experts} experts",
         **sess,
@@ -405,7 +436,11 @@ def main(argv=None) -> int:
         parts=parts_t,
         same_bytes_plugin_vs_bare=same,
         tensor_to_python_in_plugin_update=session_syncs,
+        tensor_to_python_in_bare_update=bare_syncs,
         device_syncs_in_plugin_update=sum(session_syncs.get(dev.type, {}).values()) if dev.type != "cpu" else None,
+        device_syncs_in_bare_update=sum(bare_syncs.get(dev.type, {}).values()) if dev.type != "cpu" else None,
+        checks_read_backs_device_path=sum(checks_device_path.values()),
+        buckets=len(parts),
         copy_gbps_of_writes_only=2 * nbytes / parts_t["writes_only"]["median_s"] / 1e9,
     )
 
@@ -414,6 +449,13 @@ def main(argv=None) -> int:
     some = request(buf, ids)
 
     def plugin_partial():
+        with mode(model, plugin=True):
+            weight_updates.drop_caches_before(updater, some)
+            ok, msg = weight_updates.check_buckets_around(Updater.update_weights_from_tensor, updater, some)
+            assert ok, msg
+            weight_updates.flush_after((ok, msg), updater, some)
+
+    def plugin_partial_no_entry():
         with mode(model, plugin=True):
             model.load_weights(some)
         layer_state.flush(layer)
@@ -429,13 +471,31 @@ def main(argv=None) -> int:
         for g in NVFP4.groups():
             NVFP4.prepare_(layer, g, ids)
 
-    part = interleaved({"plugin": plugin_partial, "bypassed": bypassed_partial, "bare": bare_partial}, dev, a.repeats)
+    part = interleaved(
+        {
+            "plugin": plugin_partial,
+            "bypassed": bypassed_partial,
+            "bare": bare_partial,
+            "plugin_no_entry_point": plugin_partial_no_entry,
+        },
+        dev,
+        a.repeats,
+    )
+    with device_path(), count_syncs() as c:  # as on CUDA: the bucket's values read back once
+        plugin_partial()
+    partial_syncs = dict(c)
+    with count_syncs() as c:
+        plugin_partial_no_entry()
+    no_entry_syncs = dict(c)
     res["partial"] = dict(
         what=f"{len(ids)} experts written outside a session (each un-prepared before its first write), then flushed",
         **part,
         ratio_median=part["plugin"]["median_s"] / part["bare"]["median_s"],
         bypassed_ratio_median=part["bypassed"]["median_s"] / part["bare"]["median_s"],
+        no_entry_point_ratio_median=part["plugin_no_entry_point"]["median_s"] / part["bare"]["median_s"],
         loader_calls=len(some),
+        tensor_to_python=partial_syncs,
+        tensor_to_python_no_entry_point=no_entry_syncs,
     )
 
     # ---- value checks of every scale of the layer ---------------------------------------------------------------
@@ -443,13 +503,17 @@ def main(argv=None) -> int:
     bytes1 = [t for n, t in everything if n.endswith(".weight_scale")]
     bufs1 = [b for (_, s), b in buf.items() if s == "weight_scale"]
 
-    def float_per_tensor():  # the loader hook's check per write: value_checks.find_bad of one tensor
+    def float_per_tensor():  # a write outside a request: its loader hook checks it alone
         for t in floats:
-            assert value_checks.find_bad([(t, POSITIVE)]) == []
+            assert not value_checks.bad_one(t, POSITIVE)
 
-    def float_batched():
-        v = torch.stack([t.reshape(()) for t in floats])
-        assert bool((torch.isfinite(v) & (v > 0)).all())
+    def float_batched():  # a request's check of them
+        assert value_checks.find_bad([(t, POSITIVE) for t in floats]) == []
+
+    scales = [(t, POSITIVE if t.dtype == torch.float32 else E4M3_BYTES) for t in floats + bytes1]
+
+    def all_scales_find_bad():  # a request's check of every scale of the layer
+        assert value_checks.find_bad(scales) == []
 
     def nan_bytes(t):
         return (u8(t) & 0x7F) == 0x7F  # e4m3fn NaN: 0x7f, 0xff
@@ -467,17 +531,19 @@ def main(argv=None) -> int:
         assert not bool(flags.any())
 
     checks = {
-        "float_scales_per_tensor_today": float_per_tensor,
+        "float_scales_per_tensor": float_per_tensor,
         "float_scales_batched": float_batched,
+        "all_scales_find_bad": all_scales_find_bad,
         "byte_scales_nan_per_tensor_sync_each": bytes_per_tensor_sync,
         "byte_scales_nan_per_tensor_one_sync": bytes_per_tensor_one_sync,
         "byte_scales_nan_one_reduction_per_buffer": bytes_per_buffer,
     }
     vt = interleaved(checks, dev, a.repeats)
     for n, fn in checks.items():
-        with count_syncs() as c:
+        # counted on the device path (on a CPU too: its scalars would otherwise be read one by one, no sync there)
+        with device_path(), count_syncs() as c:
             fn()
-        vt[n]["syncs"] = sum(sum(per.values()) for per in c.values())  # the tensors checked are all on `dev`
+        vt[n]["syncs"] = sum(c.get(dev.type, {}).values())  # the tensors checked are all on `dev`
     res["value_checks"] = dict(
         float_scale_tensors=len(floats),
         byte_scale_tensors=len(bytes1),
@@ -505,7 +571,8 @@ def summary(res):
     p = res["partial"]
     print(
         f"partial: plugin {p['plugin']['median_s'] * 1e3:.2f} ms, bypassed {p['bypassed']['median_s'] * 1e3:.2f} ms, "
-        f"bare {p['bare']['median_s'] * 1e3:.2f} ms"
+        f"bare {p['bare']['median_s'] * 1e3:.2f} ms, "
+        f"no entry point {p['plugin_no_entry_point']['median_s'] * 1e3:.2f} ms"
     )
     for k, v in res["value_checks"]["rows"].items():
         print(f"value check {k}: {v['median_s'] * 1e3:.3f} ms, {v['syncs']} syncs")

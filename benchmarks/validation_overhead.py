@@ -1,9 +1,12 @@
 """What validating every weight update costs per `FusedMoE.weight_loader` call: a full-layer load through SGLang's
 FusedMoE.weight_loader, with the plugin's validation and without it (the same hooks, `validation.check_write`
 replaced by a pass-through that returns the parameter's name and the expert id), on a prepared layer (the RL update
-path: validate, un-prepare the expert, SGLang's write). Also the whole-bucket check at the update entry points
-(`bucket_validation.check_bucket`) for the same tensors, where each `check_write` call's time goes (its pieces
-timed one by one, uninstrumented), and a cProfile of the checks (the top functions by own time).
+path: validate, un-prepare the expert, SGLang's write) — both as a user's own loader calls it (no entry point: every
+write checked in the loader hook, values included) and as an update entry point does (the whole bucket checked
+first, `bucket_validation.check_bucket` with a request record, then the loader hooks only look the writes up). Also
+the whole-bucket check alone for the same tensors, where each `check_write` call's time goes (the write plan's
+look-up and acceptance, and the full checks' pieces timed one by one, uninstrumented), and a cProfile of the checks
+(the top functions by own time).
 
     PYTHONPATH=. <venv>/bin/python benchmarks/validation_overhead.py [--fmt nvfp4] [--experts 32] [--hidden 1024]
         [--intermediate 512] [--repeats 5] [--profile-top 15] [--tiny]
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
 
     real = validation.check_write
 
-    def unchecked(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False):
+    def unchecked(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False, values=True):
         st = layer_state.state_of(layer)
         return validation.param_name(layer, param, st.fmt), int(expert_id)
 
@@ -80,10 +83,27 @@ def main(argv=None) -> int:
         finally:
             validation.check_write = real
 
+    model = cpu_layers.TinyMoeModel.__new__(cpu_layers.TinyMoeModel)
+    torch.nn.Module.__init__(model)
+    model.experts = layer
+    named = list(cpu_layers.checkpoint_names(tensors).items())
+
+    def entry_point_load():
+        """What an update entry point does: the bucket checked and recorded, then the same loads, then the flush."""
+        t = time.perf_counter()
+        record = validation.Checked()
+        try:
+            bucket_validation.check_bucket(model, named, record=record)
+            bad_updates.load(layer, writes)
+        finally:
+            record.close()
+        layer_state.flush(layer)
+        return time.perf_counter() - t
+
     # interleaved, so that load from other processes on a shared box hits both alike
-    full_load(), without_validation()
-    pairs = [(full_load(), without_validation()) for _ in range(args.repeats)]
-    with_validation, without = min(p[0] for p in pairs), min(p[1] for p in pairs)
+    full_load(), without_validation(), entry_point_load()
+    runs = [(full_load(), without_validation(), entry_point_load()) for _ in range(args.repeats)]
+    with_validation, without, entry = (min(p[i] for p in runs) for i in range(3))
     calls = [(getattr(layer, w.param), w) for w in writes]
 
     def only_checks():
@@ -93,10 +113,14 @@ def main(argv=None) -> int:
         return time.perf_counter() - t
 
     checks = best(only_checks)
-    model = cpu_layers.TinyMoeModel.__new__(cpu_layers.TinyMoeModel)
-    torch.nn.Module.__init__(model)
-    model.experts = layer
-    named = list(cpu_layers.checkpoint_names(tensors).items())
+
+    def full_checks():
+        t = time.perf_counter()
+        for p, w in calls:
+            validation._check_write(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, "global", False, True)
+        return time.perf_counter() - t
+
+    full = best(full_checks)
 
     def bucket_check():
         t = time.perf_counter()
@@ -115,7 +139,10 @@ def main(argv=None) -> int:
         "full_load_s_with_validation": round(with_validation, 4),
         "full_load_s_without": round(without, 4),
         "overhead_pct": round(100 * (with_validation - without) / without, 1),
+        "full_load_s_through_an_entry_point": round(entry, 4),
+        "entry_point_overhead_pct": round(100 * (entry - without) / without, 1),
         "check_write_us_per_call": round(1e6 * checks / len(writes), 1),
+        "check_write_without_plans_us_per_call": round(1e6 * full / len(writes), 1),
         "check_bucket_s": round(bucket, 4),
         "check_bucket_us_per_tensor": round(1e6 * bucket / len(named), 1),
         "check_write_breakdown_us_per_call": breakdown(layer, calls, args.repeats),
@@ -145,13 +172,23 @@ def breakdown(layer, calls, repeats: int) -> dict:
     n = len(calls)
     values = [(w.tensor, rule.value_rule(p.dtype, w.tensor.dtype)) for p, w, _, rule, _, _ in prep]
     values = [(t, r) for t, r in values if r is not None and t.numel()]
+    plans = [v.plan_of(layer, p) for p, _ in calls]
     steps = {
         "check_write (whole)": lambda: [
             v.check_write(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, scope="global") for p, w in calls
         ],
+        "plan_of (the write plan's look-up)": lambda: [v.plan_of(layer, p) for p, _ in calls],
+        "WritePlan.accepts (everything a write is checked for, values included)": lambda: [
+            plan.accepts(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, "global", False, True)
+            for plan, (p, w) in zip(plans, calls, strict=True)
+        ],
+        "the full checks (no plan: _check_write)": lambda: [
+            v._check_write(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, "global", False, True)
+            for p, w in calls
+        ],
         "format_of": lambda: [v.format_of(layer) for _ in calls],
         "param_name": lambda: [v.param_name(layer, p, fmt) for p, _ in calls],
-        "Refusal(...) (its message prefix, built for every call)": lambda: [
+        "Refusal(...) (its arguments kept: the message is built only when it refuses)": lambda: [
             v.Refusal(layer, name, w.shard_id, w.expert_id) for p, w, name, *_ in prep
         ],
         "_check_name": lambda: [
@@ -168,9 +205,10 @@ def breakdown(layer, calls, repeats: int) -> dict:
         "_intermediate_extents (inside check_tensor, weights and block scales)": lambda: [
             v._intermediate_extents(layer, fmt, rule, view, gated) for p, w, _, rule, _, view in prep if not rule.scalar
         ],
-        "value_checks.find_bad (inside check_tensor, scales with a value rule)": lambda: [
-            value_checks.find_bad([(t, r)]) for t, r in values
+        "value_checks.bad_one (inside check_tensor, scales with a value rule)": lambda: [
+            value_checks.bad_one(t, r) for t, r in values
         ],
+        "value_checks.find_bad of them all at once (a request's check)": lambda: value_checks.find_bad(values),
     }
     out = {}
     for label, fn in steps.items():

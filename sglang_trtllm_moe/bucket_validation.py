@@ -10,22 +10,27 @@ device synchronisation per device), and a checkpoint directory's from its files,
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
-from . import checkpoint_headers, value_checks
+from . import checkpoint_headers, layer_attrs, layer_state, value_checks
 from .errors import WeightUpdateRefused
 from .layer_state import layer_name, state_of
 from .validation import (
     NOTHING_WRITTEN,
     PROJECTIONS,
+    Checked,
     Refusal,
     ValueJob,
+    check_planned,
     check_tensor,
-    check_write,
     format_of,
     managed_names,
     param_name,
     param_view,
+    plan_of,
     validate_fused,
 )
 
@@ -34,16 +39,54 @@ class BucketRefused(WeightUpdateRefused):
     """A whole update bucket refused before any of it was loaded."""
 
 
+class _ModelCache:
+    """What a model's requests look up again and again: its managed layers (one walk of `named_modules`), and what
+    each checkpoint name below them resolves to. Valid while no layer is attached or observed anywhere
+    (layer_state.generation)."""
+
+    #: names resolved per model at most (a bound on the cache; names past it are resolved every time)
+    MAX_NAMES = 1 << 20
+
+    def __init__(self, generation: int, layers: dict):
+        self.generation = generation
+        self.layers = layers
+        #: checkpoint name -> [layer, param name, shard id, expert id, its write plan] | None (not an expert tensor of
+        #: a layer here)
+        self.targets: dict = {}
+
+
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def _cache_of(model) -> _ModelCache:
+    gen = layer_state.generation()
+    try:
+        c = _CACHES.get(model)
+    except TypeError:  # not weak-referenceable / hashable: nothing cached
+        return _ModelCache(gen, _managed_modules(model))
+    if c is None or c.generation != gen:
+        c = _ModelCache(gen, _managed_modules(model))
+        with _CACHES_LOCK:
+            _CACHES[model] = c
+    return c
+
+
 def managed_modules(model) -> dict[str, object]:
     """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path, the
     checkpoint prefix SGLang's model code built it with, and the path from "layers." on where only one layer has
-    it (checkpoints name the model root their own way: Nemotron-H's "backbone." is SGLang's "model.")."""
+    it (checkpoints name the model root their own way: Nemotron-H's "backbone." is SGLang's "model."). Walked once
+    per model (again after a layer anywhere is attached or observed)."""
+    return _cache_of(model).layers
+
+
+def _managed_modules(model) -> dict[str, object]:
     out: dict[str, object] = {}
     tails: dict[str, list] = {}
     for path, m in model.named_modules():
         if format_of(m) is not None:
             out[path] = m
-            prefix = getattr(m, "_trtllm_moe_prefix", None)
+            prefix = getattr(m, layer_attrs.PREFIX, None)
             if prefix:
                 out.setdefault(prefix, m)
             tail = _from_layers(path)
@@ -99,6 +142,7 @@ def check_bucket(
     skip=frozenset(),
     headers: bool = False,
     what: str = "weight-update bucket",
+    record: Checked | None = None,
 ) -> list:
     """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
     one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
@@ -111,31 +155,67 @@ def check_bucket(
     bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
     skip: ids of tensors already checked (the same objects, handed on by SGLang).
     headers: the tensors are a checkpoint's meta tensors (checkpoint_headers.read_headers): their values are not
-    checked here (check_checkpoint reads them)."""
-    problems, writes, jobs = _check_items(model, named_tensors, direct, skip, headers)
+    checked here (check_checkpoint reads them).
+    record: a `validation.Checked` of the request: once the whole bucket passed, every expert write it validated is
+    recorded there, so the loader hooks do not check it again."""
+    entries: list | None = [] if record is not None and not headers else None
+    problems, writes, jobs = _check_items(model, named_tensors, direct, skip, headers, entries)
     if not headers:
         problems += [jobs[i].refusal() for i in value_checks.find_bad([(j.tensor, j.code) for j in jobs])]
     _raise(problems, what, len(named_tensors))
+    if entries:
+        record.add_tensors(entries)  # type: ignore[union-attr]
     return writes
 
 
-def check_checkpoint(model, files, keep=None, what: str = "checkpoint") -> checkpoint_headers.Headers:
+def check_checkpoint(
+    model, files, keep=None, what: str = "checkpoint", record: Checked | None = None
+) -> checkpoint_headers.Headers:
     """A disk update's checkpoint directory, whole, before SGLang touches the model: every file readable and as long
     as its header says; every tensor that targets a managed layer checked from its header (name, shard, expert,
     dtype, shape) as `check_bucket` checks a tensor; then the values of every one of them that has a value rule
     (every scale, of any size, 1-byte scales on their bytes), read one tensor at a time. Raises BucketRefused;
-    returns the headers."""
+    returns the headers. record: a `validation.Checked` of the disk update: once the whole checkpoint passed, the
+    (parameter, shard, expert) of every tensor whose values were read and checked here is recorded there, so the
+    loader hooks check only the structure of SGLang's writes of them while the update runs (the caller makes sure
+    the files did not change meanwhile: rollback.fingerprint)."""
     headers = checkpoint_headers.read_headers(files, keep)
-    problems, _, jobs = _check_items(model, headers.tensors, False, frozenset(), True)
+    entries: list | None = [] if record is not None else None
+    problems, _, jobs = _check_items(model, headers.tensors, False, frozenset(), True, entries)
     problems = headers.problems + problems
     if not problems and jobs:
         wanted = {j.name: j for j in jobs}
-        for name, tensor in checkpoint_headers.read_tensors(headers, list(wanted)):
-            job = wanted[name]
-            if value_checks.find_bad([(tensor, job.code)]):
-                problems.append(job.refusal(tensor))
+        try:
+            problems += _check_read_values(headers, wanted)
+        except OSError as e:
+            problems.append(f"{type(e).__name__}: {e}")
     _raise(problems, what, len(headers.tensors))
+    if entries:  # every value of theirs with a value rule was read and checked above
+        record.add_from_files(entries)  # type: ignore[union-attr]
     return headers
+
+
+def _check_read_values(headers, wanted: dict) -> list[str]:
+    """The values of the jobs' tensors, read from the checkpoint's files: checked at once per chunk read (at most
+    checkpoint_headers.CHUNK_BYTES held); the refusals of those that break their rule."""
+    problems: list[str] = []
+    held: list = []
+    size = 0
+
+    def check():
+        bad = value_checks.find_bad([(t, wanted[n].code) for n, t in held])
+        problems.extend(wanted[held[i][0]].refusal(held[i][1]) for i in bad)
+        held.clear()
+
+    for name, tensor in checkpoint_headers.read_tensors(headers, list(wanted)):
+        held.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= checkpoint_headers.CHUNK_BYTES:
+            check()
+            size = 0
+    if held:
+        check()
+    return problems
 
 
 def _raise(problems: list[str], what: str, n: int) -> None:
@@ -150,84 +230,135 @@ def _raise(problems: list[str], what: str, n: int) -> None:
         )
 
 
-def _check_items(model, named_tensors, direct: bool, skip, headers: bool) -> tuple[list[str], list, list[ValueJob]]:
-    """(problems, direct writes, value jobs) of a request's tensors: everything but the values."""
-    layers = managed_modules(model)
+def _check_items(
+    model, named_tensors, direct: bool, skip, headers: bool, entries: list | None = None
+) -> tuple[list[str], list, list[ValueJob]]:
+    """(problems, direct writes, value jobs) of a request's tensors: everything but the values. entries: where to
+    append (tensor, param, shard id, expert id, (parameter name, "." + name, local expert count), checkpoint name,
+    layer) of every expert write checked."""
+    cache = _cache_of(model)
+    layers = cache.layers
     problems: list[str] = []
     writes: list = []
     jobs: list[ValueJob] = []
     if not layers:
         return problems, writes, jobs
+    targets = cache.targets
+    current: set = set()  # ids of the write plans found current during this call (nothing changes them meanwhile)
     for item in named_tensors:
-        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
-            continue
+        if type(item) is not tuple or len(item) != 2:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                continue
         name, tensor = item
+        if type(name) is not str:
+            if not isinstance(name, str):
+                continue
         if skip and id(tensor) in skip:
             continue
-        path, _, pname = name.rpartition(".")
-        layer = _layer_at(layers, path)
-        if layer is not None:  # "<layer>.<param>"
+        if direct:  # parameter names only: "<layer>.<param>"
+            if _layer_at(layers, name.rpartition(".")[0]) is not None:
+                _check_other(layers, name, tensor, direct, jobs, problems, writes)
+            continue
+        target = targets.get(name, _UNSEEN)
+        if target is _UNSEEN:
+            target = _target(layers, name)
+            if len(targets) < cache.MAX_NAMES:
+                targets[name] = target
+        if target is None:
+            continue  # not an expert tensor of a managed layer: SGLang's behaviour
+        if target is _OTHER:
+            _check_other(layers, name, tensor, direct, jobs, problems, writes)
+            continue
+        layer, pname, shard, expert, plan = target
+        param = layer._parameters.get(pname)
+        if plan is None or plan.param() is not param or id(plan) not in current:
+            # the plan resolved with the name, checked current once per request (validation.plan_of)
+            plan = target[4] = plan_of(layer, param) if param is not None else None
+            if plan is not None:
+                current.add(id(plan))
+        if plan is None or plan.rule is None:
             fmt = format_of(layer)
-            param = layer._parameters.get(pname)
-            fused_param = fmt.fused_checkpoint_names.get(pname) if param is None and not direct else None
-            if fused_param is not None:  # a checkpoint tensor of all experts (gpt-oss): dtype and values here;
-                # its shape once the model's loader has narrowed it to this rank (validate_fused at the write)
-                n_jobs = len(jobs)
-                try:
-                    validate_fused(layer, fused_param, layer._parameters[fused_param], tensor, shape=False, values=jobs)
-                except WeightUpdateRefused as e:
-                    problems.append(str(e))
-                for job in jobs[n_jobs:]:
-                    job.name = name
-                continue
-            if param is None:
-                if direct:
-                    problems.append(
-                        f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
-                        f"(its checkpoint parameters: {managed_names(layer, fmt)})"
-                    )
-                continue
-            own = param_name(layer, param, fmt)
-            if fmt.load_rule(own) is None:
-                continue  # a parameter the format does not load (kernel scalars): SGLang's behaviour
-            if not direct:
+            if param is None or fmt is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
                 problems.append(
-                    f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
-                    f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
-                    f"through load_format='direct'"
+                    f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
+                    f"(its checkpoint parameters: {managed_names(layer, fmt)})"
                 )
                 continue
-            try:
-                _check_full(layer, fmt, own, param, tensor, name, jobs)
-                writes.append((layer, own))
-            except WeightUpdateRefused as e:
-                problems.append(str(e))
-            continue
-        if direct:
-            continue
-        head = name.rsplit(".", 3)
-        layer = _layer_at(layers, head[0]) if len(head) == 4 else None
-        if layer is None:
-            continue
-        hit = _resolve(layer, name[len(head[0]) + 1 :])
-        if hit is None:
-            continue
-        pname, shard, expert = hit
-        fmt = format_of(layer)
-        param = layer._parameters.get(pname)
-        if param is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
-            problems.append(
-                f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
-                f"(its checkpoint parameters: {managed_names(layer, fmt)})"
-            )
-            continue
         if not isinstance(tensor, torch.Tensor):
             continue  # unwrapped later by SGLang; the per-shard check applies
         n_jobs = len(jobs)
         try:
-            check_write(layer, param, tensor, name, shard, expert, scope="global", headers=headers, values=jobs)
+            checked = check_planned(plan, layer, param, tensor, name, shard, expert, "global", headers, jobs)
+        except WeightUpdateRefused as e:
+            problems.append(str(e))
+            continue
+        if len(jobs) > n_jobs:  # (one job per tensor at most)
+            jobs[-1].name = name
+        if entries is not None and checked is not None:
+            hit = plan.hit if plan is not None and plan.name == checked[0] else (checked[0], "." + checked[0], 0)
+            entries.append((tensor, param, shard, checked[1], hit, name, layer))
+    return problems, writes, jobs
+
+
+#: `_ModelCache.targets` markers: not resolved yet; a "<layer>.<param>" name (checked by `_check_other`)
+_UNSEEN = object()
+_OTHER = object()
+
+
+def _target(layers: dict, name: str):
+    """What a checkpoint name (model.load_weights' form) targets: [layer, param name, shard id, expert id, None] for
+    "<layer>.<expert>.<projection>.<suffix>" below a managed layer; `_OTHER` for "<layer>.<param>"; None for every
+    other name."""
+    path, _, pname = name.rpartition(".")
+    if _layer_at(layers, path) is not None:
+        return _OTHER
+    head = name.rsplit(".", 3)
+    layer = _layer_at(layers, head[0]) if len(head) == 4 else None
+    if layer is None:
+        return None
+    hit = _resolve(layer, name[len(head[0]) + 1 :])
+    if hit is None:
+        return None
+    return [layer, *hit, None]  # the last: the parameter's write plan, once looked up
+
+
+def _check_other(layers: dict, name: str, tensor, direct: bool, jobs: list, problems: list, writes: list) -> None:
+    """A "<layer>.<param>" name: a fused checkpoint tensor of all experts (gpt-oss), a whole-parameter write
+    (load_format="direct"), or a parameter name where model.load_weights takes checkpoint names (refused)."""
+    path, _, pname = name.rpartition(".")
+    layer = _layer_at(layers, path)
+    fmt = format_of(layer)
+    param = layer._parameters.get(pname)
+    fused_param = fmt.fused_checkpoint_names.get(pname) if param is None and not direct else None
+    if fused_param is not None:  # a checkpoint tensor of all experts (gpt-oss): dtype and values here;
+        # its shape once the model's loader has narrowed it to this rank (validate_fused at the write)
+        n_jobs = len(jobs)
+        try:
+            validate_fused(layer, fused_param, layer._parameters[fused_param], tensor, shape=False, values=jobs)
         except WeightUpdateRefused as e:
             problems.append(str(e))
         for job in jobs[n_jobs:]:
             job.name = name
-    return problems, writes, jobs
+        return
+    if param is None:
+        if direct:
+            problems.append(
+                f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
+                f"(its checkpoint parameters: {managed_names(layer, fmt)})"
+            )
+        return
+    own = param_name(layer, param, fmt)
+    if fmt.load_rule(own) is None:
+        return  # a parameter the format does not load (kernel scalars): SGLang's behaviour
+    if not direct:
+        problems.append(
+            f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
+            f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
+            f"through load_format='direct'"
+        )
+        return
+    try:
+        _check_full(layer, fmt, own, param, tensor, name, jobs)
+        writes.append((layer, own))
+    except WeightUpdateRefused as e:
+        problems.append(str(e))

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import layer_attrs
 from .formats.base import WeightFormat
 
 ENV_MODE = "SGLANG_TRTLLM_MOE_CHECK_MODE"
@@ -334,14 +335,14 @@ def checkpoint_coordinates(side: ParamSide, param: str, expert: int, row: int, c
         return ""
     from .layer_state import layer_name
 
-    prefix = getattr(layer, "_trtllm_moe_prefix", None) or layer_name(layer)
+    prefix = getattr(layer, layer_attrs.PREFIX, None) or layer_name(layer)
     group = fmt.group_of(param) or ("w2" if param.startswith("w2") else "w13")
     suffix = param.split("_", 1)[1] if "_" in param else param
     tp = int(getattr(layer, "moe_tp_size", 1) or 1)
     tp_rank = int(getattr(layer, "moe_tp_rank", 0) or 0)
     presharded = bool(getattr(layer, "use_presharded_weights", False))
     rows = int(side.tensors[param].shape[1]) if param in side.tensors else 0
-    full = getattr(layer, "_trtllm_moe_intermediate", None)
+    full = getattr(layer, layer_attrs.INTERMEDIATE, None)
     if group == "w13":
         gated = fmt.is_gated(layer)
         half = rows // 2 if gated else rows

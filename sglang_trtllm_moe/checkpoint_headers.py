@@ -8,8 +8,9 @@ malformed tensor leaves the model in checkpoint layout, or half old and half new
 before SGLang touches the model (bucket_validation.check_checkpoint): names, dtypes and shapes from the headers; a
 file shorter than its header says (a shard still being written, a copy cut short) refused; and every scale of a
 layer the plugin manages or watches read and value-checked (all of them, of any size: NVFP4 block scales are 1/8 of
-the packed weight bytes, FP8 block scales 1/16384 of the weight's), streamed so that no more than one tensor's
-values are held at a time.
+the packed weight bytes, FP8 block scales 1/16384 of the weight's), streamed: at most `CHUNK_BYTES` of values held at
+a time, read straight into one buffer per chunk (one positioned read per tensor; a file that became shorter than its
+header says since is an error, not a crash).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +48,8 @@ SAFETENSORS_FORMATS = (None, "auto", "safetensors")
 
 #: a safetensors header is at most this long (the format's own limit: 100 MB)
 MAX_HEADER = 100_000_000
+#: `read_tensors` reads at most this many bytes into one buffer
+CHUNK_BYTES = 64 * 2**20
 
 
 def files_of(model_path, load_format) -> list[str]:
@@ -67,6 +70,8 @@ class Headers:
     file_of: dict[str, str]
     #: files that cannot be read whole: "<file>: <why>"
     problems: list[str]
+    #: name -> (first byte, end) of its data in its file
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _header(path: str) -> tuple[dict, int]:
@@ -115,6 +120,7 @@ def read_headers(files: Iterable[str], keep: Callable[[str], bool] | None = None
                 continue
             out.tensors.append((name, torch.empty(shape, dtype=dtype, device="meta")))
             out.file_of[name] = path
+            out.spans[name] = (start + int(offsets[0]), start + int(offsets[1]))
         if size < end:
             out.problems.append(
                 f"{path}: truncated: {size} bytes, its header says {end} (a shard still being written, or a copy cut "
@@ -124,16 +130,73 @@ def read_headers(files: Iterable[str], keep: Callable[[str], bool] | None = None
 
 
 def read_tensors(headers: Headers, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The values of `names` (CPU tensors), file by file, one tensor at a time."""
-    from safetensors import safe_open
-
+    """The values of `names` (CPU tensors of their headers' dtypes and shapes), file by file in file order, read into
+    one buffer per `CHUNK_BYTES` (the tensors yielded are views of it). Raises OSError when a file no longer holds the
+    bytes its header promised."""
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(headers.file_of[name], []).append(name)
+    metas = dict(headers.tensors)
     for path, wanted in by_file.items():
-        with safe_open(path, framework="pt", device="cpu") as f:
+        wanted.sort(key=lambda n: headers.spans[n][0])
+        with open(path, "rb", buffering=0) as f:
+            chunk: list[str] = []
+            size = 0
             for name in wanted:
-                yield name, f.get_tensor(name)
+                start, end = headers.spans[name]
+                n = -(-(end - start) // 8) * 8  # every tensor 8-byte aligned in the buffer
+                if chunk and size + n > CHUNK_BYTES:
+                    yield from _read_chunk(f, path, chunk, headers.spans, metas, size)
+                    chunk, size = [], 0
+                chunk.append(name)
+                size += n
+            if chunk:
+                yield from _read_chunk(f, path, chunk, headers.spans, metas, size)
+
+
+def _read_chunk(f, path: str, names: list[str], spans: dict, metas: dict, size: int):
+    buf = torch.empty(max(size, 8), dtype=torch.uint8)
+    mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+    typed: dict = {}
+    at = 0
+    placed = []
+    for name in names:
+        start, end = spans[name]
+        n = end - start
+        got = _read_into(f, mv[at : at + n], start)
+        if got != n:
+            raise OSError(
+                f"{path}: {name}: {got} of its {n} bytes could be read (the file changed after its header was read)"
+            )
+        placed.append((name, at))
+        at += -(-n // 8) * 8
+    for name, at in placed:
+        meta = metas[name]
+        dtype = meta.dtype
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = buf.view(dtype)
+        shape = tuple(meta.shape)
+        stride, acc = [], 1
+        for d in reversed(shape):
+            stride.append(acc)
+            acc *= d
+        yield name, torch.as_strided(base, shape, tuple(reversed(stride)), at // dtype.itemsize)
+
+
+def _read_into(f, view: memoryview, offset: int) -> int:
+    """Bytes read into `view` from `offset` (fewer only at the end of the file)."""
+    done = 0
+    while done < len(view):
+        if hasattr(os, "preadv"):
+            got = os.preadv(f.fileno(), [view[done:]], offset + done)
+        else:
+            f.seek(offset + done)
+            got = f.readinto(view[done:]) or 0
+        if not got:
+            break
+        done += got
+    return done
 
 
 def meta_tensors(files, keep=None) -> list[tuple[str, torch.Tensor]]:

@@ -64,7 +64,6 @@ def explain_model(
     hybrid Mamba model on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform)."""
     import json
     import os
-    from dataclasses import asdict
 
     from .selection import DeviceInfo, flashinfer_version, problem_from_hf_config, resolve
 
@@ -108,7 +107,7 @@ def explain_model(
             "sglang": sglang,
         }
     res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
-    out = {**res.to_dict(), "problem": asdict(problem), "sglang": sglang, "plugin_prepares": _prepares(problem)}
+    out = {**res.to_dict(), "problem": problem.to_dict(), "sglang": sglang, "plugin_prepares": _prepares(problem)}
     if device.sm is None:
         out["note"] = NO_GPU_NOTE
     return out

@@ -136,7 +136,8 @@ def import_all() -> list[str]:
     return failed
 
 
-def _reset_for_tests() -> None:
+def reset_for_tests() -> None:
+    """Forget every pending target and remove the import finder (tests only; `plugin.reset_for_tests` calls it)."""
     with _LOCK:
         _PENDING.clear()
         if _FINDER in sys.meta_path:

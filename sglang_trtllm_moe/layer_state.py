@@ -30,23 +30,48 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from . import layouts
+from . import layer_attrs, layouts
 from .errors import WeightPrepError
 from .formats.base import Layer, WeightFormat, set_scalar_
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
-STATE_ATTR = "_trtllm_moe_state"
+STATE_ATTR = layer_attrs.STATE
 _LAYERS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 #: guards `_LAYERS` and the creation of a layer's state (two threads must never attach two states to one layer)
 _REGISTRY_LOCK = threading.Lock()
+#: what validation caches per layer (validation.plan_of: one write plan per parameter); dropped when the layer's
+#: state or watched format is set
+PLANS_ATTR = layer_attrs.PLANS
+#: bumped whenever a layer starts being managed or watched: caches of which layers a model holds compare it
+_GENERATION = [0]
+
+
+def generation() -> int:
+    """Changes whenever a layer is attached or observed (bucket_validation caches a model's managed layers)."""
+    return _GENERATION[0]
+
+
+def _own(layer: Layer, attr: str) -> Any:
+    """`layer`'s own attribute `attr`, or None: a dict lookup (a missing attribute of an nn.Module would otherwise
+    go through Module.__getattr__ and an AttributeError, ~5 us, on every write into a layer SGLang prepares)."""
+    d = getattr(layer, "__dict__", None)
+    return d.get(attr) if d is not None else getattr(layer, attr, None)
+
+
+def _set_own(layer: Layer, attr: str, value: Any) -> None:
+    if isinstance(layer, torch.nn.Module):
+        object.__setattr__(layer, attr, value)
+    else:
+        setattr(layer, attr, value)
 
 
 def layer_name(layer: Layer) -> str:
-    prefix = getattr(layer, "_trtllm_moe_prefix", None) or getattr(layer, "prefix", None)
+    prefix = getattr(layer, layer_attrs.PREFIX, None) or getattr(layer, "prefix", None)
     if prefix:
         return str(prefix)
     lid = getattr(layer, "layer_id", None)
@@ -64,6 +89,34 @@ class LayerState:
     experts_prepared_total: int = 0
     #: held by every writer and every flush of the layer: state check, in-place inverse and write are one step
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    #: parameter name -> group, of the laid-out parameters (fmt.group_of without the loop)
+    groups: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    #: the format shows prepared parameters in another shape (it overrides `WeightFormat.on_layout`: BF16)
+    views: bool = field(default=False, repr=False, compare=False)
+    #: group -> (mask, its _version, the mask as a list): `prepared` read without a tensor op per write
+    _mirror: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.groups = {p.name: p.group for p in self.fmt.params}
+        self.views = type(self.fmt).on_layout is not WeightFormat.on_layout
+
+    def is_prepared(self, group: str, expert: int) -> bool:
+        """`prepared[group][expert]`, from a Python copy of the mask refreshed whenever the mask changed (its
+        version counter: every in-place write of it, here, in rollback or anywhere, bumps it)."""
+        mask = self.prepared[group]
+        ver = mask._version
+        m = self._mirror.get(group)
+        if m is None or m[0] is not mask or m[1] != ver:
+            m = (mask, ver, mask.tolist())
+            self._mirror[group] = m
+        return m[2][expert]
+
+    def all_prepared(self, group: str) -> bool:
+        mask = self.prepared[group]
+        m = self._mirror.get(group)
+        if m is None or m[0] is not mask or m[1] != mask._version:
+            return bool(mask.all())
+        return all(m[2])
 
     def dirty_experts(self) -> dict[str, list[int]]:
         return {g: (~m).nonzero().flatten().tolist() for g, m in self.prepared.items() if not bool(m.all())}
@@ -74,7 +127,7 @@ class LayerState:
 
 
 def state_of(layer: Layer) -> LayerState | None:
-    return getattr(layer, STATE_ATTR, None)
+    return _own(layer, STATE_ATTR)
 
 
 def attach(layer: Layer, fmt: WeightFormat) -> LayerState:
@@ -89,28 +142,35 @@ def attach(layer: Layer, fmt: WeightFormat) -> LayerState:
             num_experts=e,
             prepared={g: torch.full((e,), fmt.prepared_at_attach(layer, g), dtype=torch.bool) for g in fmt.groups()},
         )
-        if isinstance(layer, torch.nn.Module):
-            object.__setattr__(layer, STATE_ATTR, st)
-        else:
-            setattr(layer, STATE_ATTR, st)
+        _set_own(layer, STATE_ATTR, st)
+        _forget_plans(layer)
         _LAYERS.add(layer)
+        _GENERATION[0] += 1
         return st
 
 
-OBSERVED_ATTR = "_trtllm_moe_observed"
+def _forget_plans(layer: Layer) -> None:
+    d = getattr(layer, "__dict__", None)
+    if d is not None:
+        d.pop(PLANS_ATTR, None)
+
+
+OBSERVED_ATTR = layer_attrs.OBSERVED
 
 
 def observe(layer: Layer, fmt: WeightFormat) -> None:
     """A layer SGLang prepares itself (compat/defer.py: upstream is right for its format on this release): the
     plugin does not touch its layout, but still validates writes into it against `fmt`'s rules."""
-    if isinstance(layer, torch.nn.Module):
-        object.__setattr__(layer, OBSERVED_ATTR, fmt)
-    else:
-        setattr(layer, OBSERVED_ATTR, fmt)
+    if observed(layer) is fmt:
+        return  # SGLang's process_weights_after_loading runs again after every disk update: nothing changes
+    _set_own(layer, OBSERVED_ATTR, fmt)
+    _forget_plans(layer)
+    with _REGISTRY_LOCK:
+        _GENERATION[0] += 1
 
 
 def observed(layer: Layer) -> WeightFormat | None:
-    return getattr(layer, OBSERVED_ATTR, None)
+    return _own(layer, OBSERVED_ATTR)
 
 
 def managed_layers() -> list[Layer]:
@@ -139,26 +199,49 @@ def before_write(layer: Layer, param_name: str, expert_id: int | None) -> None:
 
 
 def _before_write(layer: Layer, st: LayerState, param_name: str, expert_id: int | None) -> None:
-    group = st.fmt.group_of(param_name)
+    group = st.groups.get(param_name)
     if group is None:
         if param_name in st.fmt.scalar_params:
             st.scalars_dirty = True
         return
-    mask = st.prepared[group]
     if expert_id is None:
-        ids = mask.nonzero().flatten().tolist()
+        ids = st.prepared[group].nonzero().flatten().tolist()
     else:
         if not 0 <= expert_id < st.num_experts:
             raise ValueError(
                 f"{layer_name(layer)}: expert id {expert_id} is out of range for {param_name} "
                 f"({st.num_experts} local experts)"
             )
-        ids = [expert_id] if bool(mask[expert_id]) else []
+        mask = st.prepared[group]
+        m = st._mirror.get(group)
+        if m is not None and m[0] is mask and m[1] == mask._version:  # LayerState.is_prepared, inlined
+            ids = [expert_id] if m[2][expert_id] else []
+        else:
+            ids = [expert_id] if st.is_prepared(group, expert_id) else []
     if ids:
-        st.fmt.unprepare_(layer, group, ids)
-        mask[ids] = False
-        st.fmt.on_layout(layer, group, all_prepared=False)
+        unprepare_locked(layer, st, group, ids)
     st.scalars_dirty = True
+
+
+#: `before_write` for a caller that holds the layer's lock (the loader hook: the check of the layout state, the
+#: inverse and SGLang's write are one step under it)
+before_write_locked = _before_write
+
+
+def unprepare_locked(layer: Layer, st: LayerState, group: str, ids: list[int]) -> None:
+    """Experts `ids` of `group` (prepared ones) back to checkpoint layout, marked dirty; the caller holds the lock."""
+    mask = st.prepared[group]
+    m = st._mirror.get(group)
+    current = m is not None and m[0] is mask and m[1] == mask._version
+    st.fmt.unprepare_(layer, group, ids)
+    mask[ids] = False
+    if current:  # the Python copy was current: keep it so (else it is rebuilt on its next read)
+        assert m is not None
+        bits = m[2]
+        for i in ids:
+            bits[i] = False
+        st._mirror[group] = (mask, mask._version, bits)
+    st.fmt.on_layout(layer, group, all_prepared=False)
 
 
 def flush(layer: Layer, chunk: int | None = None) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pluggy
 from packaging.version import Version
 
-from . import PROJECT_NAME, hookspecs, installer
+from . import PROJECT_NAME, env, hookspecs, installer
 from .compat import ReleaseStatus, check_release
 from .targets import LANDED, MISSING, NOT_APPLICABLE, NOT_IMPORTED, HookTarget, target_state
 
@@ -200,7 +200,7 @@ def register() -> None:
         return
     st = PluginState()
     try:
-        if os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+        if env.flag(ENV_DISABLE):
             st.status, st.reason = "disabled", f"{ENV_DISABLE}=1: nothing registered"
             logger.info("sglang-trtllm-moe: %s", st.reason)
             return
@@ -245,11 +245,11 @@ def register() -> None:
         _STATE = st
 
 
-def _reset_for_tests() -> None:
+def reset_for_tests() -> None:
     """Forget registration state (tests only; SGLang's HookRegistry has its own reset())."""
     global _STATE
     _STATE = PluginState()
-    installer._reset_for_tests()
+    installer.reset_for_tests()
 
 
 __all__ = ["register", "state", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]

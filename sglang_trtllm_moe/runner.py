@@ -11,15 +11,14 @@ to SGLang's leaf unchanged — except under the emulator, which reads SGLang's b
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from . import kernel_api, layer_state
+from . import env, kernel_api, layer_state
 from .errors import KernelUnavailableError
-from .formats import BF16, NVFP4, KernelCall, WeightFormat
+from .formats import KernelCall, WeightFormat, sglang_prepared
 from .formats.base import Layer
 
 # SGLang objects (SGLang ships no type information): a TopK output, a token dispatcher's output, a leaf's QuantInfo,
@@ -32,13 +31,9 @@ CombineInput = Any
 
 ENV_EMULATE = "SGLANG_TRTLLM_MOE_EMULATE"
 
-#: the format of a layer SGLang prepared itself, per leaf, for the emulator (FP8 layers SGLang prepares are MXFP8 or
-#: SGLang's own requantized per-tensor layout: they stay on SGLang's leaf)
-SGLANG_PREPARED = {"fp4": NVFP4, "bf16": BF16}
-
 
 def emulating() -> bool:
-    return os.environ.get(ENV_EMULATE, "").strip().lower() in ("1", "true", "yes", "on")
+    return env.flag(ENV_EMULATE)
 
 
 def _kernel_backend(layer: Layer, device: torch.device) -> tuple[ModuleType, bool]:
@@ -193,7 +188,7 @@ def format_for(
     """The format to run a layer with on SGLang's `leaf` ("fp4" | "fp8" | "bf16"), or None for SGLang's own leaf:
     a layer the plugin prepared runs on its format; a layer SGLang prepared that the plugin watches (compat/defer.py)
     runs on its format under the emulator, or where SGLang's leaf would guess an undeclared routing method; under the
-    emulator, NVFP4 and BF16 layers SGLang prepared run on the format SGLang's layout is."""
+    emulator, a layer SGLang prepared runs on the format whose layout its leaf holds (`formats.sglang_prepared`)."""
     layer = getattr(runner_config, "layer", None)
     st = layer_state.state_of(layer)
     if st is not None:
@@ -203,7 +198,7 @@ def format_for(
         return observed
     if not emulating():
         return None
-    return observed or SGLANG_PREPARED.get(leaf)
+    return observed or sglang_prepared(leaf)
 
 
 __all__ = [

@@ -24,24 +24,32 @@ the plugin manages is checked here first, for every parameter kind the format de
   data: not value-checked.
 
 Errors are `WeightUpdateRefused` (a ValueError) naming the layer, the parameter, the problem and what is expected.
-`check_write` runs in the FusedMoE.weight_loader hook (before SGLang maps expert ids to EP ranks, so every rank
-refuses the same bad tensor) and again, cheaply, under the layer's lock in `_weight_loader_impl`; `check_bucket`
-(bucket_validation.py) runs at the update entry points over a whole request before anything is loaded.
+`check_bucket` (bucket_validation.py) runs at the update entry points over a whole request before anything is
+loaded, and records what it validated (`Checked`); `check_write` runs in the FusedMoE.weight_loader hook (before
+SGLang maps expert ids to EP ranks, so every rank refuses the same bad tensor) for every write the request's check
+did not already validate — writes that do not come through an entry point (a user's own `load_weights`, custom
+loaders) are checked whole there — and `_weight_loader_impl` checks only the local expert id, under the layer's lock.
+
+Cost: each write is checked by a plan computed once per (layer, parameter) (`plan_of`: name, rule, accepted shard
+ids, expert ranges, devices, dtypes and shapes), so a write that passes costs a few dict lookups and comparisons; a
+write the plan does not accept goes through the full checks, which refuse it with their message (or accept a rarer
+valid form: numpy or 0-dim tensor expert ids, a layer without a known intermediate size). Refusal messages are built
+only when refusing.
 """
 
 from __future__ import annotations
 
 import numbers
 import threading
-from dataclasses import dataclass
+import weakref
 from typing import NoReturn
 
 import torch
 
-from . import value_checks
+from . import layer_attrs, value_checks
 from .errors import WeightUpdateRefused
-from .formats.base import LoadRule
-from .layer_state import layer_name, observed, state_of
+from .formats.base import LoadRule, WeightFormat
+from .layer_state import PLANS_ATTR, layer_name, observed, state_of
 
 SHARDS = ("w1", "w2", "w3")
 
@@ -50,7 +58,9 @@ NOTHING_WRITTEN = "; nothing was written"
 #: checkpoint projection names -> SGLang shard ids (FusedMoE.make_expert_params_mapping of SGLang's model classes)
 PROJECTIONS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
-_TLS = threading.local()
+#: per thread, what weight_loader validated for the _weight_loader_impl call SGLang makes inside it (param, tensor,
+#: parameter name, local expert count); the loader hooks read and set it inline on every write
+HANDSHAKE = threading.local()
 
 
 def param_name(layer, param, fmt=None) -> str | None:
@@ -98,9 +108,18 @@ def _short(x) -> str:
 
 
 class Refusal:
+    """Raises a refusal of one write: "<layer>: refused weight update of <param> (<what>): <problem>; expected
+    <expected>; nothing was written". Keeps its arguments; the message is built only when it refuses."""
+
+    __slots__ = ("layer", "name", "shard_id", "expert_id", "what")
+
     def __init__(self, layer, name, shard_id, expert_id, what: str | None = None):
-        what = what or f"shard {_short(shard_id)}, expert {_short(expert_id)}"
-        self.where = f"{layer_name(layer)}: refused weight update of {name} ({what})"
+        self.layer, self.name, self.shard_id, self.expert_id, self.what = layer, name, shard_id, expert_id, what
+
+    @property
+    def where(self) -> str:
+        what = self.what or f"shard {_short(self.shard_id)}, expert {_short(self.expert_id)}"
+        return f"{layer_name(self.layer)}: refused weight update of {self.name} ({what})"
 
     def __call__(self, problem: str, expected: str) -> NoReturn:
         raise WeightUpdateRefused(f"{self.where}: {problem}; expected {expected}{NOTHING_WRITTEN}")
@@ -134,6 +153,264 @@ def global_expert_count(layer, param) -> int:
     return int(getattr(layer, "num_experts", 0) or 0) + int(getattr(layer, "num_fused_shared_experts", 0) or 0)
 
 
+# ---- write plans: what a write into one parameter must look like, computed once --------------------------------
+
+_CPU = torch.device("cpu")
+
+
+class WritePlan:
+    """What `check_write` needs to accept a write into one parameter of one layer, computed once (`plan_of`): the
+    parameter's managed name, its rule, the shard ids it takes, the expert ranges, the devices, the accepted dtypes
+    (cached per loaded dtype), the accepted shapes (where the layer's sizes make them a small set) and the value rule
+    per loaded dtype. `accepts` answers (name, expert id) for a write every check would accept, None for anything
+    else (the full checks then decide, and refuse with their message)."""
+
+    __slots__ = (
+        "param",
+        "fmt",
+        "name",
+        "dot_name",
+        "rule",
+        "shape",
+        "dtype",
+        "ptr",
+        "shards",
+        "global_n",
+        "local_n",
+        "devices",
+        "dtypes",
+        "shapes",
+        "codes",
+        "converts",
+        "managed",
+        "hit",
+    )
+
+    def __init__(self, layer, fmt, param, name: str, rule: LoadRule | None):
+        #: the parameter, weakly (a plan never keeps a replaced parameter's storage alive)
+        self.param = weakref.ref(param)
+        self.fmt, self.name, self.dot_name, self.rule = fmt, name, "." + name, rule
+        self.shape, self.dtype, self.ptr = param.shape, param.dtype, param.data_ptr()
+        self.dtypes: dict = {}
+        self.codes: dict = {}
+        self.shapes: frozenset | None = None
+        self.shards: tuple = ()
+        self.global_n = self.local_n = 0
+        self.devices = frozenset((param.device, _CPU))
+        self.converts = type(fmt).converted_by_sglang is not WeightFormat.converted_by_sglang
+        self.hit = (name, self.dot_name, 0)
+        #: every parameter name the format has a rule for (a weight_name ending in another one is checked in full)
+        self.managed = frozenset((*(p.name for p in fmt.params), *fmt.scalar_params))
+        if rule is None:
+            return
+        gated = fmt.is_gated(layer)
+        self.shards = ("w2",) if rule.group == "w2" else (("w1", "w3") if gated else ("w1",))
+        view = param_view(layer, fmt, name, param)
+        self.global_n = global_expert_count(layer, param)
+        self.local_n = int(view.shape[0])
+        #: what a request's record says of a write this plan accepted (validation.Checked)
+        self.hit = (name, self.dot_name, self.local_n)
+        if rule.scalar:
+            self.shapes = frozenset({(), (1,)})
+        else:
+            extents, _, _ = _intermediate_extents(layer, fmt, rule, view, gated)
+            if isinstance(extents, tuple):
+                if rule.group == "w13":
+                    self.shapes = frozenset((x, int(view.shape[2])) for x in extents)
+                else:
+                    self.shapes = frozenset((int(view.shape[1]), x) for x in extents)
+
+    def accepts(self, layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values):
+        if type(weight_name) is not str:
+            return None
+        # SGLang's mapped name ends in the parameter's; a checkpoint name ("...experts.3.gate_proj.weight_scale")
+        # ends in a suffix that names no other parameter
+        if not weight_name.endswith(self.dot_name) and weight_name[weight_name.rfind(".") + 1 :] in self.managed:
+            return None
+        if type(shard_id) is not str or shard_id not in self.shards or type(expert_id) is not int:
+            return None
+        n = self.global_n if scope == "global" else self.local_n
+        if n and not 0 <= expert_id < n:
+            return None
+        if not isinstance(loaded, torch.Tensor):
+            return None
+        if self.converts and self.fmt.converted_by_sglang(layer, self.name, loaded, expert_id, scope):
+            return self.name, expert_id
+        dev = loaded.device
+        if dev not in self.devices and not (headers and dev.type == "meta"):
+            return None
+        dt = loaded.dtype
+        ok = self.dtypes.get(dt)
+        if ok is None:
+            ok = self.dtypes[dt] = self.rule.accepts_dtype(dt, self.dtype)  # type: ignore[union-attr]
+        if not ok or self.shapes is None or loaded.shape not in self.shapes:
+            return None
+        if values is False:
+            return self.name, expert_id
+        code = self.codes.get(dt, 0)
+        if code == 0:
+            code = self.codes[dt] = self.rule.value_rule(self.dtype, dt)  # type: ignore[union-attr]
+        if code is None or not loaded.numel():
+            return self.name, expert_id
+        if isinstance(values, list):
+            values.append(ValueJob(loaded, code, self.rule, (layer, self.name, shard_id, expert_id)))  # type: ignore[arg-type]
+        elif dev.type != "meta" and not (
+            scope == "global" and _FROM_FILES and _values_from_files(param, shard_id, expert_id)
+        ):
+            if value_checks.bad_one(loaded, code):
+                return None  # the full checks refuse it, naming the value
+        return self.name, expert_id
+
+
+def plan_of(layer, param) -> WritePlan | None:
+    """The write plan of `param` in `layer` (cached on the layer, rebuilt when the parameter's storage, shape or
+    dtype changed, or another parameter took its name); None when the layer is not the plugin's (managed or
+    watched), or `param` is not one of its parameters or is one the plugin computes (the full checks refuse those)."""
+    d = getattr(layer, "__dict__", None)
+    plans = d.get(PLANS_ATTR) if d is not None else None
+    if plans is not None:
+        plan = plans.get(id(param))
+        if (
+            plan is not None
+            and plan.param() is param
+            and d["_parameters"].get(plan.name) is param  # type: ignore[index]
+            and param.data_ptr() == plan.ptr
+            and param.dtype is plan.dtype
+            and param.shape == plan.shape
+        ):
+            return plan
+    elif d is None or not isinstance(d.get("_parameters"), dict) or format_of(layer) is None:
+        return None  # not an nn.Module (the full checks), or not the plugin's layer
+    return _new_plan(layer, param)
+
+
+def _new_plan(layer, param) -> WritePlan | None:
+    fmt = format_of(layer)
+    if fmt is None or not isinstance(param, torch.Tensor):
+        return None
+    name = param_name(layer, param, fmt)
+    if name is None:
+        return None
+    rule = fmt.load_rule(name)
+    if rule is None and not hasattr(param, "weight_loader"):
+        return None  # a kernel scalar the plugin computes: refused by the full checks
+    plan = WritePlan(layer, fmt, param, name, rule)
+    plans = layer.__dict__.setdefault(PLANS_ATTR, {})
+    for key, old in list(plans.items()):  # plans of parameters the layer no longer holds (no storage kept alive)
+        p = old.param()
+        if p is None or layer._parameters.get(old.name) is not p:
+            plans.pop(key, None)
+    plans[id(param)] = plan
+    return plan
+
+
+# ---- what a request's entry-point check validated ---------------------------------------------------------------
+
+#: the records of the requests now running (validation.Checked), read by the loader hooks of every thread
+_ACTIVE: list = []
+#: the disk updates now running: their records of (id(param), shard id, expert id) whose values were read from the
+#: checkpoint's files and checked
+_FROM_FILES: list = []
+_CHECKED_LOCK = threading.Lock()
+
+
+class Checked:
+    """What one update request's entry-point check validated, for the loader hooks while the request runs.
+
+    Thread-safe: SGLang's loaders write from thread pools (DeepSeek), so the record is visible process-wide while
+    the request runs (and only then: `close()`, the entry point's end in a finally), keyed by the objects themselves
+    (held, so no id is reused meanwhile). A write matches only when it is the same tensor object written into the
+    same parameter with the same shard and expert id as checked — a tensor the model's loader re-creates or
+    re-routes is checked again in the hook; a tensor is never re-checked for being re-sent."""
+
+    def __init__(self):
+        #: (id(tensor), id(param), shard id, expert id) -> (tensor, param, (parameter name, its "."-prefixed form,
+        #: local expert count)) of writes validated whole
+        self.tensors: dict = {}
+        #: ids of those tensors (what the request's later checks skip)
+        self.ids: set = set()
+        #: (id(param), shard id, expert id) -> (param, dtype, shape, (parameter name, "." + name, local expert count))
+        #: of checkpoint tensors the disk pre-check validated: header, and values read from the files
+        self.from_files: dict = {}
+        self._on = False
+
+    def add_tensors(self, entries) -> None:
+        """entries: (tensor, param, shard id, expert id, (parameter name, "." + name, local expert count), ...) of
+        writes validated whole."""
+        tensors, ids = self.tensors, self.ids
+        for t, param, shard, expert, hit, *_ in entries:
+            tensors[(id(t), id(param), shard, expert)] = (t, param, hit)
+            ids.add(id(t))
+        self._activate(_ACTIVE)
+
+    def add_from_files(self, entries) -> None:
+        """entries: (header's meta tensor, param, shard id, expert id, (parameter name, "." + name, local expert
+        count), ...) of the checkpoint tensors the disk pre-check validated from their headers and whose values
+        (where their kind has a value rule) it read from the files and checked."""
+        files = self.from_files
+        for meta, param, shard, expert, hit, *_ in entries:
+            files[(id(param), shard, expert)] = (param, meta.dtype, meta.shape, hit)
+        self._activate(_FROM_FILES)
+
+    def _activate(self, table: list) -> None:
+        with _CHECKED_LOCK:
+            if not any(r is self for r in table):
+                table.append(self)
+                self._on = True
+
+    def close(self) -> None:
+        if not self._on:
+            return
+        with _CHECKED_LOCK:
+            for table in (_ACTIVE, _FROM_FILES):
+                table[:] = [r for r in table if r is not self]
+            self._on = False
+        self.tensors.clear()
+        self.ids.clear()
+        self.from_files.clear()
+
+    def __len__(self) -> int:
+        return len(self.tensors) + len(self.from_files)
+
+
+def checked_write(param, loaded, weight_name, shard_id, expert_id) -> tuple[str, str, int] | None:
+    """(parameter name, "." + name, local expert count) when a running request's entry-point check already
+    validated this write whole, else None:
+
+    * tensor buckets: the same tensor object, into the same parameter, shard and expert id;
+    * a disk update: SGLang's CPU tensor for a (parameter, shard, expert id) whose checkpoint tensor the pre-check
+      validated from its header — the same dtype and shape — and whose values it read from the file (unchanged
+      since: the entry point compares the files' fingerprints after the load). Every check of the write depends on
+      nothing else but the name SGLang passes (checked here) and the device (the CPU), so it would answer the same.
+    The name SGLang passes must end in the parameter's."""
+    if type(shard_id) is not str or type(expert_id) is not int:
+        return None
+    hit = None
+    if _ACTIVE:
+        key = (id(loaded), id(param), shard_id, expert_id)
+        for rec in _ACTIVE:
+            v = rec.tensors.get(key)
+            if v is not None:
+                hit = v[2]
+                break
+    if hit is None and _FROM_FILES:
+        slot = (id(param), shard_id, expert_id)
+        for rec in _FROM_FILES:
+            v = rec.from_files.get(slot)
+            if v is not None:
+                if loaded.__class__ is torch.Tensor and loaded.is_cpu and loaded.dtype is v[1] and loaded.shape == v[2]:
+                    hit = v[3]
+                break
+    if hit is not None and type(weight_name) is str and (weight_name.endswith(hit[1]) or weight_name == hit[0]):
+        return hit
+    return None
+
+
+def _values_from_files(param, shard_id, expert_id) -> bool:
+    key = (id(param), shard_id, expert_id)
+    return any(key in rec.from_files for rec in _FROM_FILES)
+
+
 def check_write(
     layer,
     param,
@@ -151,8 +428,29 @@ def check_write(
     scope "global": `FusedMoE.weight_loader`'s checkpoint expert id; "local": `_weight_loader_impl`'s local (or,
     for parameters SGLang keeps for every expert, global) id. headers: `loaded` may be a meta tensor standing for a
     checkpoint tensor not read yet (its safetensors header): name, shard, expert, dtype and shape are checked.
-    values: True — check the values here; a list — append a `ValueJob` for them instead (a whole request checks its
+    values: True — check the values here (unless a running disk update's pre-check read them from the checkpoint's
+    files: `Checked.add_from_files`); a list — append a `ValueJob` for them instead (a whole request checks its
     tensors' values at once; a header's meta tensor gets a job too, for its values read later)."""
+    return check_planned(
+        plan_of(layer, param), layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values
+    )
+
+
+def check_planned(
+    plan, layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False, values=True
+):
+    """`check_write` with the parameter's write plan already looked up (`plan_of`; None: the full checks)."""
+    if plan is not None:
+        if plan.rule is None:
+            return None  # a parameter the format does not manage: SGLang's own loader, unchanged
+        hit = plan.accepts(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values)
+        if hit is not None:
+            return hit
+    return _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values)
+
+
+def _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values):
+    """check_write without a plan: every check in turn (refuses with its message)."""
     fmt = format_of(layer)
     if fmt is None:
         return None
@@ -233,7 +531,7 @@ def _intermediate_extents(layer, fmt, rule: LoadRule, view, gated: bool):
     ranks = 1 if presharded else tp
     padded = per_rank * ranks
     ref = next((fmt.tensor(layer, p) for p in fmt.params if p.group == "w13"), None)
-    full = getattr(layer, "_trtllm_moe_intermediate", None)
+    full = getattr(layer, layer_attrs.INTERMEDIATE, None)
     if ref is None or not full:
         return range(1, padded + 1), f"at most {padded}", per_rank
     ip = int(ref.shape[1]) // (2 if gated else 1)  # the layer's padded per-rank intermediate
@@ -305,18 +603,24 @@ def check_tensor(
         check_values(rule, param, loaded, refuse)
 
 
-@dataclass
 class ValueJob:
-    """The values of one tensor of a request, to be checked with the others (`values=` list of check_write)."""
+    """The values of one tensor of a request, to be checked with the others (`values=` list of check_write).
 
-    #: the tensor (a meta tensor for a checkpoint's header: its values are read later)
-    tensor: torch.Tensor
-    #: the value rule (formats/base.py VALUE_RULES)
-    code: str
-    rule: LoadRule
-    refuse: Refusal
-    #: the checkpoint name it came by (set by the request's check)
-    name: str = ""
+    tensor: the tensor (a meta tensor for a checkpoint's header: its values are read later); code: the value rule
+    (formats/base.py VALUE_RULES); rule; refuse: its Refusal, or the (layer, parameter name, shard id, expert id) to
+    build it from if it refuses; name: the checkpoint name it came by (set by the request's check)."""
+
+    __slots__ = ("tensor", "code", "rule", "_refuse", "name")
+
+    def __init__(self, tensor: torch.Tensor, code: str, rule: LoadRule, refuse, name: str = ""):
+        self.tensor, self.code, self.rule, self._refuse, self.name = tensor, code, rule, refuse, name
+
+    @property
+    def refuse(self) -> Refusal:
+        r = self._refuse
+        if not isinstance(r, Refusal):
+            r = self._refuse = Refusal(*r)
+        return r
 
     def refusal(self, tensor: torch.Tensor | None = None) -> str:
         """The refusal message for this tensor's (or its values', read later) bad value."""
@@ -338,7 +642,7 @@ def value_rule_of(rule: LoadRule, param, loaded) -> str | None:
 def check_values(rule: LoadRule, param, loaded, refuse: Refusal) -> None:
     """One tensor's values (a whole request checks all of its tensors at once: bucket_validation.py)."""
     code = value_rule_of(rule, param, loaded)
-    if code is not None and value_checks.find_bad([(loaded, code)]):
+    if code is not None and value_checks.bad_one(loaded, code):
         refuse_values(rule, loaded, code, refuse)
 
 
@@ -352,24 +656,39 @@ def refuse_values(rule: LoadRule, loaded, code: str, refuse: Refusal) -> NoRetur
 # ---- the FusedMoE loader hooks: validated once per call ---------------------------------------------------------
 
 
-def mark_validated(param, loaded):
-    """`FusedMoE.weight_loader` validated this (param, tensor): `_weight_loader_impl` only re-checks the local id."""
-    prev = getattr(_TLS, "validated", None)
-    _TLS.validated = (param, loaded)
+def mark_validated(param, loaded, name: str | None = None, local_experts: int = 0):
+    """`FusedMoE.weight_loader` validated this (param, tensor) as parameter `name` (of `local_experts` local experts,
+    0: not known): `_weight_loader_impl` only checks the local id. Returns what to restore."""
+    prev = getattr(HANDSHAKE, "validated", None)
+    HANDSHAKE.validated = (param, loaded, name, local_experts)
     return prev
 
 
 def restore_validated(prev) -> None:
-    _TLS.validated = prev
+    HANDSHAKE.validated = prev
 
 
 def was_validated(param, loaded) -> bool:
-    v = getattr(_TLS, "validated", None)
+    v = getattr(HANDSHAKE, "validated", None)
     return v is not None and v[0] is param and v[1] is loaded
+
+
+def validated(param, loaded) -> tuple | None:
+    """(param, tensor, parameter name, local expert count or 0) when `weight_loader` validated this write in this
+    thread; None if it did not."""
+    v = getattr(HANDSHAKE, "validated", None)
+    if v is not None and v[0] is param and v[1] is loaded:
+        return v
+    return None
 
 
 def check_local_expert(layer, param, name, expert_id, shard_id) -> int:
     """The cheap check in `_weight_loader_impl` after a validated `weight_loader` call: the (local) expert id."""
+    if type(expert_id) is int:  # the plan weight_loader's check used (its expert count does not change)
+        plans = layer.__dict__.get(PLANS_ATTR) if hasattr(layer, "__dict__") else None
+        plan = plans.get(id(param)) if plans else None
+        if plan is not None and plan.param() is param and plan.name == name and 0 <= expert_id < plan.local_n:
+            return expert_id
     refuse = Refusal(layer, name, shard_id, expert_id)
     return _check_expert(layer, param_view(layer, format_of(layer), name, param), param, expert_id, "local", refuse)
 

@@ -49,12 +49,20 @@ def _check_validation_overhead(out):
 
 
 def _check_h200_update_path(out):
-    assert out["session"]["same_bytes_plugin_vs_bare"] is True
+    s = out["session"]
+    assert s["same_bytes_plugin_vs_bare"] is True
     assert out["request"]["loader_calls"] == 4 * 12
+    # the plugin's checks read back once per bucket (counted on the device path: CUDA's synchronisations)
+    assert s["checks_read_backs_device_path"] == s["buckets"] == out["request"]["buckets"]
     rows = out["value_checks"]["rows"]
-    assert rows["float_scales_per_tensor_today"]["syncs"] == out["value_checks"]["float_scale_tensors"]
+    assert rows["float_scales_per_tensor"]["syncs"] == out["value_checks"]["float_scale_tensors"]
     assert rows["float_scales_batched"]["syncs"] == 1
+    assert rows["all_scales_find_bad"]["syncs"] == 1
     assert rows["byte_scales_nan_one_reduction_per_buffer"]["syncs"] == 1
+    # through the entry point the one bucket's values are read back once, nothing per write; through a bare
+    # load_weights every scale is
+    assert sum(out["partial"]["tensor_to_python"].get("checks", {}).values()) == 1
+    assert sum(out["partial"]["tensor_to_python_no_entry_point"]["checks"].values()) >= 2 * 9
 
 
 def _check_value_checks(out):

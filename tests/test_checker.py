@@ -247,9 +247,10 @@ def test_sglang_prepared_fp8_block_layer_through_sglang_weight_checker(monkeypat
     them (0.5.11's asserts on their float32 scales: there the plugin dequantizes them as 0.5.12 does), and a
     corrupted byte fails the compare, naming the weight."""
     from sglang_trtllm_moe.compat import defer
+    from sglang_trtllm_moe.formats import FP8_BLOCK
 
     monkeypatch.undo()  # the layer stays SGLang's (the autouse fixture makes the plugin prepare it)
-    assert defer.upstream_prepares("fp8_block")
+    assert defer.upstream_prepares(FP8_BLOCK)
     # SGLang's 0.5.15+ block comparator moves chunks with .cuda() (a GPU feature): on this CPU box, in place
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     spec = cpu_layers.MoeSpec(num_experts=4, intermediate=128, fmt="fp8_block")

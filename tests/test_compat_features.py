@@ -100,6 +100,13 @@ PROBES = {
     "FP8_W13_ALWAYS_TWO_HALVES": lambda: (
         "is_concat=True" in inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.fp8"))
     ),
+    "BF16_LOAD_RESTORES_LAYOUT": lambda: (
+        "_restore_trtllm_bf16_canonical_layout"
+        in _source(
+            "sglang.srt.layers.quantization.unquant:"
+            "UnquantizedFusedMoEMethod.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load"
+        )
+    ),
     "CT_NVFP4_APPLY_CALLS_FLASHINFER": lambda: (
         "trtllm_fp4_block_scale_moe"
         in _source(
@@ -194,3 +201,21 @@ def test_flag_matches_the_installed_release(name):
 
     flag = FLAGS[name]
     assert flag.present() == PROBES[name](), f"{name} ({flag.releases}): {flag.why}"
+
+
+def test_before_is_the_complement_of_a_lower_bound_and_the_entry_points_partition_the_releases():
+    """Targets spell an older code path as `Feature.before`: each update entry point of weight_updates exists on
+    exactly one side on every tested release (a gap or an overlap would leave an update unchecked or checked twice)."""
+    from sglang_trtllm_moe.builtins import weight_updates as wu
+    from sglang_trtllm_moe.compat.releases import TESTED
+
+    assert features.WEIGHT_UPDATER.before == "<0.5.16"
+    with pytest.raises(ValueError, match="no single 'before'"):
+        _ = features.Feature(">=0.5.16,<0.5.21", "a bounded range").before
+    targets = wu.LOAD_ONLY_ENTRY_POINTS + wu.RELOAD_START + wu.DIRECT
+    for release in TESTED:
+        present = [path.rsplit(".", 1)[1] for path, rel in targets if features.Feature(rel, "").present(release)]
+        on = set(present)
+        assert len(present) == len(on), (release, "an entry point hooked at two paths", present)
+        assert {"update_weights_from_tensor", "update_weights_from_disk", "_model_load_weights_direct"} <= on, release
+        assert len({"update_weights_from_distributed", "load_weights_from_distributed"} & on) == 1, (release, on)

@@ -20,12 +20,14 @@ import torch
 
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.compat import defer, installed_version
+from sglang_trtllm_moe.formats import by_name
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 from .support.helpers import REPO, last_json
 
-FORMATS = sorted({v.fmt for v in defer.TABLE})
+#: the registry's names of the formats the table has verdicts on (test ids); `by_name` gives the entry
+FORMATS = sorted({v.fmt.name for v in defer.TABLE})
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def measured():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_verdict_matches_what_sglang_does_on_this_release(measured, fmt):
-    v = defer.verdict(fmt)
+    v = defer.verdict(by_name(fmt))
     assert v is not None, f"compat/defer.py has no verdict for {fmt} on sglang {installed_version()}"
     got = measured[fmt]
     if got.get("upstream_correct") is None:
@@ -64,12 +66,12 @@ def test_every_format_of_the_registry_has_a_verdict_on_every_supported_release()
 
     for fmt in REGISTRY:
         for minor in range(11, 24):
-            assert defer.verdict(fmt.name, f"0.5.{minor}") is not None, (fmt.name, minor)
+            assert defer.verdict(fmt, f"0.5.{minor}") is not None, (fmt.name, minor)
 
 
 # ---- where upstream is right: SGLang prepares, the plugin watches ------------------------------------------------
 
-DEFERRED = [f for f in FORMATS if defer.upstream_prepares(f)]
+DEFERRED = [f for f in FORMATS if defer.upstream_prepares(by_name(f))]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -272,7 +272,7 @@ def test_unswizzle_sf_and_unpermute_rows_inverts_the_prep(gated, experts):
 _INTERPRETED = r"""
 import torch
 from sglang_trtllm_moe import layouts as L
-L._FAST_PATH["cpu_interpret"] = True
+L.FAST_PATH["cpu_interpret"] = True
 from sglang_trtllm_moe.layouts import _triton as T
 assert L.fast_path_for(torch.empty((1, 32, 4), dtype=torch.uint8)) is T
 
@@ -442,6 +442,22 @@ def test_nvfp4_layer_prep_equals_sglang(monkeypatch, h, i, gated, e):
 # ------------------------------------------------------------------------------------------------- per-half padding
 
 
+def _pad_gated_halves(w13, ip):
+    """[E, 2I, ...] in [up; gate] -> [E, 2*ip, ...]: up at rows [0, I), gate at [ip, ip+I), zeros elsewhere — the
+    layout the kernel reads (it splits GEMM1's output at innerDim/2 = ip), which SGLang's loader writes into a padded
+    allocation; the plugin allocates padded from the start and never pads a tensor itself."""
+    i = w13.shape[1] // 2
+    out = w13.new_zeros((w13.shape[0], 2 * ip, *w13.shape[2:]))
+    out[:, :i] = w13[:, :i]
+    out[:, ip : ip + i] = w13[:, i:]
+    return out
+
+
+def _unpad_gated_halves(w13p, i):
+    ip = w13p.shape[1] // 2
+    return torch.cat([w13p[:, :i], w13p[:, ip : ip + i]], dim=1)
+
+
 def _sglang_loader_padded_w13(w1, w3, ip):
     """What SGLang's FusedMoE._load_w13 writes into an [E, 2*ip, K] trtllm buffer (up first, padded loading)."""
     layer = types.SimpleNamespace(
@@ -465,10 +481,10 @@ def _sglang_loader_padded_w13(w1, w3, ip):
 def test_pad_gated_halves_equals_sglang_loader(i, e):
     ip = L.padded_intermediate(i, True)
     w1, w3 = _rand((e, i, 5), seed=i), _rand((e, i, 5), seed=i + 1000)  # gate, up
-    padded = L.pad_gated_halves(torch.cat([w3, w1], dim=1), ip)
+    padded = _pad_gated_halves(torch.cat([w3, w1], dim=1), ip)
     assert torch.equal(padded, _sglang_loader_padded_w13(w1, w3, ip))
     assert torch.equal(padded[:, ip : ip + i], w1)  # the gate half starts at ip, where the kernel splits
-    assert torch.equal(L.unpad_gated_halves(padded, i), torch.cat([w3, w1], dim=1))
+    assert torch.equal(_unpad_gated_halves(padded, i), torch.cat([w3, w1], dim=1))
 
 
 def test_sglang_align_pads_only_at_the_end_which_differs_for_unaligned_gated_i():
@@ -479,7 +495,7 @@ def test_sglang_align_pads_only_at_the_end_which_differs_for_unaligned_gated_i()
     w13 = _rand((e, 2 * i, h // 2), seed=9)
     w2, s13, s2 = _rand((e, h, i // 2)), _rand((e, 2 * i, h // 16)), _rand((e, h, 8))
     sg_w13 = _align_fp4_moe_weights(w13, s13, w2, s2, is_gated=True)[0]
-    ours = L.pad_gated_halves(w13, L.padded_intermediate(i, True))
+    ours = _pad_gated_halves(w13, L.padded_intermediate(i, True))
     assert ours.shape == sg_w13.shape == (e, 256, h // 2)
     assert torch.equal(sg_w13[:, i : 2 * i], w13[:, i:]) and torch.equal(ours[:, 128 : 128 + i], w13[:, i:])
     assert not torch.equal(ours, sg_w13)
@@ -490,18 +506,32 @@ def test_sglang_align_pads_only_at_the_end_which_differs_for_unaligned_gated_i()
 
 def test_cache_per_shape_and_device_and_clear():
     L.clear_caches()
-    assert L.cache_size() == 0
     a = L.w13_row_map(256, True)
     assert L.w13_row_map(256, True) is a and L.invert_map(a) is L.invert_map(a)
     meta = L.w13_row_map(256, True, device="meta")
     assert meta.device.type == "meta" and meta is not a
     other = L.w13_row_map(512, True)
-    assert other is not a and other.numel() == 512 and L.w13_row_map(256, False) is not a
-    n = L.cache_size()
-    assert n >= 4
+    plain = L.w13_row_map(256, False)
+    assert other is not a and other.numel() == 512 and plain is not a
+    # four cache entries: each asked again is the same tensor
+    cached = {"a": a, "meta": meta, "other": other, "plain": plain}
+    again = {
+        "a": L.w13_row_map(256, True),
+        "meta": L.w13_row_map(256, True, device="meta"),
+        "other": L.w13_row_map(512, True),
+        "plain": L.w13_row_map(256, False),
+    }
+    assert all(again[k] is cached[k] for k in cached)
     L.clear_caches()
-    assert L.cache_size() == 0
-    b = L.w13_row_map(256, True)
+    # every entry dropped: each asked again is built anew
+    rebuilt = {
+        "a": L.w13_row_map(256, True),
+        "meta": L.w13_row_map(256, True, device="meta"),
+        "other": L.w13_row_map(512, True),
+        "plain": L.w13_row_map(256, False),
+    }
+    assert all(rebuilt[k] is not cached[k] for k in cached)
+    b = rebuilt["a"]
     assert b is not a and torch.equal(b, a) and L.invert_map(b) is not L.invert_map(a)
 
 
@@ -513,8 +543,6 @@ def test_errors_name_the_shape_the_requirement_and_the_fix():
     with pytest.raises(ValueError, match="M=7"):
         L.gated_reorder_map(7)
     assert L.shuffle_map(48, epilogue_tile_m=64).numel() == 48  # 16-row blocks for a 64-row epilogue tile
-    with pytest.raises(ValueError, match="ip=4 is smaller than I=5"):
-        L.pad_gated_halves(_rand((1, 10, 2)), 4)
 
 
 def test_inplace_scratch_is_at_most_a_chunk_of_experts():

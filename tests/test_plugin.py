@@ -60,13 +60,14 @@ def test_sglang_load_plugins_runs_register_and_every_target_lands():
     from sglang_trtllm_moe.targets import HookTarget
     rel = installed_version()
     target = next(t for t, spec in LOAD_ONLY_ENTRY_POINTS if HookTarget(t, None, releases=spec).applies_to(rel))
-    layouts.w2_row_map(256)
-    before = layouts.cache_size()
+    cached = layouts.w2_row_map(256)
+    before = layouts.w2_row_map(256) is cached  # the map is cached
     try:
         pkgutil.resolve_name(target)(object(), [])
     except Exception:
         pass  # a bare object is no WeightUpdater; the BEFORE hook has run by then
-    print(json.dumps({"target": target, "cache_before": before, "cache_after": layouts.cache_size()}))
+    dropped = layouts.w2_row_map(256) is not cached  # the cache was dropped: the map is built anew
+    print(json.dumps({"target": target, "cached_before": before, "dropped_after": dropped}))
     """
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,7 +79,7 @@ def test_sglang_load_plugins_runs_register_and_every_target_lands():
     assert [t for t in r["targets"] if t["state"] == "missing"] == []
     assert {t["state"] for t in r["targets"]} <= {"landed", "not_applicable"}
     assert calls["target"] in r["registry_targets"]
-    assert calls["cache_before"] > 0 and calls["cache_after"] == 0
+    assert calls["cached_before"] is True and calls["dropped_after"] is True
 
 
 def test_disable_switch_registers_nothing():
@@ -248,14 +249,14 @@ def test_register_is_idempotent_and_never_raises(monkeypatch):
     saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
     saved_state = plugin.state()
     try:
-        plugin._reset_for_tests()
+        plugin.reset_for_tests()
         monkeypatch.setattr(plugin, "BUILTIN_MODULES", plugin.BUILTIN_MODULES + ("sglang_trtllm_moe.no_such_module",))
         plugin.register()  # a broken built-in: logged, stands down, no exception
         assert plugin.state().status == "stood_down"
         assert "no_such_module" in plugin.state().reason
         assert plugin.state().targets == []
 
-        plugin._reset_for_tests()
+        plugin.reset_for_tests()
         monkeypatch.undo()
         HookRegistry._hooks.clear()
         plugin.register()

@@ -647,7 +647,7 @@ def test_activation_table_matches_sglang_and_flashinfer():
             if not fmt.activation_problem(a, g)
         ]
         runner = runner_sets[per_kernel[fmt.kernel]]
-        if takes_gated or defer.upstream_prepares(fmt.name):
+        if takes_gated or defer.upstream_prepares(fmt):
             assert runner is not None and {a for a, _ in accepted} <= runner, (fmt.name, accepted, runner)
         for act, gated in accepted:
             if takes_gated:

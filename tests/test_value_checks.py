@@ -64,20 +64,31 @@ def test_describe_bad_names_the_first_bad_value_and_its_index():
     assert vc.describe_bad(f, NONNEGATIVE) == "value -1.0 at [2, 7]"
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["own-path", "device-path"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_request_is_read_back_once_per_device(device, monkeypatch):
-    """Many tensors, one read-back: on CUDA the one device synchronisation of the request; on the CPU no transfer."""
+def test_a_request_is_read_back_once_per_device(device, forced, monkeypatch):
+    """Many tensors, one read-back: on CUDA the one device synchronisation of the request; on the CPU no transfer
+    (forced: CPU tensors take the device path, `PER_TENSOR_DEVICES` emptied, as tests of whole updates do: one read)."""
+    if forced:
+        monkeypatch.setattr(vc, "PER_TENSOR_DEVICES", set())
     items = [(torch.rand(8, 9, device=device) + 0.1, POSITIVE) for _ in range(50)]
     items += [(torch.full((64, 32), 0x40, dtype=torch.uint8, device=device), UE8M0_BYTES) for _ in range(50)]
+    items += [(torch.rand((), device=device) + 0.1, POSITIVE) for _ in range(50)]
+    reads: list[str] = []
+    for name in ("tolist", "item", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            reads.append(f"{self.device.type}:{_name}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    assert vc.find_bad(items) == []
+    transfers = [r for r in reads if not r.startswith("cpu:")]
+    assert transfers == ([] if device == "cpu" else ["cuda:tolist"]), reads
+    if forced or device != "cpu":
+        assert reads == [f"{device}:tolist"], reads
     items[37][0][3, 3] = math.nan
     items[80][0][0, 0] = 0xFF
-    stacked = []
-    real = torch.stack
-
-    def counting(ts, *a, **k):
-        stacked.append(len(ts))
-        return real(ts, *a, **k)
-
-    monkeypatch.setattr(torch, "stack", counting)
-    assert vc.find_bad(items) == [37, 80]
-    assert stacked == ([] if device == "cpu" else [100])
+    items[120][0].fill_(-1.0)
+    assert vc.find_bad(items) == [37, 80, 120]  # a refusal may read more: which tensor, which value

@@ -66,7 +66,7 @@ def take_over(fmt, method, layer, side_attrs=None) -> bool:
                 "(e.g. flashinfer_cutlass), or leave it on auto"
             )
         return _hand_back(layer, fmt, problem)
-    v = defer.verdict(fmt.name)
+    v = defer.verdict(fmt)
     if v is not None and v.upstream_correct:
         layer_state.observe(layer, fmt)
         return _hand_back(layer, fmt, f"upstream is right for {fmt.name} on this release ({v.evidence})")

@@ -5,6 +5,7 @@ restore hooks made unnecessary for the layers the plugin manages.
 from __future__ import annotations
 
 from .. import hookimpl, layer_state
+from ..compat import features
 from ..formats import BF16
 from ..targets import HookTarget
 from ._prepare import kw, take_over
@@ -72,7 +73,6 @@ def register_sglang_hooks(register, release):
             f"{UNQUANT}.process_weights_after_loading",
             process_weights_after_loading,
             "around",
-            releases=">=0.5.11",
             capability="bf16-prep",
             why="BF16 layers on flashinfer_trtllm are prepared in place (shape [E, M, K] kept), per dirty expert",
         )
@@ -82,7 +82,6 @@ def register_sglang_hooks(register, release):
             f"{UNQUANT}.apply",
             apply,
             "around",
-            releases=">=0.5.11",
             capability="bf16-prep",
             why="a prepared BF16 layer always takes SGLang's flashinfer_trtllm branch, never a path that reads it as "
             "plain weights",
@@ -93,7 +92,7 @@ def register_sglang_hooks(register, release):
             f"{UNQUANT}.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load",
             restore_shape_for_load,
             "around",
-            releases=">=0.5.23",
+            releases=features.BF16_LOAD_RESTORES_LAYOUT.releases,
             capability="rl-update",
             why="SGLang's whole-layer un-block before each load is unnecessary for in-place [E, M, K] layers",
         )
@@ -104,7 +103,7 @@ def register_sglang_hooks(register, release):
                 f"{method}.restore_weights_before_loading",
                 restore_weights_before_loading,
                 "around",
-                releases=">=0.5.21",
+                releases=features.UPDATE_SESSIONS.releases,
                 capability="rl-update",
                 why="managed layers are un-prepared per written expert, not by SGLang's whole-layer restore",
             )

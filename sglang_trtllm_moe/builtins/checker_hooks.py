@@ -17,7 +17,9 @@ into comparables, `compare_weights(expect, actual)` compares pairs. Our hooks, o
   taken in another layout (before the plugin prepared the layer, or mid-update) is undone correctly; the copy and
   the record happen with every managed layer's lock held, so no concurrent writer changes a layout in between;
 * `RawComparable.iter_chunks`, `Fp8BlockComparable.iter_chunks` (AROUND): SGLang moves every chunk with `.cuda()`;
-  on a host without CUDA (the emulator, CPU tests) the chunks stay where they are. With CUDA it is SGLang's own code.
+  on a host without CUDA (the emulator, CPU tests) SGLang's own code runs on a copy of the comparable whose tensors
+  stay on the weights' device (`HostTensor` views: their `.cuda()` is the identity; torch itself is never patched).
+  With CUDA it is SGLang's own code on SGLang's own comparable.
 
 0.5.15 has the same comparator module (the model read as `model_runner.model`); before 0.5.15 the checker compares
 through module functions, hooked in checker_legacy_hooks.py.
@@ -25,9 +27,11 @@ through module functions, hooked in checker_legacy_hooks.py.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from .. import checker, hookimpl, layer_state
+from .. import checker, hookimpl, layer_attrs, layer_state
 from ..compat import features
 from ..targets import HookTarget
 
@@ -37,10 +41,10 @@ RELEASES = features.WEIGHT_CHECKER_COMPARATOR.releases
 
 #: attribute of a snapshot tensor: bool[E] prepared mask of its layer's group when the snapshot was taken (on the
 #: tensor itself, so it lives exactly as long as the snapshot; tensors cannot be weak-dict keys, they compare by value)
-SNAPSHOT_STATE_ATTR = "_trtllm_moe_prepared"
+SNAPSHOT_STATE_ATTR = layer_attrs.SNAPSHOT_PREPARED
 
 
-class _Ref:
+class WeightRef:
     """A laid-out weight of a managed layer, by its full name in the model."""
 
     __slots__ = ("layer", "prefix", "name")
@@ -53,7 +57,7 @@ class _Ref:
 
 
 class PluginQuantizedSet(dict):
-    """SGLang's quantized set plus the plugin's entries (full weight name -> _Ref); SGLang reads it as a dict."""
+    """SGLang's quantized set plus the plugin's entries (full weight name -> WeightRef); SGLang reads it as a dict."""
 
     trtllm_moe: dict
 
@@ -61,19 +65,19 @@ class PluginQuantizedSet(dict):
         """Names compared inside a plugin entry (the rest of each weight's group), not on their own."""
         out = set()
         for ref in self.trtllm_moe.values():
-            fmt = _state(ref.layer).fmt
+            fmt = managed_state(ref.layer).fmt
             scale = fmt.scale_of(ref.name)
             if scale is not None:
                 out.add(ref.full(scale))
         return out
 
 
-def _managed(model) -> list[tuple[str, object]]:
+def managed_layers(model) -> list[tuple[str, object]]:
     return [(name, m) for name, m in model.named_modules() if layer_state.state_of(m) is not None]
 
 
-def _state(layer: object) -> layer_state.LayerState:
-    """The layout state of a layer `_managed` listed (a managed layer keeps its state for life)."""
+def managed_state(layer: object) -> layer_state.LayerState:
+    """The layout state of a layer `managed_layers` listed (a managed layer keeps its state for life)."""
     st = layer_state.state_of(layer)
     assert st is not None, f"{layer_state.layer_name(layer)} is not managed by sglang-trtllm-moe"
     return st
@@ -91,26 +95,26 @@ class _WithoutManaged:
                 yield name, m
 
 
-def _weight_names(fmt) -> list[str]:
+def weight_names(fmt) -> list[str]:
     """Laid-out parameters that are not some other parameter's block scales."""
     scales = {fmt.scale_of(p.name) for p in fmt.params}
     return [p.name for p in fmt.params if p.name not in scales]
 
 
 def build_quantized_set(original, model, *args, **kwargs):
-    managed = _managed(model)
+    managed = managed_layers(model)
     if not managed:
         return original(model, *args, **kwargs)
     out = PluginQuantizedSet(original(_WithoutManaged(model, {id(m) for _, m in managed}), *args, **kwargs))
     out.trtllm_moe = {}
     for mname, layer in managed:
         prefix = f"{mname}." if mname else ""
-        for name in _weight_names(_state(layer).fmt):
-            out.trtllm_moe[prefix + name] = _Ref(layer, prefix, name)
+        for name in weight_names(managed_state(layer).fmt):
+            out.trtllm_moe[prefix + name] = WeightRef(layer, prefix, name)
     return out
 
 
-def _side(ref: _Ref, raw: dict) -> checker.ParamSide:
+def side_of(ref: WeightRef, raw: dict) -> checker.ParamSide:
     live = checker.live_side(ref.layer, ref.name)
     tensors = {n: raw[ref.full(n)] for n in live.tensors}
     t = tensors[ref.name]
@@ -138,7 +142,7 @@ def _substitute(entries, raw, refs, consumed):
         if ref is None:
             yield entry
         else:
-            yield entry._replace(comparable=checker.TrtllmMoeComparable(_side(ref, raw), entry.name))
+            yield entry._replace(comparable=checker.TrtllmMoeComparable(side_of(ref, raw), entry.name))
 
 
 def compare_weights(original, expect, actual, *args, **kwargs):
@@ -154,15 +158,15 @@ def compare_weights(original, expect, actual, *args, **kwargs):
 def record_snapshot_state(original, self, *args, **kwargs):
     import contextlib
 
-    managed = _managed(_model_of(self))
+    managed = managed_layers(model_of(self))
     with contextlib.ExitStack() as held:
         # every layer's lock, in one global order (writers hold one lock at a time: no deadlock)
         for _, layer in sorted(managed, key=lambda m: id(m[1])):
-            held.enter_context(_state(layer).lock)
+            held.enter_context(managed_state(layer).lock)
         result = original(self, *args, **kwargs)
         snap = getattr(self, "_snapshot_tensors", None) or {}
         for mname, layer in managed:
-            st = _state(layer)
+            st = managed_state(layer)
             prefix = f"{mname}." if mname else ""
             for p in st.fmt.params:
                 t = snap.get(prefix + p.name)
@@ -171,22 +175,36 @@ def record_snapshot_state(original, self, *args, **kwargs):
     return result
 
 
+class HostTensor(torch.Tensor):
+    """A view of a comparable's tensor (same storage) that stays on the weights' device: `.cuda()` returns it.
+    Slices, reshapes and results of torch ops on it are HostTensors too (torch's default subclass propagation), so
+    every chunk SGLang's `iter_chunks` derives from it stays where the weights are."""
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+
+def on_this_host(comparable):
+    """A shallow copy of SGLang's `comparable` whose tensor attributes are HostTensor views of the same storage."""
+    out = copy.copy(comparable)
+    for name, value in vars(comparable).items():
+        if isinstance(value, torch.Tensor):
+            setattr(out, name, value.as_subclass(HostTensor))
+    return out
+
+
 def chunks_on_this_host(original, self, *args, **kwargs):
     """SGLang's comparables move every chunk with `.cuda()`; on a host without CUDA (the emulator, CPU tests) that
-    can only raise, so there the same chunks are compared where they are: SGLang's own code runs with `.cuda()` as
-    the identity. With CUDA it is SGLang's own code, untouched."""
+    can only raise, so there SGLang's own code compares the same chunks where the weights are, on `on_this_host`'s
+    copy of the comparable (no global state: torch is not patched, other threads see nothing). With CUDA it is
+    SGLang's own code on its own comparable, untouched."""
     if torch.cuda.is_available():
         yield from original(self, *args, **kwargs)
         return
-    real = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]  # undone in the finally below
-    try:
-        yield from original(self, *args, **kwargs)
-    finally:
-        torch.Tensor.cuda = real  # type: ignore[method-assign]  # restores the method patched above
+    yield from original(on_this_host(self), *args, **kwargs)
 
 
-def _model_of(weight_checker):
+def model_of(weight_checker):
     if features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present():
         return weight_checker._model_runner.model
     return weight_checker._get_model()
@@ -230,7 +248,6 @@ def register_sglang_hooks(register, release):
             f"{WC}.WeightChecker._snapshot",
             record_snapshot_state,
             "around",
-            releases=">=0.5.11",
             capability="weight-check",
             why="remember the layout each snapshot tensor was taken in",
         )

@@ -29,7 +29,16 @@ from .. import checker, hookimpl, layer_state
 from ..compat import features
 from ..targets import HookTarget
 from ._prepare import kw
-from .checker_hooks import WC, PluginQuantizedSet, _managed, _model_of, _Ref, _side, _state, _weight_names
+from .checker_hooks import (
+    WC,
+    PluginQuantizedSet,
+    WeightRef,
+    managed_layers,
+    managed_state,
+    model_of,
+    side_of,
+    weight_names,
+)
 
 LEGACY = features.WEIGHT_CHECKER_LEGACY_COMPARE.releases
 
@@ -44,7 +53,7 @@ _FAILED = "check tensor equality failed:\n"
 
 
 def legacy_compare(original, self, *args, **kwargs):
-    token = _COMPARING.set(_model_of(self))
+    token = _COMPARING.set(model_of(self))
     try:
         return original(self, *args, **kwargs)
     finally:
@@ -60,7 +69,7 @@ def _float_block_scales(model, raw) -> dict[str, str]:
         if fmt is None or layer_state.state_of(m) is not None:
             continue
         prefix = f"{mname}." if mname else ""
-        for w in _weight_names(fmt):
+        for w in weight_names(fmt):
             s = fmt.scale_of(w)
             if s is not None and prefix + s in raw and raw[prefix + s].is_floating_point():
                 out[prefix + w] = prefix + s
@@ -76,7 +85,7 @@ def _dequant_as_sglang_0_5_12(weight, scale):
 
 def legacy_postprocess_tensors(original, raw, *args, **kwargs):
     model = _COMPARING.get()
-    managed = _managed(model) if model is not None else []
+    managed = managed_layers(model) if model is not None else []
     blocks = (
         _float_block_scales(model, raw)
         if (model is not None and features.WEIGHT_CHECKER_UE8M0_SCALES_ONLY.present())
@@ -89,8 +98,8 @@ def legacy_postprocess_tensors(original, raw, *args, **kwargs):
     refs, placeholders = {}, []
     for mname, layer in managed:
         prefix = f"{mname}." if mname else ""
-        for name in _weight_names(_state(layer).fmt):
-            refs[prefix + name] = _Ref(layer, prefix, name)
+        for name in weight_names(managed_state(layer).fmt):
+            refs[prefix + name] = WeightRef(layer, prefix, name)
         if features.NVFP4_BLOCKSCALE_SWIZZLED_PARAMETERS.present():
             placeholders += [prefix + n for n in _PLACEHOLDERS if prefix + n in raw]
     qs = PluginQuantizedSet()
@@ -104,7 +113,7 @@ def legacy_postprocess_tensors(original, raw, *args, **kwargs):
         yield w, False, raw[w]
         yield sc, False, raw[sc]
     for full, ref in refs.items():
-        yield full, full not in skip, checker.TrtllmMoeComparable(_side(ref, raw), full)
+        yield full, full not in skip, checker.TrtllmMoeComparable(side_of(ref, raw), full)
 
 
 def _bitwise_here(name, should_compare, expect, actual, errors, infos) -> None:

@@ -106,7 +106,6 @@ def register_sglang_hooks(register, release):
             f"{MODELOPT}.ModelOptFp8MoEMethod.process_weights_after_loading",
             modelopt_fp8_process_weights_after_loading,
             "around",
-            releases=">=0.5.11",
             capability="fp8-prep",
             why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate "
             "(no requant)",
@@ -117,7 +116,6 @@ def register_sglang_hooks(register, release):
             f"{FP8_METHOD}.process_weights_after_loading",
             fp8_process_weights_after_loading,
             "around",
-            releases=">=0.5.11",
             capability="fp8-prep",
             why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert "
             "(MXFP8 / FP4-expert layers: handed to mx_hooks)",

@@ -3,7 +3,9 @@ a managed layer un-prepares just the written expert.
 
 * `weight_loader` (AROUND): the whole write is validated (validation.check_write) before SGLang maps the checkpoint
   expert id to EP ranks, so every rank refuses the same bad tensor, and the expert id reaches SGLang as an int (a
-  0-dim integer tensor is accepted). SGLang then drops a shard whose expert this EP rank does not own (right: the
+  0-dim integer tensor is accepted) — unless the running update request's entry-point check already validated this
+  very write (validation.checked_write: the same tensor object into the same parameter, shard and expert id), which
+  is then not checked again. SGLang then drops a shard whose expert this EP rank does not own (right: the
   owning rank writes it). Layers SGLang prepares itself (layer_state.observed, compat/defer.py) are validated the
   same way and otherwise left to SGLang.
 * `_weight_loader_impl` (AROUND): under the layer's lock, the local expert id is checked (everything, for callers
@@ -15,15 +17,26 @@ a managed layer un-prepares just the written expert.
 
 from __future__ import annotations
 
-from .. import hookimpl, layer_state, validation
+from .. import hookimpl, layer_attrs, layer_state, validation
 from ..compat import features
 from ..targets import HookTarget
 
 FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 
 
+#: the thread-local handshake: weight_loader's (param, tensor, parameter name, local expert count) for the
+#: _weight_loader_impl call SGLang makes inside it (validation.mark_validated / validated, inlined: every write)
+_TLS = validation.HANDSHAKE
+_STATE = layer_state.STATE_ATTR
+
+
+def _state(layer):
+    d = getattr(layer, "__dict__", None)
+    return d.get(_STATE) if d is not None else layer_state.state_of(layer)
+
+
 def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):
-    st = layer_state.state_of(layer)
+    st = _state(layer)
     if st is None:
         if not validation.was_validated(param, loaded_weight):
             checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id)
@@ -34,21 +47,34 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
     # a concurrent writer of the same expert must neither see it half un-prepared nor have its rows overwritten
     # by this writer's in-place inverse.
     with st.lock:
-        if validation.was_validated(param, loaded_weight):
-            name = validation.param_name(layer, param, st.fmt)
-            assert name is not None  # weight_loader validated this write, so the format manages the parameter
-            e = validation.check_local_expert(layer, param, name, expert_id, shard_id)
+        v = getattr(_TLS, "validated", None)
+        if v is not None and v[0] is param and v[1] is loaded_weight:
+            # weight_loader validated this write: only the local expert id is left
+            name = v[2]
+            if type(expert_id) is int and 0 <= expert_id < v[3]:
+                e = expert_id
+            else:
+                e = validation.check_local_expert(layer, param, name, expert_id, shard_id)
         else:
             checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id)
             if checked is None:
                 return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
             name, e = checked
-        layer_state.before_write(layer, name, e)
+        group = st.groups.get(name)
+        if group is None:  # a kernel-scalar input (per-tensor / input scales): the scalars are recomputed
+            if name in st.fmt.scalar_params:
+                st.scalars_dirty = True
+        else:
+            m = st._mirror.get(group)  # LayerState.is_prepared, inlined (every write)
+            if m is None or m[0] is not st.prepared[group] or m[1] != m[0]._version or e >= st.num_experts or m[2][e]:
+                layer_state.before_write_locked(layer, st, name, e)  # a prepared expert (or its state not read yet)
+            else:  # in checkpoint layout already (a session, or another shard of it written): dirty from now on
+                st.scalars_dirty = True
         return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
 
 
 def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, expert_id=None, *args, **kwargs):
-    st = layer_state.state_of(layer)
+    st = _state(layer)
     if st is not None and expert_id is None and st.fmt.fused:
         # all experts at once (gpt-oss MXFP4: SGLang's fast path never reaches _weight_loader_impl): validate, then
         # return the whole group to checkpoint layout, then SGLang's copy, as one step under the layer's lock
@@ -57,15 +83,21 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
             validation.validate_fused(layer, name, param, loaded_weight)
             layer_state.before_write(layer, name, None)
             return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
-    checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id, scope="global")
-    if checked is None:  # not a layer or a parameter the plugin manages or watches: SGLang's own loader
-        return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
-    name, e = checked
-    prev = validation.mark_validated(param, loaded_weight)
+    # validated whole by the running request's entry-point check (the same tensor into the same slot), or now
+    hit = validation.checked_write(param, loaded_weight, weight_name, shard_id, expert_id)
+    if hit is not None:
+        name, _, local_n = hit
+        e = expert_id
+    else:
+        checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id, scope="global")
+        if checked is None:  # not a layer or a parameter the plugin manages or watches: SGLang's own loader
+            return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+        (name, e), local_n = checked, 0
+    prev = getattr(_TLS, "validated", None)
+    _TLS.validated = (param, loaded_weight, name, local_n)
     try:
-        st = layer_state.state_of(layer)
-        group = st.fmt.group_of(name) if st is not None else None
-        if st is None or group is None:
+        if st is None or not st.views or (group := st.groups.get(name)) is None:
+            # _weight_loader_impl takes the layer's lock for the un-prepare and the write
             return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
         with st.lock:
             # SGLang's loader narrows the parameter in its checkpoint shape: a format that shows prepared parameters
@@ -74,10 +106,10 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
             try:
                 return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
             finally:
-                if bool(st.prepared[group].all()):
+                if st.all_prepared(group):
                     st.fmt.on_layout(layer, group, all_prepared=True)
     finally:
-        validation.restore_validated(prev)
+        _TLS.validated = prev
 
 
 def remember_prefix(result, layer, *args, **kwargs):
@@ -94,9 +126,9 @@ def remember_prefix(result, layer, *args, **kwargs):
         arguments = kwargs
     prefix = arguments.get("prefix")
     if prefix:
-        object.__setattr__(layer, "_trtllm_moe_prefix", prefix)
+        layer_attrs.record(layer, layer_attrs.PREFIX, prefix)
     if isinstance(arguments.get("intermediate_size"), int):
-        object.__setattr__(layer, "_trtllm_moe_intermediate", arguments["intermediate_size"])
+        layer_attrs.record(layer, layer_attrs.INTERMEDIATE, arguments["intermediate_size"])
     cfg = getattr(layer, "moe_runner_config", None)
     if cfg is not None and not features.MOE_RUNNER_CONFIG_LAYER.present():
         cfg.layer = layer  # the plugin runner finds the layer being run through its config
@@ -110,7 +142,6 @@ def register_sglang_hooks(register, release):
             f"{FUSED_MOE}.weight_loader",
             weight_loader,
             "around",
-            releases=">=0.5.11",
             capability="rl-update",
             why="validate every write (shard, expert id, dtype, shape, device, scale values) before SGLang "
             "maps expert ids to ranks, so every rank refuses the same bad tensor",
@@ -121,7 +152,6 @@ def register_sglang_hooks(register, release):
             f"{FUSED_MOE}.__init__",
             remember_prefix,
             "after",
-            releases=">=0.5.11",
             capability="core",
             why="remember each MoE layer's checkpoint prefix (errors and reports name it) and logical "
             "intermediate size (validation tells a short tensor from a padded one)",
@@ -132,7 +162,6 @@ def register_sglang_hooks(register, release):
             f"{FUSED_MOE}._weight_loader_impl",
             weight_loader_impl,
             "around",
-            releases=">=0.5.11",
             capability="rl-update",
             why="validate shards and un-prepare an expert before SGLang's loader writes into it",
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import hookimpl, layer_state
+from .. import hookimpl, layer_attrs, layer_state
 from ..compat import features
 from ..errors import TrtllmLayerError
 from ..formats.mxfp4_experts import MXFP4_EXPERTS
@@ -33,12 +33,11 @@ from ._prepare import kw, take_over
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
-FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
 FP4_EXPERTS = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe.Mxfp4FlashinferTrtllmMoEMethod"
 GPTOSS = "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod"
 #: set on a layer whose storage the plugin allocated (its unpadded per-rank intermediate size)
-ALLOCATED = "_trtllm_moe_unpadded_intermediate"
-GPTOSS_ALLOCATED = "_trtllm_moe_gptoss"
+ALLOCATED = layer_attrs.UNPADDED_INTERMEDIATE
+GPTOSS_ALLOCATED = layer_attrs.GPTOSS_ALLOCATED
 
 _LOGGED: set = set()
 
@@ -274,25 +273,11 @@ def is_mx_fp8_method(method) -> bool:
     return bool(getattr(method, "use_mxfp8", False) or getattr(method, "is_fp4_expert", False))
 
 
-#: fp8_hooks.py holds the one AROUND hook on Fp8MoEMethod.process_weights_after_loading from 0.5.19 (FP8 prep) and
-#: hands MXFP8 / FP4-expert layers here; before 0.5.19 this module registers it (two AROUND hooks on one target
-#: would each have to trust the other to call through: SGLang warns about exactly that).
-FP8_HOOK_RELEASES = "<0.5.19"
-
-
 @hookimpl
 def register_sglang_hooks(register, release):
-    register(
-        HookTarget(
-            f"{FP8_METHOD}.process_weights_after_loading",
-            fp8_method_process_weights_after_loading,
-            "around",
-            releases=">=0.5.11," + FP8_HOOK_RELEASES,
-            capability="mxfp8-prep",
-            why="MXFP8 layers on flashinfer_trtllm(_routed) are prepared in place, per dirty expert (SGLang "
-            "re-shuffles every expert at every flush); FP4 experts on flashinfer_trtllm are a clear error",
-        )
-    )
+    # Fp8MoEMethod.process_weights_after_loading: fp8_hooks.py holds the one AROUND hook on every release and hands
+    # MXFP8 / FP4-expert layers to `fp8_method_process_weights_after_loading` here (two AROUND hooks on one target
+    # would each have to trust the other to call through: SGLang warns about exactly that)
     rel = features.FP4_EXPERTS_METHOD.releases
     register(
         HookTarget(
@@ -331,7 +316,6 @@ def register_sglang_hooks(register, release):
             f"{GPTOSS}.create_weights",
             gptoss_create_weights,
             "after",
-            releases=">=0.5.11",
             capability="mxfp4-gptoss-prep",
             why="gpt-oss MXFP4 biases at the kernel's fp32 width from the start: Parameters, storage and weight_loader "
             "stay the same for the layer's life",
@@ -342,7 +326,6 @@ def register_sglang_hooks(register, release):
             f"{GPTOSS}.process_weights_after_loading",
             gptoss_process_weights_after_loading,
             "around",
-            releases=">=0.5.11",
             capability="mxfp4-gptoss-prep",
             why="gpt-oss MXFP4 layers on flashinfer_mxfp4 (SM100) are prepared in place (SGLang replaces the "
             "Parameters: its next reload raises TypeError or value-converts every scale byte)",
@@ -353,7 +336,6 @@ def register_sglang_hooks(register, release):
             f"{GPTOSS}.apply",
             gptoss_apply,
             "around",
-            releases=">=0.5.11",
             capability="mxfp4-gptoss-prep",
             why="managed gpt-oss MXFP4 layers run on the plugin runner (flashinfer's kernel, or the emulator)",
         )

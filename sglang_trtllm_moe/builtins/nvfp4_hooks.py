@@ -179,7 +179,6 @@ def register_sglang_hooks(register, release):
             f"{MODELOPT}.ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
             modelopt_process_weights_after_loading,
             "around",
-            releases=">=0.5.11",
             capability="nvfp4-prep",
             why="NVFP4 layers on flashinfer_trtllm are prepared in place by the plugin, per dirty expert",
         )
@@ -199,7 +198,6 @@ def register_sglang_hooks(register, release):
             f"{CT_NVFP4_SCHEME}.create_weights",
             ct_create_weights,
             "after",
-            releases=">=0.5.11",
             capability="ct-nvfp4-prep",
             why="non-gated GEMM1 allocated at the kernel's [E, I, ...] (SGLang allocates 2I rows)",
         )
@@ -209,7 +207,6 @@ def register_sglang_hooks(register, release):
             f"{CT_NVFP4_SCHEME}.process_weights_after_loading",
             ct_process_weights_after_loading,
             "around",
-            releases=">=0.5.11",
             capability="ct-nvfp4-prep",
             why="compressed-tensors NVFP4 layers on flashinfer_trtllm are prepared in place, per dirty expert",
         )

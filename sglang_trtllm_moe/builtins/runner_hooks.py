@@ -37,7 +37,6 @@ def register_sglang_hooks(register, release):
             f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp4",
             fp4_leaf,
             "around",
-            releases=">=0.5.11",
             capability="runner",
             why="NVFP4 leaf: " + why,
         )
@@ -47,7 +46,6 @@ def register_sglang_hooks(register, release):
             f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_bf16",
             bf16_leaf,
             "around",
-            releases=">=0.5.11",
             capability="runner",
             why="BF16 leaf: " + why,
         )
@@ -57,7 +55,6 @@ def register_sglang_hooks(register, release):
             f"{TRTLLM}.fused_experts_none_to_flashinfer_trtllm_fp8",
             fp8_leaf,
             "around",
-            releases=">=0.5.11",
             capability="runner",
             why="FP8 / MXFP8 leaf (the trtllm dispatchers and ModelOptFp8MoEMethod.apply look it up at "
             "call time): " + why,

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from .. import bucket_validation, checkpoint_headers, hookimpl, layer_state, rollback
+from .. import bucket_validation, checkpoint_headers, hookimpl, layer_state, rollback, validation
+from ..compat import features
 from ..targets import HookTarget
 
 logger = logging.getLogger("sglang_trtllm_moe")
@@ -59,48 +58,46 @@ def _model_of(owner):
 
 
 def check_buckets_around(original, owner, *args, **kwargs):
-    """Validate each list `model.load_weights` gets during the entry point before it loads any of it."""
+    """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
+    what was validated (validation.Checked) so the loader hooks do not check those writes again."""
     model = _model_of(owner)
     real = getattr(model, "load_weights", None)
     if real is None or "load_weights" in vars(model) or not bucket_validation.managed_modules(model):
         # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
         return original(owner, *args, **kwargs)
     refused = []
-    seen: set = set()
+    record = validation.Checked()
     named = args[0] if args else kwargs.get("named_tensors")
     load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
-    if isinstance(named, (list, tuple)) and load_format is None:  # "direct": checked by check_direct_before
-        # tensors handed in directly are checked before SGLang touches them (it moves them to its device first,
-        # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice
+    try:
+        if isinstance(named, (list, tuple)) and load_format is None:  # "direct": checked by check_direct_before
+            # tensors handed in directly are checked before SGLang touches them (it moves them to its device first,
+            # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice (the
+            # record's ids), nor again in the loader hooks (the record)
+            try:
+                bucket_validation.check_bucket(model, named, record=record)
+            except bucket_validation.BucketRefused as e:
+                return False, str(e)
+
+        def load_weights(weights, *a, **k):
+            if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
+                try:
+                    bucket_validation.check_bucket(model, weights, skip=record.ids, record=record)
+                except bucket_validation.BucketRefused as e:
+                    refused.append(e)
+                    raise
+            return real(weights, *a, **k)
+
+        vars(model)["load_weights"] = load_weights
+        rollback.forget(model)  # served weights from tensors: no longer reproducible from disk loads
         try:
-            bucket_validation.check_bucket(model, named)
+            result = original(owner, *args, **kwargs)
         except bucket_validation.BucketRefused as e:
             return False, str(e)
-        seen = {
-            id(t)
-            for item in named
-            if isinstance(item, (list, tuple)) and len(item) == 2
-            for t in item[1:]
-            if isinstance(t, torch.Tensor)
-        }
-
-    def load_weights(weights, *a, **k):
-        if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
-            try:
-                bucket_validation.check_bucket(model, weights, skip=seen)
-            except bucket_validation.BucketRefused as e:
-                refused.append(e)
-                raise
-        return real(weights, *a, **k)
-
-    vars(model)["load_weights"] = load_weights
-    rollback.forget(model)  # served weights from tensors: no longer reproducible from disk loads
-    try:
-        result = original(owner, *args, **kwargs)
-    except bucket_validation.BucketRefused as e:
-        return False, str(e)
+        finally:
+            vars(model).pop("load_weights", None)
     finally:
-        vars(model).pop("load_weights", None)
+        record.close()
     if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written
         return False, str(refused[0])
     return result
@@ -118,20 +115,27 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     names = None
     files = checkpoint_headers.files_of(model_path, load_format)
     checked = rollback.fingerprint(model_path) if files else None  # the files as the pre-check is about to read them
-    if files:
-        try:
-            headers = bucket_validation.check_checkpoint(
-                model, files, keep=weight_name_filter, what=f"checkpoint {model_path}"
-            )
-        except bucket_validation.BucketRefused as e:
-            return False, str(e)
-        names = frozenset(n for n, _ in headers.tensors)
-    net = rollback.prepare(model, names)
+    # what the pre-check read from the files: while SGLang loads them, the loader hooks check the structure of each
+    # write, not its values again (if a file changes meanwhile, the fingerprint below puts the served weights back)
+    record = validation.Checked()
     try:
-        result = original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - SGLang's load or its rollback raised: the scheduler must live
-        logger.exception("sglang-trtllm-moe: update_weights_from_disk(%r) raised", model_path)
-        return _put_back(net, original, owner, f"Failed to update weights: {type(e).__name__}: {e}", ())
+        if files:
+            try:
+                headers = bucket_validation.check_checkpoint(
+                    model, files, keep=weight_name_filter, what=f"checkpoint {model_path}", record=record
+                )
+            except bucket_validation.BucketRefused as e:
+                return False, str(e)
+            names = frozenset(n for n, _ in headers.tensors)
+        net = rollback.prepare(model, names)
+        try:
+            result = original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - SGLang's load or its rollback raised: the scheduler must live
+            logger.exception("sglang-trtllm-moe: update_weights_from_disk(%r) raised", model_path)
+            record.close()
+            return _put_back(net, original, owner, f"Failed to update weights: {type(e).__name__}: {e}", ())
+    finally:
+        record.close()
     ok, message = result[0], str(result[1])
     if ok and checked is not None and rollback.fingerprint(model_path) != checked:
         # a file removed, added or rewritten while SGLang loaded: what it loaded is not what was checked (SGLang
@@ -191,27 +195,28 @@ def check_direct_before(model, named_tensors, *args, **kwargs):
 
 
 # (dotted path, releases): where each release keeps its weight-update entry points (read from each release's
-# model_runner.py / model_runner_components/weight_updater.py; compat/features.py WEIGHT_UPDATER,
-# DISTRIBUTED_UPDATE_RENAMED).
+# model_runner.py / model_runner_components/weight_updater.py; the ranges are compat/features.py's WEIGHT_UPDATER
+# and DISTRIBUTED_UPDATE_RENAMED).
+_UPDATER, _RUNNER = features.WEIGHT_UPDATER.releases, features.WEIGHT_UPDATER.before
 LOAD_ONLY_ENTRY_POINTS = (
-    (f"{UPDATER}.update_weights_from_tensor", ">=0.5.16"),
-    (f"{UPDATER}.update_weights_from_distributed", ">=0.5.16,<0.5.21"),  # renamed in 0.5.21:
-    (f"{UPDATER}.load_weights_from_distributed", ">=0.5.21"),
-    (f"{UPDATER}.update_weights_from_ipc", ">=0.5.16"),
-    (f"{MODEL_RUNNER}.update_weights_from_tensor", "<0.5.16"),
-    (f"{MODEL_RUNNER}.update_weights_from_distributed", "<0.5.16"),
+    (f"{UPDATER}.update_weights_from_tensor", _UPDATER),
+    (f"{UPDATER}.update_weights_from_distributed", f"{_UPDATER},{features.DISTRIBUTED_UPDATE_RENAMED.before}"),
+    (f"{UPDATER}.load_weights_from_distributed", features.DISTRIBUTED_UPDATE_RENAMED.releases),
+    (f"{UPDATER}.update_weights_from_ipc", _UPDATER),
+    (f"{MODEL_RUNNER}.update_weights_from_tensor", _RUNNER),
+    (f"{MODEL_RUNNER}.update_weights_from_distributed", _RUNNER),
 )
 RELOAD_START = (
-    (f"{UPDATER}.update_weights_from_disk", ">=0.5.16"),
-    (f"{MODEL_RUNNER}.update_weights_from_disk", "<0.5.16"),
+    (f"{UPDATER}.update_weights_from_disk", _UPDATER),
+    (f"{MODEL_RUNNER}.update_weights_from_disk", _RUNNER),
 )
 
 
 DEFAULT_LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader.load_model"
 
 DIRECT = (
-    ("sglang.srt.model_executor.model_runner_components.weight_updater._model_load_weights_direct", ">=0.5.16"),
-    ("sglang.srt.model_executor.model_runner._model_load_weights_direct", "<0.5.16"),
+    ("sglang.srt.model_executor.model_runner_components.weight_updater._model_load_weights_direct", _UPDATER),
+    ("sglang.srt.model_executor.model_runner._model_load_weights_direct", _RUNNER),
 )
 
 
@@ -245,7 +250,6 @@ def register_sglang_hooks(register, release):
             DEFAULT_LOADER,
             remember_load_after,
             "after",
-            releases=">=0.5.11",
             capability="rl-update",
             why="remember the checkpoint a model was loaded from: a failed disk update reloads it (rollback.py)",
         )
@@ -288,7 +292,7 @@ def register_sglang_hooks(register, release):
             f"{UPDATER}.end_weight_update",
             end_session_after,
             "after",
-            releases=">=0.5.21",
+            releases=features.UPDATE_SESSIONS.releases,
             capability="rl-update",
             why="the session is over: prepare everything it wrote",
         )
@@ -298,7 +302,7 @@ def register_sglang_hooks(register, release):
             f"{UPDATER}.begin_weight_update",
             unprepare_all_before,
             "before",
-            releases=">=0.5.21",
+            releases=features.UPDATE_SESSIONS.releases,
             capability="rl-update",
             why="a begin/end session may write straight into parameters: every managed layer to checkpoint layout",
         )

@@ -20,13 +20,25 @@ from dataclasses import dataclass
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..formats import (
+    BF16,
+    CT_NVFP4,
+    FP8_BLOCK,
+    FP8_TENSOR,
+    FP8_TENSOR_MODELOPT,
+    MXFP4_EXPERTS,
+    MXFP4_GPTOSS,
+    MXFP8,
+    NVFP4,
+    WeightFormat,
+)
 from .features import Feature
 
 
 @dataclass(frozen=True)
 class Verdict:
-    #: the format's registry name (formats/)
-    fmt: str
+    #: the registry entry (formats/) the verdict is about
+    fmt: WeightFormat
     #: the releases this verdict holds on
     releases: str
     #: True: SGLang's own prep and reload are right there, the plugin defers; False: the plugin prepares
@@ -45,78 +57,78 @@ _NO_CPU_ORACLE = (
 
 TABLE: tuple[Verdict, ...] = (
     Verdict(
-        "bf16",
+        BF16,
         ">=0.5.23",
         True,
         "measured: every flow exact, storage, Parameters and weight_loaders kept (SGLang packs only canonical "
         "weights and restores whole layers before loads and at begin_weight_update, in place)",
     ),
     Verdict(
-        "bf16",
+        BF16,
         ">=0.5.16,<0.5.23",
         False,
         "measured: a one-expert disk update fails (RuntimeError: the loader writes 3-D shards into the 4-D "
         "block-layout Parameter; the routed backend's shape-only restore leaves the bytes blocked and the "
         "next prep re-packs every expert)",
     ),
-    Verdict("bf16", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict(BF16, "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict(
-        "nvfp4",
+        NVFP4,
         ">=0.5.11",
         False,
         "measured: a one-expert update re-shuffles the experts that were not reloaded (w13/w2 weights and "
         "block scales differ from a fresh load); a tensor update is never prepared (kernel scalars stale)",
     ),
     Verdict(
-        "ct_nvfp4",
+        CT_NVFP4,
         ">=0.5.16",
         False,
         "measured: SGLang renames the *_packed Parameters at prep, so the next load by checkpoint name raises KeyError",
     ),
-    Verdict("ct_nvfp4", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict(CT_NVFP4, "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict(
-        "fp8_tensor_modelopt",
+        FP8_TENSOR_MODELOPT,
         ">=0.5.16",
         False,
         "measured: SGLang requantizes w1/w3 to one scale and replaces the Parameters, so the next update "
         "raises AttributeError (no weight_loader)",
     ),
-    Verdict("fp8_tensor_modelopt", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict(FP8_TENSOR_MODELOPT, "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict(
-        "fp8_tensor",
+        FP8_TENSOR,
         ">=0.5.16",
         False,
         "measured: SGLang requantizes w1/w3 to one scale and replaces the Parameters, so the next update "
         "raises AttributeError (no weight_loader)",
     ),
-    Verdict("fp8_tensor", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict(FP8_TENSOR, "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict(
-        "mxfp8",
+        MXFP8,
         ">=0.5.16",
         False,
         "measured: a one-expert update re-shuffles every expert that was not reloaded (SGLang's "
         "align_mxfp8_moe_weights_for_flashinfer_trtllm lays the whole layer out again at each prep; storage and "
         "loaders are kept)",
     ),
-    Verdict("mxfp8", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict(MXFP8, "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict(
-        "mxfp4_experts",
+        MXFP4_EXPERTS,
         ">=0.5.16",
         False,
         "measured: SGLang's prep replaces the Parameters (e8m0 scales, uint8 weights) without weight_loader, so "
         "the next load raises AttributeError",
     ),
-    Verdict("mxfp4_experts", "<0.5.16", False, "read: " + _NO_CPU_ORACLE + " (no FP4-expert path before 0.5.12)"),
+    Verdict(MXFP4_EXPERTS, "<0.5.16", False, "read: " + _NO_CPU_ORACLE + " (no FP4-expert path before 0.5.12)"),
     Verdict(
-        "mxfp4_gptoss",
+        MXFP4_GPTOSS,
         ">=0.5.16",
         False,
         "measured: SGLang's prep replaces the Parameters (scales viewed e4m3, biases fp32) without "
         "weight_loader, so the next fused load raises TypeError (default_weight_loader)",
     ),
-    Verdict("mxfp4_gptoss", "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict(MXFP4_GPTOSS, "<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict(
-        "fp8_block",
+        FP8_BLOCK,
         ">=0.5.11",
         True,
         "measured: every flow exact, storage, Parameters and weight_loaders kept (the kernel layout is the "
@@ -125,35 +137,32 @@ TABLE: tuple[Verdict, ...] = (
 )
 
 
-def verdict(fmt: str, release: Version | str | None = None) -> Verdict | None:
+def verdict(fmt: WeightFormat, release: Version | str | None = None) -> Verdict | None:
+    """The verdict on registry entry `fmt` for the running (or given) release, if the table has one."""
     for v in TABLE:
-        if v.fmt == fmt and v.holds(release):
+        if v.fmt is fmt and v.holds(release):
             return v
     return None
 
 
-def upstream_prepares(fmt: str, release: Version | str | None = None) -> bool:
+def upstream_prepares(fmt: WeightFormat, release: Version | str | None = None) -> bool:
     """True where SGLang's own preparation of `fmt` is right on the running (or given) release."""
     v = verdict(fmt, release)
     return bool(v and v.upstream_correct)
 
 
-def releases_of(fmt: str) -> list[Verdict]:
-    return [v for v in TABLE if v.fmt == fmt]
-
-
-__all__ = ["TABLE", "Verdict", "releases_of", "upstream_prepares", "verdict"]
+__all__ = ["TABLE", "Verdict", "upstream_prepares", "verdict"]
 
 
 def _check_table() -> None:
     """No release has two verdicts for one format (checked at import: the table is data, not code paths)."""
     for i, a in enumerate(TABLE):
         for b in TABLE[i + 1 :]:
-            if a.fmt == b.fmt and SpecifierSet(a.releases) & SpecifierSet(b.releases):
+            if a.fmt is b.fmt and SpecifierSet(a.releases) & SpecifierSet(b.releases):
                 probe = [f"0.5.{n}" for n in range(0, 60)]
                 both = [r for r in probe if a.holds(r) and b.holds(r)]
                 if both:
-                    raise AssertionError(f"defer table: {a.fmt} has two verdicts on {both[0]}")
+                    raise AssertionError(f"defer table: {a.fmt.name} has two verdicts on {both[0]}")
 
 
 _check_table()

@@ -3,11 +3,12 @@
 Code asks a flag (`features.NVFP4_W13_SCALE_2_UP_GATE.present()`) instead of comparing versions or probing for an
 attribute, so a new release is a matter of widening or closing ranges here (docs/ARCHITECTURE.md, "add an SGLang
 release"), and `tests/test_compat_features.py` checks each flag against the installed SGLang's code.
-Hook targets carry their own `releases=` (the table of what exists where); this module holds the facts that change
-what the product must do once it runs (hooks, `explain`'s faked platform). What only the CPU sandbox or the test
-fixtures need to know (how a process is stood up on each release) is named the same way apart from the product's
-flags: compat/sandbox_releases.py (the sandbox's; in compat/ with every release-range literal of the package),
-tests/support/releases.py (the test fixtures').
+A hook target names its range through a flag here (`releases=features.X.releases`) or carries none (it exists on
+every release the plugin runs on); release-range literals live in compat/ only (tests/test_house_rules.py, which
+lists the files still pending). This module holds the facts that decide where a hook applies and what the
+product must do once it runs (hooks, `explain`'s faked platform). What only the CPU sandbox or the test fixtures
+need to know (how a process is stood up on each release) is named the same way apart from the product's flags:
+compat/sandbox_releases.py (the sandbox's), tests/support/releases.py (the test fixtures').
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ class Feature:
                 return False
         v = Version(Version(str(release)).base_version)
         return SpecifierSet(self.releases).contains(v, prereleases=True)
+
+    @property
+    def before(self) -> str:
+        """The releases before a ">=X" range starts ("<X"): where the older code path of the same fact lives."""
+        lower = self.releases.replace(" ", "")
+        if not lower.startswith(">=") or "," in lower:
+            raise ValueError(f"{self.releases!r} is not a '>=X' range: it has no single 'before'")
+        return "<" + lower[2:]
 
 
 # ---- what the runtime hooks act on -------------------------------------------------------------------------------
@@ -113,6 +122,12 @@ FP8_W13_ALWAYS_TWO_HALVES = Feature(
     "Fp8MoEMethod allocates w13 as [E, 2*I, H] (get_moe_weight_sizes(is_concat=True)) whatever the activation; from "
     "0.5.19 is_concat=is_gated. A non-gated (relu2) per-tensor layer on flashinfer_trtllm then hands the kernel an "
     "uninitialised second half: the plugin allocates it at the kernel's [E, I, H] before anything is loaded",
+)
+BF16_LOAD_RESTORES_LAYOUT = Feature(
+    ">=0.5.23",
+    "UnquantizedFusedMoEMethod.maybe_restore_flashinfer_trtllm_bf16_weight_shape_for_load un-blocks the whole 4-D "
+    "BF16 layer (bytes and shape) before each load on both trtllm backends (sglang#33743; before, a shape-only "
+    "restore on the routed backend): the plugin skips it for the [E, M, K] layers it manages",
 )
 CT_NVFP4_APPLY_CALLS_FLASHINFER = Feature(
     "<0.5.17",

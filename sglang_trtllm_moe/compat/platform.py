@@ -30,12 +30,13 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from .. import layer_attrs
 from ..selection import DeviceInfo, flashinfer_version
 from . import features
 from .releases import installed_version
 
 #: <= 0.5.14: what the caller asked for, recorded on the ServerArgs before SGLang's model rules overwrite the fields
-REQUESTED_ATTR = "_trtllm_moe_requested"
+REQUESTED_ATTR = layer_attrs.REQUESTED
 #: ... recorded BEFORE this step (the first one that may write moe_runner_backend)
 RECORD_TARGET = "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments"
 

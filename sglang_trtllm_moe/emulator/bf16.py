@@ -8,17 +8,17 @@ import torch
 from .. import layouts
 from ..kernel_api import ActivationType, WeightLayout
 from .common import (
-    _activate,
-    _bf16,
-    _check_local,
-    _gemm1_rows,
-    _run,
-    _scalar,
-    _unshuffle_rows,
+    activate,
     call_impl,
+    check_local,
     common_unsupported,
+    gemm1_rows,
     is_gated,
+    round_bf16,
     routing,
+    run_experts,
+    scalar,
+    unshuffle_rows,
     unsupported,
 )
 from .routing import split_routed_input
@@ -33,7 +33,7 @@ def _bf16_weights(w: torch.Tensor, rows: int, cols: int, inv: torch.Tensor, e: i
         we = layouts.from_block_major_k(layouts.block_major_k_view(w[e : e + 1]))[0]
     if tuple(we.shape) != (rows, cols):
         raise ValueError(f"bf16 weight of shape {tuple(w.shape)} does not hold [{rows}, {cols}] per expert")
-    return _unshuffle_rows(we, inv).float()
+    return unshuffle_rows(we, inv).float()
 
 
 def _bf16_impl(
@@ -62,9 +62,9 @@ def _bf16_impl(
     if hidden_states.dtype != torch.bfloat16:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (BF16 MoE takes bf16 activations)")
     T, H = hidden_states.shape
-    M, inter = _gemm1_rows(intermediate_size, act), intermediate_size
-    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
-    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    M, inter = gemm1_rows(intermediate_size, act), intermediate_size
+    check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    check_local("gemm2_weights", gemm2_weights, local_num_experts)
     dev = hidden_states.device
     inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
     inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
@@ -72,16 +72,16 @@ def _bf16_impl(
     def expert(e, rows, _w):
         w1 = _bf16_weights(gemm1_weights, M, H, inv1, e)
         w2 = _bf16_weights(gemm2_weights, H, inter, inv2, e)
-        h = _activate(
+        h = activate(
             rows @ w1.t(),
             act,
-            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
         )
-        return _bf16(_bf16(h) @ w2.t())  # the FC1 epilogue writes bf16; GEMM2 output is bf16
+        return round_bf16(round_bf16(h) @ w2.t())  # the FC1 epilogue writes bf16; GEMM2 output is bf16
 
-    return _run(
+    return run_experts(
         hidden_states.float(),
         ids,
         weights,

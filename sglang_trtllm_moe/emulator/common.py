@@ -40,7 +40,7 @@ NON_GATED_ACTIVATIONS = {
     ActivationType.Relu2,
     ActivationType.Identity,
 }
-_FLT_MIN = float(torch.finfo(torch.float32).tiny)
+FLT_MIN = float(torch.finfo(torch.float32).tiny)
 
 
 def is_gated(activation_type: int) -> bool:
@@ -51,12 +51,12 @@ def is_gated(activation_type: int) -> bool:
     if a in NON_GATED_ACTIVATIONS:
         return False
     raise NotImplementedError(
-        f"activation_type={a} ({_act_name(a)}) is not emulated; supported: "
+        f"activation_type={a} ({act_name(a)}) is not emulated; supported: "
         f"{sorted(x.name for x in GATED_ACTIVATIONS | NON_GATED_ACTIVATIONS)}"
     )
 
 
-def _act_name(a: int) -> str:
+def act_name(a: int) -> str:
     try:
         return ActivationType(a).name
     except ValueError:
@@ -68,7 +68,7 @@ def _act_name(a: int) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _scalar(t: torch.Tensor | None, e: int, default: float) -> float:
+def scalar(t: torch.Tensor | None, e: int, default: float) -> float:
     return default if t is None else float(t.reshape(-1)[e])
 
 
@@ -76,7 +76,7 @@ def _gelu(x: torch.Tensor, tanh: bool = False) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh" if tanh else "none")
 
 
-def _activate(
+def activate(
     a1: torch.Tensor,
     act: int,
     gate_scale: float = 1.0,
@@ -109,7 +109,7 @@ def _activate(
             a = 1.0 if alpha is None else alpha
             h = g / (1.0 + torch.exp(-a * g))
         elif alpha is not None or beta is not None or limit is not None:
-            raise NotImplementedError(f"gemm1_alpha/beta/clamp_limit with activation_type={_act_name(act)}")
+            raise NotImplementedError(f"gemm1_alpha/beta/clamp_limit with activation_type={act_name(act)}")
         else:
             h = _gelu(g, tanh=(act == ActivationType.GegluTanh))
         h = h * (up + (0.0 if beta is None else beta)) * out_scale
@@ -117,7 +117,7 @@ def _activate(
             h[..., valid_intermediate:] = 0
         return h
     if alpha is not None or beta is not None or limit is not None:
-        raise NotImplementedError(f"gemm1_alpha/beta/clamp_limit with non-gated activation {_act_name(act)}")
+        raise NotImplementedError(f"gemm1_alpha/beta/clamp_limit with non-gated activation {act_name(act)}")
     x = a1 * gate_scale
     if act == ActivationType.Relu2:
         h = torch.relu(x).square()
@@ -155,7 +155,7 @@ def _groups(ids: torch.Tensor, offset: int, n_local: int) -> Iterator[tuple[int,
     yield from zip(uniq.tolist(), torch.split(slots, counts.tolist()), strict=True)
 
 
-def _run(
+def run_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor | None,
@@ -244,7 +244,7 @@ def common_unsupported(
     )
 
 
-def _check_local(name: str, w: torch.Tensor, local_num_experts: int) -> None:
+def check_local(name: str, w: torch.Tensor, local_num_experts: int) -> None:
     if w.shape[0] != local_num_experts:
         raise ValueError(
             f"{name} has {w.shape[0]} experts but local_num_experts={local_num_experts}: "
@@ -252,20 +252,20 @@ def _check_local(name: str, w: torch.Tensor, local_num_experts: int) -> None:
         )
 
 
-def _gemm1_rows(intermediate_size: int, act: int) -> int:
+def gemm1_rows(intermediate_size: int, act: int) -> int:
     return 2 * intermediate_size if is_gated(act) else intermediate_size
 
 
-def _unshuffle_rows(w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+def unshuffle_rows(w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """Rows of one expert's prepared matrix back to logical order (row permutation on the byte view)."""
     return w.view(torch.uint8).index_select(0, inv).view(w.dtype)
 
 
-def _sf_numel(n_experts: int, rows: int, cols: int) -> int:
+def sf_numel(n_experts: int, rows: int, cols: int) -> int:
     return n_experts * (-(-rows // 128) * 128) * (-(-cols // 4) * 4)
 
 
-def _expert_sf(sf: torch.Tensor, e: int, n_experts: int, rows: int, cols: int) -> torch.Tensor:
+def expert_sf(sf: torch.Tensor, e: int, n_experts: int, rows: int, cols: int) -> torch.Tensor:
     """Expert e's 128x4-swizzled scales -> linear [rows, cols] uint8, accepting [E, R, C], [E, Rp, Cp] or flat."""
     rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
     flat = sf.reshape(-1).view(torch.uint8) if sf.is_contiguous() else sf.contiguous().reshape(-1).view(torch.uint8)
@@ -277,5 +277,5 @@ def _expert_sf(sf: torch.Tensor, e: int, n_experts: int, rows: int, cols: int) -
     return layouts.unswizzle_sf_128x4(flat[e * rp * cp : (e + 1) * rp * cp].view(rp, cp), rows, cols)
 
 
-def _bf16(x: torch.Tensor) -> torch.Tensor:
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()

@@ -14,19 +14,19 @@ import torch
 from .. import layouts, quant
 from ..kernel_api import ActivationType, Fp8QuantizationType, WeightLayout
 from .common import (
-    _FLT_MIN,
-    _act_name,
-    _activate,
-    _bf16,
-    _check_local,
-    _expert_sf,
-    _run,
-    _scalar,
-    _unshuffle_rows,
+    FLT_MIN,
+    act_name,
+    activate,
     call_impl,
+    check_local,
     common_unsupported,
+    expert_sf,
     is_gated,
+    round_bf16,
     routing,
+    run_experts,
+    scalar,
+    unshuffle_rows,
     unsupported,
 )
 from .routing import split_routed_input
@@ -34,7 +34,7 @@ from .routing import split_routed_input
 
 def _block_requant(x: torch.Tensor) -> torch.Tensor:
     """Per (row, 128-column block) e4m3 with scale max(amax/448, FLT_MIN), dequantized back (activation kernel)."""
-    q, s = quant.fp8_group_quantize(x, 128, min_scale=_FLT_MIN)
+    q, s = quant.fp8_group_quantize(x, 128, min_scale=FLT_MIN)
     return quant.fp8_group_dequantize(q, s, 128)
 
 
@@ -69,7 +69,7 @@ def _fp8_block_impl(
         fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) in (1, 2)),
         use_shuffled_weight=(use_shuffled_weight, not use_shuffled_weight),
         weight_layout=(weight_layout, int(weight_layout) in (0, 2)),
-        activation_type=(_act_name(act), act == ActivationType.Swiglu),
+        activation_type=(act_name(act), act == ActivationType.Swiglu),
     )
     if hidden_states.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (only e4m3 activations are emulated)")
@@ -77,8 +77,8 @@ def _fp8_block_impl(
     M, inter = 2 * intermediate_size, intermediate_size
     if H % 128 or inter % 128:
         raise ValueError(f"DeepSeek FP8 needs hidden ({H}) and intermediate ({inter}) sizes that are multiples of 128")
-    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
-    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if int(weight_layout) == WeightLayout.BlockMajorK:
         w1_all, w2_all = layouts.from_block_major_k(gemm1_weights), layouts.from_block_major_k(gemm2_weights)
     else:
@@ -94,17 +94,17 @@ def _fp8_block_impl(
         w1 = quant.fp8_block_dequantize(w1_all[e], gemm1_weights_scale[e])
         w2 = quant.fp8_block_dequantize(w2_all[e], gemm2_weights_scale[e])
         a1 = _block_requant(rows @ w1.t())  # GEMM1 writes e4m3 + per-128-column dequant scales
-        h = _activate(
+        h = activate(
             a1,
             act,
-            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
             valid_intermediate=valid_intermediate_size,
         )
-        return _bf16(_block_requant(h) @ w2.t())
+        return round_bf16(_block_requant(h) @ w2.t())
 
-    out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
+    out = run_experts(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
     if valid_hidden_size is not None:
         out = out[:, :valid_hidden_size]
     if output is not None:
@@ -139,7 +139,7 @@ def _mxfp8_impl(
     unsupported(
         use_shuffled_weight=(use_shuffled_weight, bool(use_shuffled_weight)),
         weight_layout=(weight_layout, int(weight_layout) == WeightLayout.MajorK),
-        activation_type=(_act_name(act), act in (ActivationType.Swiglu, ActivationType.Relu2)),
+        activation_type=(act_name(act), act in (ActivationType.Swiglu, ActivationType.Relu2)),
     )
     if hidden_states.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (MxFp8 takes e4m3 activations)")
@@ -156,8 +156,8 @@ def _mxfp8_impl(
     M = 2 * inter if gated else inter
     if H % 128 or inter % 128:
         raise ValueError(f"MxFp8 needs hidden ({H}) and intermediate ({inter}) sizes that are multiples of 128")
-    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
-    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, inter):
         raise ValueError(
             f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
@@ -170,23 +170,23 @@ def _mxfp8_impl(
     x = quant.mxfp8_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 32))
 
     def expert(e, rows, _w):
-        w1 = _unshuffle_rows(gemm1_weights[e], inv1)
-        s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // 32).index_select(0, inv1)
-        w2 = _unshuffle_rows(gemm2_weights[e], inv2)
-        s2 = _expert_sf(gemm2_weights_scale, e, E, H, inter // 32).index_select(0, inv2)
+        w1 = unshuffle_rows(gemm1_weights[e], inv1)
+        s1 = expert_sf(gemm1_weights_scale, e, E, M, H // 32).index_select(0, inv1)
+        w2 = unshuffle_rows(gemm2_weights[e], inv2)
+        s2 = expert_sf(gemm2_weights_scale, e, E, H, inter // 32).index_select(0, inv2)
         a1 = rows @ quant.mxfp8_dequantize(w1, s1).t()
-        h = _activate(
+        h = activate(
             a1,
             act,
-            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
             valid_intermediate=valid_intermediate_size,
         )
-        hq, hs = quant.mxfp8_quantize(_bf16(h))
-        return _bf16(quant.mxfp8_dequantize(hq, hs) @ quant.mxfp8_dequantize(w2, s2).t())
+        hq, hs = quant.mxfp8_quantize(round_bf16(h))
+        return round_bf16(quant.mxfp8_dequantize(hq, hs) @ quant.mxfp8_dequantize(w2, s2).t())
 
-    out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
+    out = run_experts(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
     if valid_hidden_size is not None:
         out = out[:, :valid_hidden_size]
     if output is not None:

@@ -8,17 +8,17 @@ import torch
 from .. import layouts, quant
 from ..kernel_api import ActivationType
 from .common import (
-    _activate,
-    _bf16,
-    _check_local,
-    _gemm1_rows,
-    _run,
-    _scalar,
-    _unshuffle_rows,
+    activate,
     call_impl,
+    check_local,
     common_unsupported,
+    gemm1_rows,
     is_gated,
+    round_bf16,
     routing,
+    run_experts,
+    scalar,
+    unshuffle_rows,
     unsupported,
 )
 from .routing import split_routed_input
@@ -47,9 +47,9 @@ def _fp8_tensor_impl(
     if hidden_states.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} (only e4m3 activations are emulated)")
     T, H = hidden_states.shape
-    M, inter = _gemm1_rows(intermediate_size, act), intermediate_size
-    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
-    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    M, inter = gemm1_rows(intermediate_size, act), intermediate_size
+    check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H) or tuple(gemm2_weights.shape[1:]) != (H, inter):
         raise ValueError(
             f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} != [E, {M}, {H}]/[E, {H}, {inter}]"
@@ -59,16 +59,16 @@ def _fp8_tensor_impl(
     inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
 
     def expert(e, rows, slot_w):
-        w1 = _unshuffle_rows(gemm1_weights[e], inv1).float()
-        w2 = _unshuffle_rows(gemm2_weights[e], inv2).float()
+        w1 = unshuffle_rows(gemm1_weights[e], inv1).float()
+        w2 = unshuffle_rows(gemm2_weights[e], inv2).float()
         a1 = rows @ w1.t()
         if use_routing_scales_on_input:  # Llama4: routing weight scales GEMM1 (per-token scale), not the output
             a1 = a1 * slot_w.unsqueeze(1)
-        h = _activate(a1, act, _scalar(output1_scales_gate_scalar, e, 1.0), _scalar(output1_scales_scalar, e, 1.0))
+        h = activate(a1, act, scalar(output1_scales_gate_scalar, e, 1.0), scalar(output1_scales_scalar, e, 1.0))
         hq = quant.fp8_quantize(h, 1.0)  # re-quantized to e4m3 with scale 1 (output1 scale already holds 1/a2)
-        return _bf16((hq.float() @ w2.t()) * _scalar(output2_scales_scalar, e, 1.0))
+        return round_bf16((hq.float() @ w2.t()) * scalar(output2_scales_scalar, e, 1.0))
 
-    return _run(
+    return run_experts(
         hidden_states.float(),
         ids,
         weights,

@@ -15,20 +15,20 @@ import torch
 from .. import layouts, quant
 from ..kernel_api import UNSET, ActivationType
 from .common import (
-    _act_name,
-    _activate,
-    _bf16,
-    _check_local,
-    _expert_sf,
-    _gemm1_rows,
-    _run,
-    _scalar,
-    _sf_numel,
-    _unshuffle_rows,
+    act_name,
+    activate,
     call_impl,
+    check_local,
     common_unsupported,
+    expert_sf,
+    gemm1_rows,
     is_gated,
+    round_bf16,
     routing,
+    run_experts,
+    scalar,
+    sf_numel,
+    unshuffle_rows,
     unsupported,
 )
 from .routing import split_routed_input
@@ -79,20 +79,20 @@ def _fp4_impl(
         H, acts = hidden_states.shape[1], "bf16"
     else:
         raise NotImplementedError(f"hidden_states dtype {hidden_states.dtype} with FP4 weights")
-    M = _gemm1_rows(intermediate_size, act)
+    M = gemm1_rows(intermediate_size, act)
     inter = intermediate_size
-    _check_local("gemm1_weights", gemm1_weights, local_num_experts)
-    _check_local("gemm2_weights", gemm2_weights, local_num_experts)
+    check_local("gemm1_weights", gemm1_weights, local_num_experts)
+    check_local("gemm2_weights", gemm2_weights, local_num_experts)
     if tuple(gemm1_weights.shape[1:]) != (M, H // 2):
         raise ValueError(
             f"gemm1_weights shape {tuple(gemm1_weights.shape)} != [E, {M}, {H // 2}] for "
-            f"intermediate_size={intermediate_size}, activation {_act_name(act)}, hidden {H}"
+            f"intermediate_size={intermediate_size}, activation {act_name(act)}, hidden {H}"
         )
     if tuple(gemm2_weights.shape[1:]) != (H, inter // 2):
         raise ValueError(f"gemm2_weights shape {tuple(gemm2_weights.shape)} != [E, {H}, {inter // 2}]")
     E = local_num_experts
-    mx = gemm1_weights_scale.numel() != _sf_numel(E, M, H // 16)  # the launcher's rule: NVFP4 iff numel == K/16
-    if mx and gemm1_weights_scale.numel() != _sf_numel(E, M, H // 32):
+    mx = gemm1_weights_scale.numel() != sf_numel(E, M, H // 16)  # the launcher's rule: NVFP4 iff numel == K/16
+    if mx and gemm1_weights_scale.numel() != sf_numel(E, M, H // 32):
         raise ValueError(
             f"gemm1_weights_scale has {gemm1_weights_scale.numel()} elements: neither NVFP4 (per 16) "
             f"nor MXFP4 (per 32) scales of [E={E}, {M}, {H}]"
@@ -125,36 +125,36 @@ def _fp4_impl(
         if acts == "nvfp4":  # FC1 epilogue writes NVFP4 with global scale 1
             hq, hs = quant.nvfp4_quantize(h, 1.0)
             return quant.nvfp4_dequantize(hq, hs, 1.0)
-        h = _bf16(h)
+        h = round_bf16(h)
         if acts == "mxfp8":
             hq, hs = quant.mxfp8_quantize(h)
             return quant.mxfp8_dequantize(hq, hs)
         return h
 
     def expert(e, rows, _w):
-        w1 = _unshuffle_rows(gemm1_weights[e], inv1)
-        s1 = _expert_sf(gemm1_weights_scale, e, E, M, H // block).index_select(0, inv1)
-        w2 = _unshuffle_rows(gemm2_weights[e], inv2)
-        s2 = _expert_sf(gemm2_weights_scale, e, E, H, inter // block).index_select(0, inv2)
+        w1 = unshuffle_rows(gemm1_weights[e], inv1)
+        s1 = expert_sf(gemm1_weights_scale, e, E, M, H // block).index_select(0, inv1)
+        w2 = unshuffle_rows(gemm2_weights[e], inv2)
+        s2 = expert_sf(gemm2_weights_scale, e, E, H, inter // block).index_select(0, inv2)
         a1 = rows @ dequant_w(w1, s1).t()
         if gemm1_bias is not None:
             a1 = a1 + gemm1_bias[e].float().index_select(0, inv1)
-        h = _activate(
+        h = activate(
             a1,
             act,
-            _scalar(output1_scale_gate_scalar, e, 1.0),
-            _scalar(output1_scale_scalar, e, 1.0),
-            alpha=None if gemm1_alpha is None else _scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else _scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else _scalar(gemm1_clamp_limit, e, 0.0),
+            scalar(output1_scale_gate_scalar, e, 1.0),
+            scalar(output1_scale_scalar, e, 1.0),
+            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
+            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
+            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
             valid_intermediate=valid_intermediate_size,
         )
         a2 = requant(h) @ dequant_w(w2, s2).t()
         if gemm2_bias is not None:
             a2 = a2 + gemm2_bias[e].float().index_select(0, inv2)
-        return _bf16(a2 * _scalar(output2_scale_scalar, e, 1.0))
+        return round_bf16(a2 * scalar(output2_scale_scalar, e, 1.0))
 
-    out = _run(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
+    out = run_experts(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
     if valid_hidden_size is not None:
         out = out[:, :valid_hidden_size]
     if output is not None:  # a narrower caller output takes the first columns (flashinfer: hidden_size_output)

@@ -7,7 +7,7 @@ the generic machinery (`layer_state`, `runner`, `selection`) never asks "which f
 
 from __future__ import annotations
 
-from .base import BACKENDS, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, WeightFormat
+from .base import BACKENDS, SUPPORTED, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, Support, WeightFormat
 from .bf16 import BF16
 from .ct_nvfp4 import CT_NVFP4
 from .fp8_block import FP8_BLOCK
@@ -38,6 +38,17 @@ def by_name(name: str) -> WeightFormat:
     raise KeyError(f"no weight format {name!r}; known: {[f.name for f in FORMATS]}")
 
 
+#: SGLang's fused-MoE leaf -> the format whose layout a layer SGLang prepared itself holds (WeightFormat.sglang_leaf)
+SGLANG_PREPARED: dict[str, WeightFormat] = {f.sglang_leaf: f for f in FORMATS if f.sglang_leaf is not None}
+if len(SGLANG_PREPARED) != sum(f.sglang_leaf is not None for f in FORMATS):
+    raise AssertionError(f"two formats claim one SGLang leaf: {[(f.name, f.sglang_leaf) for f in FORMATS]}")
+
+
+def sglang_prepared(leaf: str) -> WeightFormat | None:
+    """The format a layer SGLang prepared itself holds on its fused-MoE `leaf`, or None (SGLang's own layout)."""
+    return SGLANG_PREPARED.get(leaf)
+
+
 def prepared_on(fmt: WeightFormat) -> tuple[str, ...]:
     """The runner backends on which the plugin prepares `fmt` in place (the TRT-LLM-Gen ones SGLang serves it on)."""
     return tuple(fmt.quantizations)
@@ -48,22 +59,11 @@ def for_checkpoint(checkpoint: Checkpoint) -> tuple[WeightFormat | None, str]:
     for f in FORMATS:
         if f.describes(checkpoint):
             return f, f.title
-    q = checkpoint.quantization
-    if q == "mxfp8" and checkpoint.online:
-        return None, (
-            "online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at load time and "
-            "rebinds the Parameters to fp8, so the plugin leaves the layer to SGLang's own preparation"
-        )
-    if q == "compressed-tensors":
-        return None, f"compressed-tensors scheme {checkpoint.quant_scheme or 'unknown'!r} is not NVFP4"
-    if q == "fp8":
-        if checkpoint.weight_block_size is not None:
-            return None, f"fp8 with weight_block_size {list(checkpoint.weight_block_size)} (only [128, 128] is served)"
-        return None, (
-            f"fp8 per-tensor with {checkpoint.activation_scheme or 'unstated'} activation scales: the "
-            "TRT-LLM per-tensor kernel takes one static input scale"
-        )
-    return None, f"quantization {q!r} is not a format the plugin prepares"
+    for f in FORMATS:
+        why = f.refusal(checkpoint)
+        if why is not None:
+            return None, why
+    return None, f"quantization {checkpoint.quantization!r} is not a format the plugin prepares"
 
 
 __all__ = [
@@ -73,11 +73,15 @@ __all__ = [
     "Checkpoint",
     "KernelCall",
     "ParamLayout",
+    "SUPPORTED",
+    "Support",
     "WeightFormat",
     "FORMATS",
+    "SGLANG_PREPARED",
     "by_name",
     "for_checkpoint",
     "prepared_on",
+    "sglang_prepared",
     "NVFP4",
     "CT_NVFP4",
     "FP8_TENSOR",

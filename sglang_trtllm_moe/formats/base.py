@@ -51,6 +51,12 @@ if hasattr(torch, "float8_e8m0fnu"):
     BYTE_CODES[torch.float8_e8m0fnu] = UE8M0_BYTES
 
 
+#: a named predicate's answer (vLLM's fused-MoE oracle convention, `_supports_*` -> (ok, reason)): (True, None) when
+#: the kernel serves it, else (False, the sentence users see in `explain`, the resolution log and load-time errors)
+Support = tuple[bool, "str | None"]
+SUPPORTED: Support = (True, None)
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     name: str
@@ -174,15 +180,20 @@ class WeightFormat:
       flashinfer the supported releases pin (checked against SGLang's runner sets and `kernel_api`);
     * `intermediate_align` — (gated, non-gated) per-rank intermediate alignment as SGLang allocates the layer.
 
+    What the kernel serves is asked through named predicates, each `(ok, reason)` (`Support`): `supports_backend`,
+    `supports_activation`, `supports_hidden`, `supports_intermediate` (the checkpoint's sizes: selection asks them
+    all, each under its reason code) and `check_layout` (the layer as SGLang allocated it: asked at load; it asks
+    `supports_activation` of the layer's runner config first). A format overrides the predicate whose rule differs.
+
     MAY define: `hidden_align` (default 128), `scalar_params` + `compute_scalars` (kernel scalars recomputed at every
-    flush), `check_layout` (extra shape rules; call super), `row_map` (a format-specific half order),
-    `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is kept),
-    what a weight update may write (`ParamLayout.kind / load_dtypes / values`, `scalar_rules`, and
+    flush), `check_layout` (extra shape rules; call super), `supports_*` (see above), `row_map` (a format-specific
+    half order), `dequantize_param` / `scale_of` (the checker), `routing_method` (where the layer's routing method is
+    kept), what a weight update may write (`ParamLayout.kind / load_dtypes / values`, `scalar_rules`, and
     `converted_by_sglang` for writes SGLang's loader converts itself; see `LoadRule`), `fused` (all experts are
     written at once: gpt-oss) with `fused_checkpoint_names`, `own_backend` (the non-trtllm runner backend SGLang
     serves the format on, e.g. flashinfer_mxfp4: reported by selection, never auto-selected),
     `accepts_prequantized` (activations quantized by the dispatcher reach `kernel_args` as
-    `KernelCall.hidden_scale`)."""
+    `KernelCall.hidden_scale`), `sglang_leaf` (SGLang's own prepared layers of that leaf are this layout)."""
 
     # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
     # per instance (Fp8PerTensor)
@@ -215,11 +226,25 @@ class WeightFormat:
     #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None
+    #: SGLang's fused-MoE leaf ("fp4" | "fp8" | "bf16") on which a layer SGLang prepared itself holds exactly this
+    #: format's kernel layout, so the emulator can run it as this format (`formats.sglang_prepared`); None = no leaf
+    #: of SGLang's own preparation is read as this format (FP8 layers SGLang prepares are MXFP8 or its own
+    #: requantized per-tensor layout: they stay on SGLang's leaf)
+    sglang_leaf: ClassVar[str | None] = None
+
+    def __repr__(self) -> str:
+        return f"<weight format {self.name}>"
 
     # ---- what it serves ---------------------------------------------------------------------------------------
     def describes(self, checkpoint: Checkpoint) -> bool:
         """True when a checkpoint of this kind is held in this format on the TRT-LLM-Gen path."""
         return False
+
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        """Why a checkpoint of this format's quantization that the format does not describe is not prepared (a
+        variant of it the kernels or SGLang's path do not serve), or None when the checkpoint is not this format's
+        to refuse. `formats.for_checkpoint` asks it when no format describes the checkpoint."""
+        return None
 
     def serves(self, backend: str, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization in self.quantizations.get(backend, ())
@@ -227,21 +252,53 @@ class WeightFormat:
     def activations(self, gated: bool) -> frozenset[str]:
         return self.gated_activations if gated else self.non_gated_activations
 
-    def activation_problem(self, activation: str, gated: bool) -> str | None:
-        """None when the kernel computes (activation, gating) for this format, else a sentence saying why not."""
+    # ---- eligibility: named predicates, each -> (ok, reason) ---------------------------------------------------
+    # One set per format, read by selection (selection/rules.py, offline: the checkpoint's sizes, per rank) and by
+    # the load-time `check_layout` (SGLang's allocation of the layer: `supports_activation` on its runner config, then
+    # its storage, whose sizes SGLang may already have padded).
+    def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
+        """SGLang has a path for this format's checkpoints on runner `backend` that the plugin prepares."""
+        if self.serves(backend, checkpoint):
+            return SUPPORTED
+        where = (
+            f"; SGLang serves it on {self.own_backend} (TRT-LLM-Gen kernels too), where the plugin prepares it in place"
+            if self.own_backend
+            else ""
+        )
+        return False, f"{backend} has no {self.title} path in SGLang{where}"
+
+    def supports_activation(self, activation: str, gated: bool) -> Support:
+        """The kernel computes (activation, gating) for this format on every flashinfer the releases pin."""
         allowed = self.activations(gated)
         if activation in allowed:
-            return None
+            return SUPPORTED
         kind = "gated" if gated else "non-gated"
         note = f"; {self.activation_note}" if self.activation_note else ""
-        return (
+        return False, (
             f"{kind} {activation!r} is not computed by the TRT-LLM-Gen {self.title or self.name} kernel "
             f"(supported {kind}: {sorted(allowed) or 'none'}{note})"
         )
 
+    def supports_hidden(self, hidden: int) -> Support:
+        """The checkpoint's hidden size fits the kernel's tiling (`hidden_align`)."""
+        if hidden % self.hidden_align:
+            return False, f"hidden size {hidden} is not a multiple of {self.hidden_align}"
+        return SUPPORTED
+
+    def supports_intermediate(self, per_rank: int, gated: bool) -> Support:
+        """The checkpoint's per-rank intermediate can be served: by default SGLang's allocation pads it to
+        `intermediate_align` (`padded_intermediate`); a format whose scale blocks cannot be padded overrides this."""
+        return SUPPORTED
+
+    def activation_problem(self, activation: str, gated: bool) -> str | None:
+        """None when the kernel computes (activation, gating) for this format, else the sentence saying why not
+        (`supports_activation`'s reason)."""
+        return self.supports_activation(activation, gated)[1]
+
     def padded_intermediate(self, per_rank: int, gated: bool) -> int:
-        align = self.intermediate_align[0 if gated else 1]
-        return -(-per_rank // align) * align
+        """The per-rank intermediate as SGLang allocates this format's layer (per half for gated w13): rounded up to
+        the format's `intermediate_align` — a multiple of the kernel's own tiling (`layouts.padded_intermediate`)."""
+        return layouts.padded_intermediate(per_rank, gated, align=self.intermediate_align[0 if gated else 1])
 
     # ---- geometry -------------------------------------------------------------------------------------------
     @staticmethod
@@ -309,8 +366,8 @@ class WeightFormat:
         activation, gated = cfg.activation, bool(cfg.is_gated)
         for name in (*(p.name for p in self.params), *self.scalar_params):
             getattr(layer, name)
-        problem = self.activation_problem(activation, gated)
-        if problem:
+        ok, problem = self.supports_activation(activation, gated)
+        if not ok:
             return problem
         for p in self.params:
             if getattr(layer, p.name) is None:

@@ -28,6 +28,8 @@ class Bf16(WeightFormat):
     title = "BF16 (unquantized)"
     kernel = "bf16"
     quantizations = {TRTLLM: frozenset({None}), TRTLLM_ROUTED: frozenset({None})}
+    #: SGLang's own trtllm BF16 prep produces this layout (its BF16 leaf's layers, emulated as BF16)
+    sglang_leaf = "bf16"
     #: SGLang's BF16 trtllm path (`_SUPPORTED_BF16_ACTIVATIONS`, get_activation_type): gated SwiGLU, non-gated silu
     #: and relu2
     gated_activations = frozenset({"silu"})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import TRTLLM, Checkpoint, Layer, ParamLayout, WeightFormat
+from .base import TRTLLM, Checkpoint, Layer, ParamLayout, Support, WeightFormat
 from .nvfp4 import NvFp4
 
 
@@ -26,6 +26,8 @@ class CtNvFp4(NvFp4):
     title = "NVFP4 (compressed-tensors nvfp4)"
     #: SGLang has no routed path for compressed-tensors (handle_moe_kernel_config asserts)
     quantizations = {TRTLLM: frozenset({"compressed-tensors"})}
+    #: SGLang's own prepared FP4-leaf layers are read as ModelOpt NVFP4 (the same bytes), not as this format
+    sglang_leaf = None
     params = (
         ParamLayout("w13_weight_packed", "w13"),
         ParamLayout("w13_weight_scale", "w13", sf_swizzle=True),
@@ -39,9 +41,9 @@ class CtNvFp4(NvFp4):
         "w2_input_global_scale",
     )
 
-    def activation_problem(self, activation: str, gated: bool) -> str | None:
+    def supports_activation(self, activation: str, gated: bool) -> Support:
         # its apply is compressed-tensors' (or the plugin's runner, before 0.5.17), not ModelOpt's activation table
-        return WeightFormat.activation_problem(self, activation, gated)
+        return WeightFormat.supports_activation(self, activation, gated)
 
     #: kernel-side names SGLang's apply reads -> the loaded Parameter they alias
     aliases = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"}
@@ -56,6 +58,11 @@ class CtNvFp4(NvFp4):
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "compressed-tensors" and checkpoint.quant_scheme == "nvfp4"
+
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        if checkpoint.quantization == "compressed-tensors" and not self.describes(checkpoint):
+            return f"compressed-tensors scheme {checkpoint.quant_scheme or 'unknown'!r} is not NVFP4"
+        return None
 
     def scale_of(self, name: str) -> str | None:
         if name.endswith("_weight_packed"):

@@ -18,16 +18,27 @@ from __future__ import annotations
 from typing import Any
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import SUPPORTED, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
 
 BLOCK = 128
 
 
-def _swiglu_limits(quant_info: Any) -> dict:  # SGLang QuantInfo (no type information)
+def swiglu_limits(quant_info: Any) -> dict:  # SGLang QuantInfo (no type information)
+    """The block-scale kernel family's SwiGLU alpha / beta / clamp arguments from SGLang's FP8 QuantInfo (None where
+    this release's QuantInfo carries none: features.FP8_QUANT_INFO_SWIGLU)."""
     names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
     if not features.FP8_QUANT_INFO_SWIGLU.present():
         return dict.fromkeys(names)
     return {n: getattr(quant_info, n) for n in names}
+
+
+def block_scaled_intermediate(per_rank: int) -> Support:
+    """`supports_intermediate` of the fp8 block-scale kernel family (DeepSeek FP8, MXFP8): the checkpoint's per-rank
+    share of the intermediate must already be a multiple of the 128-wide scale block (a TP split inside a block
+    would cut its scale; selection does not pad these)."""
+    if per_rank % BLOCK:
+        return False, f"intermediate per rank {per_rank} is not a multiple of the 128x128 FP8 scale block"
+    return SUPPORTED
 
 
 class Fp8Block(WeightFormat):
@@ -41,12 +52,21 @@ class Fp8Block(WeightFormat):
     #: cannot be padded past its scale blocks: the per-rank intermediate must already be a multiple of 128
     intermediate_align = (BLOCK, BLOCK)
 
+    def supports_intermediate(self, per_rank: int, gated: bool) -> Support:
+        return block_scaled_intermediate(per_rank)
+
     def describes(self, checkpoint: Checkpoint) -> bool:
         return (
             checkpoint.quantization == "fp8"
             and tuple(checkpoint.weight_block_size or ()) == (BLOCK, BLOCK)
             and not checkpoint.fp4_experts
         )
+
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        wbs = checkpoint.weight_block_size
+        if checkpoint.quantization == "fp8" and wbs is not None and not self.describes(checkpoint):
+            return f"fp8 with weight_block_size {list(wbs)} (only [{BLOCK}, {BLOCK}] is served)"
+        return None
 
     params = (
         ParamLayout("w13_weight", "w13", permute_rows=False),
@@ -99,7 +119,7 @@ class Fp8Block(WeightFormat):
             gemm1_weights_scale=layer.w13_weight_scale_inv,
             gemm2_weights=layer.w2_weight,
             gemm2_weights_scale=layer.w2_weight_scale_inv,
-            **_swiglu_limits(qi),
+            **swiglu_limits(qi),
             num_experts=qi.global_num_experts,
             intermediate_size=int(layer.w2_weight.shape[2]),
             local_expert_offset=qi.local_expert_offset,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts.maps import _cached, _norm_device
+from ..layouts.maps import cached, norm_device
 from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 
 
@@ -58,13 +58,27 @@ class Fp8PerTensor(WeightFormat):
             and (want.activation_scheme is None or checkpoint.activation_scheme == want.activation_scheme)
         )
 
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        want = self._checkpoint
+        if (
+            checkpoint.quantization == want.quantization
+            and checkpoint.weight_block_size is None
+            and want.activation_scheme is not None
+            and checkpoint.activation_scheme != want.activation_scheme
+        ):
+            return (
+                f"{want.quantization} per-tensor with {checkpoint.activation_scheme or 'unstated'} activation scales: "
+                f"the TRT-LLM per-tensor kernel takes one {want.activation_scheme} input scale"
+            )
+        return None
+
     def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         base = super().row_map(layer, p, t)
         if p.group != "w13" or not self.gate_first or not self.is_gated(layer):
             return base
-        m, dev = t.shape[1], _norm_device(t.device)
+        m, dev = t.shape[1], norm_device(t.device)
         # kernel row r = logical [up; gate] row base[r] = stored [gate; up] row swap[base[r]]
-        return _cached(("fp8-w13-gate-first", m, True, 128, dev), lambda: _swap_halves_map(m).to(dev)[base])
+        return cached(("fp8-w13-gate-first", m, True, 128, dev), lambda: _swap_halves_map(m).to(dev)[base])
 
     def check_layout(self, layer: Layer) -> str | None:
         problem = super().check_layout(layer)

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import layouts
-from ..layouts.maps import _cached, _norm_device
+from .. import layer_attrs, layouts
+from ..layouts.maps import cached, norm_device
 from .base import NONNEGATIVE, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .mxfp8 import MX_BLOCK
 
@@ -105,7 +105,7 @@ class Mxfp4Experts(WeightFormat):
     def allocate_(self, layer: Layer, intermediate: int, hidden: int) -> None:
         """Replace SGLang's just-created Parameters (same names and attributes, nothing loaded yet) by the kernel's
         final width: scales float8_e8m0fnu filled with 1.0, weights padded per half to 128."""
-        ip = layouts.maps._round_up(intermediate, 128)
+        ip = layouts.maps.round_up(intermediate, 128)
         e = layer.w13_weight.shape[0]
         want = {
             "w13_weight": ((e, 2 * ip, hidden // 2), torch.int8, 0),
@@ -128,18 +128,18 @@ class Mxfp4Experts(WeightFormat):
         m = t.shape[1]
         if p.group == "w2":
             return layouts.w2_row_map(m, device=t.device)
-        dev = _norm_device(t.device)
+        dev = norm_device(t.device)
 
         def build() -> torch.Tensor:  # checkpoint [gate; up] per padded half -> [up; gate] -> the kernel's w13 map
             swap = (torch.arange(m, device=dev) + m // 2) % m
             return swap[layouts.w13_row_map(m, True, device=dev)]
 
-        return _cached(("mxfp4_experts_w13", m, dev), build)
+        return cached(("mxfp4_experts_w13", m, dev), build)
 
     def pad_(self, layer: Layer, group: str, experts: Sequence[int]) -> None:
         """Re-set the pad scale bytes (intermediate rows / columns past I) of `experts` to the UE8M0 one, as SGLang
         pads (the loader zero-fills them from 0.5.23, leaves them before): idempotent, in checkpoint layout."""
-        i = getattr(layer, "_trtllm_moe_unpadded_intermediate", None)
+        i = getattr(layer, layer_attrs.UNPADDED_INTERMEDIATE, None)
         ip = layer.w2_weight.shape[2] * 2
         if i is None or i == ip or not experts:
             return

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import layouts
-from ..layouts.maps import _cached, _norm_device
+from ..layouts.maps import cached, norm_device
 from .base import UE8M0_BYTES, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
@@ -67,7 +67,6 @@ class Mxfp4GptOss(WeightFormat):
         "down_proj_scales": "w2_weight_scale",
         "down_proj_bias": "w2_weight_bias",
     }
-    scalar_names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "mxfp4"
@@ -115,17 +114,17 @@ class Mxfp4GptOss(WeightFormat):
         m = t.shape[1]
         if p.group == "w2":
             return layouts.w2_row_map(m, device=t.device)
-        dev = _norm_device(t.device)
+        dev = norm_device(t.device)
 
         def build() -> torch.Tensor:  # checkpoint rows g0, u0, g1, u1, ... -> u0, g0, u1, g1, ... -> shuffle
             return (torch.arange(m, device=dev) ^ 1)[layouts.shuffle_map(m, device=dev)]
 
-        return _cached(("mxfp4_gptoss_w13", m, dev), build)
+        return cached(("mxfp4_gptoss_w13", m, dev), build)
 
     def check_layout(self, layer: Layer) -> str | None:
         cfg = layer.moe_runner_config
-        problem = self.activation_problem(cfg.activation, bool(cfg.is_gated))
-        if problem:
+        ok, problem = self.supports_activation(cfg.activation, bool(cfg.is_gated))
+        if not ok:
             return problem
         e, m, k2 = layer.w13_weight.shape
         hp, i2 = layer.w2_weight.shape[1], layer.w2_weight.shape[2]

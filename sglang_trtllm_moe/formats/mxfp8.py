@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, UE8M0_BYTES, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, UE8M0_BYTES, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
+from .fp8_block import block_scaled_intermediate, swiglu_limits
 
 MX_BLOCK = 32
 
@@ -66,12 +67,23 @@ class Mxfp8(WeightFormat):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "mxfp8" and not checkpoint.online
 
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        if checkpoint.quantization == "mxfp8" and checkpoint.online:
+            return (
+                "online MXFP8 (--quantization mxfp8 on a BF16 checkpoint): SGLang quantizes at load time and "
+                "rebinds the Parameters to fp8, so the plugin leaves the layer to SGLang's own preparation"
+            )
+        return None
+
     def activations(self, gated: bool) -> frozenset[str]:
         """Non-gated relu2 only where SGLang allocates the kernel's I-row w13 (0.5.19+): before, SGLang slices a
         2I-row allocation at its prep (new storage) and the plugin leaves the layer to SGLang."""
         if not gated and not features.MXFP8_NON_GATED_W13_ROWS.present():
             return frozenset()
         return super().activations(gated)
+
+    def supports_intermediate(self, per_rank: int, gated: bool) -> Support:
+        return block_scaled_intermediate(per_rank)  # the fp8 block-scale kernel family's rule
 
     def check_layout(self, layer: Layer) -> str | None:
         problem = super().check_layout(layer)
@@ -124,8 +136,6 @@ class Mxfp8(WeightFormat):
             from ..quant import mxfp8_quantize
 
             hs, sf = mxfp8_quantize(call.hidden)
-        from .fp8_block import _swiglu_limits
-
         return dict(
             hidden_states=hs,
             hidden_states_scale=sf.view(torch.uint8).reshape(hs.shape[0], -1).contiguous(),
@@ -133,7 +143,7 @@ class Mxfp8(WeightFormat):
             gemm1_weights_scale=layer.w13_weight_scale_inv.data.view(torch.uint8),
             gemm2_weights=layer.w2_weight.data,
             gemm2_weights_scale=layer.w2_weight_scale_inv.data.view(torch.uint8),
-            **_swiglu_limits(qi),
+            **swiglu_limits(qi),
             num_experts=qi.global_num_experts,
             intermediate_size=int(layer.w2_weight.shape[2]),
             local_expert_offset=qi.local_expert_offset,

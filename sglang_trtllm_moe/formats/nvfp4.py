@@ -11,10 +11,12 @@ here and one prepared by SGLang feed the kernel the same numbers:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
 
 
 class NvFp4(WeightFormat):
@@ -22,6 +24,8 @@ class NvFp4(WeightFormat):
     title = "NVFP4 (modelopt_fp4)"
     kernel = "fp4_block_scale"
     quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
+    #: SGLang's own trtllm NVFP4 prep produces this layout (its FP4 leaf's layers, emulated as NVFP4)
+    sglang_leaf: ClassVar[str | None] = "fp4"
     #: flashinfer's FP4 launcher takes Swiglu / Geglu gated and Silu / Gelu / Relu2 non-gated from the first release
     #: SGLang 0.5.11 pins (activation_type); "situ" needs clamp parameters the plugin does not prepare
     gated_activations = frozenset({"silu", "gelu"})
@@ -40,13 +44,13 @@ class NvFp4(WeightFormat):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "modelopt_fp4"
 
-    def activation_problem(self, activation: str, gated: bool) -> str | None:
+    def supports_activation(self, activation: str, gated: bool) -> Support:
         if activation == "gelu" and not features.MODELOPT_NVFP4_GELU.present():
-            return (
+            return False, (
                 f"{'gated' if gated else 'non-gated'} 'gelu' is not mapped by this SGLang release's ModelOpt NVFP4 "
                 "MoE method (silu / relu2 only before 0.5.13; it asserts on any other activation)"
             )
-        return super().activation_problem(activation, gated)
+        return super().supports_activation(activation, gated)
 
     def dequantize_param(
         self, name: str, weight: torch.Tensor, scale: torch.Tensor | None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .inplace import _bytes3d, _plan
-from .maps import Experts, _round_up
+from .inplace import bytes3d, plan
+from .maps import Experts, round_up
 
 
 def _block_dims(t: torch.Tensor, block_k_bytes: int) -> tuple[int, int, int]:
@@ -16,7 +16,7 @@ def _block_dims(t: torch.Tensor, block_k_bytes: int) -> tuple[int, int, int]:
         raise ValueError(
             f"cannot lay out [E, M, K] = {tuple(t.shape)} ({t.dtype}, {kb} bytes per row) block-major with "
             f"block_k_bytes={block_k_bytes}: row bytes must be a multiple of it; pad K to "
-            f"{_round_up(kb, block_k_bytes) // t.element_size()} elements"
+            f"{round_up(kb, block_k_bytes) // t.element_size()} elements"
         )
     return t.shape[0], t.shape[1], kb
 
@@ -53,9 +53,9 @@ def _block_inplace(
     inverse: bool = False,
 ) -> torch.Tensor:
     e, m, kb = _block_dims(t, block_k_bytes)
-    u8 = _bytes3d(t)
+    u8 = bytes3d(t)
     nb, bk = kb // block_k_bytes, block_k_bytes
-    runs, scratch = _plan(u8, t, row_map, experts, chunk)
+    runs, scratch = plan(u8, t, row_map, experts, chunk)
     for s, stop in runs:
         k = stop - s
         tmp = scratch.load(s, stop)

@@ -7,21 +7,21 @@ from types import ModuleType
 
 import torch
 
-from .maps import _CACHE_LOCK
+from .maps import CACHE_LOCK
 
-_FAST_PATH = {"enabled": True, "cpu_interpret": False}
+FAST_PATH = {"enabled": True, "cpu_interpret": False}
 _TRITON: list[ModuleType | None] = []  # [module or None] once tried
 
 
 def set_fast_path(enabled: bool) -> bool:
     """Turn the Triton kernels on CUDA on or off (off: the pure-torch reference everywhere); returns the old value."""
-    old = _FAST_PATH["enabled"]
-    _FAST_PATH["enabled"] = bool(enabled)
+    old = FAST_PATH["enabled"]
+    FAST_PATH["enabled"] = bool(enabled)
     return old
 
 
-def _triton_layouts() -> ModuleType | None:
-    with _CACHE_LOCK:
+def triton_layouts() -> ModuleType | None:
+    with CACHE_LOCK:
         if not _TRITON:
             mod: ModuleType | None
             try:
@@ -36,10 +36,10 @@ def _triton_layouts() -> ModuleType | None:
 
 def fast_path_for(t: torch.Tensor) -> ModuleType | None:
     """The Triton module when `t` (its uint8 [E, M, C] view) can take the one-pass kernels, else None."""
-    if not _FAST_PATH["enabled"]:
+    if not FAST_PATH["enabled"]:
         return None
-    if t.device.type != "cuda" and not (t.device.type == "cpu" and _FAST_PATH["cpu_interpret"]):
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and FAST_PATH["cpu_interpret"]):
         return None
     if t.dim() != 3 or t.shape[2] % 4 or t.data_ptr() % 4:
         return None
-    return _triton_layouts()
+    return triton_layouts()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from .fastpath import fast_path_for
-from .maps import Experts, _expert_ids, _expert_ids_tensor, _map_i32, closed_block, invert_map
+from .maps import Experts, closed_block, expert_ids, expert_ids_tensor, invert_map, map_i32
 
 _SCRATCH_PEAK = [0]
 
@@ -28,7 +28,7 @@ def reset_scratch_peak() -> None:
     _SCRATCH_PEAK[0] = 0
 
 
-def _bytes3d(t: torch.Tensor, name: str = "t") -> torch.Tensor:
+def bytes3d(t: torch.Tensor, name: str = "t") -> torch.Tensor:
     """[E, M, ...] -> its uint8 view [E, M, row_bytes]; same storage, so writes land in `t`."""
     if t.dim() < 2:
         raise ValueError(f"{name} must be [E, M, ...] with a leading expert dim, got shape {tuple(t.shape)}")
@@ -59,7 +59,7 @@ def _expert_runs(num_experts: int, experts: Experts, chunk: int | None) -> list[
         chunk = max(1, num_experts // 8)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 expert, got {chunk}")
-    ids = _expert_ids(num_experts, experts)
+    ids = expert_ids(num_experts, experts)
     runs: list[tuple[int, int]] = []
     run_start: int | None = None
     prev = 0  # read only while a run is open, i.e. after the first id
@@ -75,7 +75,7 @@ def _expert_runs(num_experts: int, experts: Experts, chunk: int | None) -> list[
     return runs
 
 
-def _check_row_map(row_map: torch.Tensor, m: int, t: torch.Tensor) -> torch.Tensor:
+def check_row_map(row_map: torch.Tensor, m: int, t: torch.Tensor) -> torch.Tensor:
     if row_map.dim() != 1 or row_map.numel() != m:
         raise ValueError(
             f"row map of shape {tuple(row_map.shape)} does not fit tensor rows M={m} "
@@ -124,13 +124,13 @@ class _Scratch:
         return out
 
 
-def _plan(
+def plan(
     u8: torch.Tensor, t: torch.Tensor, row_map: torch.Tensor | None, experts: Experts, chunk: int | None
 ) -> tuple[list[tuple[int, int]], _Scratch]:
     """Every in-place transform starts alike: check the row map (if any), cut the experts into chunks, take one
     scratch sized for the largest chunk."""
     if row_map is not None:
-        row_map = _check_row_map(row_map, u8.shape[1], t)
+        row_map = check_row_map(row_map, u8.shape[1], t)
     runs = _expert_runs(u8.shape[0], experts, chunk if chunk is not None else _default_chunk(u8))
     return runs, _Scratch(u8, runs, row_map)
 
@@ -142,14 +142,14 @@ def permute_rows_(
 
     On CUDA one Triton pass (no scratch, `chunk` unused); elsewhere gather a chunk of experts into scratch, copy
     back."""
-    u8 = _bytes3d(t)
+    u8 = bytes3d(t)
     fast = fast_path_for(u8)
     if fast is not None:
-        row_map = _check_row_map(row_map, u8.shape[1], t)
-        eids = _expert_ids_tensor(u8.shape[0], experts, u8.device)
-        if fast.permute_rows_(u8.view(torch.int32), _map_i32(row_map), eids, closed_block(row_map)):
+        row_map = check_row_map(row_map, u8.shape[1], t)
+        eids = expert_ids_tensor(u8.shape[0], experts, u8.device)
+        if fast.permute_rows_(u8.view(torch.int32), map_i32(row_map), eids, closed_block(row_map)):
             return t
-    runs, scratch = _plan(u8, t, row_map, experts, chunk)
+    runs, scratch = plan(u8, t, row_map, experts, chunk)
     for start, stop in runs:
         u8[start:stop].copy_(scratch.load(start, stop))
     return t
@@ -159,5 +159,5 @@ def unpermute_rows_(
     t: torch.Tensor, row_map: torch.Tensor, experts: Experts = None, chunk: int | None = None
 ) -> torch.Tensor:
     """Exact inverse of `permute_rows_` with the same map."""
-    u8 = _bytes3d(t)
-    return permute_rows_(t, invert_map(_check_row_map(row_map, u8.shape[1], t)), experts, chunk)
+    u8 = bytes3d(t)
+    return permute_rows_(t, invert_map(check_row_map(row_map, u8.shape[1], t)), experts, chunk)

@@ -23,15 +23,19 @@ Experts: TypeAlias = "torch.Tensor | Iterable[int] | None"
 _T = TypeVar("_T")
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def padded_intermediate(i: int, gated: bool) -> int:
-    """The kernel tiles the intermediate dim in 16-row (gated: per half) or 128-row (non-gated) units."""
+def padded_intermediate(i: int, gated: bool, align: int | None = None) -> int:
+    """The per-rank intermediate `i` rounded up to `align` (per half for gated w13). Default: the kernel's own tiling,
+    16-row (gated, per half) or 128-row (non-gated) units; a weight format passes the alignment SGLang allocates its
+    layers with (`WeightFormat.intermediate_align`, a multiple of the kernel's: `WeightFormat.padded_intermediate`)."""
     if i <= 0:
         raise ValueError(f"intermediate size must be positive, got {i}")
-    return _round_up(int(i), GATED_ALIGN if gated else NON_GATED_ALIGN)
+    if align is None:
+        align = GATED_ALIGN if gated else NON_GATED_ALIGN
+    return round_up(int(i), align)
 
 
 # key -> map; (id(map), what) -> (map, derived value: its inverse, its closed block, its int32 copy). Holding `map`
@@ -40,10 +44,10 @@ _MAPS: dict[tuple, torch.Tensor] = {}
 _DERIVED: dict[tuple[int, str], tuple[torch.Tensor, object]] = {}
 #: loaders run on thread pools (DeepSeek) and `clear_caches` runs at every update entry point: the two dicts
 #: change together, never while another thread iterates them
-_CACHE_LOCK = threading.RLock()
+CACHE_LOCK = threading.RLock()
 
 
-def _norm_device(device: Device) -> torch.device:
+def norm_device(device: Device) -> torch.device:
     """'cuda' and 'cuda:N' must be one cache entry per physical device, never a map on the wrong GPU."""
     dev = torch.device("cpu" if device is None else device)
     if dev.type == "cuda" and dev.index is None:
@@ -53,19 +57,14 @@ def _norm_device(device: Device) -> torch.device:
 
 def clear_caches() -> None:
     """Drop every cached index map on every device: call on weight reload / engine resume (sglang#28676)."""
-    with _CACHE_LOCK:
+    with CACHE_LOCK:
         _MAPS.clear()
         _DERIVED.clear()
         _EIDS.clear()
 
 
-def cache_size() -> int:
-    """Number of cached maps (tests and `doctor` use it to prove `clear_caches` works)."""
-    return len(_MAPS)
-
-
-def _cached(key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-    with _CACHE_LOCK:
+def cached(key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    with CACHE_LOCK:
         idx = _MAPS.get(key)
         if idx is None:
             idx = build().to(key[-1])
@@ -83,7 +82,7 @@ def _check_shuffle_rows(m: int, epilogue_tile_m: int, what: str = "rows") -> Non
     if m <= 0 or m % b:
         raise ValueError(
             f"cannot shuffle {what} M={m} for the TRT-LLM-Gen kernel (epilogue_tile_m={epilogue_tile_m}): "
-            f"M must be a positive multiple of {b}; pad to {_round_up(max(m, 1), b)} rows "
+            f"M must be a positive multiple of {b}; pad to {round_up(max(m, 1), b)} rows "
             f"(pad the intermediate with padded_intermediate(), per half for gated w13)"
         )
 
@@ -92,13 +91,13 @@ def gated_reorder_map(m: int, device: Device = None) -> torch.Tensor:
     """[top; bottom] halves -> rows t0,b0,t1,b1,... so one tile load holds matching up and gate rows."""
     if m <= 0 or m % 2:
         raise ValueError(f"gated w13 needs an even row count (2 halves), got M={m}; pad each half to the same size")
-    dev = _norm_device(device)
+    dev = norm_device(device)
 
     def build() -> torch.Tensor:
         half = torch.arange(m // 2, dtype=torch.long)
         return torch.stack([half, half + m // 2], dim=1).reshape(m)
 
-    return _cached(("reorder", m, True, None, dev), build)
+    return cached(("reorder", m, True, None, dev), build)
 
 
 def shuffle_map(m: int, epilogue_tile_m: int = 128, device: Device = None) -> torch.Tensor:
@@ -107,7 +106,7 @@ def shuffle_map(m: int, epilogue_tile_m: int = 128, device: Device = None) -> to
     Closed form of inverting flashinfer's srcToDstBlk{16,32}RowMap (src s goes to (s % k) * 8 + s // k, k = b/8).
     """
     _check_shuffle_rows(m, epilogue_tile_m)
-    dev = _norm_device(device)
+    dev = norm_device(device)
     b = shuffle_block_size(epilogue_tile_m)
 
     def build() -> torch.Tensor:
@@ -115,7 +114,7 @@ def shuffle_map(m: int, epilogue_tile_m: int = 128, device: Device = None) -> to
         within = d % b
         return d - within + (within % 8) * (b // 8) + within // 8
 
-    return _cached(("shuffle", m, None, epilogue_tile_m, dev), build)
+    return cached(("shuffle", m, None, epilogue_tile_m, dev), build)
 
 
 def w13_row_map(m: int, gated: bool, device: Device = None, epilogue_tile_m: int = 128) -> torch.Tensor:
@@ -123,8 +122,8 @@ def w13_row_map(m: int, gated: bool, device: Device = None, epilogue_tile_m: int
     if not gated:
         return shuffle_map(m, epilogue_tile_m, device)
     _check_shuffle_rows(m, epilogue_tile_m, "gated w13 rows")
-    dev = _norm_device(device)
-    return _cached(
+    dev = norm_device(device)
+    return cached(
         ("w13", m, True, epilogue_tile_m, dev), lambda: gated_reorder_map(m, dev)[shuffle_map(m, epilogue_tile_m, dev)]
     )
 
@@ -136,7 +135,7 @@ def w2_row_map(m: int, device: Device = None, epilogue_tile_m: int = 128) -> tor
 
 def _derived(idx: torch.Tensor, what: str, build: Callable[[], _T]) -> _T:
     """A value computed from a map, cached while the map itself is one of this module's cached maps."""
-    with _CACHE_LOCK:
+    with CACHE_LOCK:
         hit = _DERIVED.get((id(idx), what))
         if hit is not None and hit[0] is idx:
             return cast(_T, hit[1])
@@ -176,7 +175,7 @@ def closed_block(idx: torch.Tensor) -> int:
     return _derived(idx, "closed_block", build)
 
 
-def _map_i32(idx: torch.Tensor) -> torch.Tensor:
+def map_i32(idx: torch.Tensor) -> torch.Tensor:
     return _derived(idx, "int32", lambda: idx.to(torch.int32).contiguous())
 
 
@@ -200,10 +199,10 @@ def composed_sf_map(row_map: torch.Tensor | None, m: int, c: int, device: Device
 _EIDS: dict[tuple, torch.Tensor] = {}  # (ids, device) -> int32 ids on that device; a prep re-uses them per param
 
 
-def _expert_ids_tensor(num_experts: int, experts: Experts, device: Device) -> torch.Tensor:
-    ids = tuple(_expert_ids(num_experts, experts))
-    key = (ids if experts is not None else ("all", num_experts), _norm_device(device))
-    with _CACHE_LOCK:
+def expert_ids_tensor(num_experts: int, experts: Experts, device: Device) -> torch.Tensor:
+    ids = tuple(expert_ids(num_experts, experts))
+    key = (ids if experts is not None else ("all", num_experts), norm_device(device))
+    with CACHE_LOCK:
         hit = _EIDS.get(key)
         if hit is None:
             hit = torch.tensor(ids, dtype=torch.int32).to(key[1])
@@ -212,7 +211,7 @@ def _expert_ids_tensor(num_experts: int, experts: Experts, device: Device) -> to
         return hit
 
 
-def _expert_ids(num_experts: int, experts: Experts) -> Sequence[int]:
+def expert_ids(num_experts: int, experts: Experts) -> Sequence[int]:
     """Sorted, validated expert ids (a range when all)."""
     if experts is None:
         return range(num_experts)

@@ -8,8 +8,8 @@ import math
 import torch
 
 from .fastpath import fast_path_for
-from .inplace import _bytes3d, _check_row_map, _plan, unpermute_rows_
-from .maps import SF_COL_TILE, SF_ROW_TILE, Experts, _expert_ids_tensor, _map_i32, _round_up, closed_block
+from .inplace import bytes3d, check_row_map, plan, unpermute_rows_
+from .maps import SF_COL_TILE, SF_ROW_TILE, Experts, closed_block, expert_ids_tensor, map_i32, round_up
 
 
 def _sf_view_swizzled(x: torch.Tensor, k: int, rp: int, cp: int) -> torch.Tensor:
@@ -37,7 +37,7 @@ def swizzle_sf_128x4(sf: torch.Tensor) -> torch.Tensor:
     """
     x, squeeze = _as3d(sf, "sf")
     e, r, c = x.shape
-    rp, cp = _round_up(r, SF_ROW_TILE), _round_up(c, SF_COL_TILE)
+    rp, cp = round_up(r, SF_ROW_TILE), round_up(c, SF_COL_TILE)
     if (rp, cp) != (r, c):
         padded = torch.zeros((e, rp, cp), dtype=x.dtype, device=x.device)
         padded[:, :r, :c] = x
@@ -66,7 +66,7 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
     if r % SF_ROW_TILE or c % SF_COL_TILE:
         raise ValueError(
             f"cannot swizzle scales of shape {tuple(sf.shape)} in place: the 128x4 layout needs R % 128 == 0 and "
-            f"C % 4 == 0; allocate the scale parameter padded to [{e}, {_round_up(r, 128)}, {_round_up(c, 4)}] "
+            f"C % 4 == 0; allocate the scale parameter padded to [{e}, {round_up(r, 128)}, {round_up(c, 4)}] "
             f"(pad I / H), or use the out-of-place swizzle_sf_128x4()"
         )
     if not sf.is_contiguous():
@@ -76,18 +76,18 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
 
 def _sf_fast(sf: torch.Tensor, experts: Experts, row_map: torch.Tensor | None, forward: bool) -> bool:
     """The one-pass kernel (CUDA): forward = rows by row_map then swizzle; else its exact inverse."""
-    u8 = _bytes3d(sf, "sf")
+    u8 = bytes3d(sf, "sf")
     fast = fast_path_for(u8)
     if fast is None:
         return False
     block = SF_ROW_TILE
     if row_map is not None:
-        row_map = _check_row_map(row_map, u8.shape[1], sf)
+        row_map = check_row_map(row_map, u8.shape[1], sf)
         b = closed_block(row_map)
         block = b * SF_ROW_TILE // math.gcd(b, SF_ROW_TILE)
-    eids = _expert_ids_tensor(u8.shape[0], experts, u8.device)
+    eids = expert_ids_tensor(u8.shape[0], experts, u8.device)
     return fast.sf_(
-        u8.view(torch.int32), None if row_map is None else _map_i32(row_map), eids, block, inverse=not forward
+        u8.view(torch.int32), None if row_map is None else map_i32(row_map), eids, block, inverse=not forward
     )
 
 
@@ -97,8 +97,8 @@ def _sf_inplace(
     e, r, c = _check_inplace_sf(sf)
     if _sf_fast(sf, experts, row_map if swizzle else None, swizzle):
         return sf
-    u8 = _bytes3d(sf, "sf")
-    runs, scratch = _plan(u8, sf, row_map, experts, chunk)
+    u8 = bytes3d(sf, "sf")
+    runs, scratch = plan(u8, sf, row_map, experts, chunk)
     for s, t in runs:
         k = t - s
         # The 128x4 swizzle moves 4-byte groups (4 scales of one row), so it is an int32 permutation: copying

@@ -189,15 +189,16 @@ def bypass():
 
     * ``bucket_validation.managed_modules`` -> {}: the entry-point hooks (builtins/weight_updates.py
       `check_buckets_around`, `check_disk_around`) skip the whole-bucket check, the `load_weights` wrapper that
-      re-checks each list SGLang loads, the id set of checked tensors, and the disk path's header check;
-      ``checkpoint_headers.files_of`` -> [] (no listing of the checkpoint directory for its headers);
+      checks each list SGLang loads, the request's record of what was checked (validation.Checked) and the id set of
+      checked tensors, and the disk path's pre-check; ``checkpoint_headers.files_of`` -> [] (no listing of the
+      checkpoint directory for its headers);
     * ``validation.check_write`` -> (the parameter's name, int(expert_id)) for a managed or watched layer, None
       otherwise: only what the loader hooks need to route the write (no name / shard / expert / device / dtype /
-      shape / value checks);
-    * the thread-local handshake between the two loader hooks: ``mark_validated`` / ``restore_validated`` ->
-      no-ops, ``was_validated`` -> True, ``check_local_expert`` -> int(expert_id).
-    Kept: the loader hooks themselves (layer lock, per-expert un-prepare before a write into a prepared expert,
-    the layout callbacks) and the flushes — the layout work that keeps the layer exact."""
+      shape / value checks); ``validation.check_local_expert`` -> int(expert_id).
+    Kept: the loader hooks themselves (the look-up of the request's record, which is empty; the thread-local
+    handshake handing the parameter's name to `_weight_loader_impl`; the layer lock; the per-expert un-prepare
+    before a write into a prepared expert; the layout callbacks) and the flushes — the layout work that keeps the
+    layer exact."""
     from .. import bucket_validation, checkpoint_headers, validation
     from ..layer_state import observed, state_of
 
@@ -213,9 +214,6 @@ def bypass():
             (bucket_validation, "managed_modules", lambda model: {}),
             (checkpoint_headers, "files_of", lambda *a, **k: []),
             (validation, "check_write", check_write),
-            (validation, "mark_validated", lambda param, loaded: None),
-            (validation, "restore_validated", lambda prev: None),
-            (validation, "was_validated", lambda param, loaded: True),
             (validation, "check_local_expert", lambda layer, param, name, expert_id, shard_id: int(expert_id)),
         ]
     )
@@ -304,6 +302,7 @@ class Clock:
             (checkpoint_headers, "files_of", "entry_checks"),
             (bucket_validation, "check_checkpoint", "entry_checks"),
             (validation, "check_write", "loader_checks"),
+            (validation, "checked_write", "loader_checks"),
             (validation, "check_local_expert", "loader_checks"),
         ]
         self._cm = None
@@ -351,6 +350,22 @@ class Clock:
 
 # ---- counting run -----------------------------------------------------------------------------------------------
 
+
+@contextlib.contextmanager
+def device_path():
+    """value_checks takes the path of device tensors for CPU tensors too (groups reduced together, one read-back per
+    device per call), so that a count of tensor-to-Python conversions on the CPU is the count of device
+    synchronisations the same update makes on CUDA tensors."""
+    from .. import value_checks
+
+    saved = set(value_checks.PER_TENSOR_DEVICES)
+    value_checks.PER_TENSOR_DEVICES.clear()
+    try:
+        yield
+    finally:
+        value_checks.PER_TENSOR_DEVICES.update(saved)
+
+
 #: tensor -> Python conversions: each waits for the device when the tensor lives on a GPU
 SYNCS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist")
 
@@ -387,8 +402,9 @@ def counting(model):
                     elif tag == "bucket":
                         c["bucket_checks"] += 1
                     else:
-                        layer, param, _, _, shard, expert = a[:6]
-                        scope = k.get("scope", a[6] if len(a) > 6 else "local")
+                        args = a[1:] if tag == "entry" else a  # check_planned(plan, layer, ...)
+                        layer, param, _, _, shard, expert = args[:6]
+                        scope = k.get("scope", args[6] if len(args) > 6 else "local")
                         src = "bucket" if tag == "entry" else f"loader/{scope}"
                         c["check_write"][src] += 1
                         key = (id(layer), validation.param_name(layer, param), shard, expert)
@@ -411,12 +427,15 @@ def counting(model):
 
     pairs: list[tuple[Any, str, Any]] = [
         (validation, "check_write", in_validation(validation.check_write, "loader")),
-        (bucket_validation, "check_write", in_validation(bucket_validation.check_write, "entry")),
+        (bucket_validation, "check_planned", in_validation(bucket_validation.check_planned, "entry")),
         (bucket_validation, "check_bucket", in_validation(bucket_validation.check_bucket, "bucket")),
         (validation, "check_tensor", in_validation(validation.check_tensor)),
         (bucket_validation, "check_tensor", in_validation(bucket_validation.check_tensor)),
         (value_checks, "find_bad", in_validation(value_checks.find_bad, "bad_value")),
+        (value_checks, "bad_one", in_validation(value_checks.bad_one, "bad_value")),
+        (bucket_validation, "check_checkpoint", in_validation(bucket_validation.check_checkpoint)),
         (validation, "check_local_expert", in_validation(validation.check_local_expert)),
+        (validation, "checked_write", in_validation(validation.checked_write)),
         (validation, "expert_index", in_validation(validation.expert_index)),
     ]
     pairs += [(torch.Tensor, n, conversion(n, getattr(torch.Tensor, n))) for n in SYNCS]
@@ -640,6 +659,9 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
             with contexts[mode](), counting(m.model) as c:
                 updates[flow]()
             entry[f"counts_{mode}"] = _summary(c, expert_tensors, n_buckets)
+        with device_path(), counting(m.model) as c:  # the conversions CUDA tensors would make: device syncs
+            updates[flow]()
+        entry["counts_plugin_device_path"] = _summary(c, expert_tensors, n_buckets)
         if profile_top:
             for mode in ("plugin", "bypassed"):
                 entry[f"profile_{mode}"] = _profile(

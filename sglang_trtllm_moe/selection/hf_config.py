@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from ..formats import Checkpoint
 from .problem import MoeProblem
 
 #: Architectures whose MoE experts are non-gated (a single up projection), and the config key of their activation.
@@ -121,16 +122,18 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
         intermediate_size=int(inter),
         num_experts=int(experts),
         top_k=int(_get(text, "num_experts_per_tok") or _get(text, "moe_topk") or 1),
-        quantization=quant,
-        weight_block_size=block if quant == "fp8" else None,
-        quant_scheme=scheme if quant == "compressed-tensors" else None,
-        activation_scheme=str(act_scheme) if quant == "fp8" and act_scheme else None,
+        checkpoint=Checkpoint(
+            quantization=quant,
+            weight_block_size=block if quant == "fp8" else None,
+            quant_scheme=scheme if quant == "compressed-tensors" else None,
+            activation_scheme=str(act_scheme) if quant == "fp8" and act_scheme else None,
+            fp4_experts=quant == "fp8" and fp4_experts(cfg, quant_cfg),
+            online=online,
+        ),
         activation=act,
         gated=gated,
         architecture=arch,
         no_fused_moe=no_fused_moe_reason(archs, quant),
-        fp4_experts=quant == "fp8" and fp4_experts(cfg, quant_cfg),
-        online_quantization=online,
         **parallel,
     )
 

@@ -3,31 +3,37 @@ shape of its answers (one backend's eligibility, one resolution)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 from ..formats import Checkpoint, WeightFormat, for_checkpoint
 
+#: MoeProblem's keywords for the fields of its `checkpoint` (callers may pass them flat, as before it held one)
+CHECKPOINT_KEYWORDS = {
+    "quantization": "quantization",
+    "weight_block_size": "weight_block_size",
+    "quant_scheme": "quant_scheme",
+    "activation_scheme": "activation_scheme",
+    "fp4_experts": "fp4_experts",
+    "online_quantization": "online",
+}
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class MoeProblem:
-    """One MoE layer as the kernel sees it. Sizes are the checkpoint's (before TP); per-rank sizes are derived."""
+    """One MoE layer as the kernel sees it. Sizes are the checkpoint's (before TP); per-rank sizes are derived.
+
+    What the checkpoint's config says about its weights is one `formats.Checkpoint` (the format registry reads
+    it). The constructor also takes its fields flat — `MoeProblem(..., quantization="fp8", weight_block_size=(128,
+    128))` — and `dataclasses.replace(problem, quantization=...)` changes one of them; they read back as properties
+    (`problem.quantization`)."""
 
     hidden_size: int
     intermediate_size: int
     num_experts: int
     top_k: int = 1
-    #: SGLang's quantization name (modelopt_fp4, modelopt_fp8, fp8, compressed-tensors, ...); None = BF16
-    quantization: str | None = None
-    #: fp8: the checkpoint's weight_block_size, e.g. (128, 128); None = per-tensor
-    weight_block_size: tuple[int, ...] | None = None
-    #: compressed-tensors: the scheme ("nvfp4", "w8a8_fp8", "int4", ...)
-    quant_scheme: str | None = None
-    #: fp8: "static" | "dynamic" activation scales, as the checkpoint's config says (None: not said)
-    activation_scheme: str | None = None
-    #: fp8: the routed experts are MXFP4 (SGLang's ModelConfig.is_fp4_experts)
-    fp4_experts: bool = False
-    #: the quantization is SGLang's online one (--quantization on a checkpoint without a quantization_config)
-    online_quantization: bool = False
+    #: what the checkpoint's config says about its MoE weights (None given = unquantized BF16)
+    checkpoint: Checkpoint = Checkpoint()
     activation: str = "silu"
     gated: bool = True
     tp_size: int = 1
@@ -40,6 +46,53 @@ class MoeProblem:
     architecture: str = ""
     #: why SGLang builds this model without FusedMoE layers (no MoE runner backend applies); None = it builds them
     no_fused_moe: str | None = None
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 1, **kw: Any):
+        flat = {CHECKPOINT_KEYWORDS[k]: kw.pop(k) for k in list(kw) if k in CHECKPOINT_KEYWORDS}
+        checkpoint = kw.pop("checkpoint", None) or Checkpoint()
+        if flat:
+            checkpoint = replace(checkpoint, **flat)
+        values: dict[str, Any] = dict(
+            hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts
+        )
+        values.update(top_k=top_k, checkpoint=checkpoint)
+        for f in fields(self):
+            if f.name in values:
+                continue
+            if f.name in kw:
+                values[f.name] = kw.pop(f.name)
+            else:
+                values[f.name] = f.default
+        if kw:
+            raise TypeError(f"MoeProblem got unexpected keyword arguments {sorted(kw)}")
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    # the checkpoint's fields, as MoeProblem names them
+    @property
+    def quantization(self) -> str | None:
+        """SGLang's quantization name (modelopt_fp4, modelopt_fp8, fp8, compressed-tensors, ...); None = BF16."""
+        return self.checkpoint.quantization
+
+    @property
+    def weight_block_size(self) -> tuple[int, ...] | None:
+        return self.checkpoint.weight_block_size
+
+    @property
+    def quant_scheme(self) -> str | None:
+        return self.checkpoint.quant_scheme
+
+    @property
+    def activation_scheme(self) -> str | None:
+        return self.checkpoint.activation_scheme
+
+    @property
+    def fp4_experts(self) -> bool:
+        return self.checkpoint.fp4_experts
+
+    @property
+    def online_quantization(self) -> bool:
+        return self.checkpoint.online
 
     @property
     def moe_tp_size(self) -> int:
@@ -54,20 +107,19 @@ class MoeProblem:
     def expert_remap(self) -> bool:
         return self.enable_eplb or self.num_redundant_experts > 0 or self.init_expert_location != "trivial"
 
-    @property
-    def checkpoint(self) -> Checkpoint:
-        return Checkpoint(
-            self.quantization,
-            self.weight_block_size,
-            self.quant_scheme,
-            self.activation_scheme,
-            self.fp4_experts,
-            self.online_quantization,
-        )
-
     def weight_format(self) -> tuple[WeightFormat | None, str]:
         """(format, its title) — format None (and why) when the plugin does not prepare this checkpoint."""
         return for_checkpoint(self.checkpoint)
+
+    def to_dict(self) -> dict:
+        """The problem as `explain --json` shows it: every field, the checkpoint's flat under MoeProblem's names."""
+        out: dict = {}
+        for f in fields(self):
+            if f.name == "checkpoint":
+                out.update({k: getattr(self.checkpoint, v) for k, v in CHECKPOINT_KEYWORDS.items()})
+            else:
+                out[f.name] = getattr(self, f.name)
+        return out
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ is here is about the deployment:
 
 from __future__ import annotations
 
-import os
 import re
 
+from .. import env
 from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
 from .problem import DeviceInfo, Eligibility, MoeProblem, Resolution
 
@@ -71,10 +71,6 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def _flashinfer_a2a_has_trtllm() -> bool:
     """The installed SGLang runs FlashInfer A2A on the TRT-LLM routed runner (any release, when none is installed:
     the rules then describe the newest)."""
@@ -111,22 +107,17 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
     if p.speculative_draft:
         return no(Code.SPEC_DRAFT_KEEPS_UPSTREAM, SPEC_DRAFT_WHY)
 
+    # what the weight format serves: its own named predicates (formats/), each answer under its reason code
     fmt, fmt_why = p.weight_format()
     if fmt is None:
         return no(Code.QUANT_UNSUPPORTED, fmt_why)
-    if not fmt.serves(backend, p.checkpoint):
-        where = (
-            f"; SGLang serves it on {fmt.own_backend} (TRT-LLM-Gen kernels too), where the plugin prepares it in place"
-            if fmt.own_backend
-            else ""
-        )
-        return no(Code.QUANT_UNSUPPORTED_BY_BACKEND, f"{backend} has no {fmt_why} path in SGLang{where}")
-    problem_act = fmt.activation_problem(p.activation, p.gated)
-    if problem_act:
-        return no(Code.ACTIVATION_UNSUPPORTED, problem_act)
-
-    if p.hidden_size % fmt.hidden_align:
-        return no(Code.HIDDEN_ALIGNMENT, f"hidden size {p.hidden_size} is not a multiple of {fmt.hidden_align}")
+    for code, (ok, why) in (
+        (Code.QUANT_UNSUPPORTED_BY_BACKEND, fmt.supports_backend(backend, p.checkpoint)),
+        (Code.ACTIVATION_UNSUPPORTED, fmt.supports_activation(p.activation, p.gated)),
+        (Code.HIDDEN_ALIGNMENT, fmt.supports_hidden(p.hidden_size)),
+    ):
+        if not ok:
+            return no(code, why or code)
     if p.intermediate_size % p.moe_tp_size:
         return no(
             Code.INTERMEDIATE_SPLIT,
@@ -134,8 +125,9 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
             f"(tp {p.tp_size} / ep {p.ep_size})",
         )
     ip = p.intermediate_per_rank
-    if fmt.kernel == "fp8_block_scale" and ip % fmt.intermediate_align[0]:
-        return no(Code.BLOCK_ALIGNMENT, f"intermediate per rank {ip} is not a multiple of the 128x128 FP8 scale block")
+    ok, why = fmt.supports_intermediate(ip, p.gated)
+    if not ok:
+        return no(Code.BLOCK_ALIGNMENT, why or Code.BLOCK_ALIGNMENT)
     if p.num_experts % max(1, p.ep_size):
         return no(Code.EXPERT_SPLIT, f"{p.num_experts} experts do not split over EP {p.ep_size}")
 
@@ -186,7 +178,7 @@ def candidate_order(problem: MoeProblem) -> tuple[str, ...]:
 
 
 def auto_enabled() -> bool:
-    return os.environ.get(ENV_AUTO, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.flag(ENV_AUTO, default=True)
 
 
 def resolve(

@@ -667,7 +667,7 @@ def defer_markdown() -> str:
         "|---|---|---|---|",
     ]
     for v in defer.TABLE:
-        lines.append(f"| {v.fmt} | {v.releases} | {'SGLang' if v.upstream_correct else 'plugin'} | {v.evidence} |")
+        lines.append(f"| {v.fmt.name} | {v.releases} | {'SGLang' if v.upstream_correct else 'plugin'} | {v.evidence} |")
     return "\n".join(lines) + "\n"
 
 

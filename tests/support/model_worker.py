@@ -602,13 +602,17 @@ class Worker:
         from sglang_trtllm_moe import layer_state
 
         seen: dict = {}
-        real = layer_state.before_write
+        real, real_locked = layer_state.before_write, layer_state.before_write_locked
 
         def spy(layer, name, expert_id):
             seen[threading.get_ident()] = threading.current_thread().name
             return real(layer, name, expert_id)
 
-        layer_state.before_write = spy
+        def spy_locked(layer, st, name, expert_id):  # what the loader hook calls under the layer's lock
+            seen[threading.get_ident()] = threading.current_thread().name
+            return real_locked(layer, st, name, expert_id)
+
+        layer_state.before_write, layer_state.before_write_locked = spy, spy_locked
         try:
             a, b = self.write_full(0), self.write_full(1)
             fresh = {0: m.fresh(a), 1: m.fresh(b)}
@@ -635,7 +639,7 @@ class Worker:
                     elif diff or moved:
                         results.append({"run": r, "back_to_A_differs": diff[:6], "moved": moved[:4]})
         finally:
-            layer_state.before_write = real
+            layer_state.before_write, layer_state.before_write_locked = real, real_locked
         failed = [x for x in results if x.get("n_differs") or x.get("moved") or x.get("back_to_A_differs")]
         pool = all(x.get("pool_threads", 1) > 0 for x in results)
         return {
@@ -744,7 +748,7 @@ def expected_owner(layer) -> str:
     fmt = st.fmt if st is not None else layer_state.observed(layer)
     if fmt is None:
         return "plugin or sglang"  # neither: never what is expected
-    v = defer.verdict(fmt.name)
+    v = defer.verdict(fmt)
     return "sglang" if v is not None and v.upstream_correct else "plugin"
 
 

@@ -137,7 +137,7 @@ def plugin_prepares(monkeypatch, *formats: str) -> None:
     from sglang_trtllm_moe.compat import defer
 
     real = defer.verdict
-    monkeypatch.setattr(defer, "verdict", lambda fmt, release=None: None if fmt in formats else real(fmt, release))
+    monkeypatch.setattr(defer, "verdict", lambda fmt, release=None: None if fmt.name in formats else real(fmt, release))
 
 
 def weight_updater(model, model_config):

@@ -1,0 +1,212 @@
+"""Rules of the house the code itself can be checked against (issue #30), read from the runtime package's source.
+
+* One place per release fact: a release-range literal (">=0.5.16", "<0.5.21", ...) appears in the runtime package
+  only inside `compat/` (named flags with range and why, the defer table, the resolution adapters). A hook target
+  names its range through a flag (`releases=features.X.releases`) or leaves it empty (every release the plugin runs
+  on: `compat.releases.OLDEST_SUPPORTED` is that fact). Prose in docstrings may name releases.
+* Shared helpers have one public home: no module imports another module's underscore name (a private *module*, such
+  as `layouts/_triton.py`, may be imported inside its package), nor reads one as an attribute.
+* No runtime patch of torch: nothing in the package assigns an attribute of `torch` (a hook that does changes the
+  whole process, every thread, for as long as it is suspended).
+
+Each rule has an allowlist of files that wait for work in progress, each entry saying what it waits for; an entry
+whose file no longer breaks the rule fails, so the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from .support.helpers import REPO
+
+PACKAGE = REPO / "sglang_trtllm_moe"
+NAME = PACKAGE.name
+
+#: a PEP 440 specifier clause on a version ("<0.5.19", ">= 0.5.21", "==0.5.23")
+RELEASE_RANGE = re.compile(r"(?:[<>]=?|==|!=|~=)\s*\d+\.\d+")
+
+#: files (relative to the package) whose release-range literals wait for other work: what for
+#: (none: the CPU sandbox's ranges are compat/sandbox_releases.py's, init_rank is tests/support/sglang_runtime.py's)
+PENDING_RELEASE_LITERALS: dict[str, str] = {}
+
+#: files whose underscore imports wait for other work: what for
+#: (none: sandbox/layers.py is the one layer builder, no mx_layers.py takes its _random_experts)
+PENDING_PRIVATE_IMPORTS: dict[str, str] = {}
+
+
+def _sources() -> list[tuple[str, ast.Module]]:
+    return [(p.relative_to(PACKAGE).as_posix(), ast.parse(p.read_text())) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def release_literals(tree: ast.Module) -> list[tuple[int, str]]:
+    docs = _docstrings(tree)
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docs
+        and RELEASE_RANGE.search(node.value)
+    ]
+
+
+def _module_of(rel: str) -> str:
+    parts = rel[: -len(".py")].split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([NAME, *parts])
+
+
+def _resolve(rel: str, node: ast.ImportFrom) -> str:
+    """The absolute module an ImportFrom in package file `rel` imports from."""
+    if not node.level:
+        return node.module or ""
+    pkg = _module_of(rel).split(".")
+    if not rel.endswith("__init__.py"):
+        pkg = pkg[:-1]
+    base = pkg[: len(pkg) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_module(dotted: str) -> bool:
+    path = REPO.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """Underscore names of the package's own modules this file imports or reads as attributes."""
+    out = []
+    bound: dict[str, str] = {}  # local name -> one of our modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(rel, node)
+            if not (mod == NAME or mod.startswith(NAME + ".")):
+                continue
+            for a in node.names:
+                if _is_module(f"{mod}.{a.name}"):
+                    bound[a.asname or a.name] = f"{mod}.{a.name}"
+                elif _private(a.name):
+                    out.append((node.lineno, f"from {mod} import {a.name}"))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == NAME or a.name.startswith(NAME + "."):
+                    if a.asname:  # import sglang_trtllm_moe.layouts as L
+                        bound[a.asname] = a.name
+                    else:  # import sglang_trtllm_moe.layouts: the name bound is the package
+                        bound[NAME] = NAME
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = [node.attr]
+        value = node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in bound:
+            continue
+        dotted = bound[value.id]
+        for part in reversed(chain):
+            if _private(part) and not _is_module(f"{dotted}.{part}"):
+                out.append((node.lineno, f"{value.id}.{'.'.join(reversed(chain))}"))
+                break
+            if not _is_module(f"{dotted}.{part}"):
+                break
+            dotted = f"{dotted}.{part}"
+    return sorted(set(out))
+
+
+def torch_patches(tree: ast.Module) -> list[tuple[int, str]]:
+    """Assignments to an attribute of torch (torch.X = ..., torch.Tensor.y = ..., setattr(torch.Tensor, ...))."""
+
+    def rooted_at_torch(expr: ast.expr) -> bool:
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return isinstance(expr, ast.Name) and expr.id == "torch"
+
+    out = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            targets = node.args[:1]
+            if targets and rooted_at_torch(targets[0]):
+                out.append((node.lineno, ast.unparse(node)))
+            continue
+        out += [(node.lineno, ast.unparse(t)) for t in targets if isinstance(t, ast.Attribute) and rooted_at_torch(t)]
+    return out
+
+
+def _check(finder, pending: dict[str, str], what: str) -> None:
+    found = {rel: hits for rel, tree in _sources() if (hits := finder(rel, tree))}
+    unexpected = {rel: hits for rel, hits in found.items() if rel not in pending}
+    assert not unexpected, f"{what} outside the allowed places: {unexpected}"
+    stale = sorted(set(pending) - set(found))
+    assert not stale, f"allowlist entries whose file no longer has {what} (remove them): {stale}"
+
+
+def test_release_ranges_live_in_compat():
+    def finder(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
+        return [] if rel.startswith("compat/") else release_literals(tree)
+
+    _check(finder, PENDING_RELEASE_LITERALS, "release-range literals")
+
+
+def test_no_underscore_name_crosses_modules():
+    _check(private_uses, PENDING_PRIVATE_IMPORTS, "underscore names of other modules")
+
+
+def test_no_runtime_patch_of_torch():
+    _check(lambda rel, tree: torch_patches(tree), {}, "assignments to torch attributes")
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ('X = ">=0.5.16"', [(1, ">=0.5.16")]),
+        ('def f():\n    """Before 0.5.19 (>=0.5.11 prose)."""\n    return "<0.5.21"', [(3, "<0.5.21")]),
+        ('why = "0.5.19+ allocates I rows"', []),
+    ],
+)
+def test_the_release_literal_finder(source, expected):
+    assert release_literals(ast.parse(source)) == expected
+
+
+def test_the_private_use_finder():
+    src = (
+        "from .maps import _cached, cached\n"
+        "from . import _triton\n"
+        "from .. import layouts\n"
+        "from sglang.srt.plugins.hook_registry import _current_plugin_source\n"
+        "layouts.maps._round_up(1, 2)\n"
+        "layouts.maps.round_up(1, 2)\n"
+    )
+    hits = private_uses("layouts/fastpath.py", ast.parse(src))
+    assert hits == [
+        (1, f"from {NAME}.layouts.maps import _cached"),
+        (5, "layouts.maps._round_up"),
+    ], hits
+
+
+def test_the_torch_patch_finder():
+    src = "import torch\ntorch.Tensor.cuda = lambda t: t\nsetattr(torch.Tensor, 'cuda', None)\nx.cuda = 1\n"
+    assert [n for n, _ in torch_patches(ast.parse(src))] == [2, 3]

@@ -1,0 +1,228 @@
+"""Every registered weight format has every entry a format needs: the registry completeness check (issue #30).
+
+A format is one module of formats/, but registering it is not enough: the plugin and its tests read it from several
+tables. For every format in `formats.FORMATS` this checks each of them (a new format fails here, naming what is
+missing, before a checklist is followed or forgotten); docs/ARCHITECTURE.md's "add a weight format" follows this list:
+
+ 1. the registry: a unique name and a title, `quantizations` per runner backend (the TRT-LLM-Gen backends, or its
+    `own_backend`), activations the kernels name (kernel_api.GATED / NON_GATED), an intermediate alignment that is a
+    multiple of the kernel's own tiling;
+ 2. its kernel family in `kernel_api.FAMILIES`, and both entry points of that family in the emulator;
+ 3. a load rule for every laid-out parameter and every scalar (validation.py's kind, value rule, byte code);
+ 4. detection: a checkpoint config, as SGLang names its quantization (selection/hf_config.py), that selection holds
+    in this format and serves on one of its backends;
+ 5. a built-in hook module (plugin.BUILTIN_MODULES) that takes such layers over (`_prepare.take_over`);
+ 6. a defer verdict (compat/defer.py) on every tested release;
+ 7. a layer kind in the CPU harness, in tests/test_registry_consistency.py's KINDS (the builder and checkpoint maker
+    it drives; registry names map to harness kinds through sandbox/layers.py's LAYERS, each naming its format);
+ 8. a layer test file, selected by a capability column of the compat matrix (tests/support/matrix.py CAPABILITIES);
+ 9. docs/RELIABILITY.md's table of write kinds names each of its parameters;
+10. a tiny checkpoint (sandbox/tiny_spec.py QUANTS, sandbox/checkpoint_configs.py) for the whole-model tests.
+
+Where a format has no entry on purpose, the exception is written below with why.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import inspect
+import re
+
+import pytest
+
+from sglang_trtllm_moe import emulator, formats, kernel_api, layouts
+from sglang_trtllm_moe.compat import defer
+from sglang_trtllm_moe.compat.releases import TESTED
+from sglang_trtllm_moe.formats import BACKENDS, FORMATS
+from sglang_trtllm_moe.formats.base import BYTE_CODES, KINDS, VALUE_RULES
+from sglang_trtllm_moe.plugin import BUILTIN_MODULES
+from sglang_trtllm_moe.selection import problem_from_hf_config
+
+from .support.helpers import REPO
+
+IDS = [f.name for f in FORMATS]
+
+#: 7. formats without a flashinfer_trtllm layer in the consistency test: why
+NO_TRTLLM_LAYER = {
+    "mxfp4_gptoss": (
+        "SGLang builds gpt-oss MXFP4 layers on its own flashinfer_mxfp4 backend only; tests/test_mxfp4_gptoss_layer.py "
+        "builds them there and tests/test_mx_selection.py checks selection's refusal on flashinfer_trtllm"
+    ),
+}
+#: 10. formats without a tiny checkpoint: why (their layer tests build layers directly)
+NO_TINY_CHECKPOINT = {
+    "mxfp8": "no tiny MXFP8 model yet: tests/test_mxfp8_layer.py builds its layers directly",
+    "mxfp4_experts": "no tiny DeepSeek-V4 / MiMo-V2 model yet: tests/test_mxfp4_experts_layer.py builds its layers",
+    "mxfp4_gptoss": "no tiny gpt-oss model yet: tests/test_mxfp4_gptoss_layer.py builds its layers directly",
+}
+#: 4. a checkpoint's quantization_config for the formats without a tiny checkpoint (the others use the tiny one's)
+QUANTIZATION_CONFIGS = {
+    "mxfp8": {"quant_method": "mxfp8"},
+    "mxfp4_gptoss": {"quant_method": "mxfp4"},
+    "mxfp4_experts": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "routed_experts_quant_method": "mxfp4",
+    },
+}
+#: 8. layer test files of formats that share one (default: tests/test_<name>_layer.py)
+LAYER_TESTS = {
+    "fp8_tensor": "tests/test_fp8_layer.py",
+    "fp8_tensor_modelopt": "tests/test_fp8_layer.py",
+    "fp8_block": "tests/test_fp8_layer.py",
+}
+
+
+def _tiny_formats() -> dict[str, str]:
+    """Registry name -> the tiny-checkpoint quant whose config selection holds in that format."""
+    from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
+
+    out = {}
+    for quant in tiny_spec.QUANTS:
+        problem = problem_from_hf_config(checkpoint_configs.config(tiny_spec.TinySpec(quant=quant)))
+        assert problem is not None, quant
+        fmt, why = problem.weight_format()
+        assert fmt is not None, (quant, why)
+        out.setdefault(fmt.name, quant)
+    return out
+
+
+def _hf_config(fmt) -> dict:
+    from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
+
+    tiny = _tiny_formats().get(fmt.name)
+    if tiny is not None:
+        return checkpoint_configs.config(tiny_spec.TinySpec(quant=tiny))
+    assert fmt.name in QUANTIZATION_CONFIGS, (
+        f"{fmt.name}: no checkpoint config to detect it from: give it a tiny checkpoint (sandbox/tiny_spec.py) or a "
+        "quantization_config in QUANTIZATION_CONFIGS"
+    )
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 256,
+        "moe_intermediate_size": 128,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "quantization_config": QUANTIZATION_CONFIGS[fmt.name],
+    }
+
+
+def test_names_are_unique():
+    assert len(set(IDS)) == len(IDS), IDS
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_1_registry_entry(fmt):
+    assert fmt.name and fmt.title and formats.by_name(fmt.name) is fmt
+    assert fmt.quantizations, f"{fmt.name}: serves no quantization on any backend"
+    assert set(fmt.quantizations) <= {*BACKENDS, fmt.own_backend}, (fmt.name, set(fmt.quantizations))
+    if fmt.own_backend is not None:
+        assert fmt.own_backend not in BACKENDS and fmt.own_backend in fmt.quantizations, fmt.name
+    assert fmt.gated_activations <= set(kernel_api.GATED), (fmt.name, fmt.gated_activations)
+    assert fmt.non_gated_activations <= set(kernel_api.NON_GATED), (fmt.name, fmt.non_gated_activations)
+    gated, plain = fmt.intermediate_align
+    assert gated % layouts.GATED_ALIGN == 0 and plain % layouts.NON_GATED_ALIGN == 0, (fmt.name, fmt.intermediate_align)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_2_kernel_family_and_emulator(fmt):
+    assert fmt.kernel in kernel_api.FAMILIES, f"{fmt.name}: kernel {fmt.kernel!r} is not in kernel_api.FAMILIES"
+    for routed in (False, True):
+        entry = kernel_api.kernel_function(fmt.kernel, routed)
+        assert callable(getattr(emulator, entry, None)), f"{fmt.name}: the emulator has no {entry}"
+    assert type(fmt).kernel_args is not formats.WeightFormat.kernel_args, f"{fmt.name}: no kernel_args"
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_3_load_rule_for_every_parameter_and_scalar(fmt):
+    assert fmt.params, f"{fmt.name}: lays out no parameter"
+    assert set(fmt.scalar_rules) <= set(fmt.scalar_params), (fmt.name, set(fmt.scalar_rules))
+    codes = set(BYTE_CODES.values()) | {formats.base.E4M3_BYTES, formats.base.UE8M0_BYTES}
+    for name in (*(p.name for p in fmt.params), *fmt.scalar_params):
+        rule = fmt.load_rule(name)
+        assert rule is not None, f"{fmt.name}: no load rule for {name}"
+        assert rule.kind in KINDS and rule.group in fmt.groups(), (fmt.name, rule)
+        assert rule.values in (*VALUE_RULES, None) and rule.byte_code in (*codes, None), (fmt.name, rule)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_4_detected_from_its_checkpoint_config(fmt):
+    problem = problem_from_hf_config(_hf_config(fmt))
+    assert problem is not None, fmt.name
+    found, why = problem.weight_format()
+    assert found is fmt, f"{fmt.name}: its checkpoint config is held as {found} ({why})"
+    assert any(fmt.serves(b, problem.checkpoint) for b in fmt.quantizations), (fmt.name, problem.checkpoint)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_5_a_builtin_hook_takes_such_layers_over(fmt):
+    owners = []
+    for name in BUILTIN_MODULES:
+        mod = importlib.import_module(name)
+        if "take_over(" in inspect.getsource(mod) and any(v is fmt for v in vars(mod).values()):
+            owners.append(name)
+    assert owners, f"{fmt.name}: no module of plugin.BUILTIN_MODULES takes its layers over (_prepare.take_over)"
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_6_defer_verdict_on_every_tested_release(fmt):
+    missing = [r for r in TESTED if defer.verdict(fmt, r) is None]
+    assert not missing, f"{fmt.name}: compat/defer.py has no verdict on {missing}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_7_a_layer_kind_in_the_harness(fmt):
+    from sglang_trtllm_moe.sandbox import layers
+
+    from .test_registry_consistency import KINDS as HARNESS_KINDS
+
+    kind = {k.format.name: name for name, k in layers.LAYERS.items()}.get(fmt.name, fmt.name)
+    if fmt.name in NO_TRTLLM_LAYER:
+        assert kind not in HARNESS_KINDS, f"{fmt.name} has a kind now: drop its exception"
+        return
+    assert kind in HARNESS_KINDS, f"{fmt.name}: no layer kind {kind!r} in tests/test_registry_consistency.py KINDS"
+    checkpoint, make = HARNESS_KINDS[kind]
+    found, why = formats.for_checkpoint(formats.Checkpoint(**checkpoint))
+    assert found is fmt and callable(make), (fmt.name, kind, found, why)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_8_a_layer_test_in_a_matrix_column(fmt):
+    from tests.support.matrix import CAPABILITIES
+
+    path = LAYER_TESTS.get(fmt.name, f"tests/test_{fmt.name}_layer.py")
+    assert (REPO / path).is_file(), f"{fmt.name}: no layer test {path}"
+    columns = [key for key, _title, selectors in CAPABILITIES if any(sel == path for sel, _ in selectors)]
+    assert columns, f"{fmt.name}: no column of tests/support/matrix.py CAPABILITIES runs {path}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_9_reliability_table_names_every_parameter(fmt):
+    rows = {}
+    for line in (REPO / "docs" / "RELIABILITY.md").read_text().splitlines():
+        m = re.match(r"\| (" + "|".join(KINDS) + r") \| (.*?) \|", line)
+        if m:
+            rows[m.group(1)] = re.findall(r"`([^`]+)`", m.group(2))
+    assert set(rows) == set(KINDS), sorted(rows)
+    for name in (*(p.name for p in fmt.params), *fmt.scalar_params):
+        kind = fmt.load_rule(name).kind
+        assert any(fnmatch.fnmatch(name, pat) for pat in rows[kind]), (
+            f"{fmt.name}: docs/RELIABILITY.md's {kind} row names no pattern of {name} ({rows[kind]})"
+        )
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_10_a_tiny_checkpoint(fmt):
+    tiny = _tiny_formats()
+    if fmt.name in NO_TINY_CHECKPOINT:
+        assert fmt.name not in tiny, f"{fmt.name} has a tiny checkpoint now: drop its exception"
+        return
+    assert fmt.name in tiny, f"{fmt.name}: no tiny checkpoint quant in sandbox/tiny_spec.py QUANTS holds it"
+
+
+def test_exceptions_name_registered_formats():
+    for table in (NO_TRTLLM_LAYER, NO_TINY_CHECKPOINT, QUANTIZATION_CONFIGS, LAYER_TESTS):
+        assert set(table) <= set(IDS), set(table) - set(IDS)
