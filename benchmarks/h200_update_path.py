@@ -31,7 +31,7 @@ lock, the per-expert layout state), `begin_weight_update`'s `layer_state.unprepa
 Rows (wall seconds, each run ends with torch.cuda.synchronize; plugin and bare interleaved, min and median):
 * ``session``: a whole-layer update in a begin/end session (the 0.5.23 scheduler's tensor path): plugin vs bare
   (the same layout work: every expert to checkpoint layout at begin, every expert prepared at the end), and
-  ``bypassed``: the plugin's hooks with its checks replaced by pass-throughs (`testing/bench_update.bypass`), which
+  ``bypassed``: the plugin's hooks with its checks replaced by pass-throughs (`sandbox/bench_update.bypass`), which
   splits what the plugin adds into its checks and its hooks' bookkeeping;
 * ``partial``: `--partial` experts updated outside a session (the disk path's shape) through the entry point
   (`update_weights_from_tensor` of one bucket, then its flush): the plugin un-prepares each expert in its loader
@@ -65,7 +65,7 @@ from sglang_trtllm_moe import bucket_validation, layer_state, layouts, validatio
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
 from sglang_trtllm_moe.formats.base import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
-from sglang_trtllm_moe.testing.bench_update import bypass, device_path  # torch-only: pass-throughs, device path
+from sglang_trtllm_moe.sandbox.bench_update import bypass, device_path  # torch-only: pass-throughs, device path
 
 PREFIX = "model.layers.3.mlp.experts"
 PROJ = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
     from sglang_trtllm_moe import bucket_validation, layer_state, validation
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
     from tests.support import bad_updates, sglang_runtime
 
     ap = argparse.ArgumentParser()

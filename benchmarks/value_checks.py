@@ -117,8 +117,8 @@ def disk_row(experts: int, h: int, i: int, repeat: int) -> dict:
     from sglang.srt.plugins import load_plugins
 
     from sglang_trtllm_moe import bucket_validation, checkpoint_headers
-    from sglang_trtllm_moe.testing import layers as cpu_layers
-    from sglang_trtllm_moe.testing.runtime import init_single_process
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox.runtime import init_single_process
 
     load_plugins()
     init_single_process("flashinfer_trtllm")

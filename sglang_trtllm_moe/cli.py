@@ -67,19 +67,19 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .testing import demo
+    from .sandbox import demo
 
     return demo.run(arch=args.arch, quant=args.quant)
 
 
 def _cmd_bench(args) -> int:
-    from .testing import bench
+    from .sandbox import bench
 
     return bench.main(args)
 
 
 def _cmd_tiny_checkpoint(args) -> int:
-    from .testing import checkpoints
+    from .sandbox import checkpoints
 
     return checkpoints.main(args)
 

@@ -138,7 +138,7 @@ def test_every_script_under_benchmarks_is_smoke_tested():
 def test_benchmark_runs_at_tiny_size_and_prints_its_json(script):
     _, needs, check = SCRIPTS[script]
     if needs is not None and not _release_at_least(needs):
-        pytest.skip(f"{script} needs SGLang {needs} (testing/models.py builds whole models from 0.5.21)")
+        pytest.skip(f"{script} needs SGLang {needs} (sandbox/models.py builds whole models from 0.5.21)")
     proc = _results()[script]
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
     check(last_json(proc))

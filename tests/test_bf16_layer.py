@@ -12,7 +12,7 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, layer_state, layouts
 from sglang_trtllm_moe.compat import features
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 

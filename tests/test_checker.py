@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_trtllm_moe import checker, layer_state, plugin
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 from .test_rl_updates import from_tensor
@@ -55,7 +55,7 @@ def clone_params(layer):
 
 
 def weight_checker(model):
-    from sglang_trtllm_moe.testing.runtime import weight_checker
+    from .support.sglang_runtime import weight_checker
 
     return weight_checker(model)
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import checker, layer_state
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 
@@ -26,7 +25,7 @@ GENERATORS = {
     "fp8_tensor": cpu_layers.random_fp8_checkpoint,
     "fp8_block": cpu_layers.random_fp8_checkpoint,
     "bf16": cpu_layers.random_bf16_checkpoint,
-    "mxfp8": mx_layers.random_checkpoint,
+    "mxfp8": cpu_layers.random_checkpoint,
 }
 #: (expert, checkpoint projection, row, col) of the corrupted elements: one per projection, each in its own expert
 CORRUPTIONS = ((1, "gate_proj", 5, 3), (2, "up_proj", 10, 20), (3, "down_proj", 7, 11))

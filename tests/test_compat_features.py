@@ -1,4 +1,5 @@
-"""Every named release flag (compat/features.py) against the installed SGLang's own code.
+"""Every named release flag (compat/features.py: the product's; compat/sandbox_releases.py: the CPU
+sandbox's; tests/support/releases.py: the test fixtures') against the installed SGLang's own code.
 
 A flag is a claim ("on these releases, SGLang does X"); here each claim is checked by looking at what the installed
 release really has — a class field, a function, a signature, a line of its source. Run on every release of the
@@ -13,7 +14,12 @@ import inspect
 
 import pytest
 
-from sglang_trtllm_moe.compat import features
+from sglang_trtllm_moe.compat import features, sandbox_releases
+
+from .support import releases as support_releases
+
+#: every flag, by name: a name is one fact, whichever module holds it
+FLAGS = {**features.all_features(), **sandbox_releases.all_features(), **support_releases.all_features()}
 
 
 def _has(module: str, attr: str) -> bool:
@@ -159,6 +165,7 @@ PROBES = {
             importlib.import_module("sglang.srt.utils.weight_checker").WeightChecker.__init__
         ).parameters
     ),
+    "SPAWN_RANKS": lambda: _has("sglang.srt.runtime_context", "SpawnRanks"),
     # MX formats
     "MXFP8_ACTIVATION_PARAMS": lambda: hasattr(
         importlib.import_module("sglang.srt.layers.quantization.fp8").Fp8MoEMethod,
@@ -183,14 +190,16 @@ PROBES = {
 
 
 def test_every_flag_has_a_probe():
-    assert set(PROBES) == set(features.all_features()), set(PROBES) ^ set(features.all_features())
+    modules = (features.all_features(), sandbox_releases.all_features(), support_releases.all_features())
+    assert sum(len(m) for m in modules) == len(FLAGS), "a flag name is defined in two modules"
+    assert set(PROBES) == set(FLAGS), set(PROBES) ^ set(FLAGS)
 
 
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_flag_matches_the_installed_release(name):
     import tests.conftest  # noqa: F401  (torchvision shim: the probes import SGLang modules)
 
-    flag = features.all_features()[name]
+    flag = FLAGS[name]
     assert flag.present() == PROBES[name](), f"{name} ({flag.releases}): {flag.why}"
 
 

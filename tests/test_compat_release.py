@@ -102,9 +102,9 @@ RUNTIME = """
     import json, torch
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang_trtllm_moe.testing.runtime import init_single_process
+    from sglang_trtllm_moe.sandbox.runtime import init_single_process
     from sglang_trtllm_moe import layer_state
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
     init_single_process("flashinfer_trtllm")
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
     from sglang.srt.distributed import parallel_state
@@ -128,11 +128,11 @@ RUNTIME = """
 def test_single_process_runtime_builds_and_prepares_a_real_nvfp4_layer():
     """SGLang's own getters say what a scheduler process would: world of one, flashinfer_trtllm chosen, and the
     NVFP4 quant method (which refuses non-Blackwell platforms) took the TRT-LLM path."""
-    from sglang_trtllm_moe.testing.runtime import _free_port
+    from sglang_trtllm_moe.sandbox.runtime import free_port
 
     # its own rendezvous port: this pytest process may hold one already (in-process SGLang tests), and children
     # inherit MASTER_PORT from it
-    proc = run_python(RUNTIME, env={"MASTER_PORT": str(_free_port())})
+    proc = run_python(RUNTIME, env={"MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = last_json(proc)
     assert r["backend"] == "flashinfer_trtllm"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+
 from .support.helpers import last_json, run_python
 
 PROBE = """
@@ -85,10 +87,12 @@ ENGINE = """
 """
 
 
-@pytest.mark.sglang(">=0.5.23", reason="sglang.Engine's CPU spawn flow (the harness's testing.engine release range)")
+@pytest.mark.sglang(
+    str(ENGINE_RELEASES), reason="sglang.Engine's CPU spawn flow (compat/sandbox_releases.py ENGINE_RELEASES)"
+)
 def test_a_plain_sglang_engine_serves_through_the_plugin(tmp_path):
     pytest.importorskip("xgrammar", reason="sglang.Engine's detokenizer imports xgrammar (ci/releases.tsv pin)")
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     model = ck.write(str(tmp_path / "tiny"), ck.TinySpec(arch="qwen3_moe", quant="nvfp4"))
     script = tmp_path / "engine.py"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, layer_state
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 

@@ -21,7 +21,7 @@ import torch
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.compat import defer, installed_version
 from sglang_trtllm_moe.formats import by_name
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 from .support.helpers import REPO, last_json

@@ -7,10 +7,12 @@ import sys
 
 import pytest
 
+from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+
 pytestmark = pytest.mark.sglang(
-    ">=0.5.23",
-    reason="the demo drives sglang.Engine through 0.5.23's weight-update "
-    "sessions and weight-checker request (testing.engine)",
+    str(ENGINE_RELEASES),
+    reason="the demo drives sglang.Engine through its weight-update sessions and weight-checker request "
+    "(compat/sandbox_releases.py ENGINE_RELEASES)",
 )
 
 STEPS = (

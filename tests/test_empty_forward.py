@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import layer_state, runner
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 
@@ -54,9 +53,9 @@ def _layer(backend, spec):
     sglang_runtime.ensure(backend)
     layer = cpu_layers.build_layer(spec)
     if spec.fmt == "mxfp4_gptoss":
-        mx_layers.load_fused(layer, mx_layers.random_checkpoint(spec, 0))
+        cpu_layers.load_fused(layer, cpu_layers.random_checkpoint(spec, 0))
     else:
-        make = MAKERS.get(spec.fmt) or (lambda s, seed: mx_layers.random_checkpoint(s, seed))
+        make = MAKERS.get(spec.fmt) or (lambda s, seed: cpu_layers.random_checkpoint(s, seed))
         cpu_layers.load_checkpoint(layer, make(spec, seed=0), spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)
     return layer

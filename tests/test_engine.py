@@ -2,7 +2,7 @@
 the Engine's public API only — generate, update_weights_from_disk (full and partial), update_weights_from_tensor
 (buckets in a begin/end session, flattened buckets), the weight checker (snapshot / reset_tensors / compare), a
 corrupted update caught — with the CPU stand-ins and the faked SM100 reaching the Engine's spawned scheduler and
-detokenizer through SGLang's own plugin loading (testing.standins.spawn_path).
+detokenizer through SGLang's own plugin loading (sandbox.standins.spawn_path).
 
 What is proven how: after every step the served model is read back through `Engine.save_sharded_model` (the
 scheduler writes its state_dict: the prepared bytes) and compared tensor by tensor with a fresh get_model() of the
@@ -24,13 +24,14 @@ import sys
 
 import pytest
 
+from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+
 from .support.helpers import REPO, last_json
 
 pytestmark = pytest.mark.sglang(
-    ">=0.5.23",
+    str(ENGINE_RELEASES),
     reason="sglang.Engine's weight-update sessions (begin/end_weight_update), "
-    "the weight-checker request and the 0.5.23 spawn flow "
-    "(testing.engine)",
+    "the weight-checker request and the Engine's spawn flow (compat/sandbox_releases.py ENGINE_RELEASES)",
 )
 
 MODELS = ("qwen3_moe:nvfp4", "nemotron_h:nvfp4")

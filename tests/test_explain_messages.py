@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sglang_trtllm_moe.testing import checkpoints as ck
+from sglang_trtllm_moe.sandbox import checkpoints as ck
 
 from .support.helpers import REPO
 

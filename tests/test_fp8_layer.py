@@ -16,8 +16,8 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, layer_state
 from sglang_trtllm_moe.compat import features
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing.layers import DOWN, GATE, UP, MoeSpec
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.layers import DOWN, GATE, UP, MoeSpec
 
 from .support import sglang_runtime
 

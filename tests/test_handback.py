@@ -14,7 +14,7 @@ import pytest
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.builtins import bf16_hooks, fp8_hooks, nvfp4_hooks, runner_hooks
 from sglang_trtllm_moe.formats import by_name
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 

@@ -29,16 +29,12 @@ NAME = PACKAGE.name
 RELEASE_RANGE = re.compile(r"(?:[<>]=?|==|!=|~=)\s*\d+\.\d+")
 
 #: files (relative to the package) whose release-range literals wait for other work: what for
-PENDING_RELEASE_LITERALS = {
-    "testing/engine.py": "pending issue #30's CPU-harness move (SUPPORTED_RELEASES '>=0.5.23')",
-    "testing/models.py": "pending issue #30's CPU-harness move (SUPPORTED_RELEASES '>=0.5.21')",
-    "testing/runtime.py": "pending issue #30's CPU-harness move (init_rank's message names SpawnRanks' '>= 0.5.21')",
-}
+#: (none: the CPU sandbox's ranges are compat/sandbox_releases.py's, init_rank is tests/support/sglang_runtime.py's)
+PENDING_RELEASE_LITERALS: dict[str, str] = {}
 
 #: files whose underscore imports wait for other work: what for
-PENDING_PRIVATE_IMPORTS = {
-    "testing/mx_layers.py": "pending issue #30's one layer builder (it takes testing/layers.py's _random_experts)",
-}
+#: (none: sandbox/layers.py is the one layer builder, no mx_layers.py takes its _random_experts)
+PENDING_PRIVATE_IMPORTS: dict[str, str] = {}
 
 
 def _sources() -> list[tuple[str, ast.Module]]:

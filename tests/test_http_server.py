@@ -38,13 +38,15 @@ from pathlib import Path
 
 import pytest
 
+from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+
 from .support import http_server as hs
 from .support.helpers import REPO
 
 pytestmark = pytest.mark.sglang(
-    ">=0.5.23",
+    str(ENGINE_RELEASES),
     reason="the README's CPU server recipe: SGLang's HTTP server with begin/end weight-update sessions, "
-    "weight versions per token span and the weight-checker endpoint (0.5.23)",
+    "weight versions per token span and the weight-checker endpoint (compat/sandbox_releases.py ENGINE_RELEASES)",
 )
 
 ARCH, QUANT = "qwen3_moe", "nvfp4"
@@ -57,7 +59,7 @@ REFUSED_CHECKPOINT = "refused the whole checkpoint"
 
 
 def _spec(seed=0):
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     return ck.TinySpec(arch=ARCH, quant=QUANT, seed=seed)
 
@@ -157,7 +159,7 @@ def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
     the tensor updates, and three bad ones."""
     import torch
 
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     spec = _spec()
     layer = spec.moe_layers[-1]

@@ -2,7 +2,7 @@
 
 Every model runs in a process of its own, forked from one parent that imported SGLang once
 (tests/support/model_worker.py `--jobs all`): SGLang's own ModelRunner loads a tiny real checkpoint
-(testing/checkpoints.py) through get_model() with `--moe-runner-backend auto` on a faked SM100, the plugin's
+(sandbox/checkpoints.py) through get_model() with `--moe-runner-backend auto` on a faked SM100, the plugin's
 auto-selection picks the runner, the plugin prepares every MoE layer, and every RL flow runs through the runner's
 WeightUpdater as SGLang's scheduler calls it. After each flow the whole model (every parameter and buffer, byte for
 byte) equals a fresh get_model() of the checkpoint that was intended, every data_ptr is kept, every MoE layer is
@@ -25,14 +25,16 @@ import sys
 
 import pytest
 
+from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
+
 from .support.helpers import REPO, last_json
 from .support.model_worker import JOBS, job_key
 
 pytestmark = pytest.mark.sglang(
-    ">=0.5.21",
-    reason="testing.models spells SGLang's runner set-up of 0.5.21+ "
+    str(MODEL_RUNNER_RELEASES),
+    reason="sandbox.models spells SGLang's runner set-up of these releases "
     "(bench_one_batch flow: bootstrap.init_parallel_runtime, "
-    "runtime_context.publish); older releases set up the process "
+    "runtime_context.publish; compat/sandbox_releases.py MODEL_RUNNER_RELEASES); older releases set up the process "
     "differently",
 )
 

@@ -16,11 +16,10 @@ import torch
 
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
-from sglang_trtllm_moe.testing.layers import MoeSpec
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
-from .support import sglang_runtime
+from .support import mx_reference, sglang_runtime
 
 PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 BACKEND = "flashinfer_mxfp4"
@@ -64,9 +63,9 @@ def prepared_layer(spec, ck):
 
 
 def sglang_prepared(spec, ck):
-    layer = mx_layers.sglang_layer(spec)
+    layer = cpu_layers.sglang_layer(spec)
     cpu_layers.load_checkpoint(layer, ck, spec.num_experts)
-    mx_layers.sglang_prepare(layer)
+    cpu_layers.sglang_prepare(layer)
     return layer
 
 
@@ -82,7 +81,7 @@ def assert_same_bytes(ours, other, what):
 
 def test_storage_is_allocated_at_the_kernel_width_with_sglang_attributes():
     spec = spec_of(128)
-    ours, upstream = cpu_layers.build_layer(spec), mx_layers.sglang_layer(spec)
+    ours, upstream = cpu_layers.build_layer(spec), cpu_layers.sglang_layer(spec)
     for n in PARAMS:
         a, b = getattr(ours, n), getattr(upstream, n)
         assert a.shape == b.shape
@@ -98,7 +97,7 @@ def test_storage_is_allocated_at_the_kernel_width_with_sglang_attributes():
 )
 def test_prepared_bytes_equal_sglang_own_preparation(intermediate, scale_dtype):
     spec = spec_of(intermediate)
-    ck = mx_layers.random_checkpoint(spec, 0, scale_dtype=scale_dtype)
+    ck = cpu_layers.random_checkpoint(spec, 0, scale_dtype=scale_dtype)
     ours = prepared_layer(spec, ck)
     upstream = sglang_prepared(spec, ck)
     assert_same_bytes(ours, upstream, "SGLang's own MXFP4-expert preparation")
@@ -134,7 +133,7 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp4_weights():
         return q, s.reshape(-1)
 
     saved = fq4stub.fp4_quantize, fq4.block_scale_interleave
-    fq4stub.fp4_quantize, fq4.block_scale_interleave = fp4_quantize, mx_layers.torch_block_scale_interleave
+    fq4stub.fp4_quantize, fq4.block_scale_interleave = fp4_quantize, cpu_layers.torch_block_scale_interleave
     try:
         if hasattr(api, "QuantFormat"):  # flashinfer 0.7
             how = dict(quant=api.QuantConfig(api.QuantFormat.MXFP4, api.QuantFormat.MXFP8))
@@ -173,8 +172,8 @@ def _mixed(base, new, experts):
 )
 def test_one_expert_update_equals_a_fresh_load_of_the_mixed_checkpoint(intermediate):
     spec = spec_of(intermediate)
-    base = mx_layers.random_checkpoint(spec, 0)
-    new = mx_layers.random_checkpoint(spec, 1, scale_dtype=torch.float32)  # an RL trainer sending float32 scales
+    base = cpu_layers.random_checkpoint(spec, 0)
+    new = cpu_layers.random_checkpoint(spec, 1, scale_dtype=torch.float32)  # an RL trainer sending float32 scales
     model = sglang_runtime.prepared_model(spec, base)
     layer = model.experts
     objs = {n: (p, p.data_ptr(), p.weight_loader) for n, p in layer.named_parameters()}
@@ -194,7 +193,7 @@ def test_one_expert_update_equals_a_fresh_load_of_the_mixed_checkpoint(intermedi
 
 def test_one_expert_update_equals_sglang_own_preparation_and_sglang_alone_cannot_reload():
     spec = spec_of(128)
-    base, new = mx_layers.random_checkpoint(spec, 0), mx_layers.random_checkpoint(spec, 1)
+    base, new = cpu_layers.random_checkpoint(spec, 0), cpu_layers.random_checkpoint(spec, 1)
     layer = prepared_layer(spec, base)
     one = {k: v for k, v in new.items() if k.startswith("experts.3.")}
     cpu_layers.load_checkpoint(layer, one, spec.num_experts)
@@ -208,10 +207,10 @@ def test_one_expert_update_equals_sglang_own_preparation_and_sglang_alone_cannot
 @pytest.mark.parametrize("bad", ["uint8-scale", "bf16-weight", "fp8-weight-routed-expert", "shape"])
 def test_refused_update_leaves_every_byte(bad):
     spec = spec_of(128)
-    model = sglang_runtime.prepared_model(spec, mx_layers.random_checkpoint(spec, 0))
+    model = sglang_runtime.prepared_model(spec, cpu_layers.random_checkpoint(spec, 0))
     layer = model.experts
     snap = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    new = mx_layers.random_checkpoint(spec, 1, experts=[1])
+    new = cpu_layers.random_checkpoint(spec, 1, experts=[1])
     if bad == "uint8-scale":  # raw UE8M0 bytes as uint8: SGLang would store the integers as scale values
         param, t, shard = layer.w13_weight_scale_inv, new["experts.1.up_proj.weight_scale_inv"].view(torch.uint8), "w3"
     elif bad == "bf16-weight":
@@ -247,7 +246,7 @@ def test_refused_update_leaves_every_byte(bad):
 def test_emulated_forward_matches_the_dequantized_reference(precision, intermediate, monkeypatch):
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     spec = spec_of(intermediate)
-    ck = mx_layers.random_checkpoint(spec, 0)
+    ck = cpu_layers.random_checkpoint(spec, 0)
     layer = prepared_layer(spec, ck)
     layer.quant_method.flashinfer_mxfp4_moe_precision = precision
     limit = float(layer.quant_method._gemm1_clamp_limit_tensor[0])
@@ -255,9 +254,9 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, intermedi
     x = torch.randn(6, spec.hidden, generator=g).to(torch.bfloat16)
     logits = torch.randn(6, spec.num_experts, generator=g)
     out, topk = sglang_runtime.forward(layer, x, logits)
-    w = mx_layers.dequantized_experts(spec, ck)
-    ref = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, w, spec, limit=limit)
-    tight = mx_layers.reference_moe(
+    w = mx_reference.dequantized_experts(spec, ck)
+    ref = mx_reference.reference_moe(x, topk.topk_ids, topk.topk_weights, w, spec, limit=limit)
+    tight = mx_reference.reference_moe(
         x,
         topk.topk_ids,
         topk.topk_weights,
@@ -286,10 +285,10 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, intermedi
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
 
-    from sglang_trtllm_moe.testing.runtime import weight_checker
+    from .support.sglang_runtime import weight_checker
 
     spec = spec_of(128)
-    good = mx_layers.random_checkpoint(spec, 8)
+    good = cpu_layers.random_checkpoint(spec, 8)
     model = cpu_layers.TinyMoeModel(spec)
     model.load_weights(cpu_layers.checkpoint_names(good).items())
     layer = model.experts
@@ -346,7 +345,7 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
     from sglang_trtllm_moe.runner import routing_kwargs
 
     spec = MoeSpec(num_experts=8, hidden=512, intermediate=256, fmt="mxfp4_experts")
-    ck = mx_layers.random_checkpoint(spec, 0)
+    ck = cpu_layers.random_checkpoint(spec, 0)
     layer = cpu_layers.build_layer(spec).cuda()
     cpu_layers.load_checkpoint(layer, {k: v.cuda() for k, v in ck.items()}, spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)
@@ -384,6 +383,6 @@ def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
     from .test_concurrency import _race_round
 
     spec = spec_of(128, experts=8)
-    make = lambda s, seed: mx_layers.random_checkpoint(s, seed, scale_dtype=torch.float32)  # noqa: E731
+    make = lambda s, seed: cpu_layers.random_checkpoint(s, seed, scale_dtype=torch.float32)  # noqa: E731
     wrong = {r: bad for r in range(3) if (bad := _race_round(spec, make, PARAMS, r, True))}
     assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"

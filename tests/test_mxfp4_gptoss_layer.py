@@ -15,12 +15,12 @@ import torch
 
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import mx_layers
-from sglang_trtllm_moe.testing.layers import MoeSpec
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
-from .support import sglang_runtime
+from .support import mx_reference, sglang_runtime
 
-PARAMS = mx_layers.GPTOSS_PARAMS
+PARAMS = cpu_layers.GPTOSS_PARAMS
 SCALARS = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 BACKEND = "flashinfer_mxfp4"
 #: hidden 192 -> 256 and I 96 -> 128 (256 before 0.5.17): padded both ways, as gpt-oss (2880) is
@@ -38,8 +38,8 @@ def as_bytes(t):
 
 
 def prepared_layer(spec, ck):
-    layer = mx_layers.build_layer(spec)
-    mx_layers.load_fused(layer, ck)
+    layer = cpu_layers.build_layer(spec)
+    cpu_layers.load_fused(layer, ck)
     objs = {n: (p, p.data_ptr(), tuple(p.shape), p.weight_loader) for n, p in layer.named_parameters()}
     layer.quant_method.process_weights_after_loading(layer)
     st = layer_state.state_of(layer)
@@ -51,9 +51,9 @@ def prepared_layer(spec, ck):
 
 
 def sglang_prepared(spec, ck):
-    layer = mx_layers.sglang_layer(spec)
-    mx_layers.load_fused(layer, ck)
-    mx_layers.sglang_prepare(layer)
+    layer = cpu_layers.sglang_layer(spec)
+    cpu_layers.load_fused(layer, ck)
+    cpu_layers.sglang_prepare(layer)
     return layer
 
 
@@ -69,7 +69,7 @@ def assert_same_bytes(ours, other, what, scalars=True):
 
 @pytest.mark.parametrize("spec", [pytest.param(SPEC, id="H192-I96-padded"), pytest.param(ALIGNED, id="H256-I128")])
 def test_prepared_bytes_equal_sglang_own_preparation(spec):
-    ck = mx_layers.random_checkpoint(spec, 0)
+    ck = cpu_layers.random_checkpoint(spec, 0)
     ours = prepared_layer(spec, ck)
     upstream = sglang_prepared(spec, ck)
     assert_same_bytes(ours, upstream, "SGLang's own gpt-oss MXFP4 trtllm preparation")
@@ -85,10 +85,10 @@ def test_prepared_bytes_equal_flashinfer_permute_indices_on_the_up_gate_checkpoi
 
     from sglang_trtllm_moe import layouts
 
-    ck = mx_layers.random_checkpoint(SPEC, 0)
+    ck = cpu_layers.random_checkpoint(SPEC, 0)
     ours = prepared_layer(SPEC, ck)
-    fresh = mx_layers.build_layer(SPEC)
-    mx_layers.load_fused(fresh, ck)  # checkpoint layout, padded as SGLang allocates
+    fresh = cpu_layers.build_layer(SPEC)
+    cpu_layers.load_fused(fresh, ck)  # checkpoint layout, padded as SGLang allocates
     m = fresh.w13_weight.shape[1]
     up_gate = torch.cat([torch.arange(1, m, 2), torch.arange(0, m, 2)])
     cache = {}
@@ -111,21 +111,21 @@ def test_prepared_bytes_equal_flashinfer_permute_indices_on_the_up_gate_checkpoi
 
 
 def _model(ck):
-    model = mx_layers.GptOssTinyModel(SPEC)
-    model.load_weights(mx_layers.gptoss_names(ck).items())
+    model = cpu_layers.TinyMoeModel(SPEC)
+    model.load_weights(cpu_layers.checkpoint_names(ck).items())
     model.experts.quant_method.process_weights_after_loading(model.experts)
     return model
 
 
 @pytest.mark.parametrize("what", ["all", "w2-only"])
 def test_update_from_tensor_equals_a_fresh_load_with_storage_and_loaders_kept(what):
-    base, new = mx_layers.random_checkpoint(SPEC, 0), mx_layers.random_checkpoint(SPEC, 1)
+    base, new = cpu_layers.random_checkpoint(SPEC, 0), cpu_layers.random_checkpoint(SPEC, 1)
     model = _model(base)
     layer = model.experts
     objs = {n: (p, p.data_ptr(), p.weight_loader) for n, p in layer.named_parameters() if n in PARAMS}
     objs.update({n: (p, p.data_ptr(), None) for n, p in layer.named_parameters() if n in SCALARS})
     sent = new if what == "all" else {k: v for k, v in new.items() if k.startswith("w2_")}
-    ok, msg = sglang_runtime.updater(model).update_weights_from_tensor(list(mx_layers.gptoss_names(sent).items()))
+    ok, msg = sglang_runtime.updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(sent).items()))
     assert ok, msg
     assert layer_state.state_of(layer).clean
     for n, (obj, ptr, loader) in objs.items():
@@ -135,14 +135,14 @@ def test_update_from_tensor_equals_a_fresh_load_with_storage_and_loaders_kept(wh
 
 
 def test_reload_then_sglang_prep_equals_sglang_prep_of_the_new_checkpoint_and_sglang_alone_cannot_reload():
-    base, new = mx_layers.random_checkpoint(SPEC, 0), mx_layers.random_checkpoint(SPEC, 1)
+    base, new = cpu_layers.random_checkpoint(SPEC, 0), cpu_layers.random_checkpoint(SPEC, 1)
     layer = prepared_layer(SPEC, base)
-    mx_layers.load_fused(layer, new)
+    cpu_layers.load_fused(layer, new)
     layer.quant_method.process_weights_after_loading(layer)  # what update_weights_from_disk runs after loading
     assert_same_bytes(layer, sglang_prepared(SPEC, new), "SGLang's own prep of the new checkpoint")
     # fp32 biases from an RL trainer are kept exactly (SGLang's bf16 bias Parameter would round them first)
-    f32 = mx_layers.random_checkpoint(SPEC, 2, bias_dtype=torch.float32)
-    mx_layers.load_fused(layer, {"w2_weight_bias": f32["w2_weight_bias"]})
+    f32 = cpu_layers.random_checkpoint(SPEC, 2, bias_dtype=torch.float32)
+    cpu_layers.load_fused(layer, {"w2_weight_bias": f32["w2_weight_bias"]})
     layer_state.flush_all()
     from sglang_trtllm_moe import layouts
 
@@ -151,15 +151,15 @@ def test_reload_then_sglang_prep_equals_sglang_prep_of_the_new_checkpoint_and_sg
     assert torch.equal(stored, f32["w2_weight_bias"])
     upstream = sglang_prepared(SPEC, base)
     with pytest.raises(TypeError):  # SGLang's prep replaced the Parameters: default_weight_loader takes no kwargs
-        mx_layers.load_fused(upstream, new)
+        cpu_layers.load_fused(upstream, new)
 
 
 @pytest.mark.parametrize("bad", ["e8m0-scale", "bf16-weight", "experts", "too-wide"])
 def test_refused_fused_write_leaves_every_byte(bad):
-    model = _model(mx_layers.random_checkpoint(SPEC, 0))
+    model = _model(cpu_layers.random_checkpoint(SPEC, 0))
     layer = model.experts
     snap = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    new = mx_layers.random_checkpoint(SPEC, 1)
+    new = cpu_layers.random_checkpoint(SPEC, 1)
     name, t = {
         "e8m0-scale": ("w13_weight_scale", new["w13_weight_scale"].view(torch.float8_e8m0fnu)),
         "bf16-weight": ("w2_weight", new["w2_weight"].to(torch.bfloat16)),
@@ -193,7 +193,7 @@ def _forward(layer, x, logits):
 @pytest.mark.parametrize("precision", ["default", "bf16"], ids=["mxfp8-activations", "bf16-activations"])
 def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypatch):
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
-    ck = mx_layers.random_checkpoint(SPEC, 0)
+    ck = cpu_layers.random_checkpoint(SPEC, 0)
     layer = prepared_layer(SPEC, ck)
     layer.quant_method.flashinfer_mxfp4_moe_precision = precision
     g = torch.Generator().manual_seed(1)
@@ -201,10 +201,10 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypat
     logits = torch.randn(6, SPEC.num_experts, generator=g)
     out, topk = _forward(layer, x, logits)
     assert out.shape == x.shape  # the kernel's output is as wide as the unpadded hidden size
-    w = mx_layers.dequantized_experts(SPEC, ck)
-    kw = dict(alpha=mx_layers.GPTOSS_ALPHA, beta=1.0, limit=mx_layers.GPTOSS_LIMIT, biases=w)
-    ref = mx_layers.reference_moe(x, topk.topk_ids, topk.topk_weights, w, SPEC, **kw)
-    tight = mx_layers.reference_moe(
+    w = mx_reference.dequantized_experts(SPEC, ck)
+    kw = dict(alpha=cpu_layers.GPTOSS_ALPHA, beta=1.0, limit=cpu_layers.GPTOSS_LIMIT, biases=w)
+    ref = mx_reference.reference_moe(x, topk.topk_ids, topk.topk_weights, w, SPEC, **kw)
+    tight = mx_reference.reference_moe(
         x,
         topk.topk_ids,
         topk.topk_weights,
@@ -232,11 +232,11 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypat
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
 
-    from sglang_trtllm_moe.testing.runtime import weight_checker
+    from .support.sglang_runtime import weight_checker
 
-    good = mx_layers.random_checkpoint(SPEC, 8)
-    model = mx_layers.GptOssTinyModel(SPEC)
-    model.load_weights(mx_layers.gptoss_names(good).items())
+    good = cpu_layers.random_checkpoint(SPEC, 8)
+    model = cpu_layers.TinyMoeModel(SPEC)
+    model.load_weights(cpu_layers.checkpoint_names(good).items())
     layer = model.experts
     ck = {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}
     layer.quant_method.process_weights_after_loading(layer)
@@ -265,13 +265,13 @@ def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_f
         assert checker.compare_layout(ckpt_side, live).equal
     wc = weight_checker(model)
     wc.handle("snapshot", role="target")
-    mx_layers.load_fused(layer, good)  # the same weights again: a correct (whole-layer) update
+    cpu_layers.load_fused(layer, good)  # the same weights again: a correct (whole-layer) update
     layer_state.flush_all()
     wc.handle("compare", role="target")
     wc.handle("snapshot", role="target")
     w = good["w13_weight"].clone()
     w[2, 11, 3] ^= 0x11  # expert 2, checkpoint row 11 (up_5 in the interleaved order)
-    mx_layers.load_fused(layer, {"w13_weight": w})
+    cpu_layers.load_fused(layer, {"w13_weight": w})
     layer_state.flush_all()
     with pytest.raises(Exception) as err:
         wc.handle("compare", role="target")
@@ -297,9 +297,9 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
     from sglang_trtllm_moe.runner import routing_kwargs
 
     spec = MoeSpec(num_experts=8, hidden=2880 // 10 * 2, intermediate=2880 // 10, fmt="mxfp4_gptoss")
-    ck = mx_layers.random_checkpoint(spec, 0)
-    layer = mx_layers.build_layer(spec).cuda()
-    mx_layers.load_fused(layer, {k: v.cuda() for k, v in ck.items()})
+    ck = cpu_layers.random_checkpoint(spec, 0)
+    layer = cpu_layers.build_layer(spec).cuda()
+    cpu_layers.load_fused(layer, {k: v.cuda() for k, v in ck.items()})
     layer.quant_method.process_weights_after_loading(layer)
     fmt = layer_state.state_of(layer).fmt
     x = torch.randn(16, spec.hidden, device="cuda").to(torch.bfloat16)
@@ -332,7 +332,7 @@ def _fused_writes_with_a_flusher_round(r):
     """One round of the test above (its threads are all joined before it returns)."""
     import threading
 
-    base, new = mx_layers.random_checkpoint(SPEC, 10 * r), mx_layers.random_checkpoint(SPEC, 10 * r + 1)
+    base, new = cpu_layers.random_checkpoint(SPEC, 10 * r), cpu_layers.random_checkpoint(SPEC, 10 * r + 1)
     layer = prepared_layer(SPEC, base)
     barrier = threading.Barrier(len(new) + 1)
     done, errors = threading.Event(), []
@@ -340,7 +340,7 @@ def _fused_writes_with_a_flusher_round(r):
     def write(name):
         try:
             barrier.wait()
-            mx_layers.load_fused(layer, {name: new[name]})
+            cpu_layers.load_fused(layer, {name: new[name]})
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

@@ -2,7 +2,7 @@
 flashinfer_trtllm and flashinfer_trtllm_routed, prepared in place by the plugin (formats/mxfp8.py).
 
 Oracles: SGLang's own preparation of the same checkpoint (`align_mxfp8_moe_weights_for_flashinfer_trtllm`, run on
-CPU with flashinfer's index helpers and a torch 128x4 interleave: testing/mx_layers.py), FlashInfer's own
+CPU with flashinfer's index helpers and a torch 128x4 interleave: sandbox/cpu_layers.py), FlashInfer's own
 `prepare_trtllm_fp8_block_weights(MXFP8)`, SGLang's `dequant_mxfp8_2d_to_bf16`, and a fresh load of the intended
 checkpoint after every RL update. Facts pinned (read in SGLang's code, measured here): FusedMoE's loader swaps the
 w1/w3 shard ids for Fp8MoEMethod on the trtllm backends, so w13 loads [up; gate] per 128-padded half with pad rows
@@ -16,11 +16,10 @@ import torch
 
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
-from sglang_trtllm_moe.testing.layers import MoeSpec
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
-from .support import sglang_runtime
+from .support import mx_reference, sglang_runtime
 
 PARAMS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 TRTLLM, ROUTED = "flashinfer_trtllm", "flashinfer_trtllm_routed"
@@ -48,7 +47,7 @@ def as_bytes(t):
 def loaded_layer(backend, spec, ck=None, seed=0):
     sglang_runtime.ensure(backend)
     layer = cpu_layers.build_layer(spec)
-    cpu_layers.load_checkpoint(layer, mx_layers.random_checkpoint(spec, seed) if ck is None else ck, spec.num_experts)
+    cpu_layers.load_checkpoint(layer, cpu_layers.random_checkpoint(spec, seed) if ck is None else ck, spec.num_experts)
     return layer
 
 
@@ -78,7 +77,7 @@ def assert_same_bytes(a, b, what):
 def test_prepared_bytes_equal_sglang_own_preparation(backend, spec):
     ours = prepared_layer(backend, spec)
     upstream = loaded_layer(backend, spec)
-    mx_layers.sglang_prepare(upstream)
+    cpu_layers.sglang_prepare(upstream)
     assert_same_bytes(ours, upstream, "SGLang's own MXFP8 trtllm preparation")
     # what SGLang's apply and dispatcher read after its own prep
     assert ours.w13_weight_scale_inv.format_ue8m0 and ours.w2_weight_scale_inv.format_ue8m0
@@ -116,7 +115,7 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
         return q, s.reshape(-1)
 
     saved = fq8.mxfp8_quantize, fq4.block_scale_interleave
-    fq8.mxfp8_quantize, fq4.block_scale_interleave = mxfp8_quantize, mx_layers.torch_block_scale_interleave
+    fq8.mxfp8_quantize, fq4.block_scale_interleave = mxfp8_quantize, cpu_layers.torch_block_scale_interleave
     try:
         if hasattr(api, "QuantFormat"):  # flashinfer 0.7
             how = dict(quant=api.QuantConfig(api.QuantFormat.MXFP8, api.QuantFormat.MXFP8))
@@ -157,7 +156,7 @@ def _mixed(base, new, experts):
 @pytest.mark.parametrize("backend", [TRTLLM, ROUTED])
 def test_one_expert_update_equals_a_fresh_load_of_the_mixed_checkpoint(backend):
     spec = MoeSpec(num_experts=4, intermediate=96, fmt="mxfp8")
-    base, new = mx_layers.random_checkpoint(spec, 0), mx_layers.random_checkpoint(spec, 1)
+    base, new = cpu_layers.random_checkpoint(spec, 0), cpu_layers.random_checkpoint(spec, 1)
     model = _model(backend, spec, base)
     layer = model.experts
     objs = {n: (p, p.data_ptr(), p.weight_loader) for n, p in layer.named_parameters()}
@@ -177,29 +176,29 @@ def test_one_expert_update_equals_a_fresh_load_of_the_mixed_checkpoint(backend):
 def test_one_expert_update_equals_sglang_own_preparation_of_the_mixed_checkpoint():
     """Where SGLang's own flow (reload + its prep over every expert) shuffles the other experts a second time."""
     spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
-    base, new = mx_layers.random_checkpoint(spec, 0), mx_layers.random_checkpoint(spec, 1)
+    base, new = cpu_layers.random_checkpoint(spec, 0), cpu_layers.random_checkpoint(spec, 1)
     layer = prepared_layer(TRTLLM, spec, base)
     one = {k: v for k, v in new.items() if k.startswith("experts.3.")}
     cpu_layers.load_checkpoint(layer, one, spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)  # what update_weights_from_disk runs after loading
     upstream = loaded_layer(TRTLLM, spec, _mixed(base, new, {3}))
-    mx_layers.sglang_prepare(upstream)
+    cpu_layers.sglang_prepare(upstream)
     assert_same_bytes(layer, upstream, "SGLang's own preparation of the mixed checkpoint")
     # SGLang's own flow on the same update: the experts that were not reloaded are laid out twice
     stale = loaded_layer(TRTLLM, spec, base)
-    mx_layers.sglang_prepare(stale)
+    cpu_layers.sglang_prepare(stale)
     cpu_layers.load_checkpoint(stale, one, spec.num_experts)
-    mx_layers.sglang_prepare(stale)
+    cpu_layers.sglang_prepare(stale)
     assert not torch.equal(as_bytes(stale.w13_weight[0]), as_bytes(upstream.w13_weight[0]))
 
 
 @pytest.mark.parametrize("bad", ["e8m0-scale", "bf16-weight", "shape"])
 def test_refused_update_leaves_every_byte(bad):
     spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
-    model = _model(TRTLLM, spec, mx_layers.random_checkpoint(spec, 0))
+    model = _model(TRTLLM, spec, cpu_layers.random_checkpoint(spec, 0))
     layer = model.experts
     snap = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    new = mx_layers.random_checkpoint(spec, 1, experts=[1])
+    new = cpu_layers.random_checkpoint(spec, 1, experts=[1])
     if bad == "e8m0-scale":  # UE8M0 bytes as float8_e8m0fnu: the uint8 parameter would store the integers 2^k
         param, t, shard = (
             layer.w13_weight_scale_inv,
@@ -252,28 +251,28 @@ EMULATED = [
 def test_emulated_forward_matches_the_dequantized_reference(backend, spec, act, monkeypatch):
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     sglang_runtime.ensure(backend)
-    ck = mx_layers.random_checkpoint(spec, 0)
-    layer = mx_layers.build_layer(spec, **act)
+    ck = cpu_layers.random_checkpoint(spec, 0)
+    layer = cpu_layers.build_layer(spec, **act)
     cpu_layers.load_checkpoint(layer, ck, spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(6, spec.hidden, generator=g).to(torch.bfloat16)
     logits = torch.randn(6, spec.num_experts, generator=g)
     out, topk = sglang_runtime.forward(layer, x, logits)
-    ref = mx_layers.reference_moe(
+    ref = mx_reference.reference_moe(
         x,
         topk.topk_ids,
         topk.topk_weights,
-        mx_layers.dequantized_experts(spec, ck),
+        mx_reference.dequantized_experts(spec, ck),
         spec,
         alpha=act.get("gemm1_alpha"),
         limit=act.get("gemm1_clamp_limit"),
     )
-    tight = mx_layers.reference_moe(
+    tight = mx_reference.reference_moe(
         x,
         topk.topk_ids,
         topk.topk_weights,
-        mx_layers.dequantized_experts(spec, ck),
+        mx_reference.dequantized_experts(spec, ck),
         spec,
         alpha=act.get("gemm1_alpha"),
         limit=act.get("gemm1_clamp_limit"),
@@ -303,10 +302,10 @@ def test_emulated_forward_matches_the_dequantized_reference(backend, spec, act, 
 def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
     from sglang.srt.layers.quantization.mxfp8_block_convert import dequant_mxfp8_2d_to_bf16
 
-    from sglang_trtllm_moe.testing.runtime import weight_checker
+    from .support.sglang_runtime import weight_checker
 
     spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
-    good = mx_layers.random_checkpoint(spec, 8)
+    good = cpu_layers.random_checkpoint(spec, 8)
     sglang_runtime.ensure(TRTLLM)
     model = cpu_layers.TinyMoeModel(spec)
     model.load_weights(cpu_layers.checkpoint_names(good).items())
@@ -361,8 +360,8 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(backend):
 
     spec = MoeSpec(num_experts=8, hidden=512, intermediate=256, fmt="mxfp8")
     sglang_runtime.ensure(backend)
-    ck = mx_layers.random_checkpoint(spec, 0)
-    layer = mx_layers.build_layer(spec).cuda()
+    ck = cpu_layers.random_checkpoint(spec, 0)
+    layer = cpu_layers.build_layer(spec).cuda()
     cpu_layers.load_checkpoint(layer, {k: v.cuda() for k, v in ck.items()}, spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)
     fmt = layer_state.state_of(layer).fmt
@@ -407,7 +406,7 @@ def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
     wrong = {
         r: bad
         for r in range(3)
-        if (bad := _race_round(spec, lambda s, seed: mx_layers.random_checkpoint(s, seed), PARAMS, r, True))
+        if (bad := _race_round(spec, lambda s, seed: cpu_layers.random_checkpoint(s, seed), PARAMS, r, True))
     }
     assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"
 

@@ -22,9 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_trtllm_moe import bucket_validation, checkpoint_headers
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
-from sglang_trtllm_moe.testing.layers import MoeSpec
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
 from .support import sglang_runtime
 from .support.bad_updates import MAKERS
@@ -117,17 +116,14 @@ def _checkpoint(spec, seed):
     if spec.hidden == DEEPSEEK_V3_EXPERT["hidden"] and spec.fmt in ("nvfp4", "fp8_block"):
         return _real_size_checkpoint(spec, seed)
     if spec.fmt == "mxfp4_gptoss":
-        return mx_layers.gptoss_checkpoint(mx_layers.random_checkpoint(spec, seed))
-    make = MAKERS.get(spec.fmt) or (lambda s, seed: mx_layers.random_checkpoint(s, seed))
+        return cpu_layers.below_block(cpu_layers.random_checkpoint(spec, seed))
+    make = MAKERS.get(spec.fmt) or (lambda s, seed: cpu_layers.random_checkpoint(s, seed))
     return make(spec, seed=seed)
 
 
 def _model(backend, spec, tensors):
     sglang_runtime.ensure(backend)
-    if spec.fmt == "mxfp4_gptoss":
-        model = mx_layers.GptOssTinyModel(spec)
-    else:
-        model = cpu_layers.TinyMoeModel(spec)
+    model = cpu_layers.TinyMoeModel(spec)
     model.load_weights([(model.prefix + k, v) for k, v in tensors.items()])
     model.experts.quant_method.process_weights_after_loading(model.experts)
     return model
@@ -136,7 +132,7 @@ def _model(backend, spec, tensors):
 def _write(path, spec, tensors, prefix) -> str:
     from safetensors.torch import save_file
 
-    cpu_layers.write_safetensors_checkpoint(path, {}, spec)  # config.json
+    sglang_runtime.write_safetensors_checkpoint(path, {}, spec)  # config.json
     save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
     return path
 
@@ -296,7 +292,7 @@ def test_a_load_refused_half_way_is_put_back_and_answered(tmp_path):
     name = "experts.3.down_proj.weight_scale"
     spoilt = {**new, name: _spoil(new[name], 0x7F)}
     d = str(tmp_path / "bin")
-    cpu_layers.write_safetensors_checkpoint(d, {}, spec)
+    sglang_runtime.write_safetensors_checkpoint(d, {}, spec)
     os.remove(os.path.join(d, "model.safetensors"))
     ordered = dict(sorted(spoilt.items(), key=lambda kv: kv[0] == name))  # the bad tensor last: others load first
     torch.save({model.prefix + k: v.contiguous() for k, v in ordered.items()}, os.path.join(d, "pytorch_model.bin"))

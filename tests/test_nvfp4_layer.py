@@ -7,7 +7,7 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, layer_state
 from sglang_trtllm_moe.compat import features
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 
@@ -155,10 +155,10 @@ AUTO_SCRIPT = """
     import tests.conftest  # noqa: F401  (torchvision shim)
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang_trtllm_moe.testing.runtime import init_single_process
+    from sglang_trtllm_moe.sandbox.runtime import init_single_process
     init_single_process("auto")
     from sglang_trtllm_moe import layer_state
-    from sglang_trtllm_moe.testing import layers as L
+    from sglang_trtllm_moe.sandbox import layers as L
     from tests.support import sglang_runtime
     from tests.support.moe_reference import reference_moe
 

@@ -321,7 +321,7 @@ def test_load_plugins_imports_no_hooked_module_and_no_harness_and_hooks_land_on_
     r = last_json(proc)
     hooked = set(r["modules"].values())
     assert not hooked & set(r["added"]), sorted(hooked & set(r["added"]))
-    assert not [m for m in r["added"] if m.startswith("sglang_trtllm_moe.testing")]
+    assert not [m for m in r["added"] if m.startswith("sglang_trtllm_moe.sandbox")]
     assert set(r["after_load"].values()) <= {"not_imported", "landed", "not_applicable"}, r["after_load"]
     fused = [t for t, m in r["modules"].items() if m == "sglang.srt.layers.moe.fused_moe_triton.layer"]
     assert fused and all(r["after_load"][t] == "not_imported" for t in fused)

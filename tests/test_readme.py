@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+
 from .support.helpers import REPO
 
 README = REPO / "README.md"
@@ -38,10 +40,9 @@ def test_the_readme_has_a_runnable_example_and_it_compiles():
 
 
 @pytest.mark.sglang(
-    ">=0.5.23",
+    str(ENGINE_RELEASES),
     reason='the README example drives sglang.Engine(device="cpu") with begin/end '
-    "weight-update sessions and the weight-checker request (testing.engine: the "
-    "0.5.23 spawn flow)",
+    "weight-update sessions and the weight-checker request (compat/sandbox_releases.py ENGINE_RELEASES)",
 )
 @pytest.mark.parametrize("index", range(len(runnable_blocks(README.read_text()))))
 def test_readme_example_runs(tmp_path, index):

@@ -14,10 +14,10 @@ missing, before a checklist is followed or forgotten); docs/ARCHITECTURE.md's "a
  5. a built-in hook module (plugin.BUILTIN_MODULES) that takes such layers over (`_prepare.take_over`);
  6. a defer verdict (compat/defer.py) on every tested release;
  7. a layer kind in the CPU harness, in tests/test_registry_consistency.py's KINDS (the builder and checkpoint maker
-    it drives; registry names map to harness kinds through tests/support/upstream_rl.py's SPEC_FMT);
+    it drives; registry names map to harness kinds through sandbox/layers.py's LAYERS, each naming its format);
  8. a layer test file, selected by a capability column of the compat matrix (tests/support/matrix.py CAPABILITIES);
  9. docs/RELIABILITY.md's table of write kinds names each of its parameters;
-10. a tiny checkpoint (testing/tiny_spec.py QUANTS, testing/checkpoint_configs.py) for the whole-model tests.
+10. a tiny checkpoint (sandbox/tiny_spec.py QUANTS, sandbox/checkpoint_configs.py) for the whole-model tests.
 
 Where a format has no entry on purpose, the exception is written below with why.
 """
@@ -77,7 +77,7 @@ LAYER_TESTS = {
 
 def _tiny_formats() -> dict[str, str]:
     """Registry name -> the tiny-checkpoint quant whose config selection holds in that format."""
-    from sglang_trtllm_moe.testing import checkpoint_configs, tiny_spec
+    from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
 
     out = {}
     for quant in tiny_spec.QUANTS:
@@ -90,13 +90,13 @@ def _tiny_formats() -> dict[str, str]:
 
 
 def _hf_config(fmt) -> dict:
-    from sglang_trtllm_moe.testing import checkpoint_configs, tiny_spec
+    from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
 
     tiny = _tiny_formats().get(fmt.name)
     if tiny is not None:
         return checkpoint_configs.config(tiny_spec.TinySpec(quant=tiny))
     assert fmt.name in QUANTIZATION_CONFIGS, (
-        f"{fmt.name}: no checkpoint config to detect it from: give it a tiny checkpoint (testing/tiny_spec.py) or a "
+        f"{fmt.name}: no checkpoint config to detect it from: give it a tiny checkpoint (sandbox/tiny_spec.py) or a "
         "quantization_config in QUANTIZATION_CONFIGS"
     )
     return {
@@ -175,14 +175,14 @@ def test_6_defer_verdict_on_every_tested_release(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_7_a_layer_kind_in_the_harness(fmt):
-    from tests.support.upstream_rl import SPEC_FMT
+    from sglang_trtllm_moe.sandbox import layers
 
     from .test_registry_consistency import KINDS as HARNESS_KINDS
 
+    kind = {k.format.name: name for name, k in layers.LAYERS.items()}.get(fmt.name, fmt.name)
     if fmt.name in NO_TRTLLM_LAYER:
-        assert SPEC_FMT.get(fmt.name, fmt.name) not in HARNESS_KINDS, f"{fmt.name} has a kind now: drop its exception"
+        assert kind not in HARNESS_KINDS, f"{fmt.name} has a kind now: drop its exception"
         return
-    kind = SPEC_FMT.get(fmt.name, fmt.name)
     assert kind in HARNESS_KINDS, f"{fmt.name}: no layer kind {kind!r} in tests/test_registry_consistency.py KINDS"
     checkpoint, make = HARNESS_KINDS[kind]
     found, why = formats.for_checkpoint(formats.Checkpoint(**checkpoint))
@@ -220,7 +220,7 @@ def test_10_a_tiny_checkpoint(fmt):
     if fmt.name in NO_TINY_CHECKPOINT:
         assert fmt.name not in tiny, f"{fmt.name} has a tiny checkpoint now: drop its exception"
         return
-    assert fmt.name in tiny, f"{fmt.name}: no tiny checkpoint quant in testing/tiny_spec.py QUANTS holds it"
+    assert fmt.name in tiny, f"{fmt.name}: no tiny checkpoint quant in sandbox/tiny_spec.py QUANTS holds it"
 
 
 def test_exceptions_name_registered_formats():

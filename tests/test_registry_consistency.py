@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, kernel_api, layer_state
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing import mx_layers
 
 from .support import sglang_runtime
 
@@ -28,11 +27,11 @@ KINDS = {
     "fp8_tensor": (dict(quantization="fp8", activation_scheme="static"), cpu_layers.random_fp8_checkpoint),
     "fp8_block": (dict(quantization="fp8", weight_block_size=(128, 128)), cpu_layers.random_fp8_checkpoint),
     "bf16": (dict(quantization=None), cpu_layers.random_bf16_checkpoint),
-    "mxfp8": (dict(quantization="mxfp8"), lambda spec, seed: mx_layers.random_checkpoint(spec, seed)),
+    "mxfp8": (dict(quantization="mxfp8"), lambda spec, seed: cpu_layers.random_checkpoint(spec, seed)),
     # SGLang has no MXFP4 path on flashinfer_trtllm: selection refuses it there, the layer is a TrtllmLayerError
     "mxfp4_experts": (
         dict(quantization="fp8", weight_block_size=(128, 128), fp4_experts=True),
-        lambda spec, seed: mx_layers.random_checkpoint(spec, seed),
+        lambda spec, seed: cpu_layers.random_checkpoint(spec, seed),
     ),
 }
 #: every (activation, gated) SGLang can name, plus gated relu2 (never a kernel activation)

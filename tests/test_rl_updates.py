@@ -11,7 +11,7 @@ import torch
 
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.formats.nvfp4 import NvFp4
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 
@@ -61,7 +61,7 @@ updater = sglang_runtime.updater
 
 def from_disk(model, tensors):
     d = tempfile.mkdtemp(prefix="trtllm-moe-ckpt-")
-    cpu_layers.write_safetensors_checkpoint(d, tensors, SPEC)
+    sglang_runtime.write_safetensors_checkpoint(d, tensors, SPEC)
     ok, msg = updater(model, d).update_weights_from_disk(d, "auto")
     assert ok, msg
 

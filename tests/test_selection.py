@@ -375,7 +375,7 @@ RESOLVE_SCRIPT = """
     load_plugins()
     from sglang.srt.server_args import ServerArgs
     from sglang_trtllm_moe.compat.platform import model_config_of, resolve_server_args
-    from sglang_trtllm_moe.testing.platform import fake_platform
+    from sglang_trtllm_moe.compat.fake_platform import fake_platform
     from sglang_trtllm_moe import doctor
     spec = json.loads(os.environ["SEL_SPEC"])
     decisions = None

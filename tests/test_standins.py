@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from sglang_trtllm_moe.testing import checkpoints as ck
-from sglang_trtllm_moe.testing import standins
+from sglang_trtllm_moe.sandbox import checkpoints as ck
+from sglang_trtllm_moe.sandbox import standins
 
 from .support.helpers import last_json, run_python
 

@@ -23,7 +23,7 @@ import torch
 
 from sglang_trtllm_moe import bucket_validation, validation, value_checks
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import bad_updates as B
 from .support import sglang_runtime
@@ -39,7 +39,7 @@ def _caller_is_the_plugin() -> bool:
     while f is not None and f.f_globals.get("__name__", "").startswith("torch"):
         f = f.f_back  # torch's own Python wrappers (Tensor.__bool__ -> ...)
     name = f.f_globals.get("__name__", "") if f is not None else ""
-    return name.startswith(_PLUGIN) and not name.startswith(f"{_PLUGIN}.testing")
+    return name.startswith(_PLUGIN) and not name.startswith(f"{_PLUGIN}.sandbox")
 
 
 class Counted(torch.Tensor):
@@ -260,7 +260,7 @@ def test_a_disk_update_checks_each_tensor_once_and_reads_each_scale_once(tmp_pat
     spec = B.CONFIGS["nvfp4"]
     model = _model()
     d = str(tmp_path / "ckpt")
-    cpu_layers.write_safetensors_checkpoint(d, _checkpoint(spec, 1), spec)
+    sglang_runtime.write_safetensors_checkpoint(d, _checkpoint(spec, 1), spec)
     u = sglang_runtime.updater(model, d)
     finds = []
     real = value_checks.find_bad

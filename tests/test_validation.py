@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from sglang_trtllm_moe import layer_state, validation
 from sglang_trtllm_moe.errors import WeightUpdateRefused
-from sglang_trtllm_moe.testing import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import bad_updates as B
 from .support import sglang_runtime
@@ -176,7 +176,7 @@ _FRESH: dict = {}
 
 
 def _fp8_prepared() -> bool:
-    from sglang_trtllm_moe.testing.runtime import release
+    from sglang_trtllm_moe.sandbox.runtime import release
 
     from .support import matrix
 
@@ -393,7 +393,7 @@ def test_a_model_without_load_weights_is_updated_by_sglang_alone(tmp_path):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
 
-    cpu_layers.write_safetensors_checkpoint(str(tmp_path), {}, B.CONFIGS["nvfp4"])  # ModelConfig's config.json
+    sglang_runtime.write_safetensors_checkpoint(str(tmp_path), {}, B.CONFIGS["nvfp4"])  # ModelConfig's config.json
     model = Plain()
     u = sglang_runtime.updater(model, str(tmp_path))
     ok, msg = u.update_weights_from_tensor([("w", torch.ones(4))], load_format="direct")

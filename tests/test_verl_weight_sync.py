@@ -21,13 +21,15 @@ import sys
 
 import pytest
 
+from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+
 from .support.helpers import REPO
 from .support.http_server import free_port
 
 pytestmark = pytest.mark.sglang(
-    ">=0.5.23",
-    reason="sglang.Engine with begin/end weight-update sessions and the weight-checker request (the harness's "
-    "Engine flow: testing.engine)",
+    str(ENGINE_RELEASES),
+    reason="sglang.Engine with begin/end weight-update sessions and the weight-checker request (the sandbox's "
+    "Engine flow: compat/sandbox_releases.py ENGINE_RELEASES)",
 )
 
 PROMPTS = [[5, 17, 42, 99], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]
@@ -39,7 +41,7 @@ def run(tmp_path_factory):
     pytest.importorskip("xgrammar", reason="sglang.Engine's detokenizer imports xgrammar (ci/releases.tsv pin)")
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs 2 CPU cores: SGLang's CPU tensor parallelism binds one core per rank")
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     work = tmp_path_factory.mktemp("verl")
     spec = ck.TinySpec(arch="qwen3_moe", quant="nvfp4")

@@ -1,8 +1,8 @@
 """Make SGLang see a GPU of a given SM on a machine without one: the one place that fakes a platform.
 
 The product needs it itself: `explain --sm N` runs SGLang's own resolution as it would run on such a GPU, and the
-test-only CPU sandbox (`compat.cpu_standins.activate_from_env`: SGLANG_TRTLLM_MOE_EMULATE=1 with
-SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100) makes every process SGLang starts see a B200; the CPU harness (testing/) uses the
+test-only CPU sandbox (`compat.cpu_sandbox.activate_from_env`: SGLANG_TRTLLM_MOE_EMULATE=1 with
+SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100) makes every process SGLang starts see a B200; the CPU sandbox (sandbox/) uses the
 same functions. How a release asks "which GPU is this?" is a release difference (compat.features.PLATFORM_OVERRIDE):
 0.5.19+ read `runtime_context.get_platform()`, which `override_platform(**facts)` fakes; before, lru-cached
 `is_sm100_supported()`-style functions in `sglang.srt.utils.common` are imported by name into many modules, so the

@@ -5,9 +5,10 @@ attribute, so a new release is a matter of widening or closing ranges here (docs
 release"), and `tests/test_compat_features.py` checks each flag against the installed SGLang's code.
 A hook target names its range through a flag here (`releases=features.X.releases`) or carries none (it exists on
 every release the plugin runs on); release-range literals live in compat/ only (tests/test_house_rules.py, which
-lists the files still pending). This module holds the facts that decide where a hook applies and what it must do
-once it runs. The CPU harness's facts (how to stand a process up) are here too, grouped last: they are facts about
-SGLang releases as well.
+lists the files still pending). This module holds the facts that decide where a hook applies and what the
+product must do once it runs (hooks, `explain`'s faked platform). What only the CPU sandbox or the test fixtures
+need to know (how a process is stood up on each release) is named the same way apart from the product's flags:
+compat/sandbox_releases.py (the sandbox's), tests/support/releases.py (the test fixtures').
 """
 
 from __future__ import annotations
@@ -187,6 +188,11 @@ SERVER_ARGS_FIELD_WRITES = Feature(
     "resolved_view): the model rules overwrite the user's value before _handle_moe_kernel_config, so the plugin "
     "records it before them and writes its choice into the field as those rules do",
 )
+PLATFORM_OVERRIDE = Feature(
+    ">=0.5.19",
+    "runtime_context.override_platform fakes the platform; before, lru-cached is_sm100_supported()-style functions "
+    "imported by name into many modules are rebound",
+)
 PUBLISHED_SERVER_ARGS = Feature(
     ">=0.5.15",
     "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "
@@ -227,33 +233,6 @@ FP4_EXPERTS_SGLANG_PADS = Feature(
 GPTOSS_FI_KERNEL_ATTR = Feature(
     ">=0.5.12",
     "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
-)
-
-# ---- how a process is stood up (CPU harness: sglang_trtllm_moe.testing) --------------------------------------------
-
-PLATFORM_OVERRIDE = Feature(
-    ">=0.5.19",
-    "runtime_context.override_platform fakes the platform; before, lru-cached is_sm100_supported()-style functions "
-    "imported by name into many modules are rebound",
-)
-PUBLISH_WITH_RANKS = Feature(
-    ">=0.5.21",
-    "ServerArgs are published with runtime_context.publish(ranks=SpawnRanks); before with "
-    "set_global_server_args_for_scheduler",
-)
-MOE_CONFIG_TAKES_ARGS = Feature("<0.5.19", "initialize_moe_config(server_args) takes the ServerArgs")
-SWIZZLE_MOVES_TO_CUDA = Feature(
-    "<0.5.20",
-    "quantization.utils.swizzle_blockscale ends in .cuda(), so NVFP4 create_weights cannot run without a GPU",
-)
-WEIGHT_CACHE_CHECK = Feature(
-    ">=0.5.17,<0.5.20",
-    "WeightUpdater refuses updates unless the runner's --weight-cache-mode is 'off', read through "
-    "get_model_runner().server_args (0.5.20+ reads runtime_context.get_model().weight_cache_mode instead)",
-)
-WEIGHT_CHECKER_TAKES_PS = Feature(
-    ">=0.5.16,<0.5.21",
-    "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
 )
 
 

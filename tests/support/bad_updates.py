@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_trtllm_moe.testing import layers as cpu_layers
-from sglang_trtllm_moe.testing.layers import MoeSpec
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
 #: the layers the catalogue runs on: every format the plugin prepares, gated and not, padded and not
 CONFIGS = {
@@ -74,7 +74,7 @@ class Write:
 
 
 def writes(spec: MoeSpec, tensors: dict[str, torch.Tensor], num_experts: int | None = None) -> list[Write]:
-    """The loader calls a model's load_weights makes for `tensors` (the mapping of testing.layers.load_checkpoint)."""
+    """The loader calls a model's load_weights makes for `tensors` (the mapping of sandbox.layers.load_checkpoint)."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     g = cpu_layers

@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SGLANG_TRTLLM_MOE_TEST_
 
 
 def main(argv=None) -> int:
-    from sglang_trtllm_moe.testing import rl_loop
+    from sglang_trtllm_moe.sandbox import rl_loop
 
     argv = sys.argv[1:] if argv is None else argv
     jobs = [tuple(j.split(":")) for j in argv[0].split(",")]

@@ -31,7 +31,7 @@ import sys
 def _tensors(spec, t: dict):
     import torch
 
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     if "file" in t:
         from safetensors.torch import load_file
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     torch.multiprocessing.set_sharing_strategy("file_system")
     from sglang.srt.utils.common import MultiprocessingSerializer
 
-    from sglang_trtllm_moe.testing import checkpoints as ck
-    from sglang_trtllm_moe.testing import models
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import models
 
     from .http_server import request
 

@@ -1,5 +1,5 @@
 """Fresh loads for tests/test_http_server.py: what a NEW server would serve for each checkpoint, computed apart from
-the server under test by SGLang's own ModelRunner (the bench_one_batch flow of testing.models; the model tests prove
+the server under test by SGLang's own ModelRunner (the bench_one_batch flow of sandbox.models; the model tests prove
 that load plugin-managed and bit-exact).
 
 Per target directory: SGLang's weight-checker checksum of the fresh model (`WeightChecker.handle("checksum")`: the
@@ -22,8 +22,9 @@ def main(argv=None) -> int:
     import torch
 
     from sglang_trtllm_moe import layer_state
-    from sglang_trtllm_moe.testing import models
-    from sglang_trtllm_moe.testing.runtime import weight_checker
+    from sglang_trtllm_moe.sandbox import models
+
+    from .sglang_runtime import weight_checker
 
     job_path, out_path = (argv or sys.argv[1:])[:2]
     with open(job_path) as f:

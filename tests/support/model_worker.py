@@ -49,9 +49,27 @@ def _trainer(port: int, path: str, groups: list) -> None:
         dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
 
 
+def _build_only(model_dir: str):
+    """The model class SGLang builds for `model_dir`, constructed as DefaultModelLoader.load_model constructs it
+    (quant config, dtype, device), without loading weights: for models SGLang cannot finish loading on a CPU box
+    (QuantMixtralForCausalLM's ModelOpt FP4 linear layers move their scales with `.cuda()` after loading)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    from sglang_trtllm_moe.sandbox import models
+
+    mc = ModelConfig.from_server_args(models.server_args(), model_path=model_dir)
+    lc = LoadConfig(load_format=models.server_args().load_format)
+    quant_config = loader._get_quantization_config(mc, lc)
+    with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
+        return loader._initialize_model(mc, lc, quant_config)
+
+
 class Worker:
     def __init__(self, arch: str, quant: str, workdir: str):
-        from sglang_trtllm_moe.testing import checkpoints as ck
+        from sglang_trtllm_moe.sandbox import checkpoints as ck
 
         self.ck = ck
         self.arch, self.quant, self.workdir = arch, quant, workdir
@@ -214,7 +232,7 @@ class Worker:
         return head + rest + tail
 
     def _buckets_update(self, m, seed: int, load_format) -> dict:
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         ptrs = m.pointers()
         new = self.full(seed)
@@ -252,7 +270,7 @@ class Worker:
         fresh model of seed 6 (its layers returned to checkpoint layout by the plugin's un-prepare, or by SGLang's own
         restore where SGLang prepares the format: compat/defer.py)."""
         from sglang_trtllm_moe import layer_state
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         ptrs = m.pointers()
         target = self.full(6)
@@ -332,7 +350,7 @@ class Worker:
     def check_random_rounds(self, m, rounds: int = 6) -> dict:
         """Random partial updates: random layers, experts and projections of a new seed each round, by disk or by
         tensors in buckets; after each round the whole model equals a fresh load of what was intended."""
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         rng = random.Random(1234)
         ptrs = m.pointers()
@@ -363,7 +381,9 @@ class Worker:
     def check_weight_checker(self, m) -> dict:
         """SGLang's WeightChecker: snapshot, reset_tensors, replay the final checkpoint from disk, compare passes;
         one flipped byte in an expert weight is caught."""
-        wc = m.weight_checker()
+        from .sglang_runtime import weight_checker
+
+        wc = weight_checker(m.model)
         final = self.write_tensors(self.intended)
         wc.handle("snapshot", role="target")
         wc.handle("reset_tensors", role="target")
@@ -652,7 +672,7 @@ class Worker:
     )
 
     def run(self, checks=None) -> dict:
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         t0 = time.perf_counter()
         if not self.spec.supported:
@@ -683,12 +703,12 @@ class Worker:
         QuantMixtralForCausalLM). SGLang's own model class is constructed as its loader constructs it (loading
         stops on this box: the ModelOpt FP4 linear layers move their scales with `.cuda()`), and `explain` must
         say there is no FusedMoE layer instead of naming a winner; SGLang's resolution is not moved by the plugin."""
-        from sglang_trtllm_moe.testing import models
+        from sglang_trtllm_moe.sandbox import models
 
         t = time.perf_counter()
         d = self.write_full(0)
         models.init(d)
-        model = models.build_only(d)
+        model = _build_only(d)
         layers = models.moe_layers(model)
         rep = _explain(d)
         ok = (
@@ -752,7 +772,7 @@ def _runner_backends(layers: dict) -> dict:
 
 
 def _STATE_ARGS():
-    from sglang_trtllm_moe.testing import models
+    from sglang_trtllm_moe.sandbox import models
 
     return models._STATE["server_args"]
 
@@ -761,7 +781,7 @@ def _explain(model_dir: str) -> dict:
     """explain on a faked SM100, with the harness's own ServerArgs for SGLang's resolution (Nemotron-H needs
     disable_radix_cache on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform)."""
     from sglang_trtllm_moe.explain import explain_model
-    from sglang_trtllm_moe.testing import models
+    from sglang_trtllm_moe.sandbox import models
 
     extra = {
         k: v
@@ -817,7 +837,7 @@ def _run_job(arch: str, quant: str, extra: tuple, workdir: str) -> dict:
 
 def run_jobs(jobs, parallel: int, workdir: str) -> dict:
     """Fork one child per job from this (prepared, preloaded) process; at most `parallel` at a time."""
-    from sglang_trtllm_moe.testing import models
+    from sglang_trtllm_moe.sandbox import models
 
     models.prepare_process(preload=True)
     pending = list(jobs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from flashinfer.quantization.fp4_quantization import _e2m1_and_ufp8sf_scale_to_float_cpu as fi_dequant  # oracle
 
-from sglang_trtllm_moe.testing.layers import DOWN, GATE, UP
+from sglang_trtllm_moe.sandbox.layers import DOWN, GATE, UP
 
 
 def dequant_nvfp4(ck, name):

@@ -47,7 +47,7 @@ def forward(layer, spec, x, logits, bypass=False):
 
 
 def _build_loaded(spec, tensors):
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     layer = cpu_layers.build_layer(spec)
     # SGLang's model code reduces the MoE output across ranks (FusedMoE's own all-reduce when built with
@@ -58,15 +58,9 @@ def _build_loaded(spec, tensors):
 
 
 def checkpoint(spec, seed, experts=None):
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-    if spec.fmt == "nvfp4":
-        return cpu_layers.random_nvfp4_checkpoint(spec, seed=seed, experts=experts)
-    if spec.fmt in cpu_layers.FP8_CONFIGS:
-        return cpu_layers.random_fp8_checkpoint(spec, seed=seed, experts=experts)
-    if spec.fmt == "bf16":
-        return cpu_layers.random_bf16_checkpoint(spec, seed=seed, experts=experts)
-    raise NotImplementedError(spec.fmt)
+    return cpu_layers.random_checkpoint(spec, seed, experts)
 
 
 def _as_bytes(t):
@@ -75,7 +69,7 @@ def _as_bytes(t):
 
 def run_scenario(sc: dict) -> dict:
     from sglang_trtllm_moe import layer_state
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     spec = cpu_layers.MoeSpec(**sc["spec"])
     tensors = checkpoint(spec, sc["seed"])
@@ -105,7 +99,7 @@ def run_scenario(sc: dict) -> dict:
 def _rl_update(layer, spec, tensors, sc, upd) -> dict:
     """An RL step that only changes some experts: every rank receives the same named tensors (as SGLang's
     update_weights_from_tensor broadcasts them); ranks that do not own an expert drop it in SGLang's loader."""
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
     new = checkpoint(spec, upd["seed"], experts=upd["experts"])
     before = {n: _as_bytes(getattr(layer, n)) for n in PREPARED}
@@ -139,11 +133,11 @@ def _updater(model, spec):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from sglang_trtllm_moe.testing import layers as cpu_layers
+    from . import sglang_runtime
 
     if "d" not in _CFG_DIR:  # from_tensor never reads the directory, but ModelConfig needs a config.json
         _CFG_DIR["d"] = tempfile.mkdtemp(prefix="trtllm-moe-mr-cfg-")
-        cpu_layers.write_safetensors_checkpoint(_CFG_DIR["d"], {}, spec)
+        sglang_runtime.write_safetensors_checkpoint(_CFG_DIR["d"], {}, spec)
     import torch.distributed as dist
 
     return WeightUpdater(
@@ -190,7 +184,7 @@ def main(argv):
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo collectives crawl
     from sglang.srt.plugins import load_plugins
 
-    from sglang_trtllm_moe.testing.runtime import init_rank
+    from .sglang_runtime import init_rank
 
     load_plugins()  # SGLang's own entry-point discovery runs our register(), as in every scheduler process
     _record_kernel_calls()

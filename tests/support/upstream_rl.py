@@ -22,24 +22,18 @@ import traceback
 import torch  # noqa: E402
 
 from .. import conftest  # noqa: F401  (torchvision shim before SGLang is imported)
+from . import sglang_runtime
 
 SEEDS = {"a": 0, "b": 1, "c": 2, "d": 3}
-#: the format registry's names (compat/defer.py) -> the CPU harness's layer kinds (testing.layers.MoeSpec.fmt)
-SPEC_FMT = {"fp8_tensor_modelopt": "fp8_modelopt"}
+#: the harness's kinds of layer whose SGLang preparation needs the CPU stand-ins of sandbox.layers.prep_patches
+STANDIN_PREP = ("mxfp8", "mxfp4_experts", "mxfp4_gptoss")
 
 
-def _checkpoint(fmt: str, spec, seed: int, experts=None):
-    from sglang_trtllm_moe.testing import layers, mx_layers
+def _checkpoint(spec, seed: int, experts=None):
+    """gpt-oss's fused tensors hold every expert: a "one-expert" update of it is whole."""
+    from sglang_trtllm_moe.sandbox import layers
 
-    if fmt in mx_layers.MX_FORMATS:  # gpt-oss's fused tensors hold every expert: a "one-expert" update is whole
-        return mx_layers.random_checkpoint(spec, seed, experts)
-
-    make = {
-        "nvfp4": layers.random_nvfp4_checkpoint,
-        "bf16": layers.random_bf16_checkpoint,
-        "ct_nvfp4": layers.random_ct_nvfp4_checkpoint,
-    }.get(fmt, layers.random_fp8_checkpoint)
-    return make(spec, seed=seed, experts=experts)
+    return layers.random_checkpoint(spec, seed, experts)
 
 
 def _per_tensor_quant_fp8(input, output_q, output_s, is_static=False):
@@ -81,41 +75,39 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class Case:
     def __init__(self, fmt: str):
-        from sglang_trtllm_moe.testing import layers
-        from sglang_trtllm_moe.testing.runtime import init_single_process
+        from sglang_trtllm_moe.sandbox import layers
+        from sglang_trtllm_moe.sandbox.runtime import init_single_process
 
-        self.fmt = SPEC_FMT.get(fmt, fmt)
+        self.fmt = layers.kind_of(fmt)
         self.spec = layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt=self.fmt)
-        # MX layers: SGLang's own prep needs CPU stand-ins for its CUDA-only helpers (testing/mx_layers.py)
+        # MX layers: SGLang's own prep needs CPU stand-ins for its CUDA-only helpers (sandbox/layers.py)
         init_single_process(
             "flashinfer_mxfp4" if self.fmt in ("mxfp4_experts", "mxfp4_gptoss") else "flashinfer_trtllm"
         )
-        self.model = self._prepared(_checkpoint(fmt, self.spec, SEEDS["a"]))
+        self.model = self._prepared(_checkpoint(self.spec, SEEDS["a"]))
         self.params = dict(self.model.named_parameters())
         self.loaders = {n: getattr(p, "weight_loader", None) for n, p in self.params.items()}
         self.ptrs = {n: p.data_ptr() for n, p in self.params.items()}
-        self.intended = _checkpoint(fmt, self.spec, SEEDS["a"])
+        self.intended = _checkpoint(self.spec, SEEDS["a"])
 
     def _names(self, tensors) -> dict:
-        from sglang_trtllm_moe.testing import layers, mx_layers
+        from sglang_trtllm_moe.sandbox import layers
 
-        if self.fmt == "mxfp4_gptoss":
-            return mx_layers.gptoss_names(tensors)
         return layers.checkpoint_names(tensors)
 
     def _patches(self, model=None):
         import contextlib
 
-        from sglang_trtllm_moe.testing import mx_layers
+        from sglang_trtllm_moe.sandbox import layers
 
-        if self.fmt not in mx_layers.MX_FORMATS:
+        if self.fmt not in STANDIN_PREP:
             return contextlib.nullcontext()
-        return mx_layers.prep_patches((model or self.model).experts.quant_method)
+        return layers.prep_patches((model or self.model).experts.quant_method)
 
     def _prepared(self, tensors):
-        from sglang_trtllm_moe.testing import layers, mx_layers
+        from sglang_trtllm_moe.sandbox import layers
 
-        model = (mx_layers.GptOssTinyModel if self.fmt == "mxfp4_gptoss" else layers.TinyMoeModel)(self.spec)
+        model = layers.TinyMoeModel(self.spec)
         model.load_weights(self._names(tensors).items())
         with self._patches(model):
             model.experts.quant_method.process_weights_after_loading(model.experts)
@@ -124,13 +116,10 @@ class Case:
     def _updater(self, path=None):
         from sglang.srt.configs.model_config import ModelConfig
 
-        from sglang_trtllm_moe.testing import layers
-        from sglang_trtllm_moe.testing.runtime import weight_updater
-
         if path is None:
             path = tempfile.mkdtemp(prefix="upstream-rl-cfg-")
-            layers.write_safetensors_checkpoint(path, {}, self.spec)
-        return weight_updater(self.model, ModelConfig(model_path=path))
+            sglang_runtime.write_safetensors_checkpoint(path, {}, self.spec)
+        return sglang_runtime.weight_updater(self.model, ModelConfig(model_path=path))
 
     def check(self) -> dict:
         fresh = self._prepared(self.intended)
@@ -150,14 +139,9 @@ class Case:
         }
 
     def from_disk(self, tensors) -> None:
-        from sglang_trtllm_moe.testing import layers
 
         d = tempfile.mkdtemp(prefix="upstream-rl-")
-        if self.fmt == "mxfp4_gptoss":
-            from sglang_trtllm_moe.testing import mx_layers
-
-            tensors = mx_layers.gptoss_checkpoint(tensors)
-        layers.write_safetensors_checkpoint(d, tensors, self.spec)
+        sglang_runtime.write_safetensors_checkpoint(d, tensors, self.spec)
         with self._patches():
             ok, msg = self._updater(d).update_weights_from_disk(d, "auto")
         if not ok:
@@ -184,10 +168,10 @@ class Case:
     def run(self) -> dict:
         out = {}
         steps = (
-            ("disk_one_expert", self.from_disk, _checkpoint(self.fmt, self.spec, SEEDS["b"], experts=[2])),
-            ("disk_whole", self.from_disk, _checkpoint(self.fmt, self.spec, SEEDS["c"])),
-            ("tensor_whole", self.from_tensor, _checkpoint(self.fmt, self.spec, SEEDS["d"])),
-            ("tensor_one_expert", self.from_tensor, _checkpoint(self.fmt, self.spec, SEEDS["a"], experts=[1])),
+            ("disk_one_expert", self.from_disk, _checkpoint(self.spec, SEEDS["b"], experts=[2])),
+            ("disk_whole", self.from_disk, _checkpoint(self.spec, SEEDS["c"])),
+            ("tensor_whole", self.from_tensor, _checkpoint(self.spec, SEEDS["d"])),
+            ("tensor_one_expert", self.from_tensor, _checkpoint(self.spec, SEEDS["a"], experts=[1])),
         )
         for name, update, tensors in steps:
             try:
@@ -213,7 +197,7 @@ def main(formats: list[str]) -> dict:
     from sglang.srt.plugins import load_plugins
 
     from sglang_trtllm_moe import plugin
-    from sglang_trtllm_moe.testing.runtime import init_single_process
+    from sglang_trtllm_moe.sandbox.runtime import init_single_process
 
     load_plugins()
     if plugin.state().enabled:

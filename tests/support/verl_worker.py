@@ -30,7 +30,7 @@ TP = 2
 def _buckets(seed: int, n: int, bad: str | None = None):
     import torch
 
-    from sglang_trtllm_moe.testing import checkpoints as ck
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
 
     spec = ck.TinySpec(arch="qwen3_moe", quant="nvfp4", seed=seed)
     named = sorted(ck.checkpoint(spec).items())

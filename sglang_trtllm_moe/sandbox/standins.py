@@ -39,7 +39,7 @@ SPAWN_DIST = "sglang_trtllm_moe_cpu_standins"
 
 def spawn_path(root: str | None = None) -> str:
     """A directory to prepend to PYTHONPATH so processes SGLang spawns apply the stand-ins: it holds only a
-    `*.dist-info` declaring a `sglang.srt.plugins` entry point `cpu_standins = sglang_trtllm_moe.testing.standins:
+    `*.dist-info` declaring a `sglang.srt.plugins` entry point `cpu_standins = sglang_trtllm_moe.sandbox.standins:
     plugin_entry`. SGLang's `load_plugins()` (first thing in every scheduler / detokenizer process) runs it."""
     import tempfile
 
@@ -49,7 +49,7 @@ def spawn_path(root: str | None = None) -> str:
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write(f"Metadata-Version: 2.1\nName: {SPAWN_DIST}\nVersion: 0.0.0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[sglang.srt.plugins]\ncpu_standins = sglang_trtllm_moe.testing.standins:plugin_entry\n")
+        f.write("[sglang.srt.plugins]\ncpu_standins = sglang_trtllm_moe.sandbox.standins:plugin_entry\n")
     return root
 
 

@@ -1,4 +1,4 @@
-"""The RL loop on `sglang.Engine` (testing/engine.py's TinyEngine): what `ci/demo` / `sglang-trtllm-moe demo` runs
+"""The RL loop on `sglang.Engine` (sandbox/engine.py's TinyEngine): what `ci/demo` / `sglang-trtllm-moe demo` runs
 and tests/test_engine.py asserts. Load and generate, the forward against transformers, RL rounds from disk and from
 tensors in buckets, a partial update, the weight checker, a corrupted update caught — each served state read back
 and compared byte for byte with a fresh load of the same weights, a line per step with its time."""
@@ -68,7 +68,7 @@ def _hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _reference_child(spec, first: str, targets: dict[str, str], out_path: str) -> None:
-    """In a forked process: SGLang's ModelRunner (the bench_one_batch flow of testing.models) loads `first`, then a
+    """In a forked process: SGLang's ModelRunner (the bench_one_batch flow of sandbox.models) loads `first`, then a
     fresh get_model() of every target: the bytes a new server would hold (state_dict, as save_sharded_model writes
     it) and its greedy tokens; and the first one's prefill logits vs transformers."""
     import json

@@ -12,7 +12,7 @@ Rows (each: name, plugin_s, upstream_s, ratio = upstream_s / plugin_s, plus byte
 * RL update of a whole model (DeepSeek-V3 architecture, NVFP4 and block FP8, small sizes: `bench_update.SIZES`)
   through SGLang's WeightUpdater, tensor buckets in a session and from disk: the plugin against the same update with
   its checks bypassed, in the same process (`bench_update.bypass` says what is replaced), CPU seconds with the
-  layout work excluded; the layout work on its own row (SGLang 0.5.21+: testing/models.py).
+  layout work excluded; the layout work on its own row (SGLang 0.5.21+: sandbox/models.py).
 Peak extra memory is the growth of the process's peak RSS during each step (ru_maxrss; plugin measured first, so
 upstream's figure is a lower bound). Timings are medians of `repeats` runs. Never used as a test.
 """
@@ -202,7 +202,7 @@ def _fill_random_mx(layer, seed: int = 0) -> None:
 
 
 def _mx_layers(fmt: str, experts: int):
-    from . import mx_layers
+    from . import layers as mx_layers
     from .layers import MoeSpec
 
     real_e, h, i = MX_SHAPES[fmt][2]
@@ -216,13 +216,13 @@ def _mx_layers(fmt: str, experts: int):
 
 def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
     """Plugin vs SGLang's own preparation of the same MX layer (SGLang's CUDA-only helpers replaced by CPU ones of the
-    same bytes: testing/mx_layers.sglang_prepare), and an RL update: one expert for MXFP8 / MXFP4 experts (the
+    same bytes: sandbox/layers.sglang_prepare), and an RL update: one expert for MXFP8 / MXFP4 experts (the
     plugin: loader writes + flush of that expert; SGLang: loader writes + its prep of the whole layer, which is also
     what re-shuffles the experts it did not reload), the whole layer for gpt-oss (its loader writes all experts).
     For the MXFP4 paths SGLang's own loader cannot write after its prep (the Parameters it made have no
     weight_loader): its update figure is its whole-layer prep alone, a lower bound."""
     from .. import layer_state, layouts
-    from . import mx_layers
+    from . import layers as mx_layers
 
     backend, shape, (real_e, h, i) = MX_SHAPES[fmt]
     spec, ours, theirs = _mx_layers(fmt, experts)
@@ -350,7 +350,7 @@ def run(
     mx_e = mx_experts or max(2, experts // 4)  # MX layers are 2-4x the bytes of NVFP4 ones: fewer experts, same RAM
     jobs += [f"bench._one_mx_in_this_process({f!r}, {mx_e}, {repeats}, {threads!r})" for f in mx_formats]
     for job in jobs:
-        code = f"import json, sys; from sglang_trtllm_moe.testing import bench; print(json.dumps({job}))"
+        code = f"import json, sys; from sglang_trtllm_moe.sandbox import bench; print(json.dumps({job}))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"bench {job} failed:\n{out.stderr[-3000:]}")
@@ -367,14 +367,14 @@ def run(
 def model_update_rows(experts: int, repeats: int) -> list[dict]:
     """The model-level update rows (bench_update.run at its "small" size, `experts` per layer), or one row saying why
     they are not measured on this release."""
-    from .models import SUPPORTED_RELEASES
+    from ..compat.sandbox_releases import MODEL_RUNNER_RELEASES as SUPPORTED_RELEASES
     from .runtime import release
 
     if release() not in SUPPORTED_RELEASES:
         nan = float("nan")
         return [
             dict(
-                name=f"model RL update: not measured (testing.models builds whole models on SGLang "
+                name=f"model RL update: not measured (sandbox.models builds whole models on SGLang "
                 f"{SUPPORTED_RELEASES}; this is {release()})",
                 plugin_s=nan,
                 upstream_s=nan,

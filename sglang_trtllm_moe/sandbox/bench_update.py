@@ -1,7 +1,7 @@
 """What the plugin adds to an RL weight update of a whole model, measured through SGLang's own update entry points.
 
-A DeepSeek-V3 model (testing/checkpoints.py TinySpec, `deepseek_v3`: a dense first layer, then MoE layers; experts,
-hidden and intermediate scaled to fit the machine) is loaded by SGLang's ModelRunner (testing/models.py TinyModel,
+A DeepSeek-V3 model (sandbox/checkpoints.py TinySpec, `deepseek_v3`: a dense first layer, then MoE layers; experts,
+hidden and intermediate scaled to fit the machine) is loaded by SGLang's ModelRunner (sandbox/models.py TinyModel,
 0.5.21+), then updated the way SGLang's scheduler calls the runner's WeightUpdater:
 
 * ``tensor``: ``begin_weight_update``; ``update_weights_from_tensor`` once per bucket (the whole model, every
@@ -693,7 +693,7 @@ def run(quants=("nvfp4", "fp8_block"), size: str = "default", repeats: int = 3, 
     for q in quants:
         args = dict(quant=q, repeats=repeats, bucket_mib=bucket_mib, **kw)
         code = (
-            "import json; from sglang_trtllm_moe.testing import bench_update; "
+            "import json; from sglang_trtllm_moe.sandbox import bench_update; "
             f"print(json.dumps(bench_update.run_in_this_process(**{args!r})))"
         )
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env())

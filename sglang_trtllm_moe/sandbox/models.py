@@ -1,6 +1,6 @@
 """Whole SGLang models on a CPU box, built and driven the way a server and an RL framework drive them.
 
-`TinyModel(model_dir)` is SGLang's own ModelRunner for a local checkpoint (testing/checkpoints.py writes tiny
+`TinyModel(model_dir)` is SGLang's own ModelRunner for a local checkpoint (sandbox/checkpoints.py writes tiny
 ones), set up as SGLang's `bench_one_batch` sets one up (sglang/benchmark/one_batch.py `load_model`): ServerArgs
 resolved and published for the scheduler role, the process-wide MoE / GEMM configs, `bootstrap.init_parallel_runtime`
 (a gloo world of one), `ModelRunner(...)` (get_model() -> DefaultModelLoader -> the model class's load_weights ->
@@ -16,8 +16,8 @@ scheduler's `deserialize_own_rank` does; tensor and distributed updates run insi
 Every SGLang model class needs a platform the CPU box is not: the process fakes an SM100 platform (runtime.py) and
 applies the same-math stand-ins (compat/cpu_sandbox.py). Emulated kernels: SGLANG_TRTLLM_MOE_EMULATE=1 (set by `init`).
 
-Release support: 0.5.23 (the bench_one_batch flow above). Older releases spell publishing, bootstrap and the
-runner differently; they raise NotImplementedError naming the release.
+Release support: compat/sandbox_releases.py MODEL_RUNNER_RELEASES (the bench_one_batch flow above). Older releases
+spell publishing, bootstrap and the runner differently; they raise NotImplementedError naming the release.
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ import os
 from array import array
 
 import torch
-from packaging.specifiers import SpecifierSet
 
-#: releases whose process / runner set-up this module spells (bootstrap.init_parallel_runtime, runtime_context.publish)
-SUPPORTED_RELEASES = SpecifierSet(">=0.5.21")
+from ..compat.sandbox_releases import MODEL_RUNNER_RELEASES
 
 _STATE: dict = {}
 
@@ -87,9 +85,9 @@ def prepare_process(preload: bool = False) -> None:
     forks one child per model pays the imports once)."""
     if _STATE.get("prepared"):
         return
-    if _release() not in SUPPORTED_RELEASES:
+    if _release() not in MODEL_RUNNER_RELEASES:
         raise NotImplementedError(
-            f"testing.models spells SGLang's runner set-up for {SUPPORTED_RELEASES} (bench_one_batch flow); "
+            f"sandbox.models spells SGLang's runner set-up for {MODEL_RUNNER_RELEASES} (bench_one_batch flow); "
             f"this is SGLang {_release()}"
         )
     os.environ.setdefault("SGLANG_TRTLLM_MOE_EMULATE", "1")
@@ -164,20 +162,9 @@ def _init_global_configs_0_5_21() -> None:
             pass
 
 
-def build_only(model_dir: str):
-    """The model class SGLang builds for `model_dir`, constructed as DefaultModelLoader.load_model constructs it
-    (quant config, dtype, device), without loading weights: for models SGLang cannot finish loading on a CPU box
-    (QuantMixtralForCausalLM's ModelOpt FP4 linear layers move their scales with `.cuda()` after loading)."""
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader import loader
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-
-    mc = ModelConfig.from_server_args(_STATE["server_args"], model_path=model_dir)
-    lc = LoadConfig(load_format=_STATE["server_args"].load_format)
-    quant_config = loader._get_quantization_config(mc, lc)
-    with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
-        return loader._initialize_model(mc, lc, quant_config)
+def server_args():
+    """The ServerArgs `init` published for this process (what every model of it is built with)."""
+    return _STATE["server_args"]
 
 
 def moe_layers(model) -> dict[str, torch.nn.Module]:
@@ -227,13 +214,6 @@ class TinyModel:
 
     def moe_layers(self) -> dict[str, torch.nn.Module]:
         return moe_layers(self.model)
-
-    def moe_params(self) -> dict[str, torch.nn.Parameter]:
-        return {
-            f"{ln}.{pn}": p
-            for ln, layer in self.moe_layers().items()
-            for pn, p in layer.named_parameters(recurse=False)
-        }
 
     def pointers(self) -> dict[str, int]:
         return {n: p.data_ptr() for n, p in self.model.named_parameters()}
@@ -384,12 +364,6 @@ class TinyModel:
     def load_distributed(self, named_tensors):
         """The load half of update_weights_from_distributed (what the scheduler passes after the receive)."""
         return self._in_session(lambda: self.updater.load_weights_from_distributed(list(named_tensors)))
-
-    def weight_checker(self):
-        """SGLang's WeightChecker around this model; call `handle` under torch.no_grad() as the scheduler does."""
-        from .runtime import weight_checker
-
-        return weight_checker(self.model)
 
 
 def flattened_bucket(named_tensors) -> dict:

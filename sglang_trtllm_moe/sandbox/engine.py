@@ -22,8 +22,9 @@ offers is only what the Engine offers:
 | state | `Engine.save_sharded_model(path=...)`: the scheduler writes model.state_dict() (the prepared bytes) as
   safetensors; read back here, byte for byte |
 
-Release support: 0.5.23 (begin/end weight-update sessions, the weight checker request, the Engine's spawn flow).
-The RL loop the demo runs on it: testing/rl_loop.py.
+Release support: compat/sandbox_releases.py ENGINE_RELEASES (begin/end weight-update sessions, the weight checker
+request, the Engine's spawn flow).
+The RL loop the demo runs on it: sandbox/rl_loop.py.
 """
 
 from __future__ import annotations
@@ -35,11 +36,9 @@ import os
 import tempfile
 
 import torch
-from packaging.specifiers import SpecifierSet
 
+from ..compat.sandbox_releases import ENGINE_RELEASES
 from . import models
-
-SUPPORTED_RELEASES = SpecifierSet(">=0.5.23")
 
 #: the faked SM the Engine's processes run with
 FAKE_SM = 100
@@ -57,17 +56,16 @@ def prepare_process(workdir: str | None = None) -> None:
     from ..runner import ENV_EMULATE
     from .runtime import release
 
-    if release() not in SUPPORTED_RELEASES:
+    if release() not in ENGINE_RELEASES:
         raise EngineUnavailable(
-            f"testing.engine drives sglang.Engine of SGLang {SUPPORTED_RELEASES}; this is SGLang {release()}"
+            f"sandbox.engine drives sglang.Engine of SGLang {ENGINE_RELEASES}; this is SGLang {release()}"
         )
     if importlib.util.find_spec("xgrammar") is None:
         # sglang requires it (Requires-Dist: xgrammar); the CPU env installs sglang --no-deps
         raise EngineUnavailable(
             "sglang.Engine's detokenizer imports xgrammar (parser/response_template.py tool_close_tokens -> "
             "function_call/function_call_parser.py -> inkling_detector.py `from xgrammar import StructuralTag`), "
-            "and this environment has none: install SGLang's pin (xgrammar==0.2.7 for 0.5.23; ci/releases.tsv "
-            "extra-no-deps)"
+            "and this environment has none: install the release's pin (ci/releases.tsv extra-no-deps)"
         )
     os.environ[ENV_EMULATE] = "1"
     os.environ[ENV_FAKE_SM] = str(FAKE_SM)
