@@ -106,3 +106,22 @@ def test_every_environment_variable_the_plugin_reads_is_in_the_readme():
     text = README.read_text()
     missing = sorted(n for n in names if f"`{n}" not in text)
     assert not missing, f"environment variables not in README.md: {missing}"
+
+
+def test_the_release_range_in_the_prose_is_the_tested_one():
+    """The README's prose names the supported range, the newest tested release and where the CPU recipe runs; when a
+    release is added (compat/releases.py TESTED, sandbox ENGINE_RELEASES) this fails until the prose follows."""
+    from sglang_trtllm_moe.compat.releases import NEWEST_TESTED, OLDEST_SUPPORTED
+
+    text = README.read_text()
+    prose = re.sub(r"<!-- support-table:begin.*?<!-- support-table:end -->", "", text, flags=re.DOTALL)
+    ranges = re.findall(r"\b(\d+\.\d+\.\d+) (?:to|-) (\d+\.\d+\.\d+)\b", prose)
+    assert ranges, "the README names no release range"
+    assert set(ranges) == {(str(OLDEST_SUPPORTED), str(NEWEST_TESTED))}, ranges
+    newest = re.findall(r"(?:[Nn]ewer than|newest tested release) (\d+\.\d+\.\d+)", prose)
+    assert newest and set(newest) == {str(NEWEST_TESTED)}, newest
+    older = re.findall(r"Older than (\d+\.\d+\.\d+)", prose)
+    assert older == [str(OLDEST_SUPPORTED)], older
+    engine_floor = re.match(r">=\s*(\S+)$", str(ENGINE_RELEASES)).group(1)
+    cpu = re.findall(r"SGLang (\d+\.\d+\.\d+) or newer", prose)
+    assert cpu and set(cpu) == {engine_floor}, (cpu, str(ENGINE_RELEASES))
