@@ -5,10 +5,25 @@ cannot load against CPU torch, and its meta registrations then fail on `torchvis
 torchvision unconditionally (sglang/srt/configs -> internvl_utils), though it only needs pure-Python parts.
 Defining the two op schemas first is enough (ci/cpu_shim/_sglang_trtllm_moe_cpu_shim.py does the same for every
 process of a CI env).
+
+Torch threads: the pytest process is a harness process like the others (docs/TESTING.md): single-threaded torch
+(SGLANG_TRTLLM_MOE_TEST_THREADS, default 1), and through OMP_NUM_THREADS every process a test starts too (each
+test's own environment may still set it). On the 2-core box two matrix jobs run side by side; with torch's default
+of one OpenMP thread per core their spinning workers wait for each other's cores: tests/test_concurrency.py and
+tests/test_nvfp4_layer.py took 97 s of CPU with two threads, 37 s with one (tests/test_concurrency.py still finds
+every race of a layer without its lock).
 """
 
+import os
+
 import pytest
-import torch
+
+_THREADS = max(1, int(os.environ.get("SGLANG_TRTLLM_MOE_TEST_THREADS", "1")))
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+torch.set_num_threads(_THREADS)
 
 _tv_lib = torch.library.Library("torchvision", "FRAGMENT")
 for _op in ("nms", "qnms"):

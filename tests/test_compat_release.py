@@ -5,12 +5,12 @@ would. Runs unchanged on every release 0.5.11 ... 0.5.23 (ci/matrix)."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 from sglang_trtllm_moe.compat.releases import installed_version
 
-from .support.helpers import REPO, last_json, run_python
+from .support import probes
+from .support.helpers import REPO
 
 #: not-applicable targets whose dotted path still resolves on the releases they are left out of, and why
 SUPERSEDED = {
@@ -36,31 +36,10 @@ SUPERSEDED = {
 ESSENTIAL = {"core", "nvfp4-prep", "rl-update", "runner"}
 OTHER_FORMATS = ("fp8", "Fp8", "bf16", "unquant", "compressed_tensors")
 
-REPORT = """
-    import json, pkgutil, inspect
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    from sglang_trtllm_moe import doctor
-    r = doctor.report(load=False, import_targets=True)
-    def resolves(path):
-        obj, attr = path.rsplit(".", 1)
-        try:
-            inspect.getattr_static(pkgutil.resolve_name(obj), attr)
-            return True
-        except Exception:
-            return False
-    for t in r["targets"]:
-        t["resolves"] = resolves(t["target"])
-    print(json.dumps(r))
-"""
 
-
-@functools.cache
 def _report():
-    """doctor's report of a process that ran SGLang's load_plugins(), once per session (read-only: copy to edit)."""
-    proc = run_python(REPORT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json(proc)
+    """doctor's report of a fresh process that ran SGLang's load_plugins() (the session's shared one: probes.DOCTOR)."""
+    return probes.result("plain", "doctor")
 
 
 def test_plugin_loads_through_sglang_and_every_target_lands_or_is_absent_upstream():
@@ -98,8 +77,11 @@ def test_every_capability_has_a_landed_target_where_the_plugin_claims_it():
     assert claimed == landed, (sorted(claimed), sorted(landed))
 
 
-RUNTIME = """
-    import json, torch
+RUNTIME = probes.section(
+    "plain",
+    "runtime",
+    """
+    import torch
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang_trtllm_moe.sandbox.runtime import init_single_process
@@ -113,7 +95,7 @@ RUNTIME = """
     calls = cpu_layers.load_checkpoint(layer, cpu_layers.random_nvfp4_checkpoint(spec), spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)
     st = layer_state.state_of(layer)
-    print(json.dumps({
+    RESULT = {
         "backend": get_moe_runner_backend().value,
         "world": torch.distributed.get_world_size(),
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
@@ -121,20 +103,18 @@ RUNTIME = """
         "calls": calls, "prepared": bool(st is not None and st.clean),
         "w13": list(layer.w13_weight.shape), "device": str(layer.w13_weight.device),
         "inter": layer.intermediate_size_per_partition,
-    }))
-"""
+    }
+""",
+    # it publishes SGLang's ServerArgs and the parallel runtime of its process: after doctor's imports of the hooked
+    # modules (hooks landing lazily, as its modules are imported, is what every in-process layer test relies on)
+    order=probes.LAST,
+)
 
 
 def test_single_process_runtime_builds_and_prepares_a_real_nvfp4_layer():
     """SGLang's own getters say what a scheduler process would: world of one, flashinfer_trtllm chosen, and the
     NVFP4 quant method (which refuses non-Blackwell platforms) took the TRT-LLM path."""
-    from sglang_trtllm_moe.sandbox.runtime import free_port
-
-    # its own rendezvous port: this pytest process may hold one already (in-process SGLang tests), and children
-    # inherit MASTER_PORT from it
-    proc = run_python(RUNTIME, env={"MASTER_PORT": str(free_port())})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = last_json(proc)
+    r = probes.result("plain", RUNTIME)  # its process's own rendezvous port: probes.ENVS
     assert r["backend"] == "flashinfer_trtllm"
     assert r["world"] == 1 and r["tp"] == 1
     assert r["trtllm_method"] is True

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,25 +21,28 @@ from sglang_trtllm_moe.compat import defer, installed_version
 from sglang_trtllm_moe.formats import by_name
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-from .support import sglang_runtime
-from .support.helpers import REPO, last_json
+from .support import probes, sglang_runtime
 
 #: the registry's names of the formats the table has verdicts on (test ids); `by_name` gives the entry
 FORMATS = sorted({v.fmt.name for v in defer.TABLE})
 
 
+#: tests/support/upstream_rl.py in a fresh process with the plugin disabled (the session's shared SGLang-alone process,
+#: tests/support/probes.py: after every other section there, since it publishes SGLang's process-wide state)
+MEASURED = probes.section(
+    "disabled",
+    "upstream_rl",
+    f"""
+    from tests.support import upstream_rl
+    RESULT = upstream_rl.main({FORMATS!r})
+    """,
+    order=probes.LAST,
+)
+
+
 @pytest.fixture(scope="module")
 def measured():
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.upstream_rl", *FORMATS],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**__import__("os").environ, "SGLANG_TRTLLM_MOE_DISABLE": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json(proc)
+    return probes.result("disabled", MEASURED)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -12,6 +12,7 @@ import pytest
 from sglang_trtllm_moe import plugin
 from sglang_trtllm_moe.compat import NEWEST_TESTED, OLDEST_SUPPORTED, check_release
 
+from .support import probes
 from .support.helpers import last_json, make_distribution, run_python
 
 LOAD_AND_REPORT = """
@@ -46,12 +47,13 @@ def test_entry_point_is_declared_for_sglang():
     assert ours[0].load() is plugin.register
 
 
-def test_sglang_load_plugins_runs_register_and_every_target_lands():
-    # Witness that SGLang really calls through a landed hook: a weight-update entry point of this release must
-    # drop the layout index-map cache before it runs (sglang#28676), whatever the call itself then does.
-    proc = run_python(
-        LOAD_AND_REPORT
-        + """
+#: Witness that SGLang really calls through a landed hook: a weight-update entry point of this release must drop the
+#: layout index-map cache before it runs (sglang#28676), whatever the call itself then does. In the process of
+#: probes.DOCTOR, after it (the session's shared fresh process).
+WITNESS = probes.section(
+    "plain",
+    "witness",
+    """
     import pkgutil
     from packaging.version import Version
     from sglang_trtllm_moe import layouts
@@ -67,12 +69,14 @@ def test_sglang_load_plugins_runs_register_and_every_target_lands():
     except Exception:
         pass  # a bare object is no WeightUpdater; the BEFORE hook has run by then
     dropped = layouts.w2_row_map(256) is not cached  # the cache was dropped: the map is built anew
-    print(json.dumps({"target": target, "cached_before": before, "dropped_after": dropped}))
-    """
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
-    r, calls = lines[-2], lines[-1]
+    RESULT = {"target": target, "cached_before": before, "dropped_after": dropped}
+    """,
+    order=30,
+)
+
+
+def test_sglang_load_plugins_runs_register_and_every_target_lands():
+    r, calls = probes.result("plain", "doctor"), probes.result("plain", WITNESS)
     assert r["enabled"] is True and r["status"] == "enabled"
     assert r["sglang_version"] and r["release_status"] == "tested"
     assert r["targets"], "no targets registered"
@@ -295,7 +299,10 @@ def test_doctor_cli_json_loads_the_plugin_through_sglang_and_proves_every_target
     assert text.returncode == 0 and "enabled" in text.stdout and "[        landed]" in text.stdout
 
 
-LAZY = """
+LAZY = probes.section(
+    "plain",
+    "lazy",
+    """
     import json, sys
     before = set(sys.modules)
     from sglang.srt.plugins import load_plugins
@@ -308,17 +315,17 @@ LAZY = """
            "modules": {t.target: t.module for t in plugin.state().targets}, "after_load": states()}
     import sglang.srt.layers.moe.fused_moe_triton.layer  # what a scheduler building a MoE model imports first
     out["after_fused_moe"] = states()
-    print(json.dumps(out))
-"""
+    RESULT = out
+    """,
+    order=probes.FIRST,  # sys.modules as SGLang's load_plugins() finds it in a fresh process
+)
 
 
 def test_load_plugins_imports_no_hooked_module_and_no_harness_and_hooks_land_on_import():
     """Start-up is free (issue: +2.7-4.0 s and +138 MiB in every launcher/detokenizer): SGLang's load_plugins()
     with the plugin imports none of the modules it hooks and nothing of the CPU harness; a hook lands when its
     module is imported, before anything can use it."""
-    proc = run_python(LAZY)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = last_json(proc)
+    r = probes.result("plain", LAZY)
     hooked = set(r["modules"].values())
     assert not hooked & set(r["added"]), sorted(hooked & set(r["added"]))
     assert not [m for m in r["added"] if m.startswith("sglang_trtllm_moe.sandbox")]

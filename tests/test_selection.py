@@ -7,17 +7,24 @@ Oracles nobody here wrote:
 * SGLang's per-runner quantization asserts (explicit backend + quantization: accepted or AssertionError);
 * SGLang's `get_activation_type` + flashinfer's ActivationType, and the runners' `_SUPPORTED_*_ACTIVATIONS` sets;
 * SGLang's `FusedOpPool` registry (which a2a backends have a fused func for these runners).
-All SGLang resolutions run in three subprocesses started together (plugin loading is once per process).
+All SGLang resolutions run in three fresh processes, asked together (plugin loading is once per process); the one
+with the plugin and the one with it disabled are the session's shared processes of their environment
+(tests/support/probes.py), where the resolutions run first, right after SGLang's load_plugins().
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -27,7 +34,8 @@ from sglang_trtllm_moe import selection as sel
 from sglang_trtllm_moe.formats import FORMATS
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement, resolve
 
-from .support.helpers import last_json, run_python
+from .support import probes
+from .support.helpers import last_json
 
 SM100 = DeviceInfo(sm=100, flashinfer_version="0.7.2.post1", source="test")
 
@@ -369,7 +377,7 @@ def _write_model(root, arch: str, quant: str | None):
     return str(d)
 
 
-RESOLVE_SCRIPT = """
+RESOLVE = """
     import json, os
     from sglang.srt.plugins import load_plugins
     load_plugins()
@@ -407,15 +415,16 @@ RESOLVE_SCRIPT = """
         except AssertionError as e:
             out["asserts"][cid] = "AssertionError: " + str(e)[:200]
     out["doctor"] = doctor.report(load=False)
-    print(json.dumps(out))
+    RESULT = out
 """
 
 
-@pytest.fixture(scope="module")
-def sglang_runs(tmp_path_factory):
-    """Three fresh SGLang processes, started together: plugin on, plugin disabled, auto switched off; plus the
-    explain CLI. Returns {"plugin": ..., "upstream": ..., "auto_off": ..., "explain": ..., "model_dir": ...}."""
-    root = tmp_path_factory.mktemp("models")
+@functools.cache
+def _models() -> tuple[str, str, str]:
+    """The config.json-only model directories, written once per session: (SEL_SPEC, the Mixtral FP8-block directory,
+    the Mixtral NVFP4 directory)."""
+    root = Path(tempfile.mkdtemp(prefix="trtllm-moe-selection-"))
+    atexit.register(shutil.rmtree, root, True)
     cases = []
     for cid, arch, quant, sm, kw, *_ in CASES:
         kw = _kwargs(cid, kw)
@@ -432,31 +441,41 @@ def sglang_runs(tmp_path_factory):
         for b, q in ASSERT_CASES
     ]
     spec = json.dumps({"cases": cases, "asserts": asserts})
-    mixtral = _write_model(root, "mixtral", "fp8_block")
+    return spec, _write_model(root, "mixtral", "fp8_block"), _write_model(root, "mixtral", "nvfp4")
+
+
+#: SGLang's resolution of every case in a fresh process: with the plugin (the session's shared plain process, where
+#: it runs right after load_plugins(), before any other section imports more of SGLang), with the plugin disabled
+#: (the shared SGLang-alone process) and with the auto switch off (its own)
+RESOLUTIONS = {
+    k: (env, probes.section(env, "selection", RESOLVE, order=10, prepare=lambda: {"SEL_SPEC": _models()[0]}))
+    for k, env in (("plugin", "plain"), ("upstream", "disabled"), ("auto_off", "auto_off"))
+}
+
+
+@pytest.fixture(scope="module")
+def sglang_runs():
+    """Three fresh SGLang processes, asked together: plugin on, plugin disabled, auto switched off; plus the
+    explain CLI. Returns {"plugin": ..., "upstream": ..., "auto_off": ..., "explain": ..., "model_dir": ...}."""
+    _spec, mixtral, quant_mixtral = _models()
 
     def explain():
-        return subprocess.run(
+        proc = subprocess.run(
             [sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model", mixtral, "--sm", "100", "--json"],
             capture_output=True,
             text=True,
             timeout=240,
         )
+        assert proc.returncode == 0, f"explain: {proc.stderr[-3000:]}"
+        return last_json(proc)
 
-    jobs = {
-        "plugin": lambda: run_python(RESOLVE_SCRIPT, env={"SEL_SPEC": spec}),
-        "upstream": lambda: run_python(RESOLVE_SCRIPT, env={"SEL_SPEC": spec, "SGLANG_TRTLLM_MOE_DISABLE": "1"}),
-        "auto_off": lambda: run_python(RESOLVE_SCRIPT, env={"SEL_SPEC": spec, "SGLANG_TRTLLM_MOE_AUTO": "0"}),
-        "explain": explain,
-    }
+    jobs = {k: functools.partial(probes.result, env, name) for k, (env, name) in RESOLUTIONS.items()}
+    jobs["explain"] = explain
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {k: pool.submit(f) for k, f in jobs.items()}
-        procs = {k: f.result() for k, f in futures.items()}
-    out = {}
-    for k, proc in procs.items():
-        assert proc.returncode == 0, f"{k}: {proc.stderr[-3000:]}"
-        out[k] = last_json(proc)
+        out = {k: f.result() for k, f in futures.items()}
     out["model_dir"] = mixtral
-    out["quant_mixtral_dir"] = _write_model(root, "mixtral", "nvfp4")
+    out["quant_mixtral_dir"] = quant_mixtral
     return out
 
 
