@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.experts, args.hidden, args.intermediate, args.repeats, args.profile_top = 4, 256, 128, 1, 5
+        args.experts, args.hidden, args.intermediate, args.repeats, args.profile_top = 4, 256, 128, 1, 15
     torch.set_num_threads(args.threads)
     sglang_runtime.ensure("flashinfer_trtllm")
     spec = cpu_layers.MoeSpec(

@@ -45,7 +45,8 @@ def _check_validation_overhead(out):
     assert out["loader_calls"] == 4 * 12  # 4 experts x (w1, w3, w2) x (weight, scale, scale_2, input_scale)
     # the per-tensor and input scales (24) and the e4m3 block scales (12: checked on their bytes since #27)
     assert out["check_write_breakdown_us_per_call"]["value-checked calls"] == "36 of 48"
-    assert any("check_write" in r["function"] for r in out["profile_check_write"])
+    # the profile is of the plugin's checks (which of their functions ranks first depends on the box's threads)
+    assert any("validation.py" in r["function"] for r in out["profile_check_write"]), out["profile_check_write"]
 
 
 def _check_h200_update_path(out):
