@@ -78,11 +78,8 @@ class Counted(torch.Tensor):
 
 @pytest.fixture(scope="module", autouse=True)
 def runtime():
+    # torch's thread count is tests/conftest.py's (SGLANG_TRTLLM_MOE_TEST_THREADS): these tests count, never time
     sglang_runtime.ensure("flashinfer_trtllm")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
