@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 
+#: run the PyTorch emulator instead of the TRT-LLM-Gen kernels (any device; the runner and the selection ask it)
+ENV_EMULATE = "SGLANG_TRTLLM_MOE_EMULATE"
+
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 
@@ -22,4 +25,9 @@ def flag(name: str, default: bool = False) -> bool:
     return default
 
 
-__all__ = ["FALSE", "TRUE", "flag"]
+def emulating() -> bool:
+    """SGLANG_TRTLLM_MOE_EMULATE=1: the emulator runs in place of the kernels."""
+    return flag(ENV_EMULATE)
+
+
+__all__ = ["ENV_EMULATE", "FALSE", "TRUE", "emulating", "flag"]

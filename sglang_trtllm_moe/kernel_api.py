@@ -92,6 +92,46 @@ def kernel_function(family: str, routed: bool) -> str:
 KERNEL_FUNCTIONS = tuple(kernel_function(f, r) for f in FAMILIES for r in (False, True))
 
 
+#: From which flashinfer-python each in-kernel routing method writes `routing_replay_out` (int16 [tokens, top_k], the
+#: experts the kernel routed each token to: rollout routing replay, SGLang's --enable-return-routed-experts). Read
+#: from the CUDA sources each wheel ships (data/csrc/fused_moe/trtllm_backend/): every entry point takes the argument
+#: from 0.6.8.post1 (the oldest pin), but until 0.6.14 only the DeepSeekV3 routing kernel writes it (the custom
+#: kernels set the pointer and skip the write, flashinfer#3382: the buffer keeps whatever it held), and the Llama4
+#: kernel writes it from 0.6.18. A method missing here has no replay on any version.
+ROUTING_REPLAY_SINCE: dict[RoutingMethodType, str] = {
+    RoutingMethodType.DeepSeekV3: "0.6.8",
+    RoutingMethodType.Default: "0.6.14",
+    RoutingMethodType.Renormalize: "0.6.14",
+    RoutingMethodType.RenormalizeNaive: "0.6.14",
+    RoutingMethodType.TopK: "0.6.14",
+    RoutingMethodType.SigmoidRenorm: "0.6.14",
+    RoutingMethodType.Sigmoid: "0.6.14",
+    RoutingMethodType.MiniMax2: "0.6.14",
+    RoutingMethodType.TopKSigmoid: "0.6.14",
+    RoutingMethodType.Llama4: "0.6.18",
+}
+
+
+def replays_routing(flashinfer_version: str | None, method: int | None) -> bool:
+    """Does flashinfer `flashinfer_version`'s fused MoE kernel write `routing_replay_out` for routing `method`?
+    `method` None (unknown): only a flashinfer that replays every method can promise it."""
+    if flashinfer_version is None:
+        return False
+    from packaging.version import Version
+
+    try:
+        v = Version(Version(flashinfer_version).base_version)
+    except ValueError:
+        return False
+    if method is None:
+        return all(v >= Version(since) for since in ROUTING_REPLAY_SINCE.values())
+    since = ROUTING_REPLAY_SINCE.get(RoutingMethodType(int(method))) if int(method) in _METHOD_VALUES else None
+    return since is not None and v >= Version(since)
+
+
+_METHOD_VALUES = {int(m) for m in RoutingMethodType}
+
+
 class _Unset:
     """flashinfer 0.7.4's default of `nvfp4_4over6` ("not passed: read the FLASHINFER_NVFP4_4OVER6* environment"),
     mirrored: the same repr, compared by identity as theirs is (it has no `__eq__`)."""
@@ -144,4 +184,6 @@ __all__ = [
     "UNSET",
     "FLASHINFER_ADDED",
     "flashinfer_predates",
+    "ROUTING_REPLAY_SINCE",
+    "replays_routing",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import env, kernel_api, layer_state
+from .compat import routed_experts
 from .errors import KernelUnavailableError
 from .formats import KernelCall, WeightFormat, sglang_prepared
 from .formats.base import Layer
@@ -29,11 +30,8 @@ QuantInfo = Any
 RunnerConfig = Any
 CombineInput = Any
 
-ENV_EMULATE = "SGLANG_TRTLLM_MOE_EMULATE"
-
-
-def emulating() -> bool:
-    return env.flag(ENV_EMULATE)
+ENV_EMULATE = env.ENV_EMULATE
+emulating = env.emulating
 
 
 def _kernel_backend(layer: Layer, device: torch.device) -> tuple[ModuleType, bool]:
@@ -81,6 +79,41 @@ def needs_own_topk(layer: Layer, topk_output: TopKOutput) -> bool:
     return TopKOutputChecker.format_is_bypassed(topk_output) and not routing_declared(layer)
 
 
+def kernel_replays(method: int | None, on_kernel: bool) -> bool:
+    """Does the kernel that runs here write the experts it routed (`routing_replay_out`) for routing `method`? The
+    emulator does for every method; flashinfer's kernels from the version kernel_api.ROUTING_REPLAY_SINCE names."""
+    if not on_kernel:
+        return True
+    from .selection import flashinfer_version
+
+    return kernel_api.replays_routing(flashinfer_version(), method)
+
+
+def replay_problem(layer: Layer) -> str | None:
+    """Why a layer could not return the experts the kernel routed it to when SGLang captures routed experts
+    (`--enable-return-routed-experts`) and it runs on the fused runner here, or None when it can (or nothing is
+    captured). Asked once per layer at preparation, when an explicit flashinfer_trtllm must fail up front."""
+    from .compat.platform import returns_routed_experts
+    from .selection import flashinfer_version
+
+    if emulating() or not returns_routed_experts():
+        return None
+    method = None
+    for holder in (layer, getattr(layer, "moe_runner_config", None)):
+        method = getattr(holder, "routing_method_type", None) if method is None else method
+    method = None if method is None else int(method)
+    version = flashinfer_version()
+    if kernel_api.replays_routing(version, method):
+        return None
+    name = kernel_api.RoutingMethodType(method).name if method is not None else "an undeclared method"
+    need = kernel_api.ROUTING_REPLAY_SINCE.get(kernel_api.RoutingMethodType(method)) if method is not None else None
+    return (
+        f"--enable-return-routed-experts needs the experts the fused kernel routed, and flashinfer {version}'s "
+        f"trtllm kernels do not write them (routing_replay_out) for routing {name}"
+        + (f" (from flashinfer {need})" if need else "")
+    )
+
+
 def routing_kwargs(
     topk_output: TopKOutput,
     method: int | None,
@@ -88,22 +121,18 @@ def routing_kwargs(
     routed: bool,
     hidden: torch.Tensor | None = None,
     layer: Layer | None = None,
+    own_topk: bool | None = None,
 ) -> tuple[dict, bool]:
-    """Kernel routing arguments: logits + method (bypassed TopK), or precomputed top-k (routed variant). A layer
-    that declares no routing method gets SGLang's own top-k (`select_experts`, the router its model asked for) and
-    the routed kernel, instead of a guessed in-kernel method."""
+    """Kernel routing arguments: logits + method (bypassed TopK), or precomputed top-k (routed variant). With
+    `own_topk` (default: `layer` given and declaring no routing method) the layer gets SGLang's own top-k
+    (`select_experts`, the router its model asked for, which also captures routed experts) and the routed kernel,
+    instead of an in-kernel method."""
     from sglang.srt.layers.moe.topk import TopKOutputChecker
 
-    if not routed and layer is not None and needs_own_topk(layer, topk_output):
-        import dataclasses
-
-        from sglang.srt.layers.moe.topk import select_experts
-
-        if hidden is None:
-            raise ValueError("routing_kwargs: SGLang's own top-k for a layer needs its input activations (hidden=)")
-        # SGLang's own selection, on the path TopK itself takes on this device (its torch-native one off CUDA)
-        cfg = dataclasses.replace(topk_output.topk_config, torch_native=hidden.device.type != "cuda")
-        topk_output = select_experts(hidden, topk_output.router_logits, cfg)
+    if own_topk is None:
+        own_topk = layer is not None and needs_own_topk(layer, topk_output)
+    if not routed and own_topk and layer is not None:
+        topk_output = _select_experts(topk_output, hidden, layer)
         routed = True
     if routed or not TopKOutputChecker.format_is_bypassed(topk_output):
         if hasattr(topk_output, "packed_topk_ids"):
@@ -162,13 +191,17 @@ def run(
         return StandardCombineInput(hidden_states=x.new_empty((0, width), dtype=out_dtype))
     backend, on_kernel = _kernel_backend(layer, x.device)
     call = KernelCall(layer, quant_info, runner_config, x, on_kernel, hidden_scale)
+    topk_output = dispatch_output.topk_output
+    method = fmt.routing_method(call)
+    # routed experts (R3): SGLang captures them in its own top-k; for routing inside the kernel, the kernel reports
+    # them (routing_replay_out) and they go to SGLang's capture site — or, where this kernel cannot report them for
+    # the method, SGLang's own top-k routes (and captures) and the routed kernel computes
+    replay_wanted = not use_routed_topk and _capture_wanted(topk_output)
+    own_topk = (not fmt.routes_in_kernel(call) and needs_own_topk(layer, topk_output)) or (
+        replay_wanted and not kernel_replays(0 if method is None else method, on_kernel)
+    )
     routing, routed = routing_kwargs(
-        dispatch_output.topk_output,
-        fmt.routing_method(call),
-        runner_config,
-        use_routed_topk,
-        hidden=x,
-        layer=None if fmt.routes_in_kernel(call) else layer,
+        topk_output, method, runner_config, use_routed_topk, hidden=x, layer=layer, own_topk=own_topk
     )
     try:
         kwargs = fmt.kernel_args(call, routing, routed)
@@ -177,9 +210,61 @@ def run(
     kwargs.update(
         do_finalize=True, activation_type=kernel_api.activation_type(runner_config.activation, runner_config.is_gated)
     )
+    replay = None
+    if replay_wanted and not routed:
+        # int16 [T, top_k], as the kernel writes it; allocated per call (CUDA graphs: from the graph's pool)
+        replay = torch.empty((x.shape[0], int(kwargs["top_k"])), dtype=torch.int16, device=x.device)
+        kwargs["routing_replay_out"] = replay
     out = getattr(backend, kernel_api.kernel_function(fmt.kernel, routed))(**kwargs)
     out = out[0] if isinstance(out, (list, tuple)) else out
+    if replay is not None:
+        routed_experts.capture(topk_output.topk_config, layer_id(layer), replay)
     return StandardCombineInput(hidden_states=out.to(out_dtype))
+
+
+def layer_id(layer: Layer) -> int:
+    """The model layer index SGLang's capturer files a MoE layer's routed experts under (its TopK's layer_id)."""
+    lid = getattr(layer, "layer_id", None)
+    if lid is None:
+        raise ValueError(f"{layer_state.layer_name(layer)}: a MoE layer without layer_id cannot report routed experts")
+    return int(lid)
+
+
+def _select_experts(topk_output: TopKOutput, hidden: torch.Tensor | None, layer: Layer) -> TopKOutput:
+    """SGLang's own top-k for a bypassed TopK output, as its TopK would compute it for this layer (with the layer id,
+    so SGLang's routed-experts capture files it under this layer, and the padding / expert-location facts)."""
+    import dataclasses
+
+    from sglang.srt.layers.moe.topk import select_experts
+
+    if hidden is None:
+        raise ValueError("routing_kwargs: SGLang's own top-k for a layer needs its input activations (hidden=)")
+    # SGLang's own selection, on the path TopK itself takes on this device (its torch-native one off CUDA)
+    cfg = dataclasses.replace(topk_output.topk_config, torch_native=hidden.device.type != "cuda")
+    logits = getattr(topk_output, "raw_router_logits", None)
+    if logits is None:
+        logits = topk_output.router_logits
+    return select_experts(
+        hidden,
+        logits,
+        cfg,
+        layer_id=getattr(layer, "layer_id", None),
+        num_token_non_padded=topk_output.num_token_non_padded,
+        expert_location_dispatch_info=topk_output.expert_location_dispatch_info,
+    )
+
+
+def _capture_wanted(topk_output: TopKOutput) -> bool:
+    """Routing left to the kernel (a bypassed TopK output) while SGLang captures routed experts for this router."""
+    from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+    return TopKOutputChecker.format_is_bypassed(topk_output) and routed_experts.wanted(topk_output.topk_config)
+
+
+def _routes_here(layer: Layer, topk_output: TopKOutput) -> bool:
+    """Must the plugin route a layer SGLang prepared (its leaf would guess an undeclared routing method, or would
+    route in the kernel without reporting the routed experts SGLang captures)?"""
+    return needs_own_topk(layer, topk_output) or _capture_wanted(topk_output)
 
 
 def format_for(
@@ -187,14 +272,15 @@ def format_for(
 ) -> WeightFormat | None:
     """The format to run a layer with on SGLang's `leaf` ("fp4" | "fp8" | "bf16"), or None for SGLang's own leaf:
     a layer the plugin prepared runs on its format; a layer SGLang prepared that the plugin watches (compat/defer.py)
-    runs on its format under the emulator, or where SGLang's leaf would guess an undeclared routing method; under the
+    runs on its format under the emulator, where SGLang's leaf would guess an undeclared routing method, or where it
+    would route in the kernel while SGLang captures routed experts (its leaf reports none: zeros); under the
     emulator, a layer SGLang prepared runs on the format whose layout its leaf holds (`formats.sglang_prepared`)."""
     layer = getattr(runner_config, "layer", None)
     st = layer_state.state_of(layer)
     if st is not None:
         return st.fmt
     observed = layer_state.observed(layer)
-    if observed is not None and dispatch_output is not None and needs_own_topk(layer, dispatch_output.topk_output):
+    if observed is not None and dispatch_output is not None and _routes_here(layer, dispatch_output.topk_output):
         return observed
     if not emulating():
         return None
@@ -207,7 +293,10 @@ __all__ = [
     "emulating",
     "ensure_prepared",
     "format_for",
+    "kernel_replays",
+    "layer_id",
     "needs_own_topk",
+    "replay_problem",
     "routing_declared",
     "routing_kwargs",
     "run",

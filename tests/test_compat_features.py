@@ -115,6 +115,10 @@ PROBES = {
         )
     ),
     "TRTLLM_ROUTING_GUESSED": lambda: not _has("sglang.srt.layers.moe.topk", "_can_bypass_trtllm_routing"),
+    "ROUTED_EXPERTS_CAPTURE_SITE": lambda: _has("sglang.srt.layers.moe.topk", "capture_routed_experts_if_allowed"),
+    "ROUTED_EXPERTS_NOOP_CAPTURER": lambda: _has(
+        "sglang.srt.layers.moe.routed_experts_capturer", "_RoutedExpertsCapturerNoop"
+    ),
     "WEIGHT_UPDATER": lambda: _has(UPDATER, "WeightUpdater"),
     "DISTRIBUTED_UPDATE_RENAMED": lambda: (
         _has(UPDATER, "WeightUpdater")

@@ -7,6 +7,8 @@ A quant method's `process_weights_after_loading` hook asks `take_over` once per 
 * the kernels cannot serve the layer (activation, shape): if the user explicitly put it on flashinfer_trtllm, a
   `TrtllmLayerError` names the layer, the reason and the fix; otherwise handed back with one log line — the
   DESIGN rule: degradation allowed, silence not, never an AttributeError out of the plugin;
+* an explicit flashinfer_trtllm with --enable-return-routed-experts on a flashinfer whose kernel does not report the
+  experts it routed for this layer's routing method: a `TrtllmLayerError` (never zeros);
 * SGLang's own preparation of this format is right on this release (compat/defer.py): SGLang prepares, the plugin
   only watches (validation of later writes, the emulator) — handed back;
 * else the plugin attaches its per-expert layout state and prepares in place — served.
@@ -20,7 +22,7 @@ import logging
 from .. import layer_state
 from ..compat import defer
 from ..errors import TrtllmLayerError
-from ..formats import BACKENDS
+from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -37,6 +39,24 @@ def _forced() -> bool:
     from ..compat.platform import backend_requested
 
     return backend_requested() in BACKENDS
+
+
+def _check_replay(layer) -> None:
+    """An explicit flashinfer_trtllm with --enable-return-routed-experts on a kernel that cannot report the experts
+    it routed for this layer's routing method: a clear error at start-up, never zeros (on auto, the selection picks
+    flashinfer_trtllm_routed there, and the runner routes such a layer with SGLang's own top-k)."""
+    from ..compat.platform import backend_requested
+    from ..runner import replay_problem
+
+    if backend_requested() != TRTLLM:
+        return
+    why = replay_problem(layer)
+    if why:
+        raise TrtllmLayerError(
+            f"{layer_state.layer_name(layer)}: --moe-runner-backend {TRTLLM} cannot serve this layer: {why}. Fix: "
+            f"--moe-runner-backend {TRTLLM_ROUTED} (SGLang routes and captures, the kernel computes), or auto, or "
+            "flashinfer-python >= the version named"
+        )
 
 
 def _hand_back(layer, fmt, why: str) -> bool:
@@ -66,6 +86,7 @@ def take_over(fmt, method, layer, side_attrs=None) -> bool:
                 "(e.g. flashinfer_cutlass), or leave it on auto"
             )
         return _hand_back(layer, fmt, problem)
+    _check_replay(layer)
     v = defer.verdict(fmt)
     if v is not None and v.upstream_correct:
         layer_state.observe(layer, fmt)

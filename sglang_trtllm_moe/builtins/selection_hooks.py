@@ -55,6 +55,7 @@ def _problem(server_args: Any, draft: bool = False):
         num_redundant_experts=int(view.ep_num_redundant_experts or 0),
         init_expert_location=str(view.init_expert_location or "trivial"),
         speculative_draft=draft,
+        return_routed_experts=bool(getattr(view, "enable_return_routed_experts", False)),
     ), view
 
 

@@ -180,6 +180,77 @@ def cpu_tensors_through_the_reduction_patch() -> None:
     patch_torch._reduce_tensor_modified = _reduce_tensor_modified  # read by monkey_patch_torch_reductions
 
 
+def pageable_routed_experts_host_cache() -> None:
+    """SGLang's routed-experts capturer (`--enable-return-routed-experts`) keeps its host copy of the captured ids in
+    pinned memory: `torch.zeros(..., pin_memory=True)` in its host cache (state_capturer/base.py; 0.5.11:
+    layers/moe/routed_experts_capturer.py) before 0.5.21, then an mmap'd buffer registered with `cudaHostRegister`
+    (mem_cache/pool_host/common.py `_cuda_host_register`, which calls `torch.cuda.cudart()`). A CPU-only torch has
+    neither, so such a server does not start. Pinning only lets a GPU copy into the buffer asynchronously; without a
+    GPU every copy is a CPU copy. The stand-in keeps the buffer pageable — same shape, dtype, zeros, same bytes —:
+    the host cache's module sees a `torch` whose `zeros` / `empty` drop `pin_memory`, and host registration is a
+    no-op for buffers on a box without CUDA (every other use of those modules is unchanged)."""
+    import torch
+
+    for name in ("sglang.srt.state_capturer.base", "sglang.srt.layers.moe.routed_experts_capturer"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if isinstance(getattr(module, "torch", None), _PageableTorch):
+            continue
+        if "pin_memory=True" in _source_of(module):
+            module.torch = _PageableTorch()  # type: ignore[attr-defined]
+    try:
+        common = importlib.import_module("sglang.srt.mem_cache.pool_host.common")
+    except ImportError:
+        return
+    register = getattr(common, "_cuda_host_register", None)
+    if register is None or getattr(register, "_trtllm_moe_standin", False):
+        return
+
+    def _cuda_host_register(buffer, *args, **kwargs):
+        if torch.cuda.is_available():
+            return register(buffer, *args, **kwargs)
+        return None  # nothing to register with: the buffer stays pageable
+
+    vars(_cuda_host_register).update(_trtllm_moe_standin=True, __wrapped__=register)
+    common._cuda_host_register = _cuda_host_register
+
+
+def _source_of(module) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
+
+
+class _PageableTorch(types.ModuleType):
+    """`torch` as one SGLang module sees it in the sandbox: `zeros` / `empty` without `pin_memory` (see
+    `pageable_routed_experts_host_cache`); every other name is torch's own."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, pin_memory: bool = False, **kwargs):
+        import torch
+
+        return torch.zeros(*args, **kwargs)
+
+    @staticmethod
+    def empty(*args, pin_memory: bool = False, **kwargs):
+        import torch
+
+        return torch.empty(*args, **kwargs)
+
+
 #: every stand-in, in the order apply() installs them: (name, function, needs sglang imported)
 STANDINS = (
     ("torchvision op schemas", torchvision_op_schemas, False),
@@ -188,6 +259,7 @@ STANDINS = (
     ("TopK bypassed routing on CPU", topk_bypass_on_cpu, True),
     ("DeepSeek MLA on torch_native", deepseek_mla_on_torch_native, True),
     ("CPU tensors through SGLang's CUDA reduction patch", cpu_tensors_through_the_reduction_patch, True),
+    ("pageable routed-experts host cache", pageable_routed_experts_host_cache, True),
 )
 
 
@@ -262,5 +334,6 @@ __all__ = [
     "activate_from_env",
     "apply",
     "cpu_tensors_through_the_reduction_patch",
+    "pageable_routed_experts_host_cache",
     "requested_sm",
 ]

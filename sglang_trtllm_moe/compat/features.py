@@ -141,6 +141,17 @@ TRTLLM_ROUTING_GUESSED = Feature(
     "kernel then routes with a guessed method (FP8: DeepSeekV3, BF16: Default); 0.5.23 materializes the top-k then "
     "(topk._can_bypass_trtllm_routing). The plugin runner takes SGLang's own top-k for such layers",
 )
+ROUTED_EXPERTS_CAPTURE_SITE = Feature(
+    ">=0.5.15",
+    "layers.moe.topk.capture_routed_experts_if_allowed(topk_config, layer_id, ids) is SGLang's one capture site of "
+    "routed experts (R3), honouring TopKConfig.allow_routed_experts_capture (draft layers opt out); before, "
+    "select_experts calls the global capturer's capture(layer_id, ids) itself and every layer captures",
+)
+ROUTED_EXPERTS_NOOP_CAPTURER = Feature(
+    "<0.5.12",
+    "the global routed-experts capturer (layers/moe/routed_experts_capturer.py) is a no-op object when "
+    "--enable-return-routed-experts is off; from 0.5.12 (state_capturer/routed_experts.py) it is None then",
+)
 WEIGHT_UPDATER = Feature(
     ">=0.5.16",
     "weight updates live in model_runner_components.weight_updater.WeightUpdater (ModelRunner methods before)",

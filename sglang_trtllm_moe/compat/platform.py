@@ -120,21 +120,30 @@ def backend_requested() -> str | None:
     the resolution, so "auto" means the backend was chosen by a rule (SGLang's or the plugin's). Before, the
     resolution writes the field itself, so a rule's choice reads as requested: the plugin then treats a layer the
     kernels cannot serve as forced onto them (a clear error) rather than handing it back."""
-    from . import features
+    server_args = published_server_args()
+    value = requested_field(server_args, "moe_runner_backend") if server_args is not None else None
+    return None if value is None else str(getattr(value, "value", value))
 
+
+def published_server_args() -> Any:
+    """This process's published ServerArgs (a scheduler's config), or None when none is published or it cannot be
+    read (a bare layer in a script)."""
     try:
         if features.PUBLISHED_SERVER_ARGS.present():
             from sglang.srt.runtime_context import get_server_args
 
-            server_args = get_server_args()
-        else:
-            from sglang.srt.server_args import get_global_server_args
+            return get_server_args()
+        from sglang.srt.server_args import get_global_server_args
 
-            server_args = get_global_server_args()
-    except Exception:  # noqa: BLE001 - nothing published (a bare layer in a script): unknown
+        return get_global_server_args()
+    except Exception:  # noqa: BLE001 - nothing published: unknown
         return None
-    value = requested_field(server_args, "moe_runner_backend") if server_args is not None else None
-    return None if value is None else str(getattr(value, "value", value))
+
+
+def returns_routed_experts() -> bool:
+    """Is `--enable-return-routed-experts` on in this process's published ServerArgs (False when unknown)?"""
+    server_args = published_server_args()
+    return bool(getattr(server_args, "enable_return_routed_experts", False)) if server_args is not None else False
 
 
 def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
@@ -227,7 +236,9 @@ __all__ = [
     "declare_choice",
     "device_from_sglang",
     "model_config_of",
+    "published_server_args",
     "requested_field",
+    "returns_routed_experts",
     "resolve_server_args",
     "resolved_moe_runner_backend",
     "resolved_view",

@@ -6,6 +6,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from ..formats import Checkpoint
+from ..kernel_api import RoutingMethodType
 from .problem import MoeProblem
 
 #: Architectures whose MoE experts are non-gated (a single up projection), and the config key of their activation.
@@ -42,6 +43,22 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
         return cfg.get(key, default)
     return getattr(cfg, key, default)
 
+
+#: The routing method SGLang's model class declares for its MoE layers (`routing_method_type=` to FusedMoE, read from
+#: the 0.5.23 model files; classes that compute it from the config are left out): the selection needs it only where
+#: the installed flashinfer reports routed experts for some methods and not others (kernel_api.ROUTING_REPLAY_SINCE).
+ROUTING_BY_ARCH: dict[str, RoutingMethodType] = {
+    "Qwen3MoeForCausalLM": RoutingMethodType.Renormalize,
+    "Qwen2MoeForCausalLM": RoutingMethodType.RenormalizeNaive,
+    "DeepseekV3ForCausalLM": RoutingMethodType.DeepSeekV3,
+    "DeepseekV2ForCausalLM": RoutingMethodType.DeepSeekV3,
+    "KimiK25ForConditionalGeneration": RoutingMethodType.DeepSeekV3,
+    "Glm4MoeForCausalLM": RoutingMethodType.DeepSeekV3,
+    "NemotronHForCausalLM": RoutingMethodType.DeepSeekV3,
+    "Llama4ForConditionalGeneration": RoutingMethodType.Llama4,
+    "Llama4ForCausalLM": RoutingMethodType.Llama4,
+    "Step3p5ForCausalLM": RoutingMethodType.Renormalize,
+}
 
 _ACT_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu", "gelu_tanh": "gelu"}
 
@@ -88,7 +105,7 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
 
     `quantization` overrides the checkpoint's (as `--quantization` does); `parallel` takes the MoeProblem
     fields tp_size, ep_size, a2a_backend, enable_eplb, num_redundant_experts, init_expert_location,
-    speculative_draft."""
+    speculative_draft, return_routed_experts."""
     text = _get(cfg, "text_config") or cfg
     archs = _get(cfg, "architectures") or _get(text, "architectures") or [""]
     arch = archs[0]
@@ -133,6 +150,7 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
         activation=act,
         gated=gated,
         architecture=arch,
+        routing_method=int(ROUTING_BY_ARCH[arch]) if arch in ROUTING_BY_ARCH else None,
         no_fused_moe=no_fused_moe_reason(archs, quant),
         **parallel,
     )
@@ -160,6 +178,7 @@ __all__ = [
     "FP4_EXPERT_ARCHS",
     "MIXTRAL_FUSED_MOE_QUANTS",
     "NON_GATED_ARCHS",
+    "ROUTING_BY_ARCH",
     "detect_quantization",
     "fp4_experts",
     "no_fused_moe_reason",

@@ -43,6 +43,10 @@ class MoeProblem:
     num_redundant_experts: int = 0
     init_expert_location: str = "trivial"
     speculative_draft: bool = False
+    #: --enable-return-routed-experts (R3): the in-kernel router must report the experts it routed each token to
+    return_routed_experts: bool = False
+    #: the routing method SGLang's model class declares (kernel_api.RoutingMethodType); None = not known here
+    routing_method: int | None = None
     architecture: str = ""
     #: why SGLang builds this model without FusedMoE layers (no MoE runner backend applies); None = it builds them
     no_fused_moe: str | None = None

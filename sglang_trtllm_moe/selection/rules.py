@@ -8,7 +8,10 @@ is here is about the deployment:
 * the kernels are built for SM 10.x only on the trtllm-gen path SGLang uses (SM12x has other kernels, SM90 none);
 * the routed variant takes precomputed top-k, so it is the one that works when experts are remapped (EPLB,
   redundant experts) or when an A2A dispatch has already routed the tokens;
-* only the `none` and `flashinfer` A2A backends have a fused func for these runners (sglang#24502: deepep has none).
+* only the `none` and `flashinfer` A2A backends have a fused func for these runners (sglang#24502: deepep has none);
+* with `--enable-return-routed-experts`, the in-kernel router must report the experts it picked: flashinfer's kernels
+  do from a version per routing method (kernel_api.ROUTING_REPLAY_SINCE); elsewhere the routed variant is the one
+  that works (SGLang's own top-k routes and captures).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 
 from .. import env
 from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
+from ..kernel_api import RoutingMethodType, replays_routing
 from .problem import DeviceInfo, Eligibility, MoeProblem, Resolution
 
 ENV_AUTO = "SGLANG_TRTLLM_MOE_AUTO"
@@ -41,6 +45,7 @@ class Code:
     A2A_UNSUPPORTED = "A2A_UNSUPPORTED"
     A2A_NEEDS_ROUTED = "A2A_NEEDS_ROUTED"
     EXPERT_REMAP_NEEDS_ROUTED = "EXPERT_REMAP_NEEDS_ROUTED"
+    ROUTING_REPLAY_UNSUPPORTED = "ROUTING_REPLAY_UNSUPPORTED"
     # resolution-level outcomes
     AUTO_SELECTED = "AUTO_SELECTED"
     UPSTREAM_AGREES = "UPSTREAM_AGREES"
@@ -157,6 +162,21 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
             f"(as SGLang 0.5.23 does for Nemotron-H, use {TRTLLM_ROUTED})",
         )
 
+    if backend == TRTLLM and p.return_routed_experts and not _replays(p, device):
+        method = RoutingMethodType(p.routing_method).name if p.routing_method is not None else None
+        return no(
+            Code.ROUTING_REPLAY_UNSUPPORTED,
+            f"--enable-return-routed-experts needs the experts {TRTLLM}'s in-kernel router picked, and flashinfer "
+            f"{device.flashinfer_version}'s kernels do not report them (routing_replay_out) for "
+            + (
+                f"{method} routing"
+                if method
+                else f"this model's routing ({p.architecture or 'unknown'} is not "
+                "in the plugin's routing table, and this flashinfer reports some methods only)"
+            )
+            + f"; {TRTLLM_ROUTED} routes with SGLang's own top-k, which captures them",
+        )
+
     ipad = fmt.padded_intermediate(ip, p.gated)
     align = fmt.intermediate_align[0 if p.gated else 1]
     pad = f", padded to {ipad} (multiple of {align})" if ipad != ip else ""
@@ -168,6 +188,11 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
         f"{p.num_experts} experts / EP {p.ep_size}, a2a {p.a2a_backend}",
         backend,
     )
+
+
+def _replays(p: MoeProblem, device: DeviceInfo) -> bool:
+    """Does the fused runner report the experts it routed for this problem on this device (the emulator always)?"""
+    return env.emulating() or replays_routing(device.flashinfer_version, p.routing_method)
 
 
 def candidate_order(problem: MoeProblem) -> tuple[str, ...]:
