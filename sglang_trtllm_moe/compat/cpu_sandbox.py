@@ -214,7 +214,7 @@ def pageable_routed_experts_host_cache() -> None:
         return None  # nothing to register with: the buffer stays pageable
 
     vars(_cuda_host_register).update(_trtllm_moe_standin=True, __wrapped__=register)
-    common._cuda_host_register = _cuda_host_register
+    common._cuda_host_register = _cuda_host_register  # type: ignore[attr-defined]
 
 
 def _source_of(module) -> str:
