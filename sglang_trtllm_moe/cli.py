@@ -30,6 +30,7 @@ def _cmd_explain(args) -> int:
         enable_eplb=args.eplb,
         moe_runner_backend=args.moe_runner_backend,
         run_sglang=not args.no_sglang,
+        return_routed_experts=args.return_routed_experts,
     )
     if args.json:
         print(json.dumps(r, indent=2, default=str))
@@ -50,6 +51,9 @@ def _cmd_explain(args) -> int:
         prep = r.get("plugin_prepares") or {}
         if prep:
             print(f"plugin preparation: {prep['reason']}")
+        r3 = r.get("routed_experts") or {}
+        if r3:
+            print(f"routed experts (R3{'' if p['return_routed_experts'] else ', if asked for'}): {r3['reason']}")
     if r.get("note"):
         print(f"note: {r['note']}")
     sg = r.get("sglang") or {}
@@ -106,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--a2a", default="none", help="as --moe-a2a-backend")
     e.add_argument("--eplb", action="store_true", help="as --enable-eplb")
     e.add_argument("--moe-runner-backend", default="auto", help="as --moe-runner-backend (explicit is kept)")
+    e.add_argument(
+        "--return-routed-experts", action="store_true", help="as --enable-return-routed-experts (routing replay)"
+    )
     e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
     e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")
     e.set_defaults(func=_cmd_explain)

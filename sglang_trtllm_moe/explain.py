@@ -57,6 +57,7 @@ def explain_model(
     moe_runner_backend: str = "auto",
     run_sglang: bool = True,
     server_args: dict | None = None,
+    return_routed_experts: bool = False,
 ) -> dict:
     """The resolution report for a model directory (config.json only), without a GPU.
 
@@ -76,6 +77,7 @@ def explain_model(
         ep_size=tp_size if a2a_backend != "none" else ep_size,
         a2a_backend=a2a_backend,
         enable_eplb=enable_eplb,
+        return_routed_experts=return_routed_experts,
     )
     if sm is not None:
         device = DeviceInfo(sm=sm, flashinfer_version=flashinfer_version(), source="cli --sm")
@@ -91,6 +93,8 @@ def explain_model(
             moe_a2a_backend=a2a_backend,
             enable_eplb=enable_eplb,
         )
+        if return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         if quantization is not None:
             kwargs["quantization"] = quantization
         try:
@@ -107,7 +111,13 @@ def explain_model(
             "sglang": sglang,
         }
     res = resolve(problem, device, requested=moe_runner_backend, upstream=sglang.get("upstream_alone"))
-    out = {**res.to_dict(), "problem": problem.to_dict(), "sglang": sglang, "plugin_prepares": _prepares(problem)}
+    out = {
+        **res.to_dict(),
+        "problem": problem.to_dict(),
+        "sglang": sglang,
+        "plugin_prepares": _prepares(problem),
+        "routed_experts": _routed_experts(res.winner, problem, device),
+    }
     if device.sm is None:
         out["note"] = NO_GPU_NOTE
     return out
@@ -133,6 +143,35 @@ def _prepares(problem) -> dict:
         "backends": list(prepared_on(fmt)),
         "reason": f"{fmt.title}: prepared in place, per dirty expert, on {', '.join(prepared_on(fmt))}",
     }
+
+
+def _routed_experts(winner: str, problem, device) -> dict:
+    """What `--enable-return-routed-experts` (R3) returns for this model's MoE layers on the chosen runner."""
+    from . import env
+    from .formats import TRTLLM, TRTLLM_ROUTED
+    from .kernel_api import RoutingMethodType, replays_routing
+
+    method = RoutingMethodType(problem.routing_method).name if problem.routing_method is not None else None
+    if winner == TRTLLM:
+        if env.emulating() or replays_routing(device.flashinfer_version, problem.routing_method):
+            source = "kernel"
+            why = (
+                f"{TRTLLM} routes in the kernel; the plugin passes it routing_replay_out and hands the experts it "
+                "routed to SGLang's own capturer (exactly SGLang's top-k, as sets per token)"
+            )
+        else:
+            source = "sglang_topk"
+            why = (
+                f"flashinfer {device.flashinfer_version}'s kernels do not report the experts they route for "
+                f"{method or 'this routing method'}: the plugin routes these layers with SGLang's own top-k (which "
+                f"captures them) and the routed kernel; explicitly on {TRTLLM} with R3 on, model load stops with a "
+                "TrtllmLayerError"
+            )
+    elif winner == TRTLLM_ROUTED:
+        source, why = "sglang_topk", f"{TRTLLM_ROUTED}: SGLang's own top-k routes and captures; the kernel computes"
+    else:
+        source, why = "sglang", f"{winner}: SGLang's own path captures what it routes (the plugin is not involved)"
+    return {"source": source, "routing_method": method, "reason": why}
 
 
 def _local_device():

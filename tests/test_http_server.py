@@ -193,6 +193,7 @@ def _start_reference(work: Path, dirs: dict[str, str]) -> tuple[subprocess.Popen
         "targets": {k: dirs[k] for k in ("A", "B", "A+partial", "C", "D")},
         "prompts": PROMPTS,
         "new_tokens": NEW_TOKENS,
+        "routed_experts": ["A", "B"],
         "direct": {"dir": dirs["D"], "out": str(work / "direct-D.safetensors")},
     }
     (work / "reference.json").write_text(json.dumps(job))
@@ -317,6 +318,39 @@ def test_the_readme_recipe_serves_through_the_plugin(run):
 
 
 # ---- disk ----------------------------------------------------------------------------------------------------------
+
+
+def routed_experts(body) -> list:
+    """`meta_info["routed_experts"]` of one answer, decoded as SGLang's own helper does, as [tokens][layers][k]."""
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    flat = extract_routed_experts_from_meta_info(body).tolist()
+    return flat
+
+
+def test_routed_experts_are_the_ones_the_fused_kernel_routed(run):
+    """R3 on the README's recipe (`--enable-return-routed-experts`, the auto-selected fused flashinfer_trtllm
+    runner): for every prompt token and generated token of a batch, every layer, the experts the server returns are
+    the ones a fresh load of the same checkpoint reports for the same batch (the reference), and those are SGLang's
+    own top-k on the router logits each layer saw there, per token as sets (ties at the cut either way, counted).
+    The recipe's update left B served."""
+    ref = run.ref["B"]["r3"]
+    for check in ref["checks"]:
+        assert check["n_mismatches"] == 0 and check["rows"] > 0, check
+    body = dict(_gen_body(PROMPTS, NEW_TOKENS), return_routed_experts=True)
+    r = run.srv.post("/generate", body, timeout=300)
+    assert r.ok, r
+    assert [list(o["output_ids"]) for o in r.body] == ref["tokens"]
+    for i, (answer, prompt) in enumerate(zip(r.body, PROMPTS, strict=True)):
+        flat = routed_experts(answer)
+        expected = ref["routed"][i]
+        assert len(expected) == len(prompt) + NEW_TOKENS - 1
+        layers, k = len(expected[0]), len(expected[0][0])
+        assert len(flat) == len(expected) * layers * k, (len(flat), len(expected), layers, k)
+        per_token = [flat[t * layers * k : (t + 1) * layers * k] for t in range(len(expected))]
+        got = [[row[lay * k : (lay + 1) * k] for lay in range(layers)] for row in per_token]
+        assert got == expected, (i, got, expected)
+        assert any(e != 0 for token in got for layer in token for e in layer), "all zeros"
 
 
 def test_disk_update_to_b_and_back_restores_the_fresh_load_exactly(run):

@@ -42,8 +42,11 @@ pytestmark = pytest.mark.sglang(
 FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4") and "@" not in q]
 FUSED_IDS = [job_key(a, q) for a, q in FUSED]
 #: every model, variants included, for the checks every job runs (load, malformed updates, failed disk updates)
-ALL_FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4")]
+ALL_FUSED = [(a, q) for a, q, _ in JOBS if not (a == "mixtral" and q == "nvfp4") and not q.endswith("@r3")]
 ALL_FUSED_IDS = [job_key(a, q) for a, q in ALL_FUSED]
+#: the models served with --enable-return-routed-experts (R3): their one check is the routed experts
+R3 = [(a, q) for a, q, _ in JOBS if q.endswith("@r3")]
+R3_IDS = [job_key(a, q) for a, q in R3]
 
 #: relative error of the prefill next-token logits vs transformers (float32, dequantized experts), measured on this
 #: box with the emulated kernels (docs/TESTING.md), asserted with ~1.5x margin. NVFP4 quantizes the activations to
@@ -280,3 +283,17 @@ def test_a_disk_update_that_fails_after_the_check_changes_nothing(arch, quant):
         want = "refused first" if case == "truncated" else ("reloaded" if served == "from_disk" else "snapshot")
         assert c["put_back"] == want, (key, c)
     assert res["good_update_after"] and res["ok"], res
+
+
+@pytest.mark.parametrize("arch,quant", R3, ids=R3_IDS)
+def test_routed_experts_equal_sglangs_own_topk_on_the_same_logits(arch, quant):
+    """R3 (--enable-return-routed-experts) through SGLang's own ModelRunner and capturer: for every MoE layer, in a
+    prefill and two decode steps, the experts in SGLang's capture buffer (what the server returns) equal SGLang's own
+    select_experts on the router logits that layer saw, per token (ties at the cut either way, counted); with the
+    plugin's capture off the same buffer does not (the check can fail). Routing methods: Renormalize (Qwen3-MoE),
+    DeepSeekV3 grouped with correction bias (DeepSeek-V3, Nemotron-H relu2), undeclared (Mixtral: SGLang's top-k)."""
+    res = _check(report(arch, quant), "routed_experts")
+    assert res["moe_layers"], res
+    # the fused runner's layers report through the plugin; a layer without a declared routing method is routed
+    # (and captured) by SGLang's own top-k
+    assert res["reported_by_plugin"] == ([] if arch == "mixtral" else res["moe_layers"]), res

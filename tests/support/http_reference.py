@@ -5,9 +5,10 @@ that load plugin-managed and bit-exact).
 Per target directory: SGLang's weight-checker checksum of the fresh model (`WeightChecker.handle("checksum")`: the
 per-tensor hashes `POST /weights_checker {"action": "checksum"}` answers for the served model — each weight in
 checkpoint layout, dequantized, so a prepared layout and a fresh prepared load hash alike exactly when they hold the
-same weights), and its greedy tokens for PROMPTS. With "direct": the fresh model of that directory in SGLang's
-own checkpoint layout (every parameter by its model name, the plugin's layers un-prepared), written as safetensors:
-the payload of a `load_format="direct"` update.
+same weights), and its greedy tokens for PROMPTS; for the targets under "routed_experts", also the routed experts
+a server returns for that batch and SGLang's own top-k for them (tests/support/r3.py). With "direct": the fresh
+model of that directory in SGLang's own checkpoint layout (every parameter by its model name, the plugin's layers
+un-prepared), written as safetensors: the payload of a `load_format="direct"` update.
 
     python -m tests.support.http_reference JOB.json OUT.json
 """
@@ -24,13 +25,17 @@ def main(argv=None) -> int:
     from sglang_trtllm_moe import layer_state
     from sglang_trtllm_moe.sandbox import models
 
+    from . import r3
     from .sglang_runtime import weight_checker
 
     job_path, out_path = (argv or sys.argv[1:])[:2]
     with open(job_path) as f:
         job = json.load(f)
     models.prepare_process()
-    m = models.TinyModel(job["first"])
+    # the server under test returns routed experts (the README recipe's --enable-return-routed-experts); so does the
+    # reference. With chunked prefill off (the harness's -1) SGLang would size its capture buffer from
+    # max_running_requests alone, which a batch of the test's prompts overflows
+    m = models.TinyModel(job["first"], enable_return_routed_experts=True, chunked_prefill_size=4096)
     out: dict = {}
     for key, d in job["targets"].items():
         fresh = m.fresh(d)
@@ -38,6 +43,8 @@ def main(argv=None) -> int:
             res = weight_checker(fresh).handle("checksum", role="target")
         tokens, _ = m.generate(job["prompts"], job["new_tokens"], model=fresh)
         out[key] = {"checksums": dict(res["checksums"]), "tokens": tokens}
+        if key in job.get("routed_experts", ()):
+            out[key]["r3"] = r3.routed_generation(m, job["prompts"], job["new_tokens"], model=fresh)
         del fresh
     direct = job.get("direct")
     if direct:

@@ -119,6 +119,17 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         ),
     ),
     ("empty_forward", "0-token forward", (("tests/test_empty_forward.py", None),)),
+    # R3: the experts the fused runner's kernel routed, through SGLang's own capturer (layers on every release,
+    # whole models and the HTTP server where they run)
+    (
+        "routed_experts",
+        "routed experts (R3)",
+        (
+            ("tests/test_routed_experts.py", None),
+            ("tests/test_models.py::test_routed_experts", None),
+            ("tests/test_http_server.py::test_routed_experts", None),
+        ),
+    ),
     # update_weights_from_distributed (NCCL in production; gloo on CPU): the whole-model flow and the whole-bucket
     # refusal (README support table row)
     (

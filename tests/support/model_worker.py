@@ -586,6 +586,50 @@ class Worker:
         )
         return {"ok": ok and back["ok"], "cases": out, "good_update_after": back["ok"]}
 
+    @torch.no_grad()
+    def check_routed_experts(self, m) -> dict:
+        """R3 (--enable-return-routed-experts): after each forward (a prefill of PROMPTS, then two decode steps),
+        the ids in SGLang's own capturer buffer for every MoE layer equal SGLang's own `select_experts` on the
+        router logits that layer's TopK saw in that forward, as sets per token, ties at the cut either way
+        (tests/support/r3.py). Then the same generation with the plugin's capture switched off must leave the
+        buffer unequal (zeros) wherever the plugin reported: the check can fail."""
+        from sglang_trtllm_moe.compat import routed_experts
+
+        from . import r3
+
+        real = routed_experts.capture
+        calls: list = []
+
+        def counted(*a, **k):
+            calls.append(a[1] if len(a) > 1 else k.get("layer_id"))
+            return real(*a, **k)
+
+        routed_experts.capture = counted
+        try:
+            with r3.recorded_topk(m.model) as seen:
+                res = r3.routed_generation(m, PROMPTS, 3)
+                moe_layers = sorted({mod.layer_id for mod, *_ in seen})
+            routed_experts.capture = lambda *a, **k: None  # the control
+            control = r3.routed_generation(m, PROMPTS, 1)["checks"][0]
+        finally:
+            routed_experts.capture = real
+        forwards = {("prefill" if i == 0 else f"decode{i - 1}"): c for i, c in enumerate(res["checks"])}
+        # the plugin's runner reported the kernel's routing for every MoE layer (fused runner), or SGLang's own
+        # top-k routed every layer and captured it itself (a layer that declares no routing method: Mixtral)
+        by_plugin = sorted(set(calls))
+        ok = (
+            all(c["n_mismatches"] == 0 and c["rows"] > 0 for c in forwards.values())
+            and by_plugin in ([], moe_layers)
+            and (control["n_mismatches"] > 0 if by_plugin else True)
+        )
+        return {
+            "ok": ok,
+            "moe_layers": moe_layers,
+            "reported_by_plugin": by_plugin,
+            **forwards,
+            "without_plugin_capture": control,
+        }
+
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
 
@@ -651,7 +695,7 @@ class Worker:
             "results": results,
         }
 
-    ON_REQUEST = ("threaded_disk_ab",)
+    ON_REQUEST = ("threaded_disk_ab", "routed_experts")
     ORDER = (
         "load",
         "forward",
@@ -669,6 +713,7 @@ class Worker:
         "disk_failures",
         "threaded_disk_ab",
         "explain",
+        "routed_experts",
     )
 
     def run(self, checks=None) -> dict:
@@ -677,7 +722,8 @@ class Worker:
         t0 = time.perf_counter()
         if not self.spec.supported:
             return self.run_without_fused_moe()
-        m = models.TinyModel(self.write_full(0))
+        variant = VARIANTS.get(self.quant.partition("@")[2], {})
+        m = models.TinyModel(self.write_full(0), **variant.get("server_args", {}))
         self.intended = self.full(0)
         self.report["_load_s"] = round(time.perf_counter() - t0, 2)
         for name in self.ORDER:
@@ -807,6 +853,12 @@ VARIANTS = {
         "spec": {"hidden": 1152, "moe_intermediate": 1024},
         "checks": ("load", "refused_updates", "disk_failures"),
     },
+    # R3: SGLang's routed-experts capturer on. With chunked prefill off (the harness's -1) SGLang sizes its capture
+    # buffer from max_running_requests alone (state_capturer/routed_experts.py), which a 20-token prefill overflows
+    "r3": {
+        "server_args": {"enable_return_routed_experts": True, "chunked_prefill_size": 4096},
+        "checks": ("routed_experts",),
+    },
 }
 
 JOBS = (
@@ -820,6 +872,15 @@ JOBS = (
     ("mixtral", "bf16", ()),
     ("mixtral", "fp8_static", ()),
     ("mixtral", "nvfp4", ()),
+    # R3: routed experts through the fused runner, per routing method and format (one check each)
+    ("qwen3_moe", "nvfp4@r3", ()),
+    ("qwen3_moe", "fp8@r3", ()),
+    ("qwen3_moe", "bf16@r3", ()),
+    ("deepseek_v3", "nvfp4@r3", ()),
+    ("deepseek_v3", "fp8_block@r3", ()),
+    ("nemotron_h", "nvfp4@r3", ()),
+    ("nemotron_h", "fp8@r3", ()),
+    ("mixtral", "bf16@r3", ()),
 )
 
 

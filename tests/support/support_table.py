@@ -30,6 +30,7 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("RL update from concurrent loader threads", ("threads",)),
     ("a bad or failed weight update changes nothing (refused, or put back bit for bit)", ("nothing_lost",)),
     ("a MoE forward with 0 tokens (idle ranks, warm-up)", ("empty_forward",)),
+    ("routed experts (R3, --enable-return-routed-experts) on the fused flashinfer_trtllm runner", ("routed_experts",)),
     ("weight checker (snapshot / compare)", ("checker",)),
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),

@@ -1,0 +1,138 @@
+"""Routed experts (R3) as a whole SGLang model reports them, and SGLang's own top-k as the oracle.
+
+`routed_generation(m, prompts, new_tokens)` runs greedy generation through the sandbox's ModelRunner (sandbox.models:
+SGLang's bench_one_batch extend / decode) with `--enable-return-routed-experts` on, and after every forward reads
+SGLang's own capturer buffer (what a server copies to the host and returns in `meta_info["routed_experts"]`) and,
+for every MoE layer, what SGLang's own `select_experts` picks from the router logits that layer's TopK saw in that
+forward (a forward hook records them; SGLang's torch-native path, capture off). Per request it assembles what a
+server answers: `[prompt_len + new_tokens - 1, num_hidden_layers, top_k]`.
+
+`disagreements(captured, sglang, logits, bias)` compares them as sets per token (SGLang's top-k and the kernel list
+the k experts in different orders); an expert tied with the one it replaced (same logit, same correction bias) is a
+tie, not a disagreement: the kernel keeps the lower index, torch.topk promises none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def recorded_topk(model):
+    """Every TopK forward of `model` while inside: (module, hidden, router_logits, kwargs)."""
+    from sglang.srt.layers.moe.topk import TopK
+
+    seen: list = []
+    hooks = [
+        mod.register_forward_hook(
+            lambda mod, args, kwargs, out: seen.append((mod, args[0], args[1], kwargs)), with_kwargs=True
+        )
+        for mod in model.modules()
+        if isinstance(mod, TopK)
+    ]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def sglang_ids(mod, hidden, logits, kwargs) -> torch.Tensor:
+    """SGLang's own select_experts for one recorded TopK forward (torch-native, capture off)."""
+    from sglang.srt.layers.moe.topk import select_experts
+
+    cfg = dataclasses.replace(mod.topk_config, torch_native=True)
+    if hasattr(cfg, "allow_routed_experts_capture"):
+        cfg = dataclasses.replace(cfg, allow_routed_experts_capture=False)
+    return select_experts(hidden, logits, cfg, num_token_non_padded=kwargs.get("num_token_non_padded")).topk_ids
+
+
+def tied(a: set, b: set, logits: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Do the experts of `a` not in `b` each tie (same logit, same bias) with one of `b` not in `a`?"""
+    extra, missing = a - b, b - a
+    if len(extra) != len(missing):
+        return False
+    n = logits.shape[-1]
+    return all(
+        0 <= x < n
+        and any(0 <= y < n and logits[x] == logits[y] and (bias is None or bias[x] == bias[y]) for y in missing)
+        for x in extra
+    )
+
+
+def disagreements(captured: torch.Tensor, seen: list, tokens: int) -> dict:
+    """`captured` ([>= tokens, layers, >= k] ids, SGLang's capturer buffer after one forward) against SGLang's own
+    top-k of every recorded TopK forward, per token as sets."""
+    rows, bad, ties = 0, [], 0
+    for mod, hidden, logits, kwargs in seen:
+        ref = sglang_ids(mod, hidden, logits, kwargs)
+        k = ref.shape[1]
+        got = captured[:tokens, mod.layer_id, :k]
+        bias = getattr(mod.topk_config, "correction_bias", None)
+        for t in range(tokens):
+            a, b = set(got[t].tolist()), set(ref[t].tolist())
+            rows += 1
+            if a == b:
+                continue
+            if tied(a, b, logits[t], bias):
+                ties += 1
+            else:
+                bad.append({"layer": mod.layer_id, "token": t, "kernel": sorted(a), "sglang": sorted(b)})
+    return {"rows": rows, "mismatches": bad[:6], "n_mismatches": len(bad), "ties": ties}
+
+
+@torch.no_grad()
+def routed_generation(m, prompts: list[list[int]], new_tokens: int, model=None) -> dict[str, Any]:
+    """Greedy generation on `m` (a sandbox.models.TinyModel built with enable_return_routed_experts) — or on
+    `model` (e.g. `m.fresh(dir)`) with `m`'s pools — reading SGLang's capturer after every forward.
+
+    Returns {"tokens": per prompt, "routed": per prompt [prompt_len + new_tokens - 1][layers][k] (what a server
+    returns), "checks": [disagreements per forward]}."""
+    from sglang.benchmark import one_batch
+
+    from sglang_trtllm_moe.compat import routed_experts
+
+    cap = routed_experts.capturer()
+    if cap is None:
+        raise RuntimeError("no routed-experts capturer: build the model with enable_return_routed_experts=True")
+    buffer = cap.device_cache.buffer
+    k = cap.topk_size if hasattr(cap, "topk_size") else buffer.shape[2]
+    own = m.runner.model
+    if model is not None:
+        m.runner.model = model
+    try:
+        m.runner.req_to_token_pool.clear()
+        m.runner.token_to_kv_pool_allocator.clear()
+        reqs = m._reqs(prompts, new_tokens)
+        routed: list[list] = [[] for _ in prompts]
+        checks = []
+        with recorded_topk(m.runner.model) as seen:
+            buffer.zero_()
+            next_ids, _, batch = one_batch.extend(reqs, m.runner)
+            total = sum(len(p) for p in prompts)
+            checks.append(disagreements(buffer, seen, total))
+            rows = buffer[:total, :, :k].tolist()
+            start = 0
+            for i, p in enumerate(prompts):
+                routed[i].extend(rows[start : start + len(p)])
+                start += len(p)
+            out = [[t] for t in next_ids.tolist()]
+            for _ in range(new_tokens - 1):
+                buffer.zero_()
+                seen.clear()
+                next_ids, _ = one_batch.decode(next_ids, batch, m.runner)
+                checks.append(disagreements(buffer, seen, len(prompts)))
+                rows = buffer[: len(prompts), :, :k].tolist()
+                for i in range(len(prompts)):
+                    routed[i].append(rows[i])
+                for o, t in zip(out, next_ids.tolist(), strict=True):
+                    o.append(t)
+        return {"tokens": out, "routed": routed, "checks": checks}
+    finally:
+        m.runner.model = own
+        m.runner.req_to_token_pool.clear()
+        m.runner.token_to_kv_pool_allocator.clear()
