@@ -55,6 +55,9 @@ WORLD2 = [
     _sc("ep2-gated-I96", 2, 2, intermediate=96, rl_update=dict(experts=[5, 6], seed=3)),
     _sc("ep2-relu2-I128", 2, 2, intermediate=128, **RELU2),
     _sc("ep2-uneven-7-experts", 2, 2, intermediate=128, num_experts=7),
+    # R3: the routed experts each rank reports through the fused runner (routing in the kernel)
+    dict(_sc("tp2-r3", 2, 1, intermediate=128), r3=True),
+    dict(_sc("ep2-r3", 2, 2, intermediate=128), r3=True),
 ]
 SCENARIOS = {sc["name"]: sc for sc in WORLD2}
 
@@ -121,7 +124,7 @@ def world2(tmp_path_factory):
         try:
             refs = {}
             for sc in WORLD2:
-                if sc["spec"].get("num_experts", E) % sc["ep"]:
+                if sc["spec"].get("num_experts", E) % sc["ep"] or sc.get("r3"):
                     continue
                 refs[sc["name"]] = _single_rank(sc)
                 if sc["rl_update"]:
@@ -338,3 +341,20 @@ def test_selection_decides_with_per_rank_facts():
     e = decide(quantization=None, weight_block_size=None, intermediate_size=1004, tp_size=8)
     assert not e.eligible and e.code == selection.Code.INTERMEDIATE_SPLIT, e
     assert decide(quantization=None, weight_block_size=None, intermediate_size=1004).eligible
+
+
+@pytest.mark.parametrize("name", ["tp2-r3", "ep2-r3"])
+def test_every_tp_and_ep_rank_reports_the_experts_its_kernel_routed(world2, name):
+    """R3 with TP=2 and TP=2/EP=2: each rank's fused runner routes every token over all experts (global ids, the
+    local ones computed there) and hands SGLang's capture site the experts SGLang's own top-k picks from the same
+    logits — on every rank, as SGLang's non-fused path captures on every rank."""
+    from .support.r3 import as_sets
+
+    results, _ = world2
+    per_rank = _ok(results, name)
+    for r, res in enumerate(per_rank):
+        assert res["r3_format"] == "BypassedTopKOutput", res["r3_format"]
+        assert [lid for lid, _ in res["r3_calls"]] == [0], (r, res["r3_calls"])
+        got = res["r3_calls"][0][1]
+        assert as_sets(got) == as_sets(res["r3_ref"]), (r, got.tolist(), res["r3_ref"].tolist())
+        assert int(got.max()) >= E // 2 and int(got.min()) < E // 2  # global ids: both ranks' experts appear

@@ -16,8 +16,6 @@ model's layer count and the scheduler's batch sizes. The whole-model tests (test
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import importlib
 
 import pytest
@@ -28,60 +26,12 @@ from sglang_trtllm_moe.compat import routed_experts
 from sglang_trtllm_moe.kernel_api import RoutingMethodType
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-from .support import sglang_runtime
+from .support import r3, sglang_runtime
 
 TRTLLM, MXFP4 = "flashinfer_trtllm", "flashinfer_mxfp4"
 
 
-class Recorder:
-    """SGLang's global routed-experts capturer, as a sink: every `capture(layer_id, ids)` call, ids copied."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, torch.Tensor]] = []
-
-    def capture(self, layer_id, topk_ids=None, topk_indices=None):
-        ids = topk_ids if topk_ids is not None else topk_indices
-        self.calls.append((layer_id, ids.detach().clone()))
-
-
-def _capturer_module():
-    for name in ("sglang.srt.state_capturer.routed_experts", "sglang.srt.layers.moe.routed_experts_capturer"):
-        with contextlib.suppress(ImportError):
-            return importlib.import_module(name)
-    raise AssertionError("no routed-experts capturer module in this SGLang")
-
-
-@contextlib.contextmanager
-def recording():
-    """A Recorder as SGLang's global capturer (its own setter), put back afterwards."""
-    mod = _capturer_module()
-    before = mod.get_global_experts_capturer()
-    rec = Recorder()
-    mod.set_global_experts_capturer(rec)
-    try:
-        yield rec
-    finally:
-        mod.set_global_experts_capturer(before)
-
-
-def sglang_topk_ids(x, logits, topk_config) -> torch.Tensor:
-    """SGLang's own select_experts on these logits (torch-native, its capture off)."""
-    from sglang.srt.layers.moe.topk import select_experts
-
-    cfg = dataclasses.replace(topk_config, torch_native=True)
-    if hasattr(cfg, "allow_routed_experts_capture"):
-        cfg = dataclasses.replace(cfg, allow_routed_experts_capture=False)
-    mod = _capturer_module()
-    before = mod.get_global_experts_capturer()
-    mod.set_global_experts_capturer(None if not hasattr(mod, "_RoutedExpertsCapturerNoop") else before)
-    try:
-        return select_experts(x, logits, cfg).topk_ids
-    finally:
-        mod.set_global_experts_capturer(before)
-
-
-def as_sets(ids: torch.Tensor) -> list[set]:
-    return [set(r) for r in ids.tolist()]
+Recorder, recording, sglang_topk_ids, as_sets = r3.Recorder, r3.recording, r3.topk_ids, r3.as_sets
 
 
 # ---- every format the fused runner serves ----------------------------------------------------------------------

@@ -46,10 +46,10 @@ def forward(layer, spec, x, logits, bypass=False):
     return layer(x, topk(x, logits))
 
 
-def _build_loaded(spec, tensors):
+def _build_loaded(spec, tensors, **build):
     from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-    layer = cpu_layers.build_layer(spec)
+    layer = cpu_layers.build_layer(spec, **build)
     # SGLang's model code reduces the MoE output across ranks (FusedMoE's own all-reduce when built with
     # reduce_results=True; models that add shared experts first call the same tensor_model_parallel_all_reduce).
     layer.reduce_results = True
@@ -74,7 +74,12 @@ def run_scenario(sc: dict) -> dict:
     spec = cpu_layers.MoeSpec(**sc["spec"])
     tensors = checkpoint(spec, sc["seed"])
     res: dict = {}
-    layer = _build_loaded(spec, tensors)
+    build = {}
+    if sc.get("r3"):  # a model class's declared router: the fused runner routes it in the kernel
+        from sglang.srt.layers.moe.utils import RoutingMethodType
+
+        build["routing_method_type"] = RoutingMethodType.Renormalize
+    layer = _build_loaded(spec, tensors, **build)
     res["meta"] = dict(
         moe_tp_rank=layer.moe_tp_rank,
         moe_tp_size=layer.moe_tp_size,
@@ -89,11 +94,33 @@ def run_scenario(sc: dict) -> dict:
     res["plugin_prepared"] = st is not None and st.clean
     res["out"] = forward(layer, spec, sc["x"], sc["logits"], sc.get("bypass", False))
     res["runner_ep"] = dict(_LAST_CALL)
+    if sc.get("r3"):
+        res.update(_routed_experts(layer, spec, sc))
 
     upd = sc.get("rl_update")
     if upd:
         res.update(_rl_update(layer, spec, tensors, sc, upd))
     return res
+
+
+def _routed_experts(layer, spec, sc) -> dict:
+    """R3 on this rank: what the fused runner hands SGLang's capture site (a recorder as the global capturer), and
+    SGLang's own top-k of the same logits — every rank routes all tokens, as SGLang's non-fused path does."""
+    from sglang.srt.layers.moe.topk import TopK
+
+    from . import r3
+
+    topk = TopK(top_k=spec.top_k, renormalize=True, layer_id=layer.layer_id)
+    if hasattr(topk, "bind_runner_backend"):
+        topk.bind_runner_backend(layer.runner_backend, routing_method_type=layer.routing_method_type)
+    with r3.recording() as rec:
+        out = topk.forward_cuda(sc["x"], sc["logits"])
+        layer(sc["x"], out)
+    return dict(
+        r3_format=type(out).__name__,
+        r3_calls=[(lid, ids) for lid, ids in rec.calls],
+        r3_ref=r3.topk_ids(sc["x"], sc["logits"], out.topk_config),
+    )
 
 
 def _rl_update(layer, spec, tensors, sc, upd) -> dict:

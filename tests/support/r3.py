@@ -16,9 +16,65 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from typing import Any
 
 import torch
+
+
+class Recorder:
+    """SGLang's global routed-experts capturer, as a sink for layer-level tests (its real buffer needs a model's
+    layer count and the scheduler's batch sizes): every `capture(layer_id, ids)` call, ids copied. SGLang's capture
+    site — the per-router opt-out, the call — stays SGLang's own."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, torch.Tensor]] = []
+
+    def capture(self, layer_id, topk_ids=None, topk_indices=None):
+        ids = topk_ids if topk_ids is not None else topk_indices
+        self.calls.append((layer_id, ids.detach().clone()))
+
+
+def capturer_module():
+    """The module of this release's global routed-experts capturer (getter and setter)."""
+    for name in ("sglang.srt.state_capturer.routed_experts", "sglang.srt.layers.moe.routed_experts_capturer"):
+        with contextlib.suppress(ImportError):
+            return importlib.import_module(name)
+    raise AssertionError("no routed-experts capturer module in this SGLang")
+
+
+@contextlib.contextmanager
+def recording():
+    """A Recorder as SGLang's global capturer (set with SGLang's own setter), put back afterwards."""
+    mod = capturer_module()
+    before = mod.get_global_experts_capturer()
+    rec = Recorder()
+    mod.set_global_experts_capturer(rec)
+    try:
+        yield rec
+    finally:
+        mod.set_global_experts_capturer(before)
+
+
+def topk_ids(x: torch.Tensor, logits: torch.Tensor, topk_config) -> torch.Tensor:
+    """SGLang's own select_experts on these logits (torch-native), with no capturer active."""
+    from sglang.srt.layers.moe.topk import select_experts
+
+    cfg = dataclasses.replace(topk_config, torch_native=True)
+    if hasattr(cfg, "allow_routed_experts_capture"):
+        cfg = dataclasses.replace(cfg, allow_routed_experts_capture=False)
+    mod = capturer_module()
+    before = mod.get_global_experts_capturer()
+    if not hasattr(mod, "_RoutedExpertsCapturerNoop"):  # 0.5.11 keeps its no-op object; later ones take None
+        mod.set_global_experts_capturer(None)
+    try:
+        return select_experts(x, logits, cfg).topk_ids
+    finally:
+        mod.set_global_experts_capturer(before)
+
+
+def as_sets(ids: torch.Tensor) -> list[set]:
+    return [set(r) for r in ids.tolist()]
 
 
 @contextlib.contextmanager
