@@ -40,6 +40,7 @@ STEPS = (
     "engine up",
     "reference",
     "load",
+    "routed experts",
     "forward vs transformers",
     "round 1: disk",
     "round 2: tensor buckets",

@@ -131,6 +131,28 @@ class TinyEngine:
         )
         return [list(o["output_ids"]) for o in out]
 
+    def generate_routed(self, prompts: list[list[int]], max_new_tokens: int = 4) -> tuple[list, list]:
+        """`generate` with `return_routed_experts` (an Engine started with models.ROUTED_EXPERTS_ARGS): (tokens per
+        prompt, routed experts per prompt as [prompt_len + max_new_tokens - 1][num_hidden_layers][top_k], decoded
+        from meta_info["routed_experts"] by SGLang's own helper)."""
+        from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+        out = self.engine.generate(
+            input_ids=[list(p) for p in prompts],
+            sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens},
+            return_routed_experts=True,
+        )
+        tokens = [list(o["output_ids"]) for o in out]
+        routed = []
+        for o, p in zip(out, prompts, strict=True):
+            flat = extract_routed_experts_from_meta_info(o).tolist()
+            n = len(p) + max_new_tokens - 1
+            per_token = len(flat) // n
+            rows = [flat[t * per_token : (t + 1) * per_token] for t in range(n)]
+            k = self.engine.tokenizer_manager.model_config.hf_text_config.num_experts_per_tok
+            routed.append([[r[i : i + k] for i in range(0, per_token, k)] for r in rows])
+        return tokens, routed
+
     # ---- RL entry points -------------------------------------------------------------------------------------------
 
     @staticmethod

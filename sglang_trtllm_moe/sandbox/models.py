@@ -53,6 +53,12 @@ DEFAULT_SERVER_ARGS = dict(
 )
 
 
+#: what the harnesses add for rollout routing replay (R3): SGLang's routed-experts capturer on. With chunked prefill
+#: off (DEFAULT_SERVER_ARGS' -1) SGLang sizes the capturer's device buffer from max_running_requests alone
+#: (state_capturer/routed_experts.py), which a prefill of more tokens than that overflows: chunked prefill on
+ROUTED_EXPERTS_ARGS = dict(enable_return_routed_experts=True, chunked_prefill_size=4096)
+
+
 def _release():
     from .runtime import release
 
@@ -300,6 +306,59 @@ class TinyModel:
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
         return out, first_logits
+
+    @torch.no_grad()
+    def generate_routed(self, prompts: list[list[int]], max_new_tokens: int = 4, model=None, after_forward=None):
+        """`generate`, reading SGLang's routed-experts capturer after every forward (the runner built with
+        ROUTED_EXPERTS_ARGS). Returns (tokens per prompt, routed experts per prompt: [prompt_len + max_new_tokens
+        - 1][num_hidden_layers][top_k], what a server answers in meta_info["routed_experts"]). `after_forward(
+        buffer, tokens)` runs after each forward with SGLang's device buffer and the number of rows it filled."""
+        if model is not None:
+            own, self.runner.model = self.runner.model, model
+            try:
+                return self.generate_routed(prompts, max_new_tokens, after_forward=after_forward)
+            finally:
+                self.runner.model = own
+        from sglang.benchmark import one_batch
+
+        from ..compat import routed_experts
+
+        cap = routed_experts.capturer()
+        if cap is None:
+            raise RuntimeError("no routed-experts capturer: build the TinyModel with ROUTED_EXPERTS_ARGS")
+        buffer = cap.device_cache.buffer
+        k = getattr(cap, "topk_size", buffer.shape[2])
+
+        def forward(run, rows: int) -> tuple:
+            buffer.zero_()
+            result = run()
+            if after_forward is not None:
+                after_forward(buffer, rows)
+            return result, buffer[:rows, :, :k].tolist()
+
+        self.runner.req_to_token_pool.clear()
+        self.runner.token_to_kv_pool_allocator.clear()
+        try:
+            reqs = self._reqs(prompts, max_new_tokens)
+            (next_ids, _, batch), rows = forward(
+                lambda: one_batch.extend(reqs, self.runner), sum(len(p) for p in prompts)
+            )
+            routed: list[list] = []
+            start = 0
+            for p in prompts:
+                routed.append(rows[start : start + len(p)])
+                start += len(p)
+            out = [[t] for t in next_ids.tolist()]
+            for _ in range(max_new_tokens - 1):
+                ids = next_ids
+                (next_ids, _), rows = forward(lambda ids=ids: one_batch.decode(ids, batch, self.runner), len(prompts))
+                for r, row, o, t in zip(routed, rows, out, next_ids.tolist(), strict=True):
+                    r.append(row)
+                    o.append(t)
+            return out, routed
+        finally:
+            self.runner.req_to_token_pool.clear()
+            self.runner.token_to_kv_pool_allocator.clear()
 
     # ---- RL entry points, as SGLang's scheduler calls the runner's WeightUpdater ----------------------------------
 

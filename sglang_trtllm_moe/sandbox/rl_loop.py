@@ -77,13 +77,13 @@ def _reference_child(spec, first: str, targets: dict[str, str], out_path: str) -
     try:
         from sglang.srt.model_loader.loader import ShardedStateLoader
 
-        m = models.TinyModel(first)
+        m = models.TinyModel(first, **models.ROUTED_EXPERTS_ARGS)
         res = {"_forward": _forward_error(m, spec, os.path.dirname(out_path))}
         for key, d in targets.items():
             fresh = m.fresh(d)
             state = ShardedStateLoader._filter_subtensors(fresh.state_dict())
-            tokens, _ = m.generate(PROMPTS, NEW_TOKENS, model=fresh)
-            res[key] = {"hashes": _hashes(state), "tokens": tokens}
+            tokens, routed = m.generate_routed(PROMPTS, NEW_TOKENS, model=fresh)
+            res[key] = {"hashes": _hashes(state), "tokens": tokens, "routed": routed}
             del fresh
         with open(out_path, "w") as f:
             json.dump(res, f)
@@ -213,7 +213,7 @@ def rl_loop(
         f"its scheduler and detokenizer processes"
     )
     t = time.perf_counter()
-    eng = TinyEngine(dirs["A"], workdir=work, log=sglang_log)
+    eng = TinyEngine(dirs["A"], workdir=work, log=sglang_log, **models.ROUTED_EXPERTS_ARGS)
     try:
         st.check(
             "engine up",
@@ -266,6 +266,17 @@ def rl_loop(
             f"dequantized checkpoint: relative error {fwd['rel_err']:.3f} (bound {bound}: the kernels quantize "
             f"activations too), top-1 equal {sum(fwd['top1_equal'])}/{len(fwd['top1_equal'])}",
             **fwd,
+        )
+
+        st.say("routed experts (R3): generate with return_routed_experts")
+        tokens, routed = eng.generate_routed(PROMPTS, NEW_TOKENS)
+        nonzero = any(e != 0 for req in routed for tok in req for lay in tok for e in lay)
+        st.check(
+            "routed experts",
+            tokens == ref["A"]["tokens"] and routed == ref["A"]["routed"] and nonzero,
+            "meta_info['routed_experts'] of every prompt and generated token, every layer, "
+            f"{'equal' if routed == ref['A']['routed'] else 'NOT equal'} to what a fresh load's fused runner "
+            f"reports for the same batch ({'not all zeros' if nonzero else 'ALL ZEROS'})",
         )
 
         st.say("RL round 1: update_weights_from_disk, a whole new checkpoint")

@@ -143,52 +143,18 @@ def disagreements(captured: torch.Tensor, seen: list, tokens: int) -> dict:
 
 @torch.no_grad()
 def routed_generation(m, prompts: list[list[int]], new_tokens: int, model=None) -> dict[str, Any]:
-    """Greedy generation on `m` (a sandbox.models.TinyModel built with enable_return_routed_experts) — or on
-    `model` (e.g. `m.fresh(dir)`) with `m`'s pools — reading SGLang's capturer after every forward.
+    """Greedy generation on `m` (a sandbox.models.TinyModel built with ROUTED_EXPERTS_ARGS) — or on `model` (e.g.
+    `m.fresh(dir)`) with `m`'s pools — reading SGLang's capturer after every forward and comparing it with SGLang's
+    own top-k of the logits each MoE layer saw there.
 
     Returns {"tokens": per prompt, "routed": per prompt [prompt_len + new_tokens - 1][layers][k] (what a server
     returns), "checks": [disagreements per forward]}."""
-    from sglang.benchmark import one_batch
+    checks: list = []
+    with recorded_topk(model if model is not None else m.model) as seen:
 
-    from sglang_trtllm_moe.compat import routed_experts
+        def after_forward(buffer, rows: int) -> None:
+            checks.append(disagreements(buffer, seen, rows))
+            seen.clear()
 
-    cap = routed_experts.capturer()
-    if cap is None:
-        raise RuntimeError("no routed-experts capturer: build the model with enable_return_routed_experts=True")
-    buffer = cap.device_cache.buffer
-    k = cap.topk_size if hasattr(cap, "topk_size") else buffer.shape[2]
-    own = m.runner.model
-    if model is not None:
-        m.runner.model = model
-    try:
-        m.runner.req_to_token_pool.clear()
-        m.runner.token_to_kv_pool_allocator.clear()
-        reqs = m._reqs(prompts, new_tokens)
-        routed: list[list] = [[] for _ in prompts]
-        checks = []
-        with recorded_topk(m.runner.model) as seen:
-            buffer.zero_()
-            next_ids, _, batch = one_batch.extend(reqs, m.runner)
-            total = sum(len(p) for p in prompts)
-            checks.append(disagreements(buffer, seen, total))
-            rows = buffer[:total, :, :k].tolist()
-            start = 0
-            for i, p in enumerate(prompts):
-                routed[i].extend(rows[start : start + len(p)])
-                start += len(p)
-            out = [[t] for t in next_ids.tolist()]
-            for _ in range(new_tokens - 1):
-                buffer.zero_()
-                seen.clear()
-                next_ids, _ = one_batch.decode(next_ids, batch, m.runner)
-                checks.append(disagreements(buffer, seen, len(prompts)))
-                rows = buffer[: len(prompts), :, :k].tolist()
-                for i in range(len(prompts)):
-                    routed[i].append(rows[i])
-                for o, t in zip(out, next_ids.tolist(), strict=True):
-                    o.append(t)
-        return {"tokens": out, "routed": routed, "checks": checks}
-    finally:
-        m.runner.model = own
-        m.runner.req_to_token_pool.clear()
-        m.runner.token_to_kv_pool_allocator.clear()
+        tokens, routed = m.generate_routed(prompts, new_tokens, model=model, after_forward=after_forward)
+    return {"tokens": tokens, "routed": routed, "checks": checks}
