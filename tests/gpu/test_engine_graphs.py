@@ -1,0 +1,71 @@
+"""A real sglang.Engine on a GPU with CUDA graphs on, serving through the plugin (emulated TRT-LLM-Gen kernels on a
+faked SM100), every RL step: updates land in the graphs captured at start-up, exactly (tests/gpu/engine_run.py has
+the flow). One process per model (each Engine needs a fresh CUDA context for its memory pools), the models of
+SGLANG_TRTLLM_MOE_GPU_MODELS (default: NVFP4, FP8 block, FP8 per-tensor, BF16, and relu2 NVFP4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ..support.helpers import REPO, last_json
+
+DEFAULT = "qwen3_moe:nvfp4,deepseek_v3:fp8_block,qwen3_moe:fp8,qwen3_moe:bf16,nemotron_h:nvfp4"
+MODELS = os.environ.get("SGLANG_TRTLLM_MOE_GPU_MODELS", DEFAULT).split(",")
+STEPS = (
+    "engine G up",
+    "load",
+    "disk A->B",
+    "disk B->A exact",
+    "tensor buckets (CUDA tensors) == disk",
+    "refused bucket changes nothing",
+    "partial update (CUDA tensors)",
+    "weight checker",
+    "eager fresh load == graphs after updates (bytes)",
+    "eager fresh load == graphs after updates (tokens)",
+    "routed experts: graphs == eager, not zeros",
+)
+_REPORTS: dict = {}
+
+
+def report(model: str) -> dict:
+    if model not in _REPORTS:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.gpu.engine_run", model],
+            cwd=str(REPO),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        rep = last_json(proc)
+        rep["_stderr_tail"] = proc.stderr[-4000:]
+        _REPORTS[model] = rep
+        out = os.environ.get("SGLANG_TRTLLM_MOE_GPU_OUT")
+        if out:
+            with open(os.path.join(out, f"engine-{model.replace(':', '-')}.json"), "w") as f:
+                json.dump(rep, f, default=str)
+    return _REPORTS[model]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("step", STEPS)
+def test_engine_with_cuda_graphs(model, step):
+    rep = report(model)
+    assert "error" not in rep, f"{rep['error']}\n{rep.get('traceback', '')}\n{rep['_stderr_tail']}"
+    assert step in rep, f"step {step!r} did not run: {sorted(rep)}\n{rep['_stderr_tail']}"
+    res = rep[step]
+    assert res["ok"], json.dumps(res, default=str)[:3000]
+
+
+def test_sleep_wake_with_the_memory_saver_then_a_full_update_is_exact():
+    if "qwen3_moe:nvfp4" not in MODELS:
+        pytest.skip("runs with the qwen3_moe:nvfp4 model (SGLANG_TRTLLM_MOE_GPU_MODELS)")
+    rep = report("qwen3_moe:nvfp4")
+    assert "error" not in rep, f"{rep['error']}\n{rep.get('traceback', '')}"
+    res = rep["memory saver: release, resume, full update == fresh"]
+    assert res["ok"], res
