@@ -82,7 +82,8 @@ def layer_name(layer: Layer) -> str:
 class LayerState:
     fmt: WeightFormat
     num_experts: int
-    #: group -> bool[E] (CPU): True = kernel layout
+    #: group -> bool[E] (CPU): True = kernel layout. Host bookkeeping, read by the runner at every forward (CUDA-graph
+    #: capture included), so it never lives on a device, whatever torch's default device is when a layer is attached
     prepared: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars_dirty: bool = True
     flushes: int = 0
@@ -100,30 +101,30 @@ class LayerState:
         self.groups = {p.name: p.group for p in self.fmt.params}
         self.views = type(self.fmt).on_layout is not WeightFormat.on_layout
 
-    def is_prepared(self, group: str, expert: int) -> bool:
-        """`prepared[group][expert]`, from a Python copy of the mask refreshed whenever the mask changed (its
-        version counter: every in-place write of it, here, in rollback or anywhere, bumps it)."""
+    def _bits(self, group: str) -> list[bool]:
+        """`prepared[group]` as a Python list, refreshed whenever the mask changed (its version counter: every
+        in-place write of it, here, in rollback or anywhere, bumps it); no tensor op while it did not."""
         mask = self.prepared[group]
         ver = mask._version
         m = self._mirror.get(group)
         if m is None or m[0] is not mask or m[1] != ver:
             m = (mask, ver, mask.tolist())
             self._mirror[group] = m
-        return m[2][expert]
+        return m[2]
+
+    def is_prepared(self, group: str, expert: int) -> bool:
+        return self._bits(group)[expert]
 
     def all_prepared(self, group: str) -> bool:
-        mask = self.prepared[group]
-        m = self._mirror.get(group)
-        if m is None or m[0] is not mask or m[1] != mask._version:
-            return bool(mask.all())
-        return all(m[2])
+        return all(self._bits(group))
 
     def dirty_experts(self) -> dict[str, list[int]]:
         return {g: (~m).nonzero().flatten().tolist() for g, m in self.prepared.items() if not bool(m.all())}
 
     @property
     def clean(self) -> bool:
-        return not self.scalars_dirty and all(bool(m.all()) for m in self.prepared.values())
+        """Asked by the runner at every forward: Python lists only, once the masks were read after their last change."""
+        return not self.scalars_dirty and all(self.all_prepared(g) for g in self.prepared)
 
 
 def state_of(layer: Layer) -> LayerState | None:
@@ -140,7 +141,10 @@ def attach(layer: Layer, fmt: WeightFormat) -> LayerState:
         st = LayerState(
             fmt=fmt,
             num_experts=e,
-            prepared={g: torch.full((e,), fmt.prepared_at_attach(layer, g), dtype=torch.bool) for g in fmt.groups()},
+            prepared={
+                g: torch.full((e,), fmt.prepared_at_attach(layer, g), dtype=torch.bool, device="cpu")
+                for g in fmt.groups()
+            },
         )
         _set_own(layer, STATE_ATTR, st)
         _forget_plans(layer)

@@ -30,10 +30,23 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 ScaleLike = float | torch.Tensor
 
+# Constants are made on the device by fill kernels (`torch.full`), never with `torch.tensor(python data, device=...)`:
+# that is a host->device copy, which CUDA-graph capture refuses, and the emulator's forward quantizes through this
+# module under capture. A fill rounds the Python float to float32 exactly as `torch.tensor(..., float32)` does.
+# Nothing made here is cached: a tensor first made inside capture holds its values only in the graph's replays.
+
+
+def _f32(value: float, device: torch.device) -> torch.Tensor:
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _f32_table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    return torch.stack([_f32(v, device) for v in values])
+
 
 def _as_f32_scalar(s: ScaleLike, device: torch.device) -> torch.Tensor:
     """A scalar scale as a 0-d float32 tensor on `device` (kept on device: no host sync)."""
-    t = torch.as_tensor(s, dtype=torch.float32, device=device)
+    t = s.to(device=device, dtype=torch.float32) if isinstance(s, torch.Tensor) else _f32(s, device)
     if t.numel() != 1:
         raise ValueError(f"expected one scale value, got shape {tuple(t.shape)}")
     return t.reshape(())
@@ -42,11 +55,11 @@ def _as_f32_scalar(s: ScaleLike, device: torch.device) -> torch.Tensor:
 def _fp8_max(device: torch.device) -> torch.Tensor:
     """448 as a tensor: torch's CUDA `tensor / python_scalar` multiplies by the reciprocal (1 ulp off true division,
     which is what CPU torch and the kernels' `aMax / E4m3MaxVal` compute); tensor / tensor divides on both."""
-    return torch.tensor(FP8_E4M3_MAX, dtype=torch.float32, device=device)
+    return _f32(FP8_E4M3_MAX, device)
 
 
 def _lut(device: torch.device) -> torch.Tensor:
-    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=device)
+    grid = _f32_table(_E2M1_GRID, device)
     return torch.cat([grid, -grid])
 
 
@@ -77,7 +90,7 @@ def float_to_e2m1(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"e2m1 packing needs an even last dim, got {tuple(x.shape)}")
     xf = x.float()
     a = xf.abs()
-    bounds = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    bounds = _f32_table(_E2M1_MIDPOINTS, x.device)
     idx = torch.bucketize(a, bounds, right=False)  # a == bound -> lower index
     # Ties (a exactly on a midpoint) go to the even index (mantissa bit 0): lower index is odd -> step up.
     on_bound = (idx < len(_E2M1_MIDPOINTS)) & (a == bounds[idx.clamp(max=len(_E2M1_MIDPOINTS) - 1)])
@@ -113,7 +126,7 @@ def nvfp4_quantize(
     gs = _as_f32_scalar(global_scale, x.device)
     xb = x.float().reshape(*x.shape[:-1], K // block, block)
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    rcp6 = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)  # fp32(1/6), what rcp.approx(6) gives
+    rcp6 = _f32(1.0 / 6.0, x.device)  # fp32(1/6), what rcp.approx(6) gives
     sf_f = gs * (amax * rcp6)
     sf = sf_f.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     denom = sf.float() * (1.0 / gs)
@@ -218,7 +231,7 @@ def mxfp8_quantize(x: torch.Tensor, block: int = MXFP8_BLOCK) -> tuple[torch.Ten
         raise ValueError(f"last dim {K} is not a multiple of the MX block {block}")
     b = x.float().reshape(*x.shape[:-1], K // block, block)
     amax = b.abs().amax(dim=-1, keepdim=True)
-    v = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32, device=x.device)  # kernel: amax * rcp(448)
+    v = amax * _f32(1.0 / FP8_E4M3_MAX, x.device)  # kernel: amax * rcp(448)
     # ceil(log2(v)) exactly (torch.log2 can round 2^n*(1+eps) down to n): v = m * 2^ex with m in [0.5, 1).
     m, ex = torch.frexp(v)
     e = torch.where(m == 0.5, ex - 1, ex).float()
@@ -251,7 +264,7 @@ def mxfp4_quantize(x: torch.Tensor, block: int = MXFP8_BLOCK) -> tuple[torch.Ten
         raise ValueError(f"last dim {K} is not a multiple of the MX block {block}")
     b = x.float().reshape(*x.shape[:-1], K // block, block)
     amax = b.abs().amax(dim=-1, keepdim=True)
-    v = amax / torch.tensor(E2M1_MAX, dtype=torch.float32, device=x.device)
+    v = amax / _f32(E2M1_MAX, x.device)
     m, ex = torch.frexp(v)
     e = torch.where(m == 0.5, ex - 1, ex).float()
     e = torch.where(v > 0, e, torch.full_like(e, -127.0)).clamp(-127, 127)

@@ -16,8 +16,9 @@ from .common import (
     is_gated,
     round_bf16,
     routing,
+    row_inverses,
     run_experts,
-    scalar,
+    scalar_or_none,
     unshuffle_rows,
     unsupported,
 )
@@ -65,9 +66,7 @@ def _bf16_impl(
     M, inter = gemm1_rows(intermediate_size, act), intermediate_size
     check_local("gemm1_weights", gemm1_weights, local_num_experts)
     check_local("gemm2_weights", gemm2_weights, local_num_experts)
-    dev = hidden_states.device
-    inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
-    inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
+    inv1, inv2 = row_inverses(M, is_gated(act), H, hidden_states.device)
 
     def expert(e, rows, _w):
         w1 = _bf16_weights(gemm1_weights, M, H, inv1, e)
@@ -75,9 +74,9 @@ def _bf16_impl(
         h = activate(
             rows @ w1.t(),
             act,
-            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
+            alpha=scalar_or_none(gemm1_alpha, e),
+            beta=scalar_or_none(gemm1_beta, e),
+            limit=scalar_or_none(gemm1_clamp_limit, e),
         )
         return round_bf16(round_bf16(h) @ w2.t())  # the FC1 epilogue writes bf16; GEMM2 output is bf16
 

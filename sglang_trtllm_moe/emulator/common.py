@@ -9,10 +9,22 @@ listed in kernel_api.FLASHINFER_ADDED), so `runner` can swap one for the other. 
 the kernel carves its temporaries from) changes no result and is accepted as such.
 
 Structure shared by every format:
-  route -> group the (token, slot) pairs by local expert -> per expert that received tokens: dequantize its weights,
-  GEMM1 (fp32), activation (+ the format's scalars), re-quantize the intermediate like the kernel, GEMM2 (fp32),
-  round to bf16 (the GEMM2 output dtype) -> finalize: out[t] = sum_k w[t,k] * y[t,k] in fp32, in slot order, to bf16.
+  route -> per local expert e (every one, in order): dequantize its weights, GEMM1 (fp32), activation (+ the format's
+  scalars), re-quantize the intermediate like the kernel, GEMM2 (fp32), round to bf16 (the GEMM2 output dtype), on
+  all T tokens' rows -> keep y[t,k] = expert(ids[t,k])'s row t (a select on ids == offset + e) -> finalize:
+  out[t] = sum_k w[t,k] * y[t,k] in fp32, in slot order, to bf16.
 Slots routed to experts outside [local_expert_offset, local_expert_offset + local_num_experts) contribute nothing.
+
+Static shapes, no host reads (CUDA graphs): SGLang captures the MoE forward into a CUDA graph, and capture refuses
+anything that reads a device tensor on the host (`.item()`, `float(t)`, `.tolist()`), whose output shape depends on
+values (`nonzero`, `unique`, grouping tokens by expert) or that copies host data to the device
+(`torch.tensor(python data, device=...)`). So the forward loops over the local experts as Python ints, computes each
+on every row, selects on the device, and keeps per-expert scalars as 0-d device tensors; its constants and index
+maps are made on the device per call (quant.py, layouts' `cache=False`). Each row gets what running each expert on
+its own routed rows only (the grouped formulation) gives: nothing in the math mixes rows, and only BLAS may round a
+GEMM's last fp32 bit differently for another row count; the price is n_local * T expert rows per call instead of
+T * top_k. tests/test_capture_safe.py runs every entry point and every format's layer forward under a guard that
+raises on each refused operation, and compares with the grouped formulation bit for bit.
 
 Not bit-exact by design: the kernels' fused epilogues live in cubins (reciprocal approximations, accumulation order);
 expect FP4/FP8-level agreement, see tests/test_emulator.py for the tolerances. Options the emulator does not model
@@ -23,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -68,8 +80,18 @@ def act_name(a: int) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def scalar(t: torch.Tensor | None, e: int, default: float) -> float:
-    return default if t is None else float(t.reshape(-1)[e])
+Scalar = float | torch.Tensor
+
+
+def scalar(t: torch.Tensor | None, e: int, default: float) -> Scalar:
+    """Expert e's entry of a per-expert scalar tensor as a 0-d tensor on its device (never read on the host: CUDA
+    graphs), or `default` when there is no tensor. Arithmetic with it rounds as with the float it holds."""
+    return default if t is None else t.reshape(-1)[e]
+
+
+def scalar_or_none(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """`scalar` of an optional control (gemm1_alpha / beta / clamp_limit): None when not given."""
+    return None if t is None else t.reshape(-1)[e]
 
 
 def _gelu(x: torch.Tensor, tanh: bool = False) -> torch.Tensor:
@@ -79,12 +101,12 @@ def _gelu(x: torch.Tensor, tanh: bool = False) -> torch.Tensor:
 def activate(
     a1: torch.Tensor,
     act: int,
-    gate_scale: float = 1.0,
-    out_scale: float = 1.0,
+    gate_scale: Scalar = 1.0,
+    out_scale: Scalar = 1.0,
     *,
-    alpha: float | None = None,
-    beta: float | None = None,
-    limit: float | None = None,
+    alpha: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    limit: torch.Tensor | None = None,
     valid_intermediate: int | None = None,
 ) -> torch.Tensor:
     """GEMM1 output (raw accumulator units) -> activation, as the kernels' epilogue computes it.
@@ -136,23 +158,21 @@ def activate(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Shared driver: routing, grouping by expert, finalize
+# Shared driver: routing, every local expert on every row, select, finalize
 # ----------------------------------------------------------------------------------------------------------------
 
+#: expert_fn(e, rows, slot_weights) -> bf16-valued fp32 [rows, hidden_out]: local expert e on `rows` [n, H] (fp32);
+#: slot_weights [n] (fp32) is the routing weight of each row's slot when the weights go on the input, else None
 ExpertFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def _groups(ids: torch.Tensor, offset: int, n_local: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (local expert, flat slot indices) for each local expert that received slots; flat slot = t * K + k."""
-    flat = ids.reshape(-1).long() - int(offset)
-    slots = ((flat >= 0) & (flat < int(n_local))).nonzero().squeeze(1)
-    experts = flat[slots]
-    order = torch.argsort(experts, stable=True)
-    slots, experts = slots[order], experts[order]
-    if slots.numel() == 0:
-        return
-    uniq, counts = torch.unique_consecutive(experts, return_counts=True)
-    yield from zip(uniq.tolist(), torch.split(slots, counts.tolist()), strict=True)
+def row_inverses(m1: int, gated: bool, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverses of the kernel's GEMM1 (m1 rows) and GEMM2 (hidden rows) row maps, made on `device` for this call and
+    cached nowhere (`layouts.cached`: a map first made inside CUDA-graph capture must not serve later calls)."""
+    return (
+        layouts.invert_map(layouts.w13_row_map(m1, gated, device, cache=False)),
+        layouts.invert_map(layouts.w2_row_map(hidden, device, cache=False)),
+    )
 
 
 def run_experts(
@@ -167,15 +187,22 @@ def run_experts(
     routing_replay_out: torch.Tensor | None = None,
     weights_on_input: bool = False,
 ) -> torch.Tensor:
-    """x [T, H] float32 (dequantized activations); expert_fn(e, rows, slot_weights) -> bf16-valued [n, hidden_out]."""
+    """x [T, H] float32 (dequantized activations) -> bf16 [T, hidden_out]. Every local expert runs on all T rows
+    (static shapes, module docstring); slot (t, k) keeps row t of expert ids[t, k] - offset by a select, so rows of
+    other experts (whatever they hold, NaN included) never reach it, and a slot of no local expert stays 0.
+    `weights_on_input`: the expert takes each row's slot weight (Llama4), so it runs once per (expert, slot)."""
     T, K = ids.shape
     if routing_replay_out is not None:
         routing_replay_out[:T].copy_(ids.to(routing_replay_out.dtype))
-    y = torch.zeros(T * K, hidden_out, dtype=torch.float32, device=x.device)
-    w_flat = None if weights is None else weights.reshape(-1).float()
-    for e, s in _groups(ids, offset, n_local):
-        y[s] = expert_fn(e, x[s // K], None if w_flat is None else w_flat[s])
-    y = y.view(T, K, hidden_out)
+    local = ids.long() - int(offset)
+    y = torch.zeros(T, K, hidden_out, dtype=torch.float32, device=x.device)
+    for e in range(int(n_local)):
+        hit = (local == e).unsqueeze(-1)  # [T, K, 1]
+        if weights_on_input and weights is not None:
+            for k in range(K):
+                y[:, k] = torch.where(hit[:, k], expert_fn(e, x, weights[:, k].float()), y[:, k])
+        else:
+            y = torch.where(hit, expert_fn(e, x, None).unsqueeze(1), y)
     acc = torch.zeros(T, hidden_out, dtype=torch.float32, device=x.device)
     for k in range(K):  # finalize: fp32 sum in slot order (finalize kernel), weight in its own dtype
         if weights_on_input or weights is None:

@@ -24,8 +24,9 @@ from .common import (
     is_gated,
     round_bf16,
     routing,
+    row_inverses,
     run_experts,
-    scalar,
+    scalar_or_none,
     unshuffle_rows,
     unsupported,
 )
@@ -97,9 +98,9 @@ def _fp8_block_impl(
         h = activate(
             a1,
             act,
-            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
+            alpha=scalar_or_none(gemm1_alpha, e),
+            beta=scalar_or_none(gemm1_beta, e),
+            limit=scalar_or_none(gemm1_clamp_limit, e),
             valid_intermediate=valid_intermediate_size,
         )
         return round_bf16(_block_requant(h) @ w2.t())
@@ -163,10 +164,8 @@ def _mxfp8_impl(
             f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} do not hold "
             f"[E, {M}, {H}]/[E, {H}, {inter}]"
         )
-    dev = hidden_states.device
     E = local_num_experts
-    inv1 = layouts.invert_map(layouts.w13_row_map(M, gated, dev))
-    inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
+    inv1, inv2 = row_inverses(M, gated, H, hidden_states.device)
     x = quant.mxfp8_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 32))
 
     def expert(e, rows, _w):
@@ -178,9 +177,9 @@ def _mxfp8_impl(
         h = activate(
             a1,
             act,
-            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
+            alpha=scalar_or_none(gemm1_alpha, e),
+            beta=scalar_or_none(gemm1_beta, e),
+            limit=scalar_or_none(gemm1_clamp_limit, e),
             valid_intermediate=valid_intermediate_size,
         )
         hq, hs = quant.mxfp8_quantize(round_bf16(h))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import layouts, quant
+from .. import quant
 from ..kernel_api import ActivationType
 from .common import (
     activate,
@@ -16,6 +16,7 @@ from .common import (
     is_gated,
     round_bf16,
     routing,
+    row_inverses,
     run_experts,
     scalar,
     unshuffle_rows,
@@ -54,9 +55,7 @@ def _fp8_tensor_impl(
         raise ValueError(
             f"weights {tuple(gemm1_weights.shape)}/{tuple(gemm2_weights.shape)} != [E, {M}, {H}]/[E, {H}, {inter}]"
         )
-    dev = hidden_states.device
-    inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
-    inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
+    inv1, inv2 = row_inverses(M, is_gated(act), H, hidden_states.device)
 
     def expert(e, rows, slot_w):
         w1 = unshuffle_rows(gemm1_weights[e], inv1).float()

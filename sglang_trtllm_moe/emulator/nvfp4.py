@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import layouts, quant
+from .. import quant
 from ..kernel_api import UNSET, ActivationType
 from .common import (
     act_name,
@@ -25,8 +25,10 @@ from .common import (
     is_gated,
     round_bf16,
     routing,
+    row_inverses,
     run_experts,
     scalar,
+    scalar_or_none,
     sf_numel,
     unshuffle_rows,
     unsupported,
@@ -115,8 +117,7 @@ def _fp4_impl(
         x = quant.mxfp8_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 32))
     else:
         x = hidden_states.float()
-    inv1 = layouts.invert_map(layouts.w13_row_map(M, is_gated(act), dev))
-    inv2 = layouts.invert_map(layouts.w2_row_map(H, dev))
+    inv1, inv2 = row_inverses(M, is_gated(act), H, dev)
 
     def dequant_w(w, s):
         return quant.mxfp4_dequantize(w, s) if mx else quant.nvfp4_dequantize(w, s, 1.0)
@@ -144,9 +145,9 @@ def _fp4_impl(
             act,
             scalar(output1_scale_gate_scalar, e, 1.0),
             scalar(output1_scale_scalar, e, 1.0),
-            alpha=None if gemm1_alpha is None else scalar(gemm1_alpha, e, 1.0),
-            beta=None if gemm1_beta is None else scalar(gemm1_beta, e, 0.0),
-            limit=None if gemm1_clamp_limit is None else scalar(gemm1_clamp_limit, e, 0.0),
+            alpha=scalar_or_none(gemm1_alpha, e),
+            beta=scalar_or_none(gemm1_beta, e),
+            limit=scalar_or_none(gemm1_clamp_limit, e),
             valid_intermediate=valid_intermediate_size,
         )
         a2 = requant(h) @ dequant_w(w2, s2).t()

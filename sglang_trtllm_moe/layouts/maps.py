@@ -63,7 +63,12 @@ def clear_caches() -> None:
         _EIDS.clear()
 
 
-def cached(key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+def cached(key: tuple, build: Callable[[], torch.Tensor], cache: bool = True) -> torch.Tensor:
+    """The map `build()` makes, on the device `key[-1]`, kept under `key` until `clear_caches()`. `cache=False`: made
+    afresh and kept nowhere (a map first made inside CUDA-graph capture holds its values only in the graph's replays,
+    so it must not serve later calls; the emulator's forward asks for its maps that way)."""
+    if not cache:
+        return build().to(key[-1])
     with CACHE_LOCK:
         idx = _MAPS.get(key)
         if idx is None:
@@ -87,20 +92,24 @@ def _check_shuffle_rows(m: int, epilogue_tile_m: int, what: str = "rows") -> Non
         )
 
 
-def gated_reorder_map(m: int, device: Device = None) -> torch.Tensor:
+# The maps are built on their device from torch.arange (no host->device copy), so `cache=False` serves code that runs
+# under CUDA-graph capture (see `cached`).
+
+
+def gated_reorder_map(m: int, device: Device = None, cache: bool = True) -> torch.Tensor:
     """[top; bottom] halves -> rows t0,b0,t1,b1,... so one tile load holds matching up and gate rows."""
     if m <= 0 or m % 2:
         raise ValueError(f"gated w13 needs an even row count (2 halves), got M={m}; pad each half to the same size")
     dev = norm_device(device)
 
     def build() -> torch.Tensor:
-        half = torch.arange(m // 2, dtype=torch.long)
+        half = torch.arange(m // 2, dtype=torch.long, device=dev)
         return torch.stack([half, half + m // 2], dim=1).reshape(m)
 
-    return cached(("reorder", m, True, None, dev), build)
+    return cached(("reorder", m, True, None, dev), build, cache)
 
 
-def shuffle_map(m: int, epilogue_tile_m: int = 128, device: Device = None) -> torch.Tensor:
+def shuffle_map(m: int, epilogue_tile_m: int = 128, device: Device = None, cache: bool = True) -> torch.Tensor:
     """flashinfer `shuffle_matrix_a` rows: within each block of b rows, out row d = in row (d % 8) * (b/8) + d // 8.
 
     Closed form of inverting flashinfer's srcToDstBlk{16,32}RowMap (src s goes to (s % k) * 8 + s // k, k = b/8).
@@ -110,27 +119,31 @@ def shuffle_map(m: int, epilogue_tile_m: int = 128, device: Device = None) -> to
     b = shuffle_block_size(epilogue_tile_m)
 
     def build() -> torch.Tensor:
-        d = torch.arange(m, dtype=torch.long)
+        d = torch.arange(m, dtype=torch.long, device=dev)
         within = d % b
         return d - within + (within % 8) * (b // 8) + within // 8
 
-    return cached(("shuffle", m, None, epilogue_tile_m, dev), build)
+    return cached(("shuffle", m, None, epilogue_tile_m, dev), build, cache)
 
 
-def w13_row_map(m: int, gated: bool, device: Device = None, epilogue_tile_m: int = 128) -> torch.Tensor:
+def w13_row_map(
+    m: int, gated: bool, device: Device = None, epilogue_tile_m: int = 128, cache: bool = True
+) -> torch.Tensor:
     """GEMM1 rows (weights and scale rows alike): gated = reorder then shuffle (idx_R[idx_S]); else shuffle."""
     if not gated:
-        return shuffle_map(m, epilogue_tile_m, device)
+        return shuffle_map(m, epilogue_tile_m, device, cache)
     _check_shuffle_rows(m, epilogue_tile_m, "gated w13 rows")
     dev = norm_device(device)
     return cached(
-        ("w13", m, True, epilogue_tile_m, dev), lambda: gated_reorder_map(m, dev)[shuffle_map(m, epilogue_tile_m, dev)]
+        ("w13", m, True, epilogue_tile_m, dev),
+        lambda: gated_reorder_map(m, dev, cache)[shuffle_map(m, epilogue_tile_m, dev, cache)],
+        cache,
     )
 
 
-def w2_row_map(m: int, device: Device = None, epilogue_tile_m: int = 128) -> torch.Tensor:
+def w2_row_map(m: int, device: Device = None, epilogue_tile_m: int = 128, cache: bool = True) -> torch.Tensor:
     """GEMM2 rows (m = hidden): shuffle only; kept as its own name so callers never pass `gated` by mistake."""
-    return shuffle_map(m, epilogue_tile_m, device)
+    return shuffle_map(m, epilogue_tile_m, device, cache)
 
 
 def _derived(idx: torch.Tensor, what: str, build: Callable[[], _T]) -> _T:
