@@ -13,8 +13,8 @@ The flow, per model (checkpoints A, B and P = two experts of the last MoE layer 
   graphs captured at start-up, and a second one restores;
 * update_weights_from_tensor(B) with CUDA tensors in 3 buckets (in a begin / end session where the release has them):
   state and tokens equal the disk update's;
-* a refused bucket (NaN per-tensor scale, or a float32 tensor for BF16 storage): (False, "refused ..."), nothing
-  changed;
+* a refused bucket (a NaN per-tensor scale, or for BF16 a weight one column too wide): (False, "refused ..."),
+  nothing changed;
 * a partial update (P, CUDA tensors): now serving B+P — tokens, state, routed experts (R3) recorded;
 * the weight checker: snapshot, reset_tensors, replay B+P from disk, compare passes;
 * engine E, eager (no CUDA graphs), a fresh load of B+P: its tokens, served bytes and routed experts equal G's after
@@ -61,6 +61,8 @@ def _engine_args(cpu: bool, graphs: bool, **extra) -> dict:
             cuda_graph_max_bs_decode=4,
             disable_cuda_graph=not graphs,
             enable_return_routed_experts=True,
+            # Nemotron-H: no Mamba-cache snapshots for the radix tree (a faked SM100 would promise them)
+            disable_radix_cache=True,
             log_level="warning",
         )
     kw.update(extra)
@@ -212,9 +214,10 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
         scalar = [n for n, v in sorted(full[1].items()) if n.endswith(("weight_scale_2", "input_scale"))]
         if scalar:
             bad = [(scalar[0], torch.full_like(full[1][scalar[0]], float("nan")))]
-        else:  # BF16: a float32 tensor for bf16 storage
+        else:  # BF16 (a float32 tensor would be converted, as a load does): one column too many
             name = next(n for n in sorted(full[1]) if ".experts." in n and n.endswith("down_proj.weight"))
-            bad = [(name, full[1][name].float())]
+            w = full[1][name]
+            bad = [(name, torch.cat([w, w[:, :1]], 1))]
         with g.session():
             ans = g.update_from_tensor(on_device(bad))
         d = differs(s_b, g.state())
