@@ -25,12 +25,13 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS)
 
 torch.set_num_threads(_THREADS)
 
-_tv_lib = torch.library.Library("torchvision", "FRAGMENT")
-for _op in ("nms", "qnms"):
-    try:
-        _tv_lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except RuntimeError:
-        pass  # the real torchvision ops are already registered
+if torch.version.cuda is None:  # a CPU torch: torchvision's CUDA _C.so cannot load (with CUDA torch it must, first)
+    _tv_lib = torch.library.Library("torchvision", "FRAGMENT")
+    for _op in ("nms", "qnms"):
+        try:
+            _tv_lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except RuntimeError:
+            pass  # the real torchvision ops are already registered
 
 
 def _sm100_reason():
