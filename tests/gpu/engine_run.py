@@ -42,14 +42,20 @@ PROMPTS = [[5, 17, 42, 99], [5, 17, 42, 99, 260, 311, 7], [100, 200, 300, 400], 
 NEW_TOKENS = 6
 
 
-def _engine_args(cpu: bool, graphs: bool, **extra) -> dict:
+#: attention backends per architecture on the GPU: SGLang refuses triton for Nemotron-H ("the first layer might not
+#: be an attention layer", server_args.py); FA3's library is not carried (ci/gpu-wheels), so flashinfer's (its JIT
+#: compiles the kernels on first use)
+ATTENTION = {"nemotron_h": "flashinfer"}
+
+
+def _engine_args(cpu: bool, graphs: bool, arch: str = "", **extra) -> dict:
     if cpu:  # the CPU sandbox's flags (sandbox.models.DEFAULT_SERVER_ARGS), no graphs on a CPU
         from sglang_trtllm_moe.sandbox import models
 
         kw = {**models.DEFAULT_SERVER_ARGS, **models.ROUTED_EXPERTS_ARGS}
     else:
         kw = dict(
-            attention_backend="triton",
+            attention_backend=ATTENTION.get(arch, "triton"),
             sampling_backend="pytorch",
             # left on auto, a faked SM100 picks the CuTe-DSL BF16 GEMM (No module named 'cutlass')
             bf16_gemm_backend="torch",
@@ -178,7 +184,7 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
     def on_device(items):
         return [(n, t.to(device)) for n, t in items]
 
-    g = Engine(dirs["A"], os.path.join(work, "G"), **_engine_args(cpu, graphs=True))
+    g = Engine(dirs["A"], os.path.join(work, "G"), **_engine_args(cpu, graphs=True, arch=arch))
     try:
         step("engine G up", True, graphs=not cpu)
         t_a = g.generate(PROMPTS)
@@ -242,7 +248,7 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
     finally:
         g.shutdown()
 
-    e = Engine(dirs["B+P"], os.path.join(work, "E"), **_engine_args(cpu, graphs=False))
+    e = Engine(dirs["B+P"], os.path.join(work, "E"), **_engine_args(cpu, graphs=False, arch=arch))
     try:
         t_e, r_e = e.generate(PROMPTS, routed=True)
         d = differs(s_bp, e.state())
@@ -254,7 +260,8 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
         e.shutdown()
 
     if (arch, quant) == ("qwen3_moe", "nvfp4") and not cpu:
-        s = Engine(dirs["A"], os.path.join(work, "S"), **_engine_args(cpu, graphs=True, enable_memory_saver=True))
+        saver = _engine_args(cpu, graphs=True, arch=arch, enable_memory_saver=True)
+        s = Engine(dirs["A"], os.path.join(work, "S"), **saver)
         try:
             t_sa = s.generate(PROMPTS)
             s.engine.release_memory_occupation()
