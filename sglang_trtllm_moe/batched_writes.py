@@ -96,9 +96,10 @@ def unwrapped(fn):
 
 
 class _StandIn:
-    """`layer` as SGLang's own FusedMoE methods see it, for a call that must change nothing: attribute reads go to
-    the layer, functions of its class run unhooked with the stand-in as `self`, attribute writes stay on the
-    stand-in; `_weight_loader_impl`, when `record` is given, is `record`."""
+    """`layer` as SGLang's own FusedMoE methods see it, for a call that must change nothing: attribute reads resolve
+    as on the layer (its class's data descriptors, then its own attributes), except that functions of its class run
+    unhooked with the stand-in as `self`; attribute writes stay on the stand-in; `_weight_loader_impl` — the write
+    itself — is `record` when given."""
 
     def __init__(self, layer, record=None):
         self.__dict__["_layer"] = layer
@@ -108,12 +109,16 @@ class _StandIn:
         layer = self.__dict__["_layer"]
         if name == "_weight_loader_impl" and self.__dict__["_record"] is not None:
             return self.__dict__["_record"]
+        v = None
         for klass in type(layer).__mro__:
             v = klass.__dict__.get(name)
             if v is not None:
-                if isinstance(v, types.FunctionType):
-                    return types.MethodType(unwrapped(v), self)
                 break
+        own = getattr(layer, "__dict__", {})
+        if name in own and not (hasattr(v, "__set__") or hasattr(v, "__delete__")):
+            return own[name]  # an attribute of the layer itself (a patched method included), as Python finds it
+        if isinstance(v, types.FunctionType):
+            return types.MethodType(unwrapped(v), self)
         return getattr(layer, name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -385,20 +390,36 @@ def write(items: list, targets: list) -> list:
         layer = target[0]
         entry = by_layer.get(id(layer))
         if entry is None:
-            st = layer_state.state_of(layer)
-            entry = by_layer[id(layer)] = (layer, st if st is not None and not st.fmt.fused else None, [])
-        if entry[1] is not None:
-            entry[2].append(i)
+            entry = by_layer[id(layer)] = (layer, *_written_here(layer), [])
+        if entry[2] is not None:
+            entry[3].append(i)
     taken: set[int] = set()
-    for layer, st, indices in by_layer.values():
-        if st is not None:
-            with st.lock:
-                done = _write_layer(layer, st, items, targets, indices)
-            taken |= done
-            _count(left=len(indices) - len(done))
+    for layer, st, fmt, indices in by_layer.values():
+        if fmt is None:
+            continue
+        with layer_state.locked(layer):
+            done = _write_layer(layer, st, fmt, items, targets, indices)
+        taken |= done
+        _count(left=len(indices) - len(done))
     if not taken:
         return items
     return [item for i, item in enumerate(items) if i not in taken]
+
+
+def batches(layer) -> bool:
+    """True when a validated bucket's expert tensors for `layer` are written here rather than by SGLang's loader."""
+    return _written_here(layer)[1] is not None
+
+
+def _written_here(layer) -> tuple:
+    """(its layout state or None, the format whose layer this is) when its expert writes are batched here: a layer
+    the plugin manages, or one SGLang prepares itself in a format declared `batched_where_sglang_prepares`; (None,
+    None) for every other layer (all experts at once: gpt-oss, or SGLang's own loader)."""
+    st = layer_state.state_of(layer)
+    if st is not None:
+        return (st, None) if st.fmt.fused else (st, st.fmt)
+    fmt = layer_state.observed(layer)
+    return (None, fmt) if fmt is not None and fmt.batched_where_sglang_prepares and not fmt.fused else (None, None)
 
 
 _UNSEEN = object()
@@ -415,20 +436,30 @@ class _Param:
         self.plans: dict = {}
 
 
-def _write_layer(layer, st, items: list, targets: list, indices: list[int]) -> set[int]:
-    """One layer's writes of a bucket, under its lock. Returns the indices written (or dropped, as SGLang drops
-    another rank's experts); the others are left to SGLang's loader."""
+def _write_layer(layer, st, fmt, items: list, targets: list, indices: list[int]) -> set[int]:
+    """One layer's writes of a bucket (under its lock, where the plugin manages it: `st`). Returns the indices
+    written (or dropped, as SGLang drops another rank's experts); the others are left to SGLang's loader."""
     routed = _routed(layer)
     if routed is None:
         return set()
+    viewed: set[str] = set()
+    if st is not None and st.views:
+        # the groups' parameters seen as SGLang loads them while they are written (BF16's prepared view is 4-D)
+        viewed = {st.groups[targets[i][1]] for i in indices if targets[i][1] in st.groups}
+        for group in viewed:
+            fmt.on_layout(layer, group, all_prepared=False)
+    try:
+        return _write_experts(layer, st, fmt, routed, items, targets, indices)
+    finally:
+        for group in viewed:
+            if st.all_prepared(group):  # nothing of it written after all: shown as prepared again
+                fmt.on_layout(layer, group, all_prepared=True)
+
+
+def _write_experts(layer, st, fmt, routed: int, items: list, targets: list, indices: list[int]) -> set[int]:
     prefix = getattr(layer, layer_attrs.PREFIX, None) or "experts"
-    fmt = st.fmt
     converts = type(fmt).converted_by_sglang is not WeightFormat.converted_by_sglang
     params = layer._parameters
-    # the groups' parameters seen as SGLang loads them while they are written (BF16's prepared view is 4-D)
-    if st.views:
-        for group in {st.groups[targets[i][1]] for i in indices if targets[i][1] in st.groups}:
-            fmt.on_layout(layer, group, all_prepared=False)
     infos: dict = {}
     slots_of: dict = {}
     refused: set[str] = set()  # parameters with a tensor that keeps the per-tensor path: all of theirs do
@@ -475,17 +506,17 @@ def _write_layer(layer, st, items: list, targets: list, indices: list[int]) -> s
     groups = _groups(pending, refused)
     if not groups:
         return set(dropped)
-    # the written experts of each layout group back to checkpoint layout: one call per group
-    ids: dict[str, set] = {}
-    for g in groups.values():
-        group = st.groups.get(g[0].pname)
-        if group is not None:
-            ids.setdefault(group, set()).update(g[2])
-    for group, experts in ids.items():
-        back = [e for e in sorted(experts) if e < st.num_experts and st.is_prepared(group, e)]
-        if back:
-            layer_state.unprepare_locked(layer, st, group, back)
-    st.scalars_dirty = True
+    if st is not None:  # the written experts of each layout group back to checkpoint layout: one call per group
+        ids: dict[str, set] = {}
+        for g in groups.values():
+            group = st.groups.get(g[0].pname)
+            if group is not None:
+                ids.setdefault(group, set()).update(g[2])
+        for group, experts in ids.items():
+            back = [e for e in sorted(experts) if e < st.num_experts and st.is_prepared(group, e)]
+            if back:
+                layer_state.unprepare_locked(layer, st, group, back)
+        st.scalars_dirty = True
     for info, plan, writes in groups.values():
         _apply(info.param, plan, writes)
     written = [p[0] for p in pending if p[1].pname not in refused]
