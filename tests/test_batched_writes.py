@@ -22,7 +22,7 @@ import threading
 import pytest
 import torch
 
-from sglang_trtllm_moe import batched_writes, layer_state, layouts
+from sglang_trtllm_moe import batched_writes, layer_attrs, layer_state, layouts
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import bad_updates as B
@@ -294,3 +294,29 @@ def test_batched_writes_race_a_flusher_and_a_per_tensor_writer():
         layer_state.flush(model.experts)
         fresh = sglang_runtime.prepared_model(spec, spec.kind.checkpoint(spec, seed=1))
         assert differences(model, fresh) == []
+
+
+def _tp_rank(rank: int, full: int):
+    """The layer as TP rank `rank` of 2 sees itself (SGLang's loader narrows by moe_tp_rank / moe_tp_size; the
+    plugin's checks take the checkpoint's whole intermediate `full`)."""
+
+    def patch(model):
+        layer = model.experts
+        layer.moe_tp_size, layer.moe_tp_rank = 2, rank
+        layer_attrs.record(layer, layer_attrs.INTERMEDIATE, full)
+
+    return patch
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_tensor", "bf16"])
+def test_tp_ranks_take_sglangs_narrowed_and_zero_filled_shards(fmt, rank):
+    """Each rank of TP 2 keeps its shard of a checkpoint of intermediate 192 (96 per rank, padded to 128 per half):
+    SGLang's loader narrows w13 rows / w2 columns at the padded shard's offset and zero-fills what is left."""
+    spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=96, fmt=fmt)  # one rank's layer
+    whole = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=192, fmt=fmt)
+    buckets = [list(_tensors(whole, seed=1).items())]
+    batched, per_tensor, sglang_calls, taken = _run_both(spec, buckets, patch=_tp_rank(rank, 192))
+    assert differences(batched, per_tensor) == []
+    assert (taken, sglang_calls) == (len(buckets[0]), 0)
+    assert differences(batched, _model(spec)), "the update changed nothing"
