@@ -561,20 +561,32 @@ def run_in_this_process(
     workdir: str | None = None,
     sglang_threads: bool = False,
     profile_top: int = 0,
+    ep: int = 1,
 ) -> dict:
     """Build the model, then time and count every (flow, mode). Returns one JSON-able report. The two checkpoint
-    directories go to `workdir`, or to a temporary directory removed at the end."""
+    directories go to `workdir`, or to a temporary directory removed at the end. ep > 1: every MoE layer's SGLang
+    mapping answers as EP rank 0 of `ep` (`as_ep_rank_0`)."""
+    args = (quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top, ep)
     if workdir is not None:
-        return _run_in(
-            workdir, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
-        )
+        return _run_in(workdir, *args)
     with tempfile.TemporaryDirectory(prefix=f"sglang-trtllm-moe-update-{quant}-") as work:
-        return _run_in(
-            work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
-        )
+        return _run_in(work, *args)
 
 
-def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top):
+def as_ep_rank_0(model, ep: int) -> None:
+    """A simulated EP rank 0 of `ep` (the model stays allocated for every expert, EP 1): each MoE layer's own
+    `_map_global_expert_id_to_local_expert_id` answers "local" for the first 1/ep of the routed experts only, so
+    SGLang's loader (and the plugin's batched writes, which ask it) drops the other ranks' experts, as a rank of a
+    real EP group does with every tensor of a broadcast update. Parameters kept per global expert (input scales)
+    are written for every expert, as there. Updates then no longer equal a fresh load of the second checkpoint."""
+    from .models import moe_layers
+
+    for layer in moe_layers(model).values():
+        local = int(layer.num_experts) // ep
+        layer.__dict__["_map_global_expert_id_to_local_expert_id"] = lambda e, n=local: e if 0 <= e < n else -1
+
+
+def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top, ep=1):
     from .. import layer_state
     from . import checkpoints as ck
     from . import models
@@ -593,6 +605,8 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
     m = models.TinyModel(dir_a)
     load_s = time.perf_counter() - t0
     layers = m.moe_layers()
+    if ep > 1:
+        as_ep_rank_0(m.model, ep)
     owners = sorted({"plugin" if layer_state.state_of(x) is not None else "sglang" for x in layers.values()})
     buckets = bucketed(new, bucket_mib)
     expert_tensors = sum(1 for n in new if ".experts." in n)
@@ -644,6 +658,7 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "loader_calls_from": "SGLang's thread pool (CPU tensors)" if sglang_threads else "the calling thread",
+        "simulated_ep_rank_0_of": ep,
         "checkpoint_write_s": round(made_s, 2),
         "model_load_s": round(load_s, 2),
         "flows": {},
@@ -692,6 +707,9 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
             added = rows["plugin"][key] - rows["bypassed"][key]
             entry["plugin_cpu_us_per_expert_tensor"] = round(1e6 * added / calls, 1)
         report["flows"][flow] = entry
+    if ep > 1:  # a rank of EP `ep` keeps its experts: not a fresh load of the second checkpoint
+        report["model_equals_fresh_load_of_the_update"] = None
+        return report
     exact = m.differences(m.fresh(dir_b))
     report["model_equals_fresh_load_of_the_update"] = not exact
     if exact:
@@ -787,6 +805,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile-top", type=int, default=0, help="cProfile one update per flow and mode: top N")
+    ap.add_argument(
+        "--ep", type=int, default=1, help="simulate EP rank 0 of N: the other ranks' experts are dropped (as_ep_rank_0)"
+    )
     a = ap.parse_args(argv)
     size, repeats, bucket = ("tiny", 1, 1.0) if a.tiny else (a.size, a.repeats, a.bucket_mib)
     quants = tuple(a.quant or (("nvfp4",) if a.tiny else ("nvfp4", "fp8_block")))
@@ -801,6 +822,7 @@ def main(argv=None) -> int:
         flows=tuple(a.flows.split(",")),
         sglang_threads=a.sglang_threads or None,
         profile_top=a.profile_top or None,
+        ep=a.ep if a.ep > 1 else None,
     )
     doc = json.dumps({"reports": reports})
     if a.out:
