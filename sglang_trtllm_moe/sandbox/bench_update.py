@@ -8,11 +8,14 @@ hidden and intermediate scaled to fit the machine) is loaded by SGLang's ModelRu
   tensor, in buckets of about ``bucket_mib``); ``end_weight_update`` (the flush of every written expert);
 * ``disk``: ``update_weights_from_disk`` of a second checkpoint directory (the whole model).
 
-Each flow runs in three modes, interleaved (order rotated per repeat), in the same process:
+Each flow runs in four modes, interleaved (order rotated per repeat), in the same process:
 
-* ``plugin``: as shipped;
+* ``plugin``: as shipped (a tensor bucket's expert tensors written batched: batched_writes.py);
+* ``per_tensor``: the plugin with batched writes switched off (``batched_writes.disabled()``): every tensor through
+  the model's ``load_weights`` and SGLang's loader with the plugin's hooks, as before issue #38;
 * ``bypassed``: the plugin's checks and their bookkeeping replaced by pass-throughs (``bypass()`` says exactly
-  what); its layout work (un-prepare / prepare of the written experts) still runs, so the layer stays exact;
+  what; no batched writes either): the update through SGLang's own loader; its layout work (un-prepare / prepare of
+  the written experts) still runs, so the layer stays exact;
 * ``unhooked`` (only where it is exact without the plugin's loader hooks: inside a begin/end session, where
   ``begin_weight_update`` already returned every managed layer to checkpoint layout, and for formats SGLang
   prepares itself, compat/defer.py): ``FusedMoE.weight_loader`` and ``_weight_loader_impl`` are SGLang's own
@@ -22,14 +25,16 @@ Each update is timed in wall seconds and in CPU seconds of the process (`time.pr
 other work on a shared box; one torch thread, and the loader calls run in the calling thread: `_load_synchronously`).
 Inside it, `Clock` times the plugin's layout work on its own (``layout_s``: ``layer_state.flush`` — prepare of the
 dirty experts and the kernel scalars — plus every ``WeightFormat.unprepare_``), the entry points' whole-request
-checks and the loader hooks' checks; ``overhead_pct_vs_bypassed_{cpu,wall}`` compares the updates without the layout
-work: (plugin - layout) / (bypassed - layout) - 1, medians.
+checks, the loader hooks' checks and the batched writes; ``overhead_pct_vs_bypassed_{cpu,wall}`` and
+``ratio_vs_bypassed_{cpu,wall}`` compare the updates without the layout work ((plugin - layout) / (bypassed - layout),
+medians; ``..._with_layout``: the totals). ``--ep N`` simulates EP rank 0 of N (`as_ep_rank_0`).
 
-An untimed counting run per flow (plugin and bypassed) says per update: FusedMoE.weight_loader calls, how many times
-each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader hooks), value
-checks (``value_checks.find_bad``), and the tensor-to-Python conversions in the validation path (``bool(t)``,
-``float(t)``, ``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the tensor is on a
-GPU (IPC / NCCL updates deliver CUDA tensors).
+An untimed counting run per flow (plugin, per tensor, bypassed) says per update: SGLang's per-tensor loader writes
+(``fused_moe_weight_loader_calls``, counted at ``_weight_loader_impl``), the expert tensors written batched, how
+many times each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader
+hooks), value checks (``value_checks.find_bad``), and the tensor-to-Python conversions in the validation path
+(``bool(t)``, ``float(t)``, ``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the
+tensor is on a GPU (IPC / NCCL updates deliver CUDA tensors).
 
 Weights are random bytes of the checkpoint's dtypes and shapes (finite, positive scales): their values do not change
 the cost of a copy or a permutation, and quantizing real weights of this size would dominate the run.
