@@ -29,15 +29,18 @@ lock, the per-expert layout state), `begin_weight_update`'s `layer_state.unprepa
   SGLang hands the loader after an IPC / NCCL / flattened-bucket update), in buckets of `--bucket-experts` experts.
 
 Rows (wall seconds, each run ends with torch.cuda.synchronize; plugin and bare interleaved, min and median):
-* ``session``: a whole-layer update in a begin/end session (the 0.5.23 scheduler's tensor path): plugin vs bare
-  (the same layout work: every expert to checkpoint layout at begin, every expert prepared at the end), and
-  ``bypassed``: the plugin's hooks with its checks replaced by pass-throughs (`sandbox/bench_update.bypass`), which
-  splits what the plugin adds into its checks and its hooks' bookkeeping;
+* ``session``: a whole-layer update in a begin/end session (the 0.5.23 scheduler's tensor path): plugin (as
+  shipped: each bucket checked, then its expert tensors written batched, `batched_writes.py`) vs bare (the same
+  layout work: every expert to checkpoint layout at begin, every expert prepared at the end), and
+  ``plugin_per_tensor``: the plugin with batched writes switched off (every tensor through the stand-in loader and
+  the plugin's loader hooks: the plugin before issue #38), ``bypassed``: that with its checks replaced by
+  pass-throughs (`sandbox/bench_update.bypass`), which splits what the per-tensor path adds into its checks and its
+  hooks' bookkeeping;
 * ``partial``: `--partial` experts updated outside a session (the disk path's shape) through the entry point
-  (`update_weights_from_tensor` of one bucket, then its flush): the plugin un-prepares each expert in its loader
-  hook before the first write, and flushes; bare: unprepare_ of those experts, the writes, prepare_; and the same
-  writes through the model's `load_weights` without an entry point (``partial_no_entry``: every write checked whole
-  in the loader hook, its values with a read-back each — what a user's own loader gets);
+  (`update_weights_from_tensor` of one bucket, then its flush): the plugin un-prepares the bucket's experts (one
+  call per group) and writes them batched, then flushes; bare: unprepare_ of those experts, the writes, prepare_;
+  and the same writes through the model's `load_weights` without an entry point (``partial_no_entry``: every write
+  checked whole in the loader hook, its values with a read-back each — what a user's own loader gets);
 * the parts: validation alone (each bucket's check and record, and the loader hooks' look-ups of every write),
   writes alone, layout alone;
 * ``value_checks``: every scale of the layer: the float per-tensor / input scales (checked one by one:
@@ -61,7 +64,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_trtllm_moe import bucket_validation, layer_state, layouts, validation, value_checks
+from sglang_trtllm_moe import batched_writes, bucket_validation, layer_state, layouts, validation, value_checks
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
 from sglang_trtllm_moe.formats.base import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
@@ -115,6 +118,16 @@ class Layer(torch.nn.Module):
         object.__setattr__(self, "_trtllm_moe_prefix", PREFIX)
         object.__setattr__(self, "_trtllm_moe_intermediate", i)
         self.impl = sglang_impl  # what FusedMoE.weight_loader calls (the plugin's hook around it, or SGLang's own)
+        for p in self.parameters(recurse=False):  # as create_weights binds them: what batched writes look for
+            p.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id):
+        """FusedMoE.weight_loader, EP 1 (the plugin's batched writes ask it for an expert's slots)."""
+        return self._weight_loader_impl(param, loaded_weight, weight_name, shard_id, expert_id)
+
+    def _weight_loader_impl(self, param, loaded_weight, weight_name, shard_id, expert_id):
+        """FusedMoE._weight_loader_impl (the plugin's batched writes trace where it writes)."""
+        return sglang_impl(self, param, loaded_weight, weight_name, shard_id, expert_id)
 
 
 def sglang_impl(layer, param, loaded, weight_name, shard_id, expert_id):
@@ -378,6 +391,10 @@ def main(argv=None) -> int:
                 weight_updates.flush_after((ok, msg), updater, part)
             weight_updates.end_session_after(None, updater)
 
+    def per_tensor_session():  # the plugin before batched writes: every tensor through SGLang's loader, hooked
+        with batched_writes.disabled():
+            plugin_session()
+
     def bypassed_session():
         with bypass():
             plugin_session()
@@ -411,7 +428,19 @@ def main(argv=None) -> int:
     bare_session()
     same = all(torch.equal(after_plugin[n], u8(getattr(layer, n).data)) for n in LAID_OUT)
     del after_plugin
-    sess = interleaved({"plugin": plugin_session, "bypassed": bypassed_session, "bare": bare_session}, dev, a.repeats)
+    before = batched_writes.counts().get("tensors", 0)
+    plugin_session()
+    batched_tensors = batched_writes.counts().get("tensors", 0) - before
+    sess = interleaved(
+        {
+            "plugin": plugin_session,
+            "plugin_per_tensor": per_tensor_session,
+            "bypassed": bypassed_session,
+            "bare": bare_session,
+        },
+        dev,
+        a.repeats,
+    )
     parts_t = interleaved(
         {"validation_only": validation_only, "writes_only": writes_only, "layout_only": layout_only}, dev, a.repeats
     )
@@ -430,7 +459,9 @@ def main(argv=None) -> int:
         **sess,
         ratio_median=sess["plugin"]["median_s"] / sess["bare"]["median_s"],
         ratio_min=sess["plugin"]["min_s"] / sess["bare"]["min_s"],
+        per_tensor_ratio_median=sess["plugin_per_tensor"]["median_s"] / sess["bare"]["median_s"],
         bypassed_ratio_median=sess["bypassed"]["median_s"] / sess["bare"]["median_s"],
+        batched_expert_tensors=batched_tensors,
         plugin_us_per_loader_call=1e6 * (sess["plugin"]["median_s"] - sess["bare"]["median_s"]) / len(everything),
         checks_us_per_loader_call=1e6 * (sess["plugin"]["median_s"] - sess["bypassed"]["median_s"]) / len(everything),
         parts=parts_t,

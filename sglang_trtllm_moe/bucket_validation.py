@@ -300,6 +300,30 @@ def _check_items(
     return problems, writes, jobs
 
 
+def expert_targets(model, named_tensors) -> list:
+    """What each item of a request targets, in order: (layer, parameter name, shard id, checkpoint expert id) for an
+    expert tensor of a layer the plugin manages or watches (a `model.load_weights` name,
+    "<layer>.<expert>.<projection>.<suffix>"), else None. The names are resolved as `check_bucket` resolves them
+    (cached per model: after a request's check these are dict look-ups)."""
+    cache = _cache_of(model)
+    layers, targets = cache.layers, cache.targets
+    out: list = []
+    if not layers:
+        return [None] * len(named_tensors)
+    for item in named_tensors:
+        name = item[0] if isinstance(item, (list, tuple)) and len(item) == 2 else None
+        if type(name) is not str:
+            out.append(None)
+            continue
+        target = targets.get(name, _UNSEEN)
+        if target is _UNSEEN:
+            target = _target(layers, name)
+            if len(targets) < cache.MAX_NAMES:
+                targets[name] = target
+        out.append(None if target is None or target is _OTHER else (target[0], target[1], target[2], target[3]))
+    return out
+
+
 #: `_ModelCache.targets` markers: not resolved yet; a "<layer>.<param>" name (checked by `_check_other`)
 _UNSEEN = object()
 _OTHER = object()

@@ -20,6 +20,9 @@ STATE = "_trtllm_moe_state"
 OBSERVED = "_trtllm_moe_observed"
 #: validation's write plans per parameter (dropped when the layer's state or watched format is set)
 PLANS = "_trtllm_moe_plans"
+#: batched_writes' plans per (parameter, shard, tensor geometry): where SGLang's loader of this release writes a tensor
+#: inside an expert's slot (traced once)
+BATCH_PLANS = "_trtllm_moe_batch_plans"
 #: MXFP4 experts whose storage the plugin allocated: their unpadded per-rank intermediate size
 UNPADDED_INTERMEDIATE = "_trtllm_moe_unpadded_intermediate"
 #: gpt-oss MXFP4 layers whose storage the plugin allocated

@@ -79,11 +79,14 @@ def _check_model_update(out):
     assert rep["model_equals_fresh_load_of_the_update"] is True
     for flow in ("tensor", "disk"):
         e = rep["flows"][flow]
-        calls = 2 * 8 * 12  # 2 MoE layers x 8 experts x 12 loader calls
-        assert e["counts_plugin"]["fused_moe_weight_loader_calls"] == calls
+        calls = 2 * 8 * 12  # 2 MoE layers x 8 experts x 12 expert tensors
+        batched = calls if flow == "tensor" else 0  # tensor buckets: every expert tensor written batched
+        assert e["counts_plugin"]["batched_expert_tensors"] == batched
+        assert e["counts_plugin"]["fused_moe_weight_loader_calls"] == calls - batched
+        assert e["counts_per_tensor"]["fused_moe_weight_loader_calls"] == calls
         assert e["counts_bypassed"]["fused_moe_weight_loader_calls"] == calls
         assert e["counts_bypassed"]["value_checks"] == 0  # bypass() replaced every check
-        assert set(e["modes"]) >= {"plugin", "bypassed"}
+        assert set(e["modes"]) >= {"plugin", "per_tensor", "bypassed"}
 
 
 #: script -> (arguments, SGLang releases it needs or None, check of its JSON)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import bucket_validation, checkpoint_headers, hookimpl, layer_state, rollback, validation
+from .. import batched_writes, bucket_validation, checkpoint_headers, hookimpl, layer_state, rollback, validation
 from ..compat import features
 from ..targets import HookTarget
 
@@ -86,6 +86,8 @@ def check_buckets_around(original, owner, *args, **kwargs):
                 except bucket_validation.BucketRefused as e:
                     refused.append(e)
                     raise
+                if batched_writes.enabled():  # the experts of managed layers, batched; the rest to SGLang's loader
+                    weights = batched_writes.write(list(weights), bucket_validation.expert_targets(model, weights))
             return real(weights, *a, **k)
 
         vars(model)["load_weights"] = load_weights

@@ -193,7 +193,8 @@ class WeightFormat:
     written at once: gpt-oss) with `fused_checkpoint_names`, `own_backend` (the non-trtllm runner backend SGLang
     serves the format on, e.g. flashinfer_mxfp4: reported by selection, never auto-selected),
     `accepts_prequantized` (activations quantized by the dispatcher reach `kernel_args` as
-    `KernelCall.hidden_scale`), `sglang_leaf` (SGLang's own prepared layers of that leaf are this layout)."""
+    `KernelCall.hidden_scale`), `sglang_leaf` (SGLang's own prepared layers of that leaf are this layout),
+    `batched_where_sglang_prepares` (batched expert writes into the layers SGLang prepares itself)."""
 
     # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
     # per instance (Fp8PerTensor)
@@ -231,6 +232,11 @@ class WeightFormat:
     #: of SGLang's own preparation is read as this format (FP8 layers SGLang prepares are MXFP8 or its own
     #: requantized per-tensor layout: they stay on SGLang's leaf)
     sglang_leaf: ClassVar[str | None] = None
+    #: where SGLang prepares this format itself (compat/defer.py), a layer keeps the loaded layout and SGLang's loader
+    #: does nothing but write the bytes: a validated bucket's expert tensors may then be written batched
+    #: (batched_writes.py) into such a layer too. False: SGLang's per-tensor loader writes them (its own restore
+    #: before a load, e.g. BF16's whole-layer un-block on 0.5.23, stays SGLang's)
+    batched_where_sglang_prepares: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"

@@ -48,6 +48,10 @@ class Fp8Block(WeightFormat):
     quantizations = {TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})}
     gated_activations = frozenset({"silu"})
     non_gated_activations = frozenset()
+    #: SGLang prepares it itself on every release (compat/defer.py): nothing is permuted, the loaded layout is the
+    #: kernel's, and FusedMoE._weight_loader_impl only writes bytes (besides clearing the MXFP8 shuffle-index cache,
+    #: which no FP8 block layer reads) — tests/test_batched_writes.py compares its batched bytes with SGLang's loader
+    batched_where_sglang_prepares = True
     activation_note = "flashinfer's DeepSeekFp8 block-scale kernel only implements SwiGLU (gated silu)"
     #: cannot be padded past its scale blocks: the per-rank intermediate must already be a multiple of 128
     intermediate_align = (BLOCK, BLOCK)

@@ -8,11 +8,14 @@ hidden and intermediate scaled to fit the machine) is loaded by SGLang's ModelRu
   tensor, in buckets of about ``bucket_mib``); ``end_weight_update`` (the flush of every written expert);
 * ``disk``: ``update_weights_from_disk`` of a second checkpoint directory (the whole model).
 
-Each flow runs in three modes, interleaved (order rotated per repeat), in the same process:
+Each flow runs in four modes, interleaved (order rotated per repeat), in the same process:
 
-* ``plugin``: as shipped;
+* ``plugin``: as shipped (a tensor bucket's expert tensors written batched: batched_writes.py);
+* ``per_tensor``: the plugin with batched writes switched off (``batched_writes.disabled()``): every tensor through
+  the model's ``load_weights`` and SGLang's loader with the plugin's hooks, as before issue #38;
 * ``bypassed``: the plugin's checks and their bookkeeping replaced by pass-throughs (``bypass()`` says exactly
-  what); its layout work (un-prepare / prepare of the written experts) still runs, so the layer stays exact;
+  what; no batched writes either): the update through SGLang's own loader; its layout work (un-prepare / prepare of
+  the written experts) still runs, so the layer stays exact;
 * ``unhooked`` (only where it is exact without the plugin's loader hooks: inside a begin/end session, where
   ``begin_weight_update`` already returned every managed layer to checkpoint layout, and for formats SGLang
   prepares itself, compat/defer.py): ``FusedMoE.weight_loader`` and ``_weight_loader_impl`` are SGLang's own
@@ -22,14 +25,16 @@ Each update is timed in wall seconds and in CPU seconds of the process (`time.pr
 other work on a shared box; one torch thread, and the loader calls run in the calling thread: `_load_synchronously`).
 Inside it, `Clock` times the plugin's layout work on its own (``layout_s``: ``layer_state.flush`` — prepare of the
 dirty experts and the kernel scalars — plus every ``WeightFormat.unprepare_``), the entry points' whole-request
-checks and the loader hooks' checks; ``overhead_pct_vs_bypassed_{cpu,wall}`` compares the updates without the layout
-work: (plugin - layout) / (bypassed - layout) - 1, medians.
+checks, the loader hooks' checks and the batched writes; ``overhead_pct_vs_bypassed_{cpu,wall}`` and
+``ratio_vs_bypassed_{cpu,wall}`` compare the updates without the layout work ((plugin - layout) / (bypassed - layout),
+medians; ``..._with_layout``: the totals). ``--ep N`` simulates EP rank 0 of N (`as_ep_rank_0`).
 
-An untimed counting run per flow (plugin and bypassed) says per update: FusedMoE.weight_loader calls, how many times
-each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader hooks), value
-checks (``value_checks.find_bad``), and the tensor-to-Python conversions in the validation path (``bool(t)``,
-``float(t)``, ``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the tensor is on a
-GPU (IPC / NCCL updates deliver CUDA tensors).
+An untimed counting run per flow (plugin, per tensor, bypassed) says per update: SGLang's per-tensor loader writes
+(``fused_moe_weight_loader_calls``, counted at ``_weight_loader_impl``), the expert tensors written batched, how
+many times each expert tensor was validated (``check_write`` at the entry point's bucket check and in the loader
+hooks), value checks (``value_checks.find_bad``), and the tensor-to-Python conversions in the validation path
+(``bool(t)``, ``float(t)``, ``int(t)``, ``t.item()``, ``t.tolist()``): each one is a device synchronisation when the
+tensor is on a GPU (IPC / NCCL updates deliver CUDA tensors).
 
 Weights are random bytes of the checkpoint's dtypes and shapes (finite, positive scales): their values do not change
 the cost of a copy or a permutation, and quantizing real weights of this size would dominate the run.
@@ -62,7 +67,7 @@ SIZES = {
     "default": dict(experts=256, hidden=2048, intermediate=512),
 }
 FLOWS = ("tensor", "disk")
-MODES = ("plugin", "bypassed", "unhooked")
+MODES = ("plugin", "per_tensor", "bypassed", "unhooked")
 
 
 # ---- a whole random checkpoint ------------------------------------------------------------------------------------
@@ -282,13 +287,15 @@ class Clock:
       every `WeightFormat.unprepare_` (before a write into a prepared expert, at begin_weight_update);
     * ``entry_checks``: the entry points' whole-request checks: `bucket_validation.check_bucket` (tensor buckets, and
       the disk path's check of the checkpoint: `check_checkpoint`) and `checkpoint_headers.files_of` (listing it);
-    * ``loader_checks``: `validation.check_write` / `check_local_expert` called by the loader hooks (per write).
+    * ``loader_checks``: `validation.check_write` / `check_local_expert` called by the loader hooks (per write);
+    * ``batched_writes``: `batched_writes.write` (the expert tensors of managed layers written per group, their
+      un-prepare included: that part is counted in ``layout`` too)
     In the bypassed mode the same names time the pass-throughs."""
 
-    KINDS = ("layout", "entry_checks", "loader_checks")
+    KINDS = ("layout", "entry_checks", "loader_checks", "batched_writes")
 
     def __init__(self, model):
-        from .. import bucket_validation, checkpoint_headers, layer_state, validation
+        from .. import batched_writes, bucket_validation, checkpoint_headers, layer_state, validation
         from .models import moe_layers
 
         self.reset()
@@ -304,6 +311,7 @@ class Clock:
             (validation, "check_write", "loader_checks"),
             (validation, "checked_write", "loader_checks"),
             (validation, "check_local_expert", "loader_checks"),
+            (batched_writes, "write", "batched_writes"),
         ]
         self._cm = None
 
@@ -376,7 +384,7 @@ def counting(model):
     written (layer, parameter, shard, expert), value checks, and tensor-to-Python conversions in the validation
     path (inside check_write / check_tensor / value_checks.find_bad / check_bucket / check_local_expert /
     expert_index) and outside it."""
-    from .. import bucket_validation, validation, value_checks
+    from .. import batched_writes, bucket_validation, validation, value_checks
     from .models import moe_layers
 
     c: dict = {"loader_calls": 0, "check_write": Counter(), "per_write": Counter(), "syncs_in_validation": Counter()}
@@ -439,33 +447,37 @@ def counting(model):
         (validation, "expert_index", in_validation(validation.expert_index)),
     ]
     pairs += [(torch.Tensor, n, conversion(n, getattr(torch.Tensor, n))) for n in SYNCS]
-    loaders = []
-    for layer in moe_layers(model).values():
-        for p in layer.parameters(recurse=False):
-            wl = getattr(p, "weight_loader", None)
-            if wl is None:
-                continue
+    # SGLang's per-tensor writes, counted where FusedMoE.weight_loader hands each one to the layer's
+    # `_weight_loader_impl` (an instance attribute for the block): the Parameters' weight_loader stay the layer's own,
+    # so batched writes (batched_writes.py) still take them
+    layers = list(moe_layers(model).values())
+    for layer in layers:
 
-            def counted(*a, _wl=wl, **k):
-                with lock:
-                    c["loader_calls"] += 1
-                return _wl(*a, **k)
+        def counted(*a, _impl=layer._weight_loader_impl, **k):
+            with lock:
+                c["loader_calls"] += 1
+            return _impl(*a, **k)
 
-            loaders.append((p, wl))
-            _set_loader(p, counted)
+        layer.__dict__["_weight_loader_impl"] = counted
+    batched_before = batched_writes.counts()
     try:
         with _patched(pairs):
             yield c
     finally:
-        for p, wl in loaders:
-            _set_loader(p, wl)
+        for layer in layers:
+            layer.__dict__.pop("_weight_loader_impl", None)
+        after = batched_writes.counts()
+        c["batched"] = {k: after.get(k, 0) - batched_before.get(k, 0) for k in ("tensors", "dropped", "left")}
 
 
 def _summary(c: dict, expert_tensors: int, buckets: int) -> dict:
     per = c["per_write"]
     syncs = sum(c["syncs_in_validation"].values())
     return {
+        # SGLang's per-tensor loader writes (one per tensor and local expert slot; 0 for batched tensors)
         "fused_moe_weight_loader_calls": c["loader_calls"],
+        "batched_expert_tensors": c["batched"]["tensors"],
+        "expert_tensors_left_to_sglang": c["batched"]["left"],
         "expert_tensors_in_request": expert_tensors,
         "check_write_calls": dict(c["check_write"]),
         "bucket_checks": c["bucket_checks"],
@@ -480,7 +492,7 @@ def _summary(c: dict, expert_tensors: int, buckets: int) -> dict:
 
 
 def _profile(fn, context, calls: int, top: int) -> list[dict]:
-    """cProfile of one update in `context`: the `top` functions by own time, in microseconds per loader call
+    """cProfile of one update in `context`: the `top` functions by own time, in microseconds per expert tensor
     (cProfile's overhead inflates small functions; the timed updates are never profiled)."""
     import cProfile
     import pstats
@@ -496,12 +508,12 @@ def _profile(fn, context, calls: int, top: int) -> list[dict]:
         rows.append(
             dict(
                 function=f"{where}:{line}({func})",
-                calls_per_loader_call=round(nc / max(calls, 1), 2),
-                own_us_per_loader_call=round(1e6 * tt / max(calls, 1), 2),
-                cumulative_us_per_loader_call=round(1e6 * ct / max(calls, 1), 2),
+                calls_per_expert_tensor=round(nc / max(calls, 1), 2),
+                own_us_per_expert_tensor=round(1e6 * tt / max(calls, 1), 2),
+                cumulative_us_per_expert_tensor=round(1e6 * ct / max(calls, 1), 2),
             )
         )
-    rows.sort(key=lambda r: -r["own_us_per_loader_call"])
+    rows.sort(key=lambda r: -r["own_us_per_expert_tensor"])
     return rows[:top]
 
 
@@ -554,20 +566,32 @@ def run_in_this_process(
     workdir: str | None = None,
     sglang_threads: bool = False,
     profile_top: int = 0,
+    ep: int = 1,
 ) -> dict:
     """Build the model, then time and count every (flow, mode). Returns one JSON-able report. The two checkpoint
-    directories go to `workdir`, or to a temporary directory removed at the end."""
+    directories go to `workdir`, or to a temporary directory removed at the end. ep > 1: every MoE layer's SGLang
+    mapping answers as EP rank 0 of `ep` (`as_ep_rank_0`)."""
+    args = (quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top, ep)
     if workdir is not None:
-        return _run_in(
-            workdir, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
-        )
+        return _run_in(workdir, *args)
     with tempfile.TemporaryDirectory(prefix=f"sglang-trtllm-moe-update-{quant}-") as work:
-        return _run_in(
-            work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top
-        )
+        return _run_in(work, *args)
 
 
-def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top):
+def as_ep_rank_0(model, ep: int) -> None:
+    """A simulated EP rank 0 of `ep` (the model stays allocated for every expert, EP 1): each MoE layer's own
+    `_map_global_expert_id_to_local_expert_id` answers "local" for the first 1/ep of the routed experts only, so
+    SGLang's loader (and the plugin's batched writes, which ask it) drops the other ranks' experts, as a rank of a
+    real EP group does with every tensor of a broadcast update. Parameters kept per global expert (input scales)
+    are written for every expert, as there. Updates then no longer equal a fresh load of the second checkpoint."""
+    from .models import moe_layers
+
+    for layer in moe_layers(model).values():
+        local = int(layer.num_experts) // ep
+        layer.__dict__["_map_global_expert_id_to_local_expert_id"] = lambda e, n=local: e if 0 <= e < n else -1
+
+
+def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flows, sglang_threads, profile_top, ep=1):
     from .. import layer_state
     from . import checkpoints as ck
     from . import models
@@ -586,6 +610,8 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
     m = models.TinyModel(dir_a)
     load_s = time.perf_counter() - t0
     layers = m.moe_layers()
+    if ep > 1:
+        as_ep_rank_0(m.model, ep)
     owners = sorted({"plugin" if layer_state.state_of(x) is not None else "sglang" for x in layers.values()})
     buckets = bucketed(new, bucket_mib)
     expert_tensors = sum(1 for n in new if ".experts." in n)
@@ -603,7 +629,14 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
     updates = {"tensor": tensor_update, "disk": disk_update}
     clock = Clock(m.model)
 
-    contexts = {"plugin": contextlib.nullcontext, "bypassed": bypass, "unhooked": lambda: unhooked(m.model)}
+    from .. import batched_writes
+
+    contexts: dict[str, Any] = {
+        "plugin": contextlib.nullcontext,
+        "per_tensor": batched_writes.disabled,
+        "bypassed": bypass,
+        "unhooked": lambda: unhooked(m.model),
+    }
 
     def once(flow, mode):
         clock.reset()
@@ -630,6 +663,7 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "loader_calls_from": "SGLang's thread pool (CPU tensors)" if sglang_threads else "the calling thread",
+        "simulated_ep_rank_0_of": ep,
         "checkpoint_write_s": round(made_s, 2),
         "model_load_s": round(load_s, 2),
         "flows": {},
@@ -649,13 +683,20 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
             key = f"without_layout_{clock_kind}_s_median"
             base, plug = rows["bypassed"][key], rows["plugin"][key]
             entry[f"overhead_pct_vs_bypassed_{clock_kind}"] = round(100 * (plug - base) / base, 1)
+            # the goal of issue #38: an update through the plugin in at most half the time of SGLang's own loader
+            entry[f"ratio_vs_bypassed_{clock_kind}"] = round(plug / base, 3)
+            total = f"total_{clock_kind}_s_median"
+            with_layout = rows["plugin"][total] / rows["bypassed"][total]
+            entry[f"ratio_vs_bypassed_{clock_kind}_with_layout"] = round(with_layout, 3)
+            if "per_tensor" in rows:
+                entry[f"ratio_vs_per_tensor_{clock_kind}"] = round(plug / rows["per_tensor"][key], 3)
             if "unhooked" in rows:
                 u = rows["unhooked"][key]
                 entry[f"overhead_pct_vs_unhooked_{clock_kind}"] = round(100 * (plug - u) / u, 1)
         if "unhooked" not in rows:
             entry["unhooked"] = "not exact on this flow (writes land on prepared experts): not run"
         n_buckets = len(buckets) if flow == "tensor" else 1
-        for mode in ("plugin", "bypassed"):
+        for mode in ("plugin", "per_tensor", "bypassed"):
             with contexts[mode](), counting(m.model) as c:
                 updates[flow]()
             entry[f"counts_{mode}"] = _summary(c, expert_tensors, n_buckets)
@@ -664,18 +705,16 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
         entry["counts_plugin_device_path"] = _summary(c, expert_tensors, n_buckets)
         if profile_top:
             for mode in ("plugin", "bypassed"):
-                entry[f"profile_{mode}"] = _profile(
-                    updates[flow],
-                    contexts[mode],
-                    entry["counts_plugin"]["fused_moe_weight_loader_calls"],
-                    profile_top,
-                )
-        calls = entry["counts_plugin"]["fused_moe_weight_loader_calls"]
+                entry[f"profile_{mode}"] = _profile(updates[flow], contexts[mode], expert_tensors, profile_top)
+        calls = entry["counts_plugin"]["expert_tensors_in_request"]
         if calls:
             key = "without_layout_cpu_s_median"
             added = rows["plugin"][key] - rows["bypassed"][key]
-            entry["plugin_cpu_us_per_loader_call"] = round(1e6 * added / calls, 1)
+            entry["plugin_cpu_us_per_expert_tensor"] = round(1e6 * added / calls, 1)
         report["flows"][flow] = entry
+    if ep > 1:  # a rank of EP `ep` keeps its experts: not a fresh load of the second checkpoint
+        report["model_equals_fresh_load_of_the_update"] = None
+        return report
     exact = m.differences(m.fresh(dir_b))
     report["model_equals_fresh_load_of_the_update"] = not exact
     if exact:
@@ -771,6 +810,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile-top", type=int, default=0, help="cProfile one update per flow and mode: top N")
+    ap.add_argument(
+        "--ep", type=int, default=1, help="simulate EP rank 0 of N: the other ranks' experts are dropped (as_ep_rank_0)"
+    )
     a = ap.parse_args(argv)
     size, repeats, bucket = ("tiny", 1, 1.0) if a.tiny else (a.size, a.repeats, a.bucket_mib)
     quants = tuple(a.quant or (("nvfp4",) if a.tiny else ("nvfp4", "fp8_block")))
@@ -785,6 +827,7 @@ def main(argv=None) -> int:
         flows=tuple(a.flows.split(",")),
         sglang_threads=a.sglang_threads or None,
         profile_top=a.profile_top or None,
+        ep=a.ep if a.ep > 1 else None,
     )
     doc = json.dumps({"reports": reports})
     if a.out:

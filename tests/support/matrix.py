@@ -157,6 +157,12 @@ class Requirement:
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(
+        "tests/test_batched_writes.py::test_batched_writes_give_the_bytes_of_sglangs_per_tensor_loader[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
         "tests/test_mxfp4_experts_layer.py",
         ">=0.5.12",
         "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
