@@ -700,6 +700,47 @@ def test_a2a_table_matches_sglang_fused_op_pool():
             assert can_implement(sel.TRTLLM_ROUTED, p, SM100).code == Code.A2A_UNSUPPORTED
 
 
+def _a2a_choices() -> list[str]:
+    """`--moe-a2a-backend`'s choices, as the installed SGLang's own argument parser offers them."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if "--moe-a2a-backend" in a.option_strings]
+    return list(action.choices)
+
+
+def test_every_a2a_choice_of_the_release_gets_a_specific_answer():
+    """Every `--moe-a2a-backend` the installed SGLang offers is answered by name: eligible only for none / flashinfer
+    (flashinfer on the routed runner, from 0.5.15), every other one A2A_UNSUPPORTED with its own reason
+    (`A2A_REJECTIONS`) and what to use instead. A backend a future release adds fails here until it has a line."""
+    choices = _a2a_choices()
+    assert "none" in choices and "deepep" in choices, choices
+    missing = [c for c in choices if c not in sel.A2A_OK and c not in sel.A2A_REJECTIONS]
+    assert not missing, f"A2A backends of this SGLang release without a reason in selection.A2A_REJECTIONS: {missing}"
+    for a2a in choices:
+        p = MoeProblem(256, 512, 8, quantization="modelopt_fp4", a2a_backend=a2a, tp_size=2, ep_size=2)
+        answers = {b: can_implement(b, p, SM100) for b in sel.BACKENDS}
+        if a2a == "none":
+            assert all(e.code == Code.OK for e in answers.values()), answers
+        elif a2a == "flashinfer" and _FI_A2A:
+            assert answers[sel.TRTLLM_ROUTED].code == Code.OK, answers
+            assert answers[sel.TRTLLM].code == Code.A2A_NEEDS_ROUTED, answers
+        else:
+            for e in answers.values():
+                assert not e.eligible and e.code == Code.A2A_UNSUPPORTED, (a2a, e)
+                assert f"--moe-a2a-backend {a2a}" in e.reason and "--moe-a2a-backend none" in e.reason, e.reason
+                if a2a != "flashinfer":
+                    assert sel.A2A_REJECTIONS[a2a] in e.reason, e.reason
+    # a name this plugin release does not know is still refused, saying so
+    unknown = can_implement(
+        sel.TRTLLM_ROUTED, MoeProblem(256, 512, 8, quantization="modelopt_fp4", a2a_backend="next_a2a"), SM100
+    )
+    assert unknown.code == Code.A2A_UNSUPPORTED and "does not know" in unknown.reason, unknown
+
+
 # --- the rules themselves -----------------------------------------------------------------------------------------
 
 P = MoeProblem(hidden_size=256, intermediate_size=512, num_experts=8, top_k=2, quantization="modelopt_fp4")

@@ -11,6 +11,7 @@ from .problem import DeviceInfo, Eligibility, MoeProblem, Resolution
 from .report import env_fingerprint, flashinfer_version, format_report, log_decision
 from .rules import (
     A2A_OK,
+    A2A_REJECTIONS,
     ENV_AUTO,
     MIN_FLASHINFER_NON_GATED,
     SPEC_DRAFT_WHY,
@@ -23,6 +24,7 @@ from .rules import (
 
 __all__ = [
     "A2A_OK",
+    "A2A_REJECTIONS",
     "BACKENDS",
     "Code",
     "DeviceInfo",
