@@ -178,6 +178,17 @@ CASES = [
         Code.NO_FUSED_MOE,
     ),
     ("mixtral-bf16-sm90", "mixtral", "bf16", 90, {}, "auto", "auto", Code.NOT_SM100),
+    # SGLang's weight cache (0.5.17+): the daemon prepares without the plugin, the scheduler skips the preparation
+    (
+        "mixtral-bf16-weight-cache",
+        "mixtral",
+        "bf16",
+        100,
+        {"weight_cache_mode": "client"},
+        "auto",
+        "auto",
+        Code.WEIGHT_CACHE_KEEPS_UPSTREAM,
+    ),
     (
         "mixtral-nvfp4-explicit",
         "mixtral",
@@ -308,6 +319,8 @@ RELEASE_DIFFS = {
             Code.AUTO_SELECTED,
         ),
     ],
+    # no --weight-cache-mode before 0.5.17 (the case runs without it there)
+    "mixtral-bf16-weight-cache": [("<0.5.17", "auto", "flashinfer_trtllm", Code.AUTO_SELECTED)],
     # SGLang's "modelopt_fp4 on SM120 -> flashinfer_cutlass" rule is new in 0.5.13
     "mixtral-nvfp4-sm120-q": [("<0.5.13", "auto", "auto", Code.NO_FUSED_MOE)],
 }
@@ -316,6 +329,7 @@ RELEASE_DIFFS = {
 #: Where an older release spells the same flags differently: case id -> [(release specifier, ServerArgs kwargs)].
 #: Attention-DP size is `attn_dp_size` from 0.5.22; before it, `dp_size` with `enable_dp_attention`.
 RELEASE_KWARGS = {
+    "mixtral-bf16-weight-cache": [("<0.5.17", {})],
     "qwen3_moe-nvfp4-fi_a2a": [
         ("<0.5.22", {"moe_a2a_backend": "flashinfer", "tp_size": 2, "dp_size": 2, "enable_dp_attention": True})
     ],
@@ -874,6 +888,12 @@ def test_resolve_policy(monkeypatch):
     assert (r.winner, r.code) == ("auto", Code.SPEC_DRAFT_KEEPS_UPSTREAM) and "sglang#30209" in r.reason
     r = resolve(P, replace(SM100, sm=120), upstream="flashinfer_cutlass")
     assert (r.winner, r.code) == ("flashinfer_cutlass", Code.NOT_SM100)
+    for mode in ("client", "daemon"):  # weights from SGLang's weight-cache daemon: SGLang's choice stands
+        r = resolve(replace(P, weight_cache_mode=mode), SM100, upstream="auto")
+        assert (r.winner, r.code) == ("auto", Code.WEIGHT_CACHE_KEEPS_UPSTREAM), r
+        assert f"--weight-cache-mode {mode}" in r.reason and "process_weights_after_loading" in r.reason
+    r = resolve(replace(P, weight_cache_mode="client"), SM100, requested=sel.TRTLLM, upstream=sel.TRTLLM)
+    assert (r.winner, r.code) == (sel.TRTLLM, Code.EXPLICIT)  # an explicit choice is the user's
     monkeypatch.setenv(sel.ENV_AUTO, "0")
     r = resolve(P, SM100, upstream="auto")
     assert (r.winner, r.code) == ("auto", Code.AUTO_DISABLED)

@@ -16,10 +16,12 @@ from .rules import (
     MIN_FLASHINFER_NON_GATED,
     SPEC_DRAFT_WHY,
     Code,
+    a2a_instead,
     auto_enabled,
     can_implement,
     candidate_order,
     resolve,
+    weight_cache_why,
 )
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "NON_GATED_ARCHS",
     "Resolution",
     "SPEC_DRAFT_WHY",
+    "a2a_instead",
     "TRTLLM",
     "TRTLLM_ROUTED",
     "auto_enabled",
@@ -47,4 +50,5 @@ __all__ = [
     "log_decision",
     "problem_from_hf_config",
     "resolve",
+    "weight_cache_why",
 ]

@@ -55,6 +55,7 @@ class Code:
     UPSTREAM_MODEL_RULE = "UPSTREAM_MODEL_RULE"
     NO_ELIGIBLE_BACKEND = "NO_ELIGIBLE_BACKEND"
     NO_FUSED_MOE = "NO_FUSED_MOE"
+    WEIGHT_CACHE_KEEPS_UPSTREAM = "WEIGHT_CACHE_KEEPS_UPSTREAM"
 
 
 #: A2A backends with a registered fused func for these runners (FusedOpPool keys in 0.5.23:
@@ -94,6 +95,17 @@ SPEC_DRAFT_WHY = (
     "their own shapes, and the trtllm BF16 batched GEMM on draft layers has an open illegal-memory-access bug "
     "(sglang#30209; the default that would fix it, #30210, is not merged) — the plugin does not widen that exposure"
 )
+
+
+def weight_cache_why(mode: str) -> str:
+    """Why the plugin cannot serve a process that maps its weights from SGLang's weight cache (0.5.17+)."""
+    return (
+        f"--weight-cache-mode {mode}: SGLang maps this process's weights from its weight-cache daemon and skips "
+        "process_weights_after_loading (weight_cache/ipc_loader.py), and the daemon prepares them with SGLang's own "
+        "code without loading plugins (weight_cache/daemon.py): the plugin can neither prepare nor watch these "
+        "layers, and the daemon resolves the MoE runner without the plugin, so the plugin must not move it; SGLang "
+        "also refuses online weight updates in this mode (use --weight-cache-mode off for RL)"
+    )
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -255,7 +267,8 @@ def resolve(
 
     `requested` is what the user asked for (`--moe-runner-backend`); `upstream` is what SGLang decided on its own
     before the plugin looked ("auto" when no rule of its own fired). Policy: a model SGLang builds without FusedMoE
-    layers gets no winner (NO_FUSED_MOE: nothing would run it); an explicit choice is never overridden; SGLang's own
+    layers gets no winner (NO_FUSED_MOE: nothing would run it); an explicit choice is never overridden; with the weight
+    cache on, SGLang's choice stands (WEIGHT_CACHE_KEEPS_UPSTREAM); SGLang's own
     model rules that picked something other than a TRT-LLM runner are kept; otherwise, on SM 10.x, the first eligible
     candidate wins, and SGLang's answer is kept when there is none.
     """
@@ -286,6 +299,9 @@ def resolve(
         )
     if not auto_enabled():
         return done(base, Code.AUTO_DISABLED, f"{ENV_AUTO}=0: auto-selection is off, SGLang's choice ({base}) stands")
+    if problem.weight_cache_mode not in ("", "off"):
+        why = weight_cache_why(problem.weight_cache_mode)
+        return done(base, Code.WEIGHT_CACHE_KEEPS_UPSTREAM, f"{why}; SGLang's choice ({base}) stands")
     if problem.speculative_draft:
         return done(base, Code.SPEC_DRAFT_KEEPS_UPSTREAM, SPEC_DRAFT_WHY)
     if not device.sm100_family:
