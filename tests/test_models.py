@@ -69,6 +69,7 @@ FULL_FLOWS = (
     "tensor_buckets",
     "tensor_flattened_bucket",
     "tensor_split_shards",
+    "session_forward",
     "session_direct",
     "distributed",
     "random_rounds",

@@ -300,6 +300,117 @@ class Worker:
         out["unprepared_at_begin"] = open_dirty
         return out
 
+    @torch.no_grad()
+    def check_session_forward(self, m) -> dict:
+        """Generation inside a begin/end session (what the README tells RL loops to pause, and why): between two
+        `update_weights_from_tensor` buckets — the first holds every tensor of experts [0, E/2) of every MoE layer
+        of a new checkpoint, the second the rest — a forward runs. The plugin lays out what it runs (a layer with
+        experts in checkpoint layout is flushed before its kernel call), so the kernel of every layer the plugin
+        prepares is handed each expert wholly old or wholly new, laid out: exactly the bytes of a fresh load of that
+        mix (experts < E/2 new, the rest old), and the forward's logits are that fresh load's, bit for bit (the same
+        batch) — neither the old model's nor the new one's. After the session the model is a fresh load of the new
+        checkpoint. Control: an expert written again (checkpoint layout) and the runner's layout step skipped, the
+        kernel is handed bytes no fresh load holds — the byte check catches a layout mix. Layers SGLang prepares
+        itself (compat/defer.py) keep SGLang's own session semantics (its canonical layout until the session ends):
+        reported, and only the end state is asserted for them."""
+        from sglang_trtllm_moe import emulator, kernel_api, layer_state, runner
+        from sglang_trtllm_moe.sandbox import models
+
+        ptrs = m.pointers()
+        old = self.intended
+        new = self.full(8)
+        half = self.spec.num_experts // 2
+        first = self.experts_of(8, experts=list(range(half)))
+        rest = [(n, t) for n, t in sorted(new.items()) if n not in first]
+        layers = m.moe_layers()
+        managed = {n for n, layer in layers.items() if layer_state.state_of(layer) is not None}
+        fresh_mixed = m.fresh(self.write_tensors({**old, **first}))
+        fresh_layers = models.moe_layers(fresh_mixed)
+        _, want_logits = m.generate(PROMPTS, 1, model=fresh_mixed)
+        _, before_logits = m.generate(PROMPTS, 1)
+        seen: dict = {}
+        owner_of = {p.data_ptr(): (n, pname) for n, layer in layers.items() for pname, p in layer.named_parameters()}
+
+        def spy(real):
+            def call(*a, **kw):
+                for arg in ("gemm1_weights", "gemm2_weights"):
+                    t = kw.get(arg)
+                    if isinstance(t, torch.Tensor) and t.data_ptr() in owner_of:
+                        seen[owner_of[t.data_ptr()]] = t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+                return real(*a, **kw)
+
+            return call
+
+        def handed_like_fresh() -> list:
+            """Parameters of managed layers the kernel was handed with bytes other than the fresh mixed load's."""
+            bad = []
+            for (n, pname), got in seen.items():
+                if n not in managed:
+                    continue
+                want = dict(fresh_layers[n].named_parameters())[pname]
+                if not torch.equal(got, want.detach().contiguous().reshape(-1).view(torch.uint8)):
+                    bad.append(f"{n}.{pname}")
+            return bad
+
+        reals = {name: getattr(emulator, name) for name in kernel_api.KERNEL_FUNCTIONS}
+        for name, real in reals.items():
+            setattr(emulator, name, spy(real))
+        control: dict = {}
+        try:
+            m.begin()
+            try:
+                m.update_from_tensor(sorted(first.items()))
+                _, mid_logits = m.generate(PROMPTS, 1)
+                mid_differs = m.differences(fresh_mixed)
+                mid_seen = sorted({n for n, _ in seen})
+                mid_bad = handed_like_fresh()
+                mid_clean = sorted(n for n in managed if layer_state.state_of(layers[n]).clean)
+                if managed:  # the control: one expert of a managed layer written again, the layout step skipped
+                    target = sorted(managed)[0]
+                    layer_idx = int(target.split(".layers.")[1].split(".")[0])
+                    again = {k: v for k, v in first.items() if f".layers.{layer_idx}." in k and ".experts.0." in k}
+                    m.update_from_tensor(sorted(again.items()))
+                    seen.clear()
+                    real_ensure = runner.ensure_prepared
+                    runner.ensure_prepared = lambda layer: None
+                    try:
+                        m.generate(PROMPTS, 1)
+                    finally:
+                        runner.ensure_prepared = real_ensure
+                    control = {"layer": target, "caught": [b for b in handed_like_fresh() if b.startswith(target)]}
+                m.update_from_tensor(rest)
+            finally:
+                m.end()
+        finally:
+            for name, real in reals.items():
+                setattr(emulator, name, real)
+        del fresh_mixed
+        self.intended = new
+        out = self.compare(m, self.intended, ptrs)
+        _, after_logits = m.generate(PROMPTS, 1)
+        mixed_is_own = not torch.equal(mid_logits, before_logits) and not torch.equal(mid_logits, after_logits)
+        logits_equal = bool(torch.equal(mid_logits, want_logits))
+        out.update(
+            managed=sorted(managed),
+            handed_to_kernel=mid_seen,
+            handed_unlike_fresh_mix=mid_bad,
+            model_differs_from_fresh_mix=mid_differs[:8],
+            clean_after_forward=mid_clean,
+            logits_equal_fresh_mix=logits_equal,
+            mix_is_neither_old_nor_new=mixed_is_own,
+            control=control,
+        )
+        if managed == set(layers):  # every layer the plugin's: the forward is the fresh mix's, bit for bit
+            out["ok"] = out["ok"] and logits_equal and mixed_is_own
+        out["ok"] = (
+            out["ok"]
+            and set(mid_seen) >= managed
+            and not mid_bad
+            and mid_clean == sorted(managed)
+            and (not managed or bool(control.get("caught")))
+        )
+        return out
+
     def check_distributed(self, m) -> dict:
         """update_weights_from_distributed over gloo from a second process (the trainer, forked from this one: rank 0
         of a 2-rank group made by SGLang's init_custom_process_group on both sides), two broadcasts, in a session. The
@@ -704,6 +815,7 @@ class Worker:
         "tensor_buckets",
         "tensor_flattened_bucket",
         "tensor_split_shards",
+        "session_forward",  # before session_direct, which leaves DeepSeek's MLA w_kc / w_vc stale (docs/TESTING.md)
         "session_direct",
         "distributed",
         "random_rounds",
