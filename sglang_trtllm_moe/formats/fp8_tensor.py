@@ -97,6 +97,18 @@ class Fp8PerTensor(WeightFormat):
                 )
         return None
 
+    def dequant_scales(self, layer: Layer) -> dict[str, torch.Tensor]:
+        """w13_weight_scale column k belongs to the half stored at position k ([gate; up] for ModelOpt, [up; gate]
+        for Fp8MoEMethod on flashinfer_trtllm: `gate_first`)."""
+        s = layer.w13_weight_scale.data.to(torch.float32)
+        s = s.reshape(s.shape[0], -1)
+        if self.is_gated(layer) and s.shape[1] >= 2:
+            gate, up = (s[:, 0], s[:, 1]) if self.gate_first else (s[:, 1], s[:, 0])
+        else:
+            gate = up = s[:, 0]
+        w2 = layer.w2_weight_scale.data.to(torch.float32).reshape(s.shape[0])
+        return {"w1": gate, "w3": up, "w2": w2}
+
     def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         a1 = layer.w13_input_scale.data.max().to(torch.float32)
         a2 = layer.w2_input_scale.data.max().to(torch.float32)

@@ -741,6 +741,28 @@ class Worker:
             "without_plugin_capture": control,
         }
 
+    @torch.no_grad()
+    def check_checksum(self, m) -> dict:
+        """SGLang's WeightChecker `checksum` (per-tensor hashes of each weight dequantized, in checkpoint layout) of a
+        fresh load of this model's checkpoint (seed 0), every MoE layer prepared by the plugin — BF16 too, where
+        compat/defer.py leaves it to SGLang (0.5.23): the plugin's replacement path, forced as the layer tests force
+        it (sglang_runtime.plugin_prepares). tests/test_models.py compares it with what SGLang alone answers for the
+        same weights held unquantized (tests/support/checksum_reference.py)."""
+        from sglang_trtllm_moe.compat import defer
+        from sglang_trtllm_moe.sandbox import models
+
+        from .sglang_runtime import weight_checker
+
+        real = defer.verdict
+        defer.verdict = lambda fmt, release=None: None if fmt.name == "bf16" else real(fmt, release)
+        try:
+            fresh = m.fresh(self.write_full(0))
+        finally:
+            defer.verdict = real
+        owners = sorted({owner(layer) for layer in models.moe_layers(fresh).values()})
+        res = weight_checker(fresh).handle("checksum", role="target")
+        return {"ok": owners == ["plugin"], "owners": owners, "checksums": dict(res["checksums"])}
+
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
 
@@ -806,7 +828,7 @@ class Worker:
             "results": results,
         }
 
-    ON_REQUEST = ("threaded_disk_ab", "routed_experts")
+    ON_REQUEST = ("threaded_disk_ab", "routed_experts", "checksum")
     ORDER = (
         "load",
         "forward",
@@ -821,6 +843,7 @@ class Worker:
         "random_rounds",
         "weight_checker",
         "greedy",
+        "checksum",
         "refused_updates",
         "disk_failures",
         "threaded_disk_ab",
@@ -954,6 +977,10 @@ def _explain(model_dir: str) -> dict:
 #: what tests/test_models.py runs (arch, quant, extra on-request checks): every architecture with its NVFP4 and FP8
 #: checkpoint where SGLang builds them with FusedMoE, Mixtral BF16, and the quantized Mixtral SGLang builds without
 #: FusedMoE (explain must say so).
+#: the models whose weight-checker checksum is compared with SGLang alone's (check_checksum; each in its own job's
+#: process: a process's resolved quantization turns another checkpoint's BF16 experts into online NVFP4 / FP8)
+CHECKSUM_JOBS = (("qwen3_moe", "nvfp4"), ("qwen3_moe", "fp8"), ("mixtral", "bf16"))
+
 #: checkpoint suffixes of per-tensor scales (one value per expert and shard), which validation value-checks
 SCALAR_SCALES = ("input_scale", "weight_scale", "weight_scale_2", "weight_global_scale", "input_global_scale")
 
@@ -974,14 +1001,14 @@ VARIANTS = {
 }
 
 JOBS = (
-    ("qwen3_moe", "nvfp4", ()),
-    ("qwen3_moe", "fp8", ()),
+    ("qwen3_moe", "nvfp4", ("checksum",)),
+    ("qwen3_moe", "fp8", ("checksum",)),
     ("deepseek_v3", "nvfp4", ("threaded_disk_ab",)),
     ("deepseek_v3", "fp8_block", ()),
     ("deepseek_v3", "fp8_block@wide", ()),
     ("nemotron_h", "nvfp4", ()),
     ("nemotron_h", "fp8", ()),
-    ("mixtral", "bf16", ()),
+    ("mixtral", "bf16", ("checksum",)),
     ("mixtral", "fp8_static", ()),
     ("mixtral", "nvfp4", ()),
     # R3: routed experts through the fused runner, per routing method and format (one check each)
