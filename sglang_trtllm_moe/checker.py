@@ -495,8 +495,24 @@ class TrtllmMoeComparable:
             yield values.reshape(-1), tol.reshape(-1)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Checkpoint layout, dequantized: equal for two engines holding the same weights in any layout."""
-        return torch.cat([v.to(dtype) for _, v, _ in iter_dequantized(self.side)], dim=0)
+        """The weight's values in checkpoint layout (SGLang's checksum hashes this): every scale applied — block
+        scales, then the per-tensor / global ones (`WeightFormat.dequant_scales`), in flashinfer's order — a gated
+        w13 as [gate_proj; up_proj] (FusedMoE's own stacking, whatever this layer's loader stored first), cast to
+        `dtype`: two engines holding the same weights hash alike whatever their layout or quantization, the same
+        weights held unquantized by SGLang alone (a BF16 engine of the dequantized checkpoint) included."""
+        side = self.side
+        scales = side.fmt.dequant_scales(side.layer)
+        group = side.fmt.group_of(side.name) or ("w2" if side.name.startswith("w2") else "w13")
+        up_first = group == "w13" and side.fmt.is_gated(side.layer) and w13_halves(side.layer)[0] == "w3"
+        out = []
+        for s, values, _ in iter_dequantized(side):
+            mult = _row_scales(side, scales, s, values.shape[0], values.shape[1])
+            v = values if mult is None else values * mult.unsqueeze(-1)
+            if up_first:
+                half = v.shape[1] // 2
+                v = torch.cat([v[:, half:], v[:, :half]], dim=1)
+            out.append(v.to(dtype))
+        return torch.cat(out, dim=0)
 
     def __repr__(self) -> str:
         s = self.side
@@ -505,6 +521,20 @@ class TrtllmMoeComparable:
             f"prepared={int(s.prepared.sum())}/{s.num_experts})"
         )
         return head if self.report is None or self.report.equal else f"{head} {self.report.summary()}"
+
+
+def _row_scales(side: ParamSide, scales: dict, first: int, n: int, rows: int) -> torch.Tensor | None:
+    """`[n, rows]` dequantization scales of experts first..first+n of `side`'s weight, per checkpoint-layout row
+    (a gated w13: the half each row belongs to, `w13_halves`), or None (no per-tensor scales)."""
+    if not scales:
+        return None
+    group = side.fmt.group_of(side.name) or ("w2" if side.name.startswith("w2") else "w13")
+    if group == "w2":
+        return scales["w2"][first : first + n].reshape(n, 1).expand(n, rows)
+    if not side.fmt.is_gated(side.layer):
+        return scales["w3"][first : first + n].reshape(n, 1).expand(n, rows)
+    a, b = (scales[h][first : first + n].reshape(n, 1) for h in w13_halves(side.layer))
+    return torch.cat([a.expand(n, rows // 2), b.expand(n, rows - rows // 2)], dim=1)
 
 
 def compare_comparables(expect: TrtllmMoeComparable, actual: TrtllmMoeComparable, mode: str | None = None):

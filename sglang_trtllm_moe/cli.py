@@ -31,6 +31,7 @@ def _cmd_explain(args) -> int:
         moe_runner_backend=args.moe_runner_backend,
         run_sglang=not args.no_sglang,
         return_routed_experts=args.return_routed_experts,
+        weight_cache_mode=args.weight_cache_mode,
     )
     if args.json:
         print(json.dumps(r, indent=2, default=str))
@@ -112,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-runner-backend", default="auto", help="as --moe-runner-backend (explicit is kept)")
     e.add_argument(
         "--return-routed-experts", action="store_true", help="as --enable-return-routed-experts (routing replay)"
+    )
+    e.add_argument(
+        "--weight-cache-mode",
+        default="off",
+        choices=("off", "daemon", "client"),
+        help="as --weight-cache-mode (SGLang 0.5.17+; weights from the weight-cache daemon: the plugin stands down)",
     )
     e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
     e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")

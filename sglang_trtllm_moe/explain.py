@@ -58,6 +58,7 @@ def explain_model(
     run_sglang: bool = True,
     server_args: dict | None = None,
     return_routed_experts: bool = False,
+    weight_cache_mode: str = "off",
 ) -> dict:
     """The resolution report for a model directory (config.json only), without a GPU.
 
@@ -78,6 +79,7 @@ def explain_model(
         a2a_backend=a2a_backend,
         enable_eplb=enable_eplb,
         return_routed_experts=return_routed_experts,
+        weight_cache_mode=weight_cache_mode,
     )
     if sm is not None:
         device = DeviceInfo(sm=sm, flashinfer_version=flashinfer_version(), source="cli --sm")
@@ -95,6 +97,8 @@ def explain_model(
         )
         if return_routed_experts:
             kwargs["enable_return_routed_experts"] = True
+        if weight_cache_mode != "off":
+            kwargs["weight_cache_mode"] = weight_cache_mode
         if quantization is not None:
             kwargs["quantization"] = quantization
         try:

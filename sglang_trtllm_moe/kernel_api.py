@@ -132,6 +132,51 @@ def replays_routing(flashinfer_version: str | None, method: int | None) -> bool:
 _METHOD_VALUES = {int(m) for m in RoutingMethodType}
 
 
+#: The dtypes the in-kernel-routing entry points take `routing_logits` in, read from flashinfer's launcher
+#: (data/csrc/trtllm_fused_moe_kernel_launcher.cu). From 0.6.8 (flashinfer#2534; the oldest pin, SGLang 0.5.11's
+#: 0.6.8.post1) `FusedMoeLauncher::check_routing_logits` accepts float32 or bfloat16 for every entry point and every
+#: routing method (0.7.2.post1: lines 1238-1252, `TVM_FFI_ICHECK(routing_logits.value().dtype() == dl_float32 ||
+#: ... == dl_bfloat16) << "routing_logits must be float or bfloat16."`; the routing kernels take either,
+#: fused_moe/trtllm_backend/trtllm_fused_moe_routing_runner.cu `mDtypeInput = dtypeLogits`). Before 0.6.8 the FP8
+#: per-tensor and FP8 block launchers wanted float32 for DeepSeekV3 and bfloat16 for every other method, and the FP4
+#: one float32 for DeepSeekV3 (flashinfer#2469; the crash of a float32 router on FP8 block in flashinfer#2796).
+#: Anything else (float16 from a model served in fp16, float64) is refused by every version.
+ROUTING_LOGITS_ANY_METHOD_SINCE = "0.6.8"
+_BOTH = ("float32", "bfloat16")
+#: widenings that keep every value exactly
+_EXACT_WIDENINGS = {"bfloat16": ("float32",), "float16": ("float32",)}
+
+
+def routing_logits_dtypes(flashinfer_version: str | None, family: str, method: int | None) -> tuple[str, ...]:
+    """The `routing_logits` dtypes (torch names without "torch.") flashinfer `flashinfer_version`'s `family` entry
+    point accepts with routing `method`; None = the newest contract (the emulator's)."""
+    if flashinfer_version is None:
+        return _BOTH
+    from packaging.version import Version
+
+    try:
+        v = Version(Version(flashinfer_version).base_version)
+    except ValueError:
+        return _BOTH  # "unknown": the contract of every pinned version
+    if v >= Version(ROUTING_LOGITS_ANY_METHOD_SINCE):
+        return _BOTH
+    deepseek = method is not None and int(method) == int(RoutingMethodType.DeepSeekV3)
+    if family in ("fp8_per_tensor_scale", "fp8_block_scale"):
+        return ("float32",) if deepseek else ("bfloat16",)
+    if family == "fp4_block_scale" and deepseek:
+        return ("float32",)
+    return _BOTH
+
+
+def routing_logits_dtype(dtype: str, accepted: tuple[str, ...]) -> str | None:
+    """The dtype to hand router logits of `dtype` to a kernel that accepts `accepted`: `dtype` itself, an exact
+    widening of it (bfloat16 / float16 -> float32), or None when no accepted dtype holds every value (float32 where
+    only bfloat16 is taken, float64): then they must not be cast, SGLang's own top-k routes instead."""
+    if dtype in accepted:
+        return dtype
+    return next((d for d in _EXACT_WIDENINGS.get(dtype, ()) if d in accepted), None)
+
+
 class _Unset:
     """flashinfer 0.7.4's default of `nvfp4_4over6` ("not passed: read the FLASHINFER_NVFP4_4OVER6* environment"),
     mirrored: the same repr, compared by identity as theirs is (it has no `__eq__`)."""
@@ -186,4 +231,7 @@ __all__ = [
     "flashinfer_predates",
     "ROUTING_REPLAY_SINCE",
     "replays_routing",
+    "ROUTING_LOGITS_ANY_METHOD_SINCE",
+    "routing_logits_dtypes",
+    "routing_logits_dtype",
 ]

@@ -197,12 +197,19 @@ def run(
     # them (routing_replay_out) and they go to SGLang's capture site — or, where this kernel cannot report them for
     # the method, SGLang's own top-k routes (and captures) and the routed kernel computes
     replay_wanted = not use_routed_topk and _capture_wanted(topk_output)
-    own_topk = (not fmt.routes_in_kernel(call) and needs_own_topk(layer, topk_output)) or (
-        replay_wanted and not kernel_replays(0 if method is None else method, on_kernel)
+    # the router logits as the kernel takes them (float32 or bfloat16 on every pinned flashinfer): as they are, an
+    # exact widening, or — where no accepted dtype holds them — SGLang's own top-k and the routed kernel
+    logits_dtype = _kernel_logits_dtype(fmt, call, topk_output, method) if not use_routed_topk else None
+    own_topk = (
+        (not fmt.routes_in_kernel(call) and needs_own_topk(layer, topk_output))
+        or (replay_wanted and not kernel_replays(0 if method is None else method, on_kernel))
+        or logits_dtype == ""
     )
     routing, routed = routing_kwargs(
         topk_output, method, runner_config, use_routed_topk, hidden=x, layer=layer, own_topk=own_topk
     )
+    if not routed and logits_dtype:
+        routing["routing_logits"] = routing["routing_logits"].to(getattr(torch, logits_dtype))
     try:
         kwargs = fmt.kernel_args(call, routing, routed)
     except NotImplementedError as e:
@@ -220,6 +227,27 @@ def run(
     if replay is not None:
         routed_experts.capture(topk_output.topk_config, layer_id(layer), replay)
     return StandardCombineInput(hidden_states=out.to(out_dtype))
+
+
+def _kernel_logits_dtype(
+    fmt: WeightFormat, call: KernelCall, topk_output: TopKOutput, method: int | None
+) -> str | None:
+    """For routing left to the kernel (a bypassed TopK output): the dtype to hand it the router logits in — their
+    own, or an exact widening (kernel_api.routing_logits_dtypes: what the installed flashinfer's launcher accepts;
+    the emulator checks the same) — or "" when no dtype the kernel takes holds them exactly (route with SGLang's
+    top-k instead: never a kernel error at the first forward, never a lossy cast). None: nothing to hand over."""
+    from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+    if not TopKOutputChecker.format_is_bypassed(topk_output) or fmt.routes_in_kernel(call):
+        return None  # precomputed top-k, or a format that casts for its own call (gpt-oss: bfloat16, as SGLang)
+    logits = topk_output.router_logits
+    version = None
+    if call.on_kernel:
+        from .selection import flashinfer_version
+
+        version = flashinfer_version()
+    accepted = kernel_api.routing_logits_dtypes(version, fmt.kernel, method)
+    return kernel_api.routing_logits_dtype(str(logits.dtype).replace("torch.", ""), accepted) or ""
 
 
 def layer_id(layer: Layer) -> int:

@@ -149,6 +149,11 @@ PROBES = {
     ),
     "SERVER_ARGS_FIELD_WRITES": lambda: not _has("sglang.srt.arg_groups.overrides", "resolved_view"),
     "PUBLISHED_SERVER_ARGS": lambda: _has("sglang.srt.runtime_context", "get_server_args"),
+    "WEIGHT_CACHE": lambda: (
+        _has("sglang.srt.weight_cache.ipc_loader", "IpcModelLoader")
+        and "Skip _post_load_weights" in _source("sglang.srt.weight_cache.ipc_loader:IpcModelLoader.load_model")
+        and "load_plugins" not in inspect.getsource(importlib.import_module("sglang.srt.weight_cache.daemon"))
+    ),
     "PLATFORM_OVERRIDE": lambda: _has("sglang.srt.runtime_context", "override_platform"),
     "PUBLISH_WITH_RANKS": lambda: (
         _has("sglang.srt.runtime_context", "SpawnRanks")

@@ -19,7 +19,10 @@ slime's flows end to end against that one server on 127.0.0.1. What each flow pr
   (meta_info.weight_versions) that version's greedy continuation; `abort`: answered as aborted, a prefix of the old
   weights' output; `in_place`: SGLang answers a successful update with HTTP 400 "Weights were updated, but the
   cache was not flushed" (not a refusal: clients key on the message);
-- requests in flight around a disk update: all answered, each from one weight version, its tokens that version's.
+- requests in flight around a disk update: all answered, each from one weight version, its tokens that version's;
+- the README's RL recipe under load: `/pause_generation` (retract) around a tensor session of two buckets while
+  requests run: every span of every answer is A's or B's greedy continuation; a `/generate` between the buckets of
+  an unpaused session answers neither (why the recipe pauses).
 
 Every request has a timeout; the server runs in its own process group and is stopped by its PID at the end, with
 the torch_shm_manager helpers of the tensor clients; nothing is left running.
@@ -601,6 +604,65 @@ def test_pause_retract_abort_and_in_place_around_an_update(run):
     assert run.srv.post("/flush_cache", {}).ok
     run.assert_serves("B")  # the update did land
     assert run.disk("A").ok
+    run.assert_serves("A")
+
+
+def test_a_paused_tensor_session_under_load_answers_only_old_or_new_tokens(run):
+    """The README's RL recipe (slime-style): `/pause_generation` (retract) around a begin/end session of two tensor
+    buckets of B, while four requests run. Every request is answered in full; each span of its tokens
+    (meta_info.weight_versions) is A's greedy continuation or B's greedy continuation of what came before (the same
+    batch of four as the references), never a half-written model's; the served weights are B's afterwards.
+    Why the pause: a `/generate` between the two buckets of an unpaused session (SGLang takes its writer lock per
+    call, not per session) answers tokens that are neither A's nor B's — the control below."""
+    run.at("A")
+    prompts = PROMPTS[:4]
+    a_long = run.generate(prompts, LONG)
+    begin, end = {"path": "/begin_weight_update"}, {"path": "/end_weight_update"}
+    t = "/update_weights_from_tensor"
+    session = [
+        begin,
+        {"label": "B 1", "path": t, "tensors": {"seed": 1, "bucket": [0, 2]}},
+        {"label": "B 2", "path": t, "tensors": {"seed": 1, "bucket": [1, 2]}, "body": {"weight_version": "B-session"}},
+        end,
+    ]
+
+    def paused_session():
+        p = run.srv.post("/pause_generation", {"mode": "retract"})
+        res = run.client(session, "paused-session")
+        c = run.srv.post("/continue_generation", {})
+        return p, res, c
+
+    (p, res, c), answers = _in_flight(run, prompts, paused_session)
+    run.state = "B"
+    assert p.ok and c.ok and all(x["status"] == 200 for x in res), (p, c, res)
+    outs = [a.body["output_ids"] for a in answers]
+    spans = [_spans(a.body) for a in answers]
+    for a, sp in zip(answers, spans, strict=True):
+        assert a.ok and len(a.body["output_ids"]) == LONG, a
+        assert sp[-1][0] == "B-session" and sp[-1][2] == LONG, sp
+    # B's greedy continuation of what each request had before its B span, as one batch of the four (like the server)
+    starts = [next(s for v, s, _ in sp if v == "B-session") for sp in spans]
+    b_cont = run.generate([q + o[:s] for q, o, s in zip(prompts, outs, starts, strict=True)], LONG - min(starts))
+    mixed = 0
+    for i, (sp, out) in enumerate(zip(spans, outs, strict=True)):
+        for version, s, e in sp:
+            want = b_cont[i][: e - s] if version == "B-session" else a_long[i][s:e]
+            assert out[s:e] == want, (i, sp, version, "a token of neither A nor B")
+        mixed += len(sp) > 1
+    assert mixed, "no request spanned the session"
+    run.assert_serves("B")
+
+    # the control: generation inside an unpaused session, between its two buckets, serves a half-written model
+    b_tokens = run.ref["B"]["tokens"]
+    run.at("A")
+    gen = {"path": "/generate", "body": _gen_body(PROMPTS, NEW_TOKENS)}
+    steps = [begin, session[1], {**gen, "label": "inside"}, session[2], end, {**gen, "label": "after"}]
+    res = run.client(steps, "unpaused-session")
+    run.state = "B"
+    inside, after = ([o["output_ids"] for o in x["body"]] for x in res if x["label"] in ("inside", "after"))
+    assert after == b_tokens
+    assert inside != run.ref["A"]["tokens"] and inside != b_tokens, inside
+    run.at("A")
     run.assert_serves("A")
 
 

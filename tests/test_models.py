@@ -28,7 +28,7 @@ import pytest
 from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
 
 from .support.helpers import REPO, last_json
-from .support.model_worker import JOBS, job_key
+from .support.model_worker import CHECKSUM_JOBS, JOBS, job_key
 
 pytestmark = pytest.mark.sglang(
     str(MODEL_RUNNER_RELEASES),
@@ -69,6 +69,7 @@ FULL_FLOWS = (
     "tensor_buckets",
     "tensor_flattened_bucket",
     "tensor_split_shards",
+    "session_forward",
     "session_direct",
     "distributed",
     "random_rounds",
@@ -103,24 +104,37 @@ _REPORTS: dict = {}
 
 
 def reports() -> dict:
-    """Every model's report, from one `model_worker --jobs all` run (about a minute on a 2-core box)."""
+    """Every model's report, from one `model_worker --jobs all` run (about a minute on a 2-core box), and beside it
+    SGLang alone's checksums of the same weights (tests/support/checksum_reference.py, plugin disabled: ~15 s)."""
     if not _REPORTS:
-        cmd = [sys.executable, "-m", "tests.support.model_worker", "--jobs", "all"]
-        proc = subprocess.run(
-            cmd,
+        import tempfile
+
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
+        }
+        work = tempfile.mkdtemp(prefix="trtllm-moe-checksum-")
+        job, out = os.path.join(work, "job.json"), os.path.join(work, "out.json")
+        with open(job, "w") as f:
+            json.dump({"models": [list(j) for j in CHECKSUM_JOBS], "workdir": work}, f)
+        ref = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.checksum_reference", job, out],
             cwd=str(REPO),
-            capture_output=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=900,
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join(
-                    [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-                ),
-            },
+            env={**env, "SGLANG_TRTLLM_MOE_DISABLE": "1"},
         )
+        cmd = [sys.executable, "-m", "tests.support.model_worker", "--jobs", "all"]
+        proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=900, env=env)
         _REPORTS.update(last_json(proc))
         _REPORTS["_stderr_tail"] = proc.stderr[-3000:]
+        _, err = ref.communicate(timeout=600)
+        _REPORTS["_checksum_reference"] = (
+            json.load(open(out)) if ref.returncode == 0 else {"_error": f"exit {ref.returncode}: {err[-3000:]}"}
+        )
     return _REPORTS
 
 
@@ -159,6 +173,38 @@ def test_model_forward_matches_transformers(request, arch, quant):
 def test_model_rl_flow_equals_fresh_load(request, arch, quant, flow):
     known(request, arch, quant, flow)
     _check(report(arch, quant), flow)
+
+
+@pytest.mark.parametrize("arch,quant", CHECKSUM_JOBS, ids=[job_key(a, q) for a, q in CHECKSUM_JOBS])
+def test_checksum_equals_sglang_alone_holding_the_same_weights(arch, quant):
+    """SGLang's weight-checker `checksum` (0.5.23: per-tensor hashes of each weight dequantized, in checkpoint layout;
+    trainers compare it across engines) of a plugin-prepared model — NVFP4, FP8 per-tensor, BF16 — equals, tensor by
+    tensor, what SGLang alone answers for the same weights held unquantized: the checkpoint with its experts
+    dequantized by flashinfer's CPU dequantizer, a BF16 model on SGLang's triton runner, plugin disabled, in another
+    process (tests/support/checksum_reference.py). The plugin's model reports its quantization scales and kernel
+    scalars besides (a quantized engine holds them; an unquantized one does not)."""
+    res = _check(report(arch, quant), "checksum")
+    ref = reports()["_checksum_reference"]
+    assert "_error" not in ref, ref.get("_error")
+    theirs, mine = ref[job_key(arch, quant)]["checksums"], res["checksums"]
+    assert not set(theirs) - set(mine), sorted(set(theirs) - set(mine))
+    differ = [n for n in theirs if mine[n] != theirs[n]]
+    assert not differ, differ
+    weights = [n for n in theirs if n.endswith((".experts.w13_weight", ".experts.w2_weight"))]
+    assert len(weights) == 2 * len(ref[job_key(arch, quant)]["moe_layers"]) > 0, weights
+    extra = sorted(set(mine) - set(theirs))
+    assert all(".experts." in n and not n.endswith(("w13_weight", "w2_weight")) for n in extra), extra
+
+
+def test_checksum_references_tell_the_weights_apart():
+    """The comparison can fail: the same architecture's NVFP4 and FP8 checkpoints hold other expert weights, and
+    SGLang alone hashes them apart (while their BF16 dense tensors, drawn alike, hash the same)."""
+    ref = reports()["_checksum_reference"]
+    assert "_error" not in ref, ref.get("_error")
+    a, b = ref["qwen3_moe:nvfp4"]["checksums"], ref["qwen3_moe:fp8"]["checksums"]
+    experts = [n for n in a if ".experts." in n]
+    assert experts and all(a[n] != b[n] for n in experts)
+    assert all(a[n] == b[n] for n in a if ".experts." not in n)
 
 
 @pytest.mark.parametrize("arch,quant", FUSED, ids=FUSED_IDS)

@@ -178,6 +178,17 @@ CASES = [
         Code.NO_FUSED_MOE,
     ),
     ("mixtral-bf16-sm90", "mixtral", "bf16", 90, {}, "auto", "auto", Code.NOT_SM100),
+    # SGLang's weight cache (0.5.17+): the daemon prepares without the plugin, the scheduler skips the preparation
+    (
+        "mixtral-bf16-weight-cache",
+        "mixtral",
+        "bf16",
+        100,
+        {"weight_cache_mode": "client"},
+        "auto",
+        "auto",
+        Code.WEIGHT_CACHE_KEEPS_UPSTREAM,
+    ),
     (
         "mixtral-nvfp4-explicit",
         "mixtral",
@@ -308,6 +319,8 @@ RELEASE_DIFFS = {
             Code.AUTO_SELECTED,
         ),
     ],
+    # no --weight-cache-mode before 0.5.17 (the case runs without it there)
+    "mixtral-bf16-weight-cache": [("<0.5.17", "auto", "flashinfer_trtllm", Code.AUTO_SELECTED)],
     # SGLang's "modelopt_fp4 on SM120 -> flashinfer_cutlass" rule is new in 0.5.13
     "mixtral-nvfp4-sm120-q": [("<0.5.13", "auto", "auto", Code.NO_FUSED_MOE)],
 }
@@ -316,6 +329,7 @@ RELEASE_DIFFS = {
 #: Where an older release spells the same flags differently: case id -> [(release specifier, ServerArgs kwargs)].
 #: Attention-DP size is `attn_dp_size` from 0.5.22; before it, `dp_size` with `enable_dp_attention`.
 RELEASE_KWARGS = {
+    "mixtral-bf16-weight-cache": [("<0.5.17", {})],
     "qwen3_moe-nvfp4-fi_a2a": [
         ("<0.5.22", {"moe_a2a_backend": "flashinfer", "tp_size": 2, "dp_size": 2, "enable_dp_attention": True})
     ],
@@ -700,6 +714,47 @@ def test_a2a_table_matches_sglang_fused_op_pool():
             assert can_implement(sel.TRTLLM_ROUTED, p, SM100).code == Code.A2A_UNSUPPORTED
 
 
+def _a2a_choices() -> list[str]:
+    """`--moe-a2a-backend`'s choices, as the installed SGLang's own argument parser offers them."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if "--moe-a2a-backend" in a.option_strings]
+    return list(action.choices)
+
+
+def test_every_a2a_choice_of_the_release_gets_a_specific_answer():
+    """Every `--moe-a2a-backend` the installed SGLang offers is answered by name: eligible only for none / flashinfer
+    (flashinfer on the routed runner, from 0.5.15), every other one A2A_UNSUPPORTED with its own reason
+    (`A2A_REJECTIONS`) and what to use instead. A backend a future release adds fails here until it has a line."""
+    choices = _a2a_choices()
+    assert "none" in choices and "deepep" in choices, choices
+    missing = [c for c in choices if c not in sel.A2A_OK and c not in sel.A2A_REJECTIONS]
+    assert not missing, f"A2A backends of this SGLang release without a reason in selection.A2A_REJECTIONS: {missing}"
+    for a2a in choices:
+        p = MoeProblem(256, 512, 8, quantization="modelopt_fp4", a2a_backend=a2a, tp_size=2, ep_size=2)
+        answers = {b: can_implement(b, p, SM100) for b in sel.BACKENDS}
+        if a2a == "none":
+            assert all(e.code == Code.OK for e in answers.values()), answers
+        elif a2a == "flashinfer" and _FI_A2A:
+            assert answers[sel.TRTLLM_ROUTED].code == Code.OK, answers
+            assert answers[sel.TRTLLM].code == Code.A2A_NEEDS_ROUTED, answers
+        else:
+            for e in answers.values():
+                assert not e.eligible and e.code == Code.A2A_UNSUPPORTED, (a2a, e)
+                assert f"--moe-a2a-backend {a2a}" in e.reason and "--moe-a2a-backend none" in e.reason, e.reason
+                if a2a != "flashinfer":
+                    assert sel.A2A_REJECTIONS[a2a] in e.reason, e.reason
+    # a name this plugin release does not know is still refused, saying so
+    unknown = can_implement(
+        sel.TRTLLM_ROUTED, MoeProblem(256, 512, 8, quantization="modelopt_fp4", a2a_backend="next_a2a"), SM100
+    )
+    assert unknown.code == Code.A2A_UNSUPPORTED and "does not know" in unknown.reason, unknown
+
+
 # --- the rules themselves -----------------------------------------------------------------------------------------
 
 P = MoeProblem(hidden_size=256, intermediate_size=512, num_experts=8, top_k=2, quantization="modelopt_fp4")
@@ -833,6 +888,12 @@ def test_resolve_policy(monkeypatch):
     assert (r.winner, r.code) == ("auto", Code.SPEC_DRAFT_KEEPS_UPSTREAM) and "sglang#30209" in r.reason
     r = resolve(P, replace(SM100, sm=120), upstream="flashinfer_cutlass")
     assert (r.winner, r.code) == ("flashinfer_cutlass", Code.NOT_SM100)
+    for mode in ("client", "daemon"):  # weights from SGLang's weight-cache daemon: SGLang's choice stands
+        r = resolve(replace(P, weight_cache_mode=mode), SM100, upstream="auto")
+        assert (r.winner, r.code) == ("auto", Code.WEIGHT_CACHE_KEEPS_UPSTREAM), r
+        assert f"--weight-cache-mode {mode}" in r.reason and "process_weights_after_loading" in r.reason
+    r = resolve(replace(P, weight_cache_mode="client"), SM100, requested=sel.TRTLLM, upstream=sel.TRTLLM)
+    assert (r.winner, r.code) == (sel.TRTLLM, Code.EXPLICIT)  # an explicit choice is the user's
     monkeypatch.setenv(sel.ENV_AUTO, "0")
     r = resolve(P, SM100, upstream="auto")
     assert (r.winner, r.code) == ("auto", Code.AUTO_DISABLED)

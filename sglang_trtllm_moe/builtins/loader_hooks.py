@@ -12,14 +12,20 @@ a managed layer un-prepares just the written expert.
   that reach it without `weight_loader`: paged experts) and the written expert's group is returned to checkpoint
   layout; then SGLang's loader writes it.
 * `__init__` (AFTER): FusedMoE does not keep its checkpoint prefix nor its logical intermediate size; errors and
-  reports name layers by the first, validation tells a short tensor from a padded one by the second.
+  reports name layers by the first, validation tells a short tensor from a padded one by the second. The first
+  layer built in a process that maps its weights from SGLang's weight cache (--weight-cache-mode daemon | client,
+  0.5.17+) logs once that the plugin prepares nothing there (selection.weight_cache_why).
 """
 
 from __future__ import annotations
 
-from .. import hookimpl, layer_attrs, layer_state, validation
+import logging
+
+from .. import PROJECT_NAME, hookimpl, layer_attrs, layer_state, validation
 from ..compat import features
 from ..targets import HookTarget
+
+logger = logging.getLogger(PROJECT_NAME)
 
 FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 
@@ -132,7 +138,33 @@ def remember_prefix(result, layer, *args, **kwargs):
     cfg = getattr(layer, "moe_runner_config", None)
     if cfg is not None and not features.MOE_RUNNER_CONFIG_LAYER.present():
         cfg.layer = layer  # the plugin runner finds the layer being run through its config
+    if not WEIGHT_CACHE_WARNED and features.WEIGHT_CACHE.present():
+        warn_weight_cache()
     return None
+
+
+#: set once this process said (or found it need not say) that its weights come from SGLang's weight cache
+WEIGHT_CACHE_WARNED: list[str] = []
+
+
+def warn_weight_cache() -> str | None:
+    """Once per process, at its first MoE layer: with --weight-cache-mode daemon | client SGLang skips
+    process_weights_after_loading here, so the plugin prepares, lays out and compares none of its layers; say so
+    (the log line) instead of letting a user believe they run the plugin's path. Returns the line, or None."""
+    from ..compat.platform import weight_cache_mode
+    from ..selection import weight_cache_why
+
+    mode = weight_cache_mode()
+    WEIGHT_CACHE_WARNED.append(mode)
+    if mode == "off":
+        return None
+    line = (
+        f"sglang-trtllm-moe: {weight_cache_why(mode)}. This process's MoE layers run SGLang's own preparation and "
+        "runner (routed experts of fused flashinfer_trtllm layers are SGLang's own, zeros); a fallback disk load "
+        "(daemon not answering) is prepared by the plugin as usual"
+    )
+    logger.warning(line)
+    return line
 
 
 @hookimpl

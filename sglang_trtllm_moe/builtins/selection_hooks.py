@@ -37,7 +37,7 @@ DECISIONS: list[dict] = []
 
 
 def _problem(server_args: Any, draft: bool = False):
-    from ..compat.platform import model_config_of, resolved_view
+    from ..compat.platform import model_config_of, resolved_view, weight_cache_mode
 
     view = resolved_view(server_args)
     model_config = model_config_of(server_args)
@@ -56,6 +56,7 @@ def _problem(server_args: Any, draft: bool = False):
         init_expert_location=str(view.init_expert_location or "trivial"),
         speculative_draft=draft,
         return_routed_experts=bool(getattr(view, "enable_return_routed_experts", False)),
+        weight_cache_mode=weight_cache_mode(view),
     ), view
 
 

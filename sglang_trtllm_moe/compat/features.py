@@ -204,6 +204,12 @@ PLATFORM_OVERRIDE = Feature(
     "runtime_context.override_platform fakes the platform; before, lru-cached is_sm100_supported()-style functions "
     "imported by name into many modules are rebound",
 )
+WEIGHT_CACHE = Feature(
+    ">=0.5.17",
+    "--weight-cache-mode daemon | client: a scheduler maps its weights from a weight-cache daemon "
+    "(weight_cache/ipc_loader.py IpcModelLoader) and skips process_weights_after_loading, so the plugin neither "
+    "prepares nor watches its MoE layers; the daemon (weight_cache/daemon.py) never calls load_plugins()",
+)
 PUBLISHED_SERVER_ARGS = Feature(
     ">=0.5.15",
     "runtime_context.get_server_args() returns the process's published ServerArgs (raw input retained); before, "

@@ -146,6 +146,16 @@ def returns_routed_experts() -> bool:
     return bool(getattr(server_args, "enable_return_routed_experts", False)) if server_args is not None else False
 
 
+def weight_cache_mode(server_args: Any = None) -> str:
+    """--weight-cache-mode of `server_args` (default: this process's published ServerArgs): "off", "daemon" or
+    "client"; "off" when unknown or on releases without it (features.WEIGHT_CACHE)."""
+    if not features.WEIGHT_CACHE.present():
+        return "off"
+    if server_args is None:
+        server_args = published_server_args()
+    return str(getattr(server_args, "weight_cache_mode", None) or "off")
+
+
 def declare_choice(server_args: Any, source: str, **fields: Any) -> None:
     """Write the plugin's choice the way this release's own resolution rules write theirs."""
     if features.SERVER_ARGS_FIELD_WRITES.present():  # <= 0.5.14: SGLang's own rules assign the fields in place
@@ -239,6 +249,7 @@ __all__ = [
     "published_server_args",
     "requested_field",
     "returns_routed_experts",
+    "weight_cache_mode",
     "resolve_server_args",
     "resolved_moe_runner_backend",
     "resolved_view",

@@ -237,9 +237,19 @@ def call_impl(
     return impl(ids, weights, **{n: given[n] if n in given else args[n] for n in _impl_params(impl)})
 
 
+#: what flashinfer's launcher accepts (kernel_api.routing_logits_dtypes, the newest contract): router logits and the
+#: routing bias in float32 or bfloat16 (trtllm_fused_moe_kernel_launcher.cu of 0.7.2.post1, `check_routing_logits`
+#: 1238-1252 and `check_routing_bias_shape` 1277-1283; the same checks in every version from 0.6.8)
+ROUTING_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def routing(
     routing_logits, routing_bias, top_k, n_group, topk_group, routed_scaling_factor, routing_method_type, norm_topk_prob
 ):
+    if routing_logits.dtype not in ROUTING_DTYPES:
+        raise ValueError(f"routing_logits must be float or bfloat16, got {routing_logits.dtype} (flashinfer's check)")
+    if routing_bias is not None and routing_bias.dtype not in ROUTING_DTYPES:
+        raise ValueError(f"routing_bias must be bfloat16 or float, got {routing_bias.dtype} (flashinfer's check)")
     return route(
         routing_method_type,
         routing_logits,

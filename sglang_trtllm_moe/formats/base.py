@@ -446,6 +446,14 @@ class WeightFormat:
 
         return max(cands, key=common) if cands else None
 
+    def dequant_scales(self, layer: Layer) -> dict[str, torch.Tensor]:
+        """The per-tensor / global dequantization scales of the layer's checkpoint projections — "w1" (gate_proj),
+        "w3" (up_proj), "w2" (down_proj) — one float32 per local expert: what multiplies `dequantize_param`'s values
+        (block-scale units) to give the weight's values, as flashinfer's CPU dequantizer applies it ((value * block
+        scale) * dequant scale). {} where the block scales are all there is (BF16, DeepSeek FP8 block, MX formats).
+        Read by the weight checker's checksum (`checker.TrtllmMoeComparable.dequantize`)."""
+        return {}
+
     def dequantize_param(
         self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,14 @@ class CtNvFp4(NvFp4):
             return name[: -len("_packed")] + "_scale"
         return super().scale_of(name)
 
+    def dequant_scales(self, layer: Layer) -> dict[str, torch.Tensor]:
+        """compressed-tensors stores quantization scales: the dequantization scale is 1 / global scale (gate, up)."""
+        wgs = layer.w13_weight_global_scale.data.to(torch.float32)
+        e = wgs.shape[0]
+        gate = 1 / wgs.reshape(e, -1)[:, 0]
+        up = 1 / wgs[:, 1] if (self.is_gated(layer) and wgs.dim() == 2 and wgs.shape[1] >= 2) else gate
+        return {"w1": gate, "w3": up, "w2": 1 / layer.w2_weight_global_scale.data.to(torch.float32).reshape(e)}
+
     def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         gated = self.is_gated(layer)
         e = layer.w13_weight_packed.shape[0]

@@ -97,6 +97,18 @@ class Fp8PerTensor(WeightFormat):
                 )
         return None
 
+    def dequant_scales(self, layer: Layer) -> dict[str, torch.Tensor]:
+        """w13_weight_scale column k belongs to the half stored at position k ([gate; up] for ModelOpt, [up; gate]
+        for Fp8MoEMethod on flashinfer_trtllm: `gate_first`)."""
+        s = layer.w13_weight_scale.data.to(torch.float32)
+        s = s.reshape(s.shape[0], -1)
+        if self.is_gated(layer) and s.shape[1] >= 2:
+            gate, up = (s[:, 0], s[:, 1]) if self.gate_first else (s[:, 1], s[:, 0])
+        else:
+            gate = up = s[:, 0]
+        w2 = layer.w2_weight_scale.data.to(torch.float32).reshape(s.shape[0])
+        return {"w1": gate, "w3": up, "w2": w2}
+
     def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         a1 = layer.w13_input_scale.data.max().to(torch.float32)
         a2 = layer.w2_input_scale.data.max().to(torch.float32)
@@ -117,12 +129,13 @@ class Fp8PerTensor(WeightFormat):
 
     def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
         """Activations e4m3 with the layer's static a1 (= max input scale, the scalar the flush keeps) and the three
-        per-expert scalars (separate gate and up dequant). The kernel reads bf16 logits (SGLang casts them too)."""
+        per-expert scalars (separate gate and up dequant). Router logits as the runner hands them: float32 ones
+        stay float32 (SGLang's own call casts them to bfloat16, which its flashinfer no longer asks for since 0.6.8,
+        kernel_api.routing_logits_dtypes: a float32 router — DeepSeek's on CUDA, Nemotron-H's — routes on the values
+        its model computed)."""
         layer, qi = call.layer, call.quant_info
         if routing.get("routed_scaling_factor") is None:
             routing["routed_scaling_factor"] = 1.0
-        if not routed:
-            routing["routing_logits"] = routing["routing_logits"].to(torch.bfloat16)
         a1 = layer.w13_input_scale_max
         if call.on_kernel:
             from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import scaled_fp8_quant

@@ -56,17 +56,30 @@ class NvFp4(WeightFormat):
         self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed e2m1 `[E, M, K/2]` x linear e4m3 `[E, M, K/16]` -> `[E, M, K]` (global scale_2 excluded: it is a
-        scalar parameter). Tolerance: the e2m1 grid step above each code's magnitude, times its block scale."""
+        scalar parameter). Tolerance: the e2m1 grid step above each code's magnitude, times its block scale. The
+        negative-zero code dequantizes to +0.0, as flashinfer's CPU dequantizer gives it (the weight checker's
+        checksum hashes these values' bytes)."""
         from .. import quant
 
         if scale is None:
             return super().dequantize_param(name, weight, scale)
-        values = quant.nvfp4_dequantize(weight, scale, 1.0)
+        values = quant.nvfp4_dequantize(weight, scale, 1.0) + 0.0
         steps = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0], device=weight.device)
         u8 = weight.view(torch.uint8)
         codes = torch.stack([u8 & 0x07, (u8 >> 4) & 0x07], dim=-1).flatten(-2)
         sf = scale.view(torch.float8_e4m3fn).float() if scale.dtype == torch.uint8 else scale.float()
         return values, steps[codes.long()] * sf.repeat_interleave(16, dim=-1)
+
+    def dequant_scales(self, layer: Layer) -> dict[str, torch.Tensor]:
+        """ModelOpt's weight_scale_2 is the dequantization scale (gate / up columns in the stored order of
+        features.NVFP4_W13_SCALE_2_UP_GATE, as `compute_scalars` reads them)."""
+        s2 = layer.w13_weight_scale_2.data.to(torch.float32)
+        e = s2.shape[0]
+        if self.is_gated(layer) and s2.dim() == 2 and s2.shape[1] >= 2:
+            gate, up = (s2[:, 1], s2[:, 0]) if features.NVFP4_W13_SCALE_2_UP_GATE.present() else (s2[:, 0], s2[:, 1])
+        else:
+            gate = up = s2.reshape(e)
+        return {"w1": gate, "w3": up, "w2": layer.w2_weight_scale_2.data.to(torch.float32).reshape(e)}
 
     def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         gated = self.is_gated(layer)

@@ -11,18 +11,22 @@ from .problem import DeviceInfo, Eligibility, MoeProblem, Resolution
 from .report import env_fingerprint, flashinfer_version, format_report, log_decision
 from .rules import (
     A2A_OK,
+    A2A_REJECTIONS,
     ENV_AUTO,
     MIN_FLASHINFER_NON_GATED,
     SPEC_DRAFT_WHY,
     Code,
+    a2a_instead,
     auto_enabled,
     can_implement,
     candidate_order,
     resolve,
+    weight_cache_why,
 )
 
 __all__ = [
     "A2A_OK",
+    "A2A_REJECTIONS",
     "BACKENDS",
     "Code",
     "DeviceInfo",
@@ -33,6 +37,7 @@ __all__ = [
     "NON_GATED_ARCHS",
     "Resolution",
     "SPEC_DRAFT_WHY",
+    "a2a_instead",
     "TRTLLM",
     "TRTLLM_ROUTED",
     "auto_enabled",
@@ -45,4 +50,5 @@ __all__ = [
     "log_decision",
     "problem_from_hf_config",
     "resolve",
+    "weight_cache_why",
 ]

@@ -50,6 +50,9 @@ class MoeProblem:
     architecture: str = ""
     #: why SGLang builds this model without FusedMoE layers (no MoE runner backend applies); None = it builds them
     no_fused_moe: str | None = None
+    #: --weight-cache-mode (SGLang 0.5.17+): "off", or "daemon" / "client" (weights mapped from SGLang's weight-cache
+    #: daemon, process_weights_after_loading skipped: the plugin prepares nothing)
+    weight_cache_mode: str = "off"
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 1, **kw: Any):
         flat = {CHECKPOINT_KEYWORDS[k]: kw.pop(k) for k in list(kw) if k in CHECKPOINT_KEYWORDS}

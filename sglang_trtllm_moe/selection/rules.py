@@ -55,10 +55,37 @@ class Code:
     UPSTREAM_MODEL_RULE = "UPSTREAM_MODEL_RULE"
     NO_ELIGIBLE_BACKEND = "NO_ELIGIBLE_BACKEND"
     NO_FUSED_MOE = "NO_FUSED_MOE"
+    WEIGHT_CACHE_KEEPS_UPSTREAM = "WEIGHT_CACHE_KEEPS_UPSTREAM"
 
 
-#: A2A backends with a registered fused func for these runners (FusedOpPool keys in 0.5.23).
+#: A2A backends with a registered fused func for these runners (FusedOpPool keys in 0.5.23:
+#: `moe_runner/flashinfer_trtllm.py` registers ("none" | "flashinfer", "flashinfer_trtllm(_routed)") only).
 A2A_OK = {"none", "flashinfer"}
+
+#: Why each other A2A backend SGLang offers (`--moe-a2a-backend` choices of 0.5.11 - 0.5.23, and the enum's
+#: `customized`) cannot feed the TRT-LLM-Gen runners: SGLang looks the pair (a2a, runner) up in its FusedOpPool when
+#: it builds a MoE layer and raises NotImplementedError where none is registered (0.5.23 `moe_runner/runner.py`
+#: 168-181). Read from 0.5.23's `arg_groups/moe_hook.py` `handle_a2a_moe` and `layers/moe/token_dispatcher/`.
+#: tests/test_selection.py fails for a choice of the installed release that is missing here.
+A2A_REJECTIONS: dict[str, str] = {
+    "deepep": "DeepEP dispatches in its own normal / low-latency formats and SGLang has no fused func that hands "
+    "them to the TRT-LLM runners (sglang#24502: 'FLASHINFER_TRTLLM requires a fused func for a2a backend deepep'); "
+    "with DeepEP SGLang runs deep_gemm (or flashinfer_cutedsl for NVFP4, low-latency mode)",
+    "deepep_v2": "SGLang runs DeepEP v2 with --moe-runner-backend deep_gemm only (it refuses every other runner: "
+    "moe_runner/runner.py, arg_groups/moe_hook.py)",
+    "mooncake": "Mooncake EP dispatches in DeepEP's low-latency format (deepep_ll), which no TRT-LLM fused func takes",
+    "nixl": "NIXL EP dispatches in DeepEP's low-latency format (deepep_ll), which no TRT-LLM fused func takes",
+    "mori": "MoRI EP is the AMD ROCm dispatcher (DeepEP normal format into aiter experts), not an SM100 path",
+    "pplx": "pplx-kernels' dispatch runs SGLang's masked DeepGEMM path only (SGLang resolves auto to deep_gemm and "
+    "refuses other runners)",
+    "ascend_fuseep": "Ascend NPU only (FuseEP bypasses the MoE runners)",
+    "ascend_tp": "Ascend NPU only",
+    "megamoe": "MegaMoE fuses dispatch, experts and combine in DeepGEMM's kernel over symmetric memory: no MoE runner "
+    "runs the experts",
+    "flashinfer_megamoe": "FlashInfer MegaMoE replaces the MoE runner (SGLang requires --moe-runner-backend "
+    "flashinfer_megamoe with it)",
+    "customized": "a dispatcher registered in code: SGLang registers no TRT-LLM fused func for it",
+}
 
 #: Non-gated activations need flashinfer's `activation_type` argument (first pinned by SGLang 0.5.11).
 MIN_FLASHINFER_NON_GATED = (0, 6, 8)
@@ -68,6 +95,17 @@ SPEC_DRAFT_WHY = (
     "their own shapes, and the trtllm BF16 batched GEMM on draft layers has an open illegal-memory-access bug "
     "(sglang#30209; the default that would fix it, #30210, is not merged) — the plugin does not widen that exposure"
 )
+
+
+def weight_cache_why(mode: str) -> str:
+    """Why the plugin cannot serve a process that maps its weights from SGLang's weight cache (0.5.17+)."""
+    return (
+        f"--weight-cache-mode {mode}: SGLang maps this process's weights from its weight-cache daemon and skips "
+        "process_weights_after_loading (weight_cache/ipc_loader.py), and the daemon prepares them with SGLang's own "
+        "code without loading plugins (weight_cache/daemon.py): the plugin can neither prepare nor watch these "
+        "layers, and the daemon resolves the MoE runner without the plugin, so the plugin must not move it; SGLang "
+        "also refuses online weight updates in this mode (use --weight-cache-mode off for RL)"
+    )
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -83,6 +121,19 @@ def _flashinfer_a2a_has_trtllm() -> bool:
     from ..compat.releases import installed_version
 
     return installed_version() is None or features.FLASHINFER_A2A_TRTLLM_ROUTED.present()
+
+
+def a2a_instead() -> str:
+    """What serves expert parallelism on the TRT-LLM-Gen kernels on the installed release."""
+    if _flashinfer_a2a_has_trtllm():
+        return (
+            f"for expert parallelism on the TRT-LLM-Gen kernels use --moe-a2a-backend none ({TRTLLM}) or "
+            f"--moe-a2a-backend flashinfer ({TRTLLM_ROUTED})"
+        )
+    return (
+        f"for expert parallelism on the TRT-LLM-Gen kernels use --moe-a2a-backend none ({TRTLLM}); FlashInfer A2A "
+        f"reaches {TRTLLM_ROUTED} from SGLang 0.5.15"
+    )
 
 
 def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Eligibility:
@@ -140,14 +191,17 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
         return no(
             Code.A2A_UNSUPPORTED,
             "this SGLang release runs --moe-a2a-backend flashinfer on flashinfer_cutlass only (its "
-            "_handle_a2a_moe asserts it; the TRT-LLM routed runner behind FlashInfer A2A arrives in 0.5.15)",
+            "_handle_a2a_moe asserts it; the TRT-LLM routed runner behind FlashInfer A2A arrives in 0.5.15); "
+            + a2a_instead(),
         )
     if p.a2a_backend not in A2A_OK:
+        why = A2A_REJECTIONS.get(
+            p.a2a_backend,
+            "SGLang registers no fused func for it with these runners (a backend this plugin release does not know)",
+        )
         return no(
             Code.A2A_UNSUPPORTED,
-            f"A2A backend {p.a2a_backend!r} has no fused func for {backend} "
-            f"(sglang#24502: 'FLASHINFER_TRTLLM requires a fused func for a2a backend deepep'); "
-            f"use --moe-a2a-backend flashinfer with {TRTLLM_ROUTED}",
+            f"--moe-a2a-backend {p.a2a_backend} has no fused func for {backend}: {why}; {a2a_instead()}",
         )
     if backend == TRTLLM and p.a2a_backend == "flashinfer":
         return no(
@@ -213,7 +267,8 @@ def resolve(
 
     `requested` is what the user asked for (`--moe-runner-backend`); `upstream` is what SGLang decided on its own
     before the plugin looked ("auto" when no rule of its own fired). Policy: a model SGLang builds without FusedMoE
-    layers gets no winner (NO_FUSED_MOE: nothing would run it); an explicit choice is never overridden; SGLang's own
+    layers gets no winner (NO_FUSED_MOE: nothing would run it); an explicit choice is never overridden; with the weight
+    cache on, SGLang's choice stands (WEIGHT_CACHE_KEEPS_UPSTREAM); SGLang's own
     model rules that picked something other than a TRT-LLM runner are kept; otherwise, on SM 10.x, the first eligible
     candidate wins, and SGLang's answer is kept when there is none.
     """
@@ -244,6 +299,9 @@ def resolve(
         )
     if not auto_enabled():
         return done(base, Code.AUTO_DISABLED, f"{ENV_AUTO}=0: auto-selection is off, SGLang's choice ({base}) stands")
+    if problem.weight_cache_mode not in ("", "off"):
+        why = weight_cache_why(problem.weight_cache_mode)
+        return done(base, Code.WEIGHT_CACHE_KEEPS_UPSTREAM, f"{why}; SGLang's choice ({base}) stands")
     if problem.speculative_draft:
         return done(base, Code.SPEC_DRAFT_KEEPS_UPSTREAM, SPEC_DRAFT_WHY)
     if not device.sm100_family:

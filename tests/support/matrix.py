@@ -75,6 +75,8 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
     ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
     ("checker", "weight checker", (("tests/test_checker.py", None), ("tests/test_checker_coordinates.py", None))),
+    # the checker's checksum of a plugin-prepared model == SGLang alone's for the same weights (whole models, 0.5.21+)
+    ("checksum", "checker checksum", (("tests/test_models.py::test_checksum", None),)),
     (
         "auto",
         "auto-select",

@@ -300,6 +300,117 @@ class Worker:
         out["unprepared_at_begin"] = open_dirty
         return out
 
+    @torch.no_grad()
+    def check_session_forward(self, m) -> dict:
+        """Generation inside a begin/end session (what the README tells RL loops to pause, and why): between two
+        `update_weights_from_tensor` buckets — the first holds every tensor of experts [0, E/2) of every MoE layer
+        of a new checkpoint, the second the rest — a forward runs. The plugin lays out what it runs (a layer with
+        experts in checkpoint layout is flushed before its kernel call), so the kernel of every layer the plugin
+        prepares is handed each expert wholly old or wholly new, laid out: exactly the bytes of a fresh load of that
+        mix (experts < E/2 new, the rest old), and the forward's logits are that fresh load's, bit for bit (the same
+        batch) — neither the old model's nor the new one's. After the session the model is a fresh load of the new
+        checkpoint. Control: an expert written again (checkpoint layout) and the runner's layout step skipped, the
+        kernel is handed bytes no fresh load holds — the byte check catches a layout mix. Layers SGLang prepares
+        itself (compat/defer.py) keep SGLang's own session semantics (its canonical layout until the session ends):
+        reported, and only the end state is asserted for them."""
+        from sglang_trtllm_moe import emulator, kernel_api, layer_state, runner
+        from sglang_trtllm_moe.sandbox import models
+
+        ptrs = m.pointers()
+        old = self.intended
+        new = self.full(8)
+        half = self.spec.num_experts // 2
+        first = self.experts_of(8, experts=list(range(half)))
+        rest = [(n, t) for n, t in sorted(new.items()) if n not in first]
+        layers = m.moe_layers()
+        managed = {n for n, layer in layers.items() if layer_state.state_of(layer) is not None}
+        fresh_mixed = m.fresh(self.write_tensors({**old, **first}))
+        fresh_layers = models.moe_layers(fresh_mixed)
+        _, want_logits = m.generate(PROMPTS, 1, model=fresh_mixed)
+        _, before_logits = m.generate(PROMPTS, 1)
+        seen: dict = {}
+        owner_of = {p.data_ptr(): (n, pname) for n, layer in layers.items() for pname, p in layer.named_parameters()}
+
+        def spy(real):
+            def call(*a, **kw):
+                for arg in ("gemm1_weights", "gemm2_weights"):
+                    t = kw.get(arg)
+                    if isinstance(t, torch.Tensor) and t.data_ptr() in owner_of:
+                        seen[owner_of[t.data_ptr()]] = t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+                return real(*a, **kw)
+
+            return call
+
+        def handed_like_fresh() -> list:
+            """Parameters of managed layers the kernel was handed with bytes other than the fresh mixed load's."""
+            bad = []
+            for (n, pname), got in seen.items():
+                if n not in managed:
+                    continue
+                want = dict(fresh_layers[n].named_parameters())[pname]
+                if not torch.equal(got, want.detach().contiguous().reshape(-1).view(torch.uint8)):
+                    bad.append(f"{n}.{pname}")
+            return bad
+
+        reals = {name: getattr(emulator, name) for name in kernel_api.KERNEL_FUNCTIONS}
+        for name, real in reals.items():
+            setattr(emulator, name, spy(real))
+        control: dict = {}
+        try:
+            m.begin()
+            try:
+                m.update_from_tensor(sorted(first.items()))
+                _, mid_logits = m.generate(PROMPTS, 1)
+                mid_differs = m.differences(fresh_mixed)
+                mid_seen = sorted({n for n, _ in seen})
+                mid_bad = handed_like_fresh()
+                mid_clean = sorted(n for n in managed if layer_state.state_of(layers[n]).clean)
+                if managed:  # the control: one expert of a managed layer written again, the layout step skipped
+                    target = sorted(managed)[0]
+                    layer_idx = int(target.split(".layers.")[1].split(".")[0])
+                    again = {k: v for k, v in first.items() if f".layers.{layer_idx}." in k and ".experts.0." in k}
+                    m.update_from_tensor(sorted(again.items()))
+                    seen.clear()
+                    real_ensure = runner.ensure_prepared
+                    runner.ensure_prepared = lambda layer: None
+                    try:
+                        m.generate(PROMPTS, 1)
+                    finally:
+                        runner.ensure_prepared = real_ensure
+                    control = {"layer": target, "caught": [b for b in handed_like_fresh() if b.startswith(target)]}
+                m.update_from_tensor(rest)
+            finally:
+                m.end()
+        finally:
+            for name, real in reals.items():
+                setattr(emulator, name, real)
+        del fresh_mixed
+        self.intended = new
+        out = self.compare(m, self.intended, ptrs)
+        _, after_logits = m.generate(PROMPTS, 1)
+        mixed_is_own = not torch.equal(mid_logits, before_logits) and not torch.equal(mid_logits, after_logits)
+        logits_equal = bool(torch.equal(mid_logits, want_logits))
+        out.update(
+            managed=sorted(managed),
+            handed_to_kernel=mid_seen,
+            handed_unlike_fresh_mix=mid_bad,
+            model_differs_from_fresh_mix=mid_differs[:8],
+            clean_after_forward=mid_clean,
+            logits_equal_fresh_mix=logits_equal,
+            mix_is_neither_old_nor_new=mixed_is_own,
+            control=control,
+        )
+        if managed == set(layers):  # every layer the plugin's: the forward is the fresh mix's, bit for bit
+            out["ok"] = out["ok"] and logits_equal and mixed_is_own
+        out["ok"] = (
+            out["ok"]
+            and set(mid_seen) >= managed
+            and not mid_bad
+            and mid_clean == sorted(managed)
+            and (not managed or bool(control.get("caught")))
+        )
+        return out
+
     def check_distributed(self, m) -> dict:
         """update_weights_from_distributed over gloo from a second process (the trainer, forked from this one: rank 0
         of a 2-rank group made by SGLang's init_custom_process_group on both sides), two broadcasts, in a session. The
@@ -630,6 +741,28 @@ class Worker:
             "without_plugin_capture": control,
         }
 
+    @torch.no_grad()
+    def check_checksum(self, m) -> dict:
+        """SGLang's WeightChecker `checksum` (per-tensor hashes of each weight dequantized, in checkpoint layout) of a
+        fresh load of this model's checkpoint (seed 0), every MoE layer prepared by the plugin — BF16 too, where
+        compat/defer.py leaves it to SGLang (0.5.23): the plugin's replacement path, forced as the layer tests force
+        it (sglang_runtime.plugin_prepares). tests/test_models.py compares it with what SGLang alone answers for the
+        same weights held unquantized (tests/support/checksum_reference.py)."""
+        from sglang_trtllm_moe.compat import defer
+        from sglang_trtllm_moe.sandbox import models
+
+        from .sglang_runtime import weight_checker
+
+        real = defer.verdict
+        defer.verdict = lambda fmt, release=None: None if fmt.name == "bf16" else real(fmt, release)
+        try:
+            fresh = m.fresh(self.write_full(0))
+        finally:
+            defer.verdict = real
+        owners = sorted({owner(layer) for layer in models.moe_layers(fresh).values()})
+        res = weight_checker(fresh).handle("checksum", role="target")
+        return {"ok": owners == ["plugin"], "owners": owners, "checksums": dict(res["checksums"])}
+
     def check_greedy(self, m) -> dict:
         return self.compare(m, self.intended, m.pointers(), tokens=True)
 
@@ -695,7 +828,7 @@ class Worker:
             "results": results,
         }
 
-    ON_REQUEST = ("threaded_disk_ab", "routed_experts")
+    ON_REQUEST = ("threaded_disk_ab", "routed_experts", "checksum")
     ORDER = (
         "load",
         "forward",
@@ -704,11 +837,13 @@ class Worker:
         "tensor_buckets",
         "tensor_flattened_bucket",
         "tensor_split_shards",
+        "session_forward",  # before session_direct, which leaves DeepSeek's MLA w_kc / w_vc stale (docs/TESTING.md)
         "session_direct",
         "distributed",
         "random_rounds",
         "weight_checker",
         "greedy",
+        "checksum",
         "refused_updates",
         "disk_failures",
         "threaded_disk_ab",
@@ -842,6 +977,10 @@ def _explain(model_dir: str) -> dict:
 #: what tests/test_models.py runs (arch, quant, extra on-request checks): every architecture with its NVFP4 and FP8
 #: checkpoint where SGLang builds them with FusedMoE, Mixtral BF16, and the quantized Mixtral SGLang builds without
 #: FusedMoE (explain must say so).
+#: the models whose weight-checker checksum is compared with SGLang alone's (check_checksum; each in its own job's
+#: process: a process's resolved quantization turns another checkpoint's BF16 experts into online NVFP4 / FP8)
+CHECKSUM_JOBS = (("qwen3_moe", "nvfp4"), ("qwen3_moe", "fp8"), ("mixtral", "bf16"))
+
 #: checkpoint suffixes of per-tensor scales (one value per expert and shard), which validation value-checks
 SCALAR_SCALES = ("input_scale", "weight_scale", "weight_scale_2", "weight_global_scale", "input_global_scale")
 
@@ -862,14 +1001,14 @@ VARIANTS = {
 }
 
 JOBS = (
-    ("qwen3_moe", "nvfp4", ()),
-    ("qwen3_moe", "fp8", ()),
+    ("qwen3_moe", "nvfp4", ("checksum",)),
+    ("qwen3_moe", "fp8", ("checksum",)),
     ("deepseek_v3", "nvfp4", ("threaded_disk_ab",)),
     ("deepseek_v3", "fp8_block", ()),
     ("deepseek_v3", "fp8_block@wide", ()),
     ("nemotron_h", "nvfp4", ()),
     ("nemotron_h", "fp8", ()),
-    ("mixtral", "bf16", ()),
+    ("mixtral", "bf16", ("checksum",)),
     ("mixtral", "fp8_static", ()),
     ("mixtral", "nvfp4", ()),
     # R3: routed experts through the fused runner, per routing method and format (one check each)

@@ -32,6 +32,7 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("a MoE forward with 0 tokens (idle ranks, warm-up)", ("empty_forward",)),
     ("routed experts (R3, --enable-return-routed-experts) on the fused flashinfer_trtllm runner", ("routed_experts",)),
     ("weight checker (snapshot / compare)", ("checker",)),
+    ("weight checker checksum: hashes like SGLang alone holding the same weights unquantized", ("checksum",)),
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
     ("a whole model on sglang.Engine: serve + RL loop end to end", ("models",)),
