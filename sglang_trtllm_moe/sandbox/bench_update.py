@@ -587,7 +587,7 @@ def as_ep_rank_0(model, ep: int) -> None:
     from .models import moe_layers
 
     for layer in moe_layers(model).values():
-        local = int(layer.num_experts) // ep
+        local = int(layer.w13_weight.shape[0]) // ep  # EP 1: every expert is local
         layer.__dict__["_map_global_expert_id_to_local_expert_id"] = lambda e, n=local: e if 0 <= e < n else -1
 
 
