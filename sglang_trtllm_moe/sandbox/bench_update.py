@@ -586,8 +586,9 @@ def as_ep_rank_0(model, ep: int) -> None:
     are written for every expert, as there. Updates then no longer equal a fresh load of the second checkpoint."""
     from .models import moe_layers
 
+    layer: Any
     for layer in moe_layers(model).values():
-        local = int(layer.w13_weight.shape[0]) // ep  # EP 1: every expert is local
+        local = int(layer.num_experts) // ep
         layer.__dict__["_map_global_expert_id_to_local_expert_id"] = lambda e, n=local: e if 0 <= e < n else -1
 
 
