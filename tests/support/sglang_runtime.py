@@ -193,10 +193,21 @@ def weight_checker(model):
     import torch
     from sglang.srt.utils.weight_checker import WeightChecker
 
-    if not (releases.WEIGHT_CHECKER_TAKES_PS.present() or features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present()):
-        return WeightChecker(get_model=lambda: model)
+    class _CpuChecksum(WeightChecker):
+        def handle(self, action, *args, **kwargs):
+            if action != "checksum" or torch.cuda.is_available():
+                return super().handle(action, *args, **kwargs)
+            # stand-in (docs/TESTING.md): before 0.5.23 the checksum brackets its timing with torch.cuda.synchronize(),
+            # which a CPU-only torch refuses; nothing is queued on a CPU, so a no-op is the same wait
+            from unittest import mock
 
-    class _RoleAccepted(WeightChecker):
+            with mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None):
+                return super().handle(action, *args, **kwargs)
+
+    if not (releases.WEIGHT_CHECKER_TAKES_PS.present() or features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present()):
+        return _CpuChecksum(get_model=lambda: model)
+
+    class _RoleAccepted(_CpuChecksum):
         _snapshot_tensors: dict[str, torch.Tensor]  # set by WeightChecker._snapshot
 
         def handle(self, action, *args, role=None, **kwargs):
