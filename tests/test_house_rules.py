@@ -8,6 +8,9 @@
   as `layouts/_triton.py`, may be imported inside its package), nor reads one as an attribute.
 * No runtime patch of torch: nothing in the package assigns an attribute of `torch` (a hook that does changes the
   whole process, every thread, for as long as it is suspended).
+* `compat/` is the bottom layer (issue #38): its modules import nothing of the package outside `compat/` (at module
+  level or inside a function), except the leaf modules of `COMPAT_MAY_IMPORT`, which themselves import nothing of
+  the package. What sits above (formats, selection, the runner) hands compat what it needs, never the other way.
 
 Each rule has an allowlist of files that wait for work in progress, each entry saying what it waits for; an entry
 whose file no longer breaks the rule fails, so the list only shrinks.
@@ -35,6 +38,14 @@ PENDING_RELEASE_LITERALS: dict[str, str] = {}
 #: files whose underscore imports wait for other work: what for
 #: (none: sandbox/layers.py is the one layer builder, no mx_layers.py takes its _random_experts)
 PENDING_PRIVATE_IMPORTS: dict[str, str] = {}
+
+
+#: modules outside compat/ that compat/ may import: leaves that import nothing of the package themselves
+#: (test_compat_leaves_are_leaves holds them to that)
+COMPAT_MAY_IMPORT = {
+    f"{NAME}.env": "the plugin's switches (cpu_sandbox asks SGLANG_TRTLLM_MOE_EMULATE)",
+    f"{NAME}.layer_attrs": "the attribute names the plugin sets on SGLang's objects (platform's REQUESTED_ATTR)",
+}
 
 
 def _sources() -> list[tuple[str, ast.Module]]:
@@ -132,6 +143,43 @@ def private_uses(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(set(out))
 
 
+def package_imports(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """Every module of the package that file `rel` imports, anywhere in it (function-local imports included):
+    `from X import name` counts as X.name where that is a module, else as X."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(rel, node)
+            if not (mod == NAME or mod.startswith(NAME + ".")):
+                continue
+            for a in node.names:
+                out.append((node.lineno, f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name == NAME or a.name.startswith(NAME + ".")]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (node.args[0].value == NAME or node.args[0].value.startswith(NAME + "."))
+        ):
+            out.append((node.lineno, node.args[0].value))
+    return sorted(set(out))
+
+
+def upward_imports(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """A compat/ module's imports of the package outside compat/ (the leaves of COMPAT_MAY_IMPORT aside)."""
+    if not rel.startswith("compat/"):
+        return []
+    return [
+        (line, mod)
+        for line, mod in package_imports(rel, tree)
+        if not (mod == f"{NAME}.compat" or mod.startswith(f"{NAME}.compat.")) and mod not in COMPAT_MAY_IMPORT
+    ]
+
+
 def torch_patches(tree: ast.Module) -> list[tuple[int, str]]:
     """Assignments to an attribute of torch (torch.X = ..., torch.Tensor.y = ..., setattr(torch.Tensor, ...))."""
 
@@ -179,6 +227,17 @@ def test_no_runtime_patch_of_torch():
     _check(lambda rel, tree: torch_patches(tree), {}, "assignments to torch attributes")
 
 
+def test_compat_imports_nothing_above_it():
+    _check(upward_imports, {}, "imports of the package above compat/")
+
+
+def test_compat_leaves_are_leaves():
+    for mod in COMPAT_MAY_IMPORT:
+        rel = mod[len(NAME) + 1 :].replace(".", "/") + ".py"
+        hits = package_imports(rel, ast.parse((PACKAGE / rel).read_text()))
+        assert not hits, f"{rel} may be imported by compat/ only as a leaf, but it imports {hits}"
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [
@@ -205,6 +264,29 @@ def test_the_private_use_finder():
         (1, f"from {NAME}.layouts.maps import _cached"),
         (5, "layouts.maps._round_up"),
     ], hits
+
+
+def test_the_upward_import_finder():
+    src = (
+        "from . import features\n"
+        "from .releases import installed_version\n"
+        "from .. import env, layer_attrs\n"
+        "from ..formats import BF16\n"
+        "def f():\n"
+        "    from ..runner import emulating\n"
+        "    from .. import PROJECT_NAME\n"
+        "    import sglang_trtllm_moe.selection\n"
+        "    importlib.import_module('sglang_trtllm_moe.layer_state')\n"
+    )
+    hits = upward_imports("compat/defer.py", ast.parse(src))
+    assert hits == [
+        (4, f"{NAME}.formats"),
+        (6, f"{NAME}.runner"),
+        (7, NAME),
+        (8, f"{NAME}.selection"),
+        (9, f"{NAME}.layer_state"),
+    ], hits
+    assert upward_imports("runner.py", ast.parse(src)) == []
 
 
 def test_the_torch_patch_finder():
