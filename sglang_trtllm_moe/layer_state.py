@@ -115,6 +115,19 @@ class LayerState:
     def is_prepared(self, group: str, expert: int) -> bool:
         return self._bits(group)[expert]
 
+    def known_unprepared(self, group: str, expert: int) -> bool:
+        """True when the Python copy of `prepared[group]` is current and says local expert `expert` (in range) is in
+        checkpoint layout: no tensor op, for the loader hook on every write. False when it is prepared, out of
+        range, or the copy is not current (then `before_write_locked` reads the mask and decides)."""
+        m = self._mirror.get(group)
+        return (
+            m is not None
+            and m[0] is self.prepared[group]
+            and m[1] == m[0]._version
+            and expert < self.num_experts
+            and not m[2][expert]
+        )
+
     def all_prepared(self, group: str) -> bool:
         return all(self._bits(group))
 

@@ -59,8 +59,9 @@ NOTHING_WRITTEN = "; nothing was written"
 PROJECTIONS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 #: per thread, what weight_loader validated for the _weight_loader_impl call SGLang makes inside it (param, tensor,
-#: parameter name, local expert count); the loader hooks read and set it inline on every write
-HANDSHAKE = threading.local()
+#: parameter name, local expert count); the loader hooks set and read it through mark_validated / restore_validated /
+#: validated / was_validated
+_HANDSHAKE = threading.local()
 
 
 def param_name(layer, param, fmt=None) -> str | None:
@@ -659,24 +660,24 @@ def refuse_values(rule: LoadRule, loaded, code: str, refuse: Refusal) -> NoRetur
 def mark_validated(param, loaded, name: str | None = None, local_experts: int = 0):
     """`FusedMoE.weight_loader` validated this (param, tensor) as parameter `name` (of `local_experts` local experts,
     0: not known): `_weight_loader_impl` only checks the local id. Returns what to restore."""
-    prev = getattr(HANDSHAKE, "validated", None)
-    HANDSHAKE.validated = (param, loaded, name, local_experts)
+    prev = getattr(_HANDSHAKE, "validated", None)
+    _HANDSHAKE.validated = (param, loaded, name, local_experts)
     return prev
 
 
 def restore_validated(prev) -> None:
-    HANDSHAKE.validated = prev
+    _HANDSHAKE.validated = prev
 
 
 def was_validated(param, loaded) -> bool:
-    v = getattr(HANDSHAKE, "validated", None)
+    v = getattr(_HANDSHAKE, "validated", None)
     return v is not None and v[0] is param and v[1] is loaded
 
 
 def validated(param, loaded) -> tuple | None:
     """(param, tensor, parameter name, local expert count or 0) when `weight_loader` validated this write in this
     thread; None if it did not."""
-    v = getattr(HANDSHAKE, "validated", None)
+    v = getattr(_HANDSHAKE, "validated", None)
     if v is not None and v[0] is param and v[1] is loaded:
         return v
     return None

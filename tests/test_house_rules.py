@@ -6,6 +6,11 @@
   on: `compat.releases.OLDEST_SUPPORTED` is that fact). Prose in docstrings may name releases.
 * Shared helpers have one public home: no module imports another module's underscore name (a private *module*, such
   as `layouts/_triton.py`, may be imported inside its package), nor reads one as an attribute.
+* Another module's objects by their public names: no module reads (or writes) `obj._name` where `_name` is a private
+  attribute a class of this package defines (`self._name = ...` in its methods, a class attribute, dataclass field
+  or `__slots__` entry starting with `_`), outside the module that defines that class; `self._name` / `cls._name`
+  are the class's own. The owning class offers a public method or property instead. SGLang's and torch's private
+  names (`layer._weight_loader_impl`, `mask._version`, `torch._foreach_copy_`) are not ours and stay allowed.
 * No runtime patch of torch: nothing in the package assigns an attribute of `torch` (a hook that does changes the
   whole process, every thread, for as long as it is suspended).
 * `compat/` is the bottom layer (issue #38): its modules import nothing of the package outside `compat/` (at module
@@ -180,6 +185,64 @@ def upward_imports(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
     ]
 
 
+def private_attributes(sources: list[tuple[str, ast.Module]]) -> dict[str, set[str]]:
+    """The private attribute names the package's classes define -> the files defining them."""
+    out: dict[str, set[str]] = {}
+    for rel, tree in sources:
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names: list[str] = []
+            for node in cls.body:  # class attributes, dataclass fields, __slots__
+                targets = (
+                    node.targets
+                    if isinstance(node, ast.Assign)
+                    else [node.target]
+                    if isinstance(node, ast.AnnAssign)
+                    else []
+                )
+                for t in targets:
+                    if isinstance(t, ast.Name):
+                        names.append(t.id)
+                        if t.id == "__slots__" and isinstance(node.value, (ast.Tuple, ast.List)):
+                            names += [
+                                e.value
+                                for e in node.value.elts
+                                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                            ]
+            for node in ast.walk(cls):  # self._x = ... (also inside tuple targets) in its methods
+                targets = []
+                if isinstance(node, ast.Assign):
+                    targets = node.targets
+                elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                    targets = [node.target]
+                for t in targets:
+                    for a in ast.walk(t):
+                        if (
+                            isinstance(a, ast.Attribute)
+                            and isinstance(a.value, ast.Name)
+                            and a.value.id in ("self", "cls")
+                        ):
+                            names.append(a.attr)
+            for name in names:
+                if _private(name):
+                    out.setdefault(name, set()).add(rel)
+    return out
+
+
+def foreign_private_reads(rel: str, tree: ast.Module, defined: dict[str, set[str]]) -> list[tuple[int, str]]:
+    """`expr._name` in file `rel` where `_name` is a private attribute of a package class defined in another file
+    (`self._name` / `cls._name` aside)."""
+    return sorted(
+        {
+            (node.lineno, ast.unparse(node))
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr in defined
+            and rel not in defined[node.attr]
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        }
+    )
+
+
 def torch_patches(tree: ast.Module) -> list[tuple[int, str]]:
     """Assignments to an attribute of torch (torch.X = ..., torch.Tensor.y = ..., setattr(torch.Tensor, ...))."""
 
@@ -225,6 +288,13 @@ def test_no_underscore_name_crosses_modules():
 
 def test_no_runtime_patch_of_torch():
     _check(lambda rel, tree: torch_patches(tree), {}, "assignments to torch attributes")
+
+
+def test_no_private_attribute_of_another_modules_class():
+    defined = private_attributes(_sources())
+    _check(
+        lambda rel, tree: foreign_private_reads(rel, tree, defined), {}, "reads of another module's private attributes"
+    )
 
 
 def test_compat_imports_nothing_above_it():
@@ -287,6 +357,33 @@ def test_the_upward_import_finder():
         (9, f"{NAME}.layer_state"),
     ], hits
     assert upward_imports("runner.py", ast.parse(src)) == []
+
+
+def test_the_foreign_private_read_finder():
+    owner = (
+        "from dataclasses import dataclass, field\n"
+        "@dataclass\n"
+        "class State:\n"
+        "    _mirror: dict = field(default_factory=dict)\n"
+        "    def f(self):\n"
+        "        self._bits, self.n = [], 0\n"
+        "        return self._mirror\n"
+        "class Job:\n"
+        "    __slots__ = ('_refuse', 'name')\n"
+    )
+    defined = private_attributes([("layer_state.py", ast.parse(owner))])
+    assert defined == {"_mirror": {"layer_state.py"}, "_bits": {"layer_state.py"}, "_refuse": {"layer_state.py"}}
+    reader = (
+        "def g(st, layer, job):\n"
+        "    m = st._mirror.get('w13')\n"
+        "    job._refuse = None\n"
+        "    layer._weight_loader_impl(1)\n"
+        "    torch._foreach_copy_([], [])\n"
+        "    return mask._version, st.__dict__\n"
+    )
+    hits = foreign_private_reads("builtins/loader_hooks.py", ast.parse(reader), defined)
+    assert hits == [(2, "st._mirror"), (3, "job._refuse")], hits
+    assert foreign_private_reads("layer_state.py", ast.parse(reader), defined) == []
 
 
 def test_the_torch_patch_finder():

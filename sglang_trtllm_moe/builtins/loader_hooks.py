@@ -30,9 +30,6 @@ logger = logging.getLogger(PROJECT_NAME)
 FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 
 
-#: the thread-local handshake: weight_loader's (param, tensor, parameter name, local expert count) for the
-#: _weight_loader_impl call SGLang makes inside it (validation.mark_validated / validated, inlined: every write)
-_TLS = validation.HANDSHAKE
 _STATE = layer_state.STATE_ATTR
 
 
@@ -53,8 +50,8 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
     # a concurrent writer of the same expert must neither see it half un-prepared nor have its rows overwritten
     # by this writer's in-place inverse.
     with st.lock:
-        v = getattr(_TLS, "validated", None)
-        if v is not None and v[0] is param and v[1] is loaded_weight:
+        v = validation.validated(param, loaded_weight)  # the thread-local handshake with weight_loader (below)
+        if v is not None:
             # weight_loader validated this write: only the local expert id is left
             name = v[2]
             if type(expert_id) is int and 0 <= expert_id < v[3]:
@@ -70,12 +67,11 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
         if group is None:  # a kernel-scalar input (per-tensor / input scales): the scalars are recomputed
             if name in st.fmt.scalar_params:
                 st.scalars_dirty = True
-        else:
-            m = st._mirror.get(group)  # LayerState.is_prepared, inlined (every write)
-            if m is None or m[0] is not st.prepared[group] or m[1] != m[0]._version or e >= st.num_experts or m[2][e]:
-                layer_state.before_write_locked(layer, st, name, e)  # a prepared expert (or its state not read yet)
-            else:  # in checkpoint layout already (a session, or another shard of it written): dirty from now on
-                st.scalars_dirty = True
+        elif st.known_unprepared(group, e):
+            # in checkpoint layout already (a session, or another shard of it written): dirty from now on
+            st.scalars_dirty = True
+        else:  # a prepared expert (or its state not read yet)
+            layer_state.before_write_locked(layer, st, name, e)
         return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
 
 
@@ -99,8 +95,8 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
         if checked is None:  # not a layer or a parameter the plugin manages or watches: SGLang's own loader
             return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
         (name, e), local_n = checked, 0
-    prev = getattr(_TLS, "validated", None)
-    _TLS.validated = (param, loaded_weight, name, local_n)
+    # the thread-local handshake: _weight_loader_impl, which SGLang calls inside, checks only the local expert id
+    prev = validation.mark_validated(param, loaded_weight, name, local_n)
     try:
         if st is None or not st.views or (group := st.groups.get(name)) is None:
             # _weight_loader_impl takes the layer's lock for the un-prepare and the write
@@ -115,7 +111,7 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
                 if st.all_prepared(group):
                     st.fmt.on_layout(layer, group, all_prepared=True)
     finally:
-        _TLS.validated = prev
+        validation.restore_validated(prev)
 
 
 def remember_prefix(result, layer, *args, **kwargs):
