@@ -44,8 +44,8 @@ STATE_ATTR = layer_attrs.STATE
 _LAYERS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 #: guards `_LAYERS` and the creation of a layer's state (two threads must never attach two states to one layer)
 _REGISTRY_LOCK = threading.Lock()
-#: what validation caches per layer (validation.plan_of: one write plan per parameter); dropped when the layer's
-#: state or watched format is set
+#: what validation caches per layer (updates/write_plans.py `plan_of`: one write plan per parameter); dropped when the
+#: layer's state or watched format is set
 PLANS_ATTR = layer_attrs.PLANS
 #: bumped whenever a layer starts being managed or watched: caches of which layers a model holds compare it
 _GENERATION = [0]
