@@ -66,7 +66,7 @@ import torch
 
 from sglang_trtllm_moe import layer_state, layouts
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
-from sglang_trtllm_moe.formats.base import E4M3_BYTES, POSITIVE
+from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
 from sglang_trtllm_moe.sandbox.bench_update import bypass, device_path  # torch-only: pass-throughs, device path
 from sglang_trtllm_moe.updates import batched_writes, bucket_validation, checked_writes, value_checks

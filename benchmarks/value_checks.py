@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from sglang_trtllm_moe.formats.base import E4M3_BYTES, NONNEGATIVE, UE8M0_BYTES
+from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, NONNEGATIVE, UE8M0_BYTES
 from sglang_trtllm_moe.updates import value_checks
 
 #: DeepSeek-V3 / R1: routed experts per layer, hidden, moe intermediate

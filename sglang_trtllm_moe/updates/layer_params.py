@@ -9,7 +9,7 @@ import numbers
 import torch
 
 from .. import layer_attrs
-from ..formats.base import LoadRule
+from ..formats.load_rules import LoadRule
 from ..layer_state import observed, state_of
 
 SHARDS = ("w1", "w2", "w3")

@@ -8,7 +8,7 @@ from typing import NoReturn
 import torch
 
 from ..errors import WeightUpdateRefused
-from ..formats.base import LoadRule
+from ..formats.load_rules import LoadRule
 from ..layer_state import layer_name
 from . import value_checks
 

@@ -4,7 +4,7 @@ SGLang's FusedMoE loader narrows by TP rank and `copy_`s: it silently converts d
 float32 tensor into packed-FP4 bytes, a w2 scale broadcast over the gate and up scales), zero-fills the rest of a
 short tensor, and raises raw TypeError / IndexError / RuntimeError for a float, str or None expert id or a tensor on
 another device — after the plugin has already returned the expert to checkpoint layout. Every write into a layer
-the plugin manages is checked here first, for every parameter kind the format declares (`formats.base.LoadRule`):
+the plugin manages is checked here first, for every parameter kind the format declares (`formats.load_rules.LoadRule`):
 
 * the parameter is one of the layer's checkpoint parameters (not a kernel scalar the plugin computes), and the
   `weight_name` does not name another one;
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import LoadRule
+from ..formats.load_rules import LoadRule
 from ..layer_state import PLANS_ATTR
 from .layer_params import (
     SHARDS,

@@ -8,7 +8,8 @@ import weakref
 
 import torch
 
-from ..formats.base import LoadRule, WeightFormat
+from ..formats.base import WeightFormat
+from ..formats.load_rules import LoadRule
 from ..layer_state import PLANS_ATTR
 from . import value_checks
 from .checked_writes import values_from_files
