@@ -25,16 +25,17 @@ the plugin manages is checked here first, for every parameter kind the format de
 
 Errors are `WeightUpdateRefused` (a ValueError) naming the layer, the parameter, the problem and what is expected.
 `check_bucket` (bucket_validation.py) runs at the update entry points over a whole request before anything is
-loaded, and records what it validated (`Checked`); `check_write` runs in the FusedMoE.weight_loader hook (before
-SGLang maps expert ids to EP ranks, so every rank refuses the same bad tensor) for every write the request's check
-did not already validate — writes that do not come through an entry point (a user's own `load_weights`, custom
-loaders) are checked whole there — and `_weight_loader_impl` checks only the local expert id, under the layer's lock.
+loaded, and records what it validated (`checked_writes.Checked`); `check_write` runs in the FusedMoE.weight_loader
+hook (before SGLang maps expert ids to EP ranks, so every rank refuses the same bad tensor) for every write the
+request's check did not already validate — writes that do not come through an entry point (a user's own
+`load_weights`, custom loaders) are checked whole there — and `_weight_loader_impl` checks only the local expert id,
+under the layer's lock.
 
-Cost: each write is checked by a plan computed once per (layer, parameter) (`plan_of`: name, rule, accepted shard
-ids, expert ranges, devices, dtypes and shapes), so a write that passes costs a few dict lookups and comparisons; a
-write the plan does not accept goes through the full checks, which refuse it with their message (or accept a rarer
-valid form: numpy or 0-dim tensor expert ids, a layer without a known intermediate size). Refusal messages are built
-only when refusing.
+Cost: each write is checked by a plan computed once per (layer, parameter) (`write_plans.plan_of`: name, rule,
+accepted shard ids, expert ranges, devices, dtypes and shapes), so a write that passes costs a few dict lookups and
+comparisons; a write the plan does not accept goes through the full checks, which refuse it with their message (or
+accept a rarer valid form: numpy or 0-dim tensor expert ids, a layer without a known intermediate size). Refusal
+messages are built only when refusing.
 """
 
 from __future__ import annotations
