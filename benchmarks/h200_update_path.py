@@ -8,11 +8,11 @@ fast layout path) and this package: SGLang does not run there.
 
 What runs is the plugin's own code: the entry-point hook `builtins/weight_updates.check_buckets_around` (the whole
 bucket checked, `bucket_validation.check_bucket`, its values with one read-back; what it validated recorded in a
-`validation.Checked`), the loader hooks `builtins/loader_hooks.weight_loader` and `weight_loader_impl` (the request's
-record looked up — `validation.check_write` only for writes it does not hold —, the thread-local handshake, the layer
-lock, the per-expert layout state), `begin_weight_update`'s `layer_state.unprepare_all` and the end of the session's
-`layer_state.flush_all` (formats/nvfp4.py through layouts/: the Triton kernels on CUDA). What stands in for SGLang
-(the `STAND_INS` table, also in the JSON):
+`checked_writes.Checked`), the loader hooks `builtins/loader_hooks.weight_loader` and `weight_loader_impl` (the
+request's record looked up — `validation.check_write` only for writes it does not hold —, the thread-local handshake,
+the layer lock, the per-expert layout state), `begin_weight_update`'s `layer_state.unprepare_all` and the end of the
+session's `layer_state.flush_all` (formats/nvfp4.py through layouts/: the Triton kernels on CUDA). What stands in for
+SGLang (the `STAND_INS` table, also in the JSON):
 
 * the layer: a torch.nn.Module with SGLang 0.5.23's ModelOpt NVFP4 FusedMoE parameters (names, shapes, dtypes as
   `create_weights` makes them) and the attributes the plugin reads (num_experts, moe_tp_size, moe_runner_config, the
@@ -64,11 +64,12 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_trtllm_moe import batched_writes, bucket_validation, layer_state, layouts, validation, value_checks
+from sglang_trtllm_moe import layer_state, layouts
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
-from sglang_trtllm_moe.formats.base import E4M3_BYTES, POSITIVE
+from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
 from sglang_trtllm_moe.sandbox.bench_update import bypass, device_path  # torch-only: pass-throughs, device path
+from sglang_trtllm_moe.updates import batched_writes, bucket_validation, checked_writes, value_checks
 
 PREFIX = "model.layers.3.mlp.experts"
 PROJ = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
@@ -260,9 +261,13 @@ SYNCS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist")
 #: the modules of the plugin's checks (their conversions on the CPU are what CUDA tensors would synchronise on:
 #: `validation_conversions`); layer_state's and layouts' are on CPU masks on every device
 CHECKS = (
-    "sglang_trtllm_moe.validation",
-    "sglang_trtllm_moe.bucket_validation",
-    "sglang_trtllm_moe.value_checks",
+    "sglang_trtllm_moe.updates.validation",
+    "sglang_trtllm_moe.updates.layer_params",
+    "sglang_trtllm_moe.updates.refusal",
+    "sglang_trtllm_moe.updates.write_plans",
+    "sglang_trtllm_moe.updates.checked_writes",
+    "sglang_trtllm_moe.updates.bucket_validation",
+    "sglang_trtllm_moe.updates.value_checks",
     "sglang_trtllm_moe.builtins.loader_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
 )
@@ -408,11 +413,11 @@ def main(argv=None) -> int:
     def validation_only():
         with mode(model, plugin=True):
             for part in parts:
-                record = validation.Checked()
+                record = checked_writes.Checked()
                 bucket_validation.check_bucket(model, part, record=record)
                 for name, t in part:
                     param, mapped, shard, ex = model.route[name]
-                    assert validation.checked_write(param, t, mapped, shard, ex) is not None
+                    assert checked_writes.checked_write(param, t, mapped, shard, ex) is not None
                 record.close()
 
     def writes_only():

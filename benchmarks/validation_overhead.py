@@ -33,8 +33,9 @@ def main(argv=None) -> int:
     import torch
 
     import tests.conftest  # noqa: F401 - the torchvision shim, before sglang is imported
-    from sglang_trtllm_moe import bucket_validation, layer_state, validation
+    from sglang_trtllm_moe import layer_state
     from sglang_trtllm_moe.sandbox import layers as cpu_layers
+    from sglang_trtllm_moe.updates import bucket_validation, checked_writes, layer_params, validation
     from tests.support import bad_updates, sglang_runtime
 
     ap = argparse.ArgumentParser()
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
 
     def unchecked(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False, values=True):
         st = layer_state.state_of(layer)
-        return validation.param_name(layer, param, st.fmt), int(expert_id)
+        return layer_params.param_name(layer, param, st.fmt), int(expert_id)
 
     def without_validation():
         validation.check_write = unchecked
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     def entry_point_load():
         """What an update entry point does: the bucket checked and recorded, then the same loads, then the flush."""
         t = time.perf_counter()
-        record = validation.Checked()
+        record = checked_writes.Checked()
         try:
             bucket_validation.check_bucket(model, named, record=record)
             bad_updates.load(layer, writes)
@@ -157,27 +158,28 @@ def main(argv=None) -> int:
 def breakdown(layer, calls, repeats: int) -> dict:
     """Microseconds per loader call of each step `validation.check_write` takes for these writes (scope "global"),
     each step timed on its own over all calls (min over repeats); "check_write" is the whole call for comparison."""
-    from sglang_trtllm_moe import validation as v
-    from sglang_trtllm_moe import value_checks
+    from sglang_trtllm_moe.updates import layer_params as lp
+    from sglang_trtllm_moe.updates import refusal, value_checks, write_plans
+    from sglang_trtllm_moe.updates import validation as v
 
-    fmt = v.format_of(layer)
+    fmt = lp.format_of(layer)
     gated = fmt.is_gated(layer)
     prep = []
     for p, w in calls:
-        name = v.param_name(layer, p, fmt)
+        name = lp.param_name(layer, p, fmt)
         rule = fmt.load_rule(name)
-        refuse = v.Refusal(layer, name, w.shard_id, w.expert_id)
-        view = v.param_view(layer, fmt, name, p)
+        refuse = refusal.Refusal(layer, name, w.shard_id, w.expert_id)
+        view = lp.param_view(layer, fmt, name, p)
         prep.append((p, w, name, rule, refuse, view))
     n = len(calls)
     values = [(w.tensor, rule.value_rule(p.dtype, w.tensor.dtype)) for p, w, _, rule, _, _ in prep]
     values = [(t, r) for t, r in values if r is not None and t.numel()]
-    plans = [v.plan_of(layer, p) for p, _ in calls]
+    plans = [write_plans.plan_of(layer, p) for p, _ in calls]
     steps = {
         "check_write (whole)": lambda: [
             v.check_write(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, scope="global") for p, w in calls
         ],
-        "plan_of (the write plan's look-up)": lambda: [v.plan_of(layer, p) for p, _ in calls],
+        "plan_of (the write plan's look-up)": lambda: [write_plans.plan_of(layer, p) for p, _ in calls],
         "WritePlan.accepts (everything a write is checked for, values included)": lambda: [
             plan.accepts(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, "global", False, True)
             for plan, (p, w) in zip(plans, calls, strict=True)
@@ -186,16 +188,16 @@ def breakdown(layer, calls, repeats: int) -> dict:
             v._check_write(layer, p, w.tensor, w.weight_name, w.shard_id, w.expert_id, "global", False, True)
             for p, w in calls
         ],
-        "format_of": lambda: [v.format_of(layer) for _ in calls],
-        "param_name": lambda: [v.param_name(layer, p, fmt) for p, _ in calls],
+        "format_of": lambda: [lp.format_of(layer) for _ in calls],
+        "param_name": lambda: [lp.param_name(layer, p, fmt) for p, _ in calls],
         "Refusal(...) (its arguments kept: the message is built only when it refuses)": lambda: [
-            v.Refusal(layer, name, w.shard_id, w.expert_id) for p, w, name, *_ in prep
+            refusal.Refusal(layer, name, w.shard_id, w.expert_id) for p, w, name, *_ in prep
         ],
         "_check_name": lambda: [
             v._check_name(layer, fmt, p, name, w.weight_name, refuse) for p, w, name, _, refuse, _ in prep
         ],
         "_check_shard": lambda: [v._check_shard(rule, w.shard_id, gated, refuse) for p, w, _, rule, refuse, _ in prep],
-        "param_view": lambda: [v.param_view(layer, fmt, name, p) for p, w, name, *_ in prep],
+        "param_view": lambda: [lp.param_view(layer, fmt, name, p) for p, w, name, *_ in prep],
         "_check_expert": lambda: [
             v._check_expert(layer, view, p, w.expert_id, "global", refuse) for p, w, _, _, refuse, view in prep
         ],
@@ -203,7 +205,7 @@ def breakdown(layer, calls, repeats: int) -> dict:
             v.check_tensor(layer, fmt, rule, p, view, w.tensor, gated, refuse) for p, w, _, rule, refuse, view in prep
         ],
         "_intermediate_extents (inside check_tensor, weights and block scales)": lambda: [
-            v._intermediate_extents(layer, fmt, rule, view, gated) for p, w, _, rule, _, view in prep if not rule.scalar
+            lp.intermediate_extents(layer, fmt, rule, view, gated) for p, w, _, rule, _, view in prep if not rule.scalar
         ],
         "value_checks.bad_one (inside check_tensor, scales with a value rule)": lambda: [
             value_checks.bad_one(t, r) for t, r in values

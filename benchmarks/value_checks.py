@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from sglang_trtllm_moe import value_checks
-from sglang_trtllm_moe.formats.base import E4M3_BYTES, NONNEGATIVE, UE8M0_BYTES
+from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, NONNEGATIVE, UE8M0_BYTES
+from sglang_trtllm_moe.updates import value_checks
 
 #: DeepSeek-V3 / R1: routed experts per layer, hidden, moe intermediate
 DEEPSEEK_V3 = (256, 7168, 2048)
@@ -116,9 +116,9 @@ def disk_row(experts: int, h: int, i: int, repeat: int) -> dict:
     from safetensors.torch import save_file
     from sglang.srt.plugins import load_plugins
 
-    from sglang_trtllm_moe import bucket_validation, checkpoint_headers
     from sglang_trtllm_moe.sandbox import layers as cpu_layers
     from sglang_trtllm_moe.sandbox.runtime import init_single_process
+    from sglang_trtllm_moe.updates import bucket_validation, checkpoint_headers
 
     load_plugins()
     init_single_process("flashinfer_trtllm")

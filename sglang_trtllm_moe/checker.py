@@ -23,19 +23,23 @@ Both work chunk by chunk over experts (bounded scratch), on CUDA when the data o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 import torch
 
-from . import layer_attrs
-from .formats.base import WeightFormat
+from .checker_reports import Mismatch, Report, checkpoint_coordinates, note, w13_halves
+from .checker_sides import (
+    ParamSide,
+    copy_chunk,
+    device_of,
+    expert_chunks,
+    group_names,
+    live_side,
+    snapshot_side,
+    undo_layout_,
+)
 
 ENV_MODE = "SGLANG_TRTLLM_MOE_CHECK_MODE"
 MODES = ("auto", "raw", "layout")
-#: scratch per side and chunk of experts (SGLang's checker chunks at 64 Mi elements)
-CHUNK_BYTES = 64 << 20
-MAX_REPORTED = 8
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -47,328 +51,6 @@ def check_mode() -> str:
     if mode not in MODES:
         raise ValueError(f"{ENV_MODE}={mode!r}: expected one of {MODES}")
     return mode
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# One parameter as one side holds it
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ParamSide:
-    """A laid-out weight of a managed layer as one side holds it: the group's tensors and which experts are in
-    kernel layout. The layer supplies geometry (gated, row maps) and nothing else: its own tensors are not read."""
-
-    layer: Any
-    fmt: WeightFormat
-    name: str
-    #: every laid-out parameter of the weight's group (the gated row map mixes them), full expert range
-    tensors: dict[str, torch.Tensor]
-    #: bool[E]: experts whose bytes are in kernel layout on this side
-    prepared: torch.Tensor
-
-    @property
-    def group(self) -> str:
-        g = self.fmt.group_of(self.name)
-        if g is None:  # live_side only builds sides of laid-out parameters
-            raise ValueError(f"{self.name} is not a laid-out parameter of {self.fmt.name}")
-        return g
-
-    @property
-    def scale_name(self) -> str | None:
-        return self.fmt.scale_of(self.name)
-
-    @property
-    def compared(self) -> tuple[str, ...]:
-        """The parameters this entry covers: the weight and its block scales."""
-        return (self.name,) if self.scale_name is None else (self.name, self.scale_name)
-
-    @property
-    def num_experts(self) -> int:
-        return self.tensors[self.name].shape[0]
-
-
-def group_names(fmt: WeightFormat, name: str) -> tuple[str, ...]:
-    g = fmt.group_of(name)
-    return tuple(p.name for p in fmt.params if p.group == g)
-
-
-def _as_laid_out(fmt: WeightFormat, name: str, t: torch.Tensor) -> torch.Tensor:
-    """`t` (a parameter's data or a snapshot of it) seen as [experts, rows, cols], as the format's layouts work on
-    it (BF16 shows prepared parameters 4-D)."""
-    from types import SimpleNamespace
-
-    p = next(q for q in fmt.params if q.name == name)
-    return fmt.tensor(SimpleNamespace(**{name: t}), p)
-
-
-def live_side(layer, name: str) -> ParamSide:
-    """The layer's own parameters and layout state right now."""
-    from .layer_state import layer_name, state_of
-
-    st = state_of(layer)
-    if st is None:
-        raise ValueError(f"{layer_name(layer)} is not managed by sglang-trtllm-moe: no TRT-LLM layout to undo")
-    group = st.fmt.group_of(name)
-    if group is None:
-        raise ValueError(f"{layer_name(layer)}: {name} is not a laid-out parameter of {st.fmt.name}")
-    with st.lock:  # the mask and the bytes it describes, as one writer-free moment
-        tensors = {n: _as_laid_out(st.fmt, n, getattr(layer, n).data) for n in group_names(st.fmt, name)}
-        return ParamSide(layer, st.fmt, name, tensors, st.prepared[group].clone())
-
-
-def snapshot_side(
-    layer, name: str, tensors: dict[str, torch.Tensor], prepared: torch.Tensor | None = None, checkpoint: bool = False
-) -> ParamSide:
-    """Other tensors of the same layer (a snapshot, or checkpoint-layout tensors with `checkpoint=True`)."""
-    live = live_side(layer, name)
-    missing = [n for n in live.tensors if n not in tensors]
-    if missing:
-        raise ValueError(f"{name}: the snapshot lacks {missing} (the whole group {tuple(live.tensors)} is needed)")
-    if checkpoint:
-        prepared = torch.zeros_like(live.prepared)
-    elif prepared is None:
-        prepared = live.prepared
-    return ParamSide(
-        layer,
-        live.fmt,
-        name,
-        {n: _as_laid_out(live.fmt, n, tensors[n]) for n in live.tensors},
-        prepared.clone().bool().cpu(),
-    )
-
-
-class _Shadow:
-    """The layer, with its group's parameters replaced by our copies: lets the format's own `unprepare_` (the
-    exact inverse the plugin uses for weight updates) run on scratch instead of the live weights."""
-
-    def __init__(self, layer, tensors: dict[str, torch.Tensor]):
-        self.__dict__["_layer"] = layer
-        self.__dict__["_tensors"] = tensors
-
-    def __getattr__(self, name):
-        t = self.__dict__["_tensors"].get(name)
-        return t if t is not None else getattr(self.__dict__["_layer"], name)
-
-
-def _undo_layout_(side: ParamSide, s: int, chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """In place on copies of experts [s, s+k): back to checkpoint layout where `side` holds them prepared."""
-    k = next(iter(chunk.values())).shape[0]
-    ids = side.prepared[s : s + k].nonzero().flatten().tolist()
-    if ids:
-        side.fmt.unprepare_(_Shadow(side.layer, chunk), side.group, ids)
-    return chunk
-
-
-def _copy_chunk(side: ParamSide, s: int, t: int, device: torch.device) -> dict[str, torch.Tensor]:
-    return {n: x[s:t].to(device=device, copy=True).contiguous() for n, x in side.tensors.items()}
-
-
-def _device(*sides: ParamSide) -> torch.device:
-    for side in sides:
-        for x in side.tensors.values():
-            if x.is_cuda:
-                return x.device
-    if torch.cuda.is_available():  # a CPU snapshot on a GPU host: compare on the GPU, like SGLang does
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _expert_chunks(side: ParamSide) -> list[tuple[int, int]]:
-    e = side.num_experts
-    per_expert = sum(x[0].numel() * max(x.element_size(), 4) for x in side.tensors.values()) if e else 1
-    k = max(1, CHUNK_BYTES // max(1, per_expert))
-    return [(s, min(s + k, e)) for s in range(0, e, k)]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reports
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class Mismatch(NamedTuple):
-    """One differing element: (param, expert, row, col) in SGLang's parameter in checkpoint layout (local expert,
-    w13 rows as SGLang's loader stacks the halves; col in stored elements for raw, in values for layout), and
-    `where`: the same element in the checkpoint's own coordinates (`checkpoint_coordinates`)."""
-
-    param: str
-    expert: int
-    row: int
-    col: int
-    expect: float | int
-    actual: float | int
-    exceeds: bool = True
-    where: str = ""
-
-
-@dataclass
-class Report:
-    """Outcome of one comparison. Coordinates are the checkpoint layout of the parameter: [expert, row, col] with
-    col in stored elements for raw (a packed-FP4 byte holds columns 2c and 2c+1) and in values for layout."""
-
-    name: str
-    mode: str
-    numel: int = 0
-    num_mismatch: int = 0
-    num_exceed: int = 0
-    max_abs_err: float = 0.0
-    sum_abs_err: float = 0.0
-    first: list[Mismatch] = field(default_factory=list)
-    #: per parameter and expert: how many elements differ
-    per_expert: dict[tuple[str, int], int] = field(default_factory=dict)
-
-    @property
-    def equal(self) -> bool:
-        return self.num_mismatch == 0
-
-    @property
-    def mean_abs_err(self) -> float:
-        return self.sum_abs_err / max(self.numel, 1)
-
-    @property
-    def experts(self) -> list[int]:
-        return sorted({e for _, e in self.per_expert})
-
-    def summary(self) -> str:
-        if self.equal:
-            return f"{self.name}: equal ({self.mode}, {self.numel} elements)"
-        fmt = (lambda v: f"0x{v:x}") if self.mode == "raw" else (lambda v: f"{v:.6g}")
-        where = "; ".join(
-            (f"{m.where} = " if m.where else "")
-            + f"{m.param}[expert {m.expert}, row {m.row}, col {m.col}] expect {fmt(m.expect)} actual {fmt(m.actual)}"
-            + ("" if m.exceeds or self.mode == "raw" else " (within tolerance)")
-            for m in self.first
-        )
-        return (
-            f"{self.name}: {self.num_mismatch} of {self.numel} elements differ ({self.mode} compare, "
-            f"{self.num_exceed} beyond tolerance) in experts {self.experts}; first, in checkpoint coordinates: {where}"
-        )
-
-    __str__ = summary
-
-
-def _note(
-    report: Report,
-    param: str,
-    s: int,
-    diff: torch.Tensor,
-    exceed: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    side: ParamSide | None = None,
-    pack: int = 1,
-    stored_bits: int = 8,
-) -> None:
-    """Count and locate the differing elements of one chunk (diff/exceed are bool [k, M, K]). `pack`: checkpoint
-    values per stored element of `param` (2 for packed FP4 bytes) of `stored_bits` bits, for the checkpoint
-    coordinates."""
-    n = int(diff.sum())
-    if not n:
-        return
-    if diff.dim() == 2:  # [k, M] (a bias): one column
-        diff, exceed, a, b = (x.unsqueeze(-1) for x in (diff, exceed, a, b))
-    report.num_mismatch += n
-    report.num_exceed += int(exceed.sum())
-    for e, c in enumerate(diff.flatten(1).sum(1).tolist()):
-        if c:
-            report.per_expert[(param, s + e)] = c
-    room = MAX_REPORTED - len(report.first)
-    if room > 0:
-        raw = report.mode == "raw"
-        for e, r, c in diff.nonzero()[:room].tolist():
-            va, vb = a[e, r, c].item(), b[e, r, c].item()
-            if side is None:
-                where = ""
-            elif raw:
-                # a stored element holding `pack` values: the values whose bits differ (low bits = even value)
-                width = stored_bits // pack if pack > 1 else 0
-                mask = (1 << width) - 1 if width else 0
-                bits = int(va) ^ int(vb)  # raw compares integer views of the stored elements
-                values = [c * pack + i for i in range(pack) if not width or (bits >> (i * width)) & mask]
-                where = checkpoint_coordinates(side, param, s + e, r, c, pack, values)
-            else:
-                where = checkpoint_coordinates(side, param, s + e, r, c // pack, pack, [c])
-            report.first.append(Mismatch(param, s + e, r, c, vb, va, bool(exceed[e, r, c]), where))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Checkpoint coordinates
-# ----------------------------------------------------------------------------------------------------------------
-
-#: checkpoint projection names per SGLang shard id (non-gated GEMM1 is named up_proj: Nemotron-H's convention, the
-#: same as the update validation's), and Mixtral's own names (its checkpoints say w1 / w2 / w3)
-_PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_PROJECTION = {"w1": "w1", "w3": "w3", "w2": "w2"}
-#: FusedMoE._weight_loader_impl swaps the w1/w3 shard ids of these quant methods on flashinfer_trtllm (every release;
-#: ModelOpt NVFP4 too before 0.5.23: compat.features.NVFP4_W13_SCALE_2_UP_GATE)
-_LOADER_SWAPS_W13 = ("Fp8MoEMethod", "UnquantizedFusedMoEMethod", "CompressedTensorsMxInt4MoE")
-#: formats whose checkpoint names no per-expert projection (gpt-oss: one fused, row-interleaved gate_up_proj)
-_NO_PROJECTIONS = ("mxfp4_gptoss",)
-
-
-def w13_halves(layer) -> tuple[str, str]:
-    """The shard ids (w1 = gate_proj, w3 = up_proj) of the first and second half of a gated w13 as SGLang's loader
-    stacks it: `FusedMoE._load_w13` puts w1 first unless the weight-layout method has `load_up_proj_weight_first`,
-    after `_weight_loader_impl` swapped the w1/w3 ids of some methods on flashinfer_trtllm (tests/test_checker_
-    coordinates.py checks this against SGLang's own loader for every format, on every release)."""
-    from .compat import features
-
-    method = getattr(layer, "weight_load_method", None) or getattr(layer, "quant_method", None)
-    up_first = bool(getattr(method, "load_up_proj_weight_first", False))
-    names = {c.__name__ for c in type(method).__mro__}
-    swapped = bool(names & set(_LOADER_SWAPS_W13)) or (
-        "ModelOptNvFp4FusedMoEMethod" in names and features.NVFP4_W13_SCALE_2_UP_GATE.present()
-    )
-    if swapped and getattr(layer, "use_flashinfer_trtllm_moe", False):
-        up_first = not up_first
-    return ("w3", "w1") if up_first else ("w1", "w3")
-
-
-def checkpoint_coordinates(side: ParamSide, param: str, expert: int, row: int, col: int, pack: int, values) -> str:
-    """One element of a laid-out parameter (local expert, row and stored column of SGLang's checkpoint-layout
-    parameter) as the checkpoint names it: `<layer prefix>.<expert>.<gate_proj|up_proj|down_proj>.<suffix>[row, col]`
-    with the checkpoint's expert id (EP), row (which half of a gated w13, TP rank offset) and column of that tensor
-    (TP rank offset of w2), plus the value columns where one stored element packs several (FP4). "" where the
-    checkpoint has no per-expert projections."""
-    layer, fmt = side.layer, side.fmt
-    if fmt.name in _NO_PROJECTIONS:
-        return ""
-    from .layer_state import layer_name
-
-    prefix = getattr(layer, layer_attrs.PREFIX, None) or layer_name(layer)
-    group = fmt.group_of(param) or ("w2" if param.startswith("w2") else "w13")
-    suffix = param.split("_", 1)[1] if "_" in param else param
-    tp = int(getattr(layer, "moe_tp_size", 1) or 1)
-    tp_rank = int(getattr(layer, "moe_tp_rank", 0) or 0)
-    presharded = bool(getattr(layer, "use_presharded_weights", False))
-    rows = int(side.tensors[param].shape[1]) if param in side.tensors else 0
-    full = getattr(layer, layer_attrs.INTERMEDIATE, None)
-    if group == "w13":
-        gated = fmt.is_gated(layer)
-        half = rows // 2 if gated else rows
-        shard = w13_halves(layer)[row // half] if gated and half else "w1"
-        if not gated:
-            shard = "w3"  # one GEMM1 projection: up_proj in the checkpoint
-        r = row % half if half else row
-        per_rank = (int(full) // tp if full and not presharded else half) if tp > 1 else half
-        offset = tp_rank * per_rank if tp > 1 and not presharded else 0
-        pad = r >= per_rank
-        row_txt, col_txt, values_txt = f"{r + offset}", f"{col}", values
-    else:
-        shard, pad = "w2", False
-        per_rank_cols = (int(full) // tp if full and not presharded else 0) if tp > 1 else 0
-        col_offset = tp_rank * per_rank_cols
-        row_txt, col_txt = f"{row}", f"{col + col_offset // pack}"
-        values_txt = [v + col_offset for v in values]
-    names = _MIXTRAL_PROJECTION if "block_sparse_moe" in prefix else _PROJECTION
-    ep = int(getattr(layer, "moe_ep_size", 1) or 1)
-    expert_id = expert + int(getattr(layer, "moe_ep_rank", 0) or 0) * int(getattr(layer, "num_local_experts", 0) or 0)
-    out = f"{prefix}.{expert_id if ep > 1 else expert}.{names[shard]}.{suffix}[{row_txt}, {col_txt}]"
-    if pack > 1 and "scale" not in param:
-        out += f" (packed: value{'s' if len(values_txt) > 1 else ''} {', '.join(map(str, values_txt))})"
-    if pad:
-        out += " (a padding row: beyond the checkpoint's intermediate size)"
-    return out
 
 
 def _pack(side: ParamSide, chunk: dict[str, torch.Tensor], name: str) -> int:
@@ -393,16 +75,16 @@ def _check_pair(expect: ParamSide, actual: ParamSide, raw: bool) -> None:
 def compare_raw(expect: ParamSide, actual: ParamSide, label: str | None = None) -> Report:
     """Bit-exact compare of the stored bytes of the weight and its block scales."""
     _check_pair(expect, actual, raw=True)
-    dev = _device(actual, expect)
+    dev = device_of(actual, expect)
     rep = Report(label or actual.name, "raw")
-    for s, t in _expert_chunks(actual):
-        a, b = _copy_chunk(actual, s, t, dev), _copy_chunk(expect, s, t, dev)
+    for s, t in expert_chunks(actual):
+        a, b = copy_chunk(actual, s, t, dev), copy_chunk(expect, s, t, dev)
         rep.numel += sum(a[n].numel() for n in actual.compared)
         if all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in actual.compared):
             continue
         # The same inverse applied to both sides keeps the byte comparison exact and puts it in checkpoint order.
-        _undo_layout_(actual, s, a)
-        _undo_layout_(actual, s, b)
+        undo_layout_(actual, s, a)
+        undo_layout_(actual, s, b)
         for n in actual.compared:
             ia, ib = a[n].view(_INT_OF_SIZE[a[n].element_size()]), b[n].view(_INT_OF_SIZE[b[n].element_size()])
             diff = ia != ib
@@ -411,7 +93,7 @@ def compare_raw(expect: ParamSide, actual: ParamSide, label: str | None = None) 
             err = (a[n].float() - b[n].float()).abs()[diff]
             rep.max_abs_err = max(rep.max_abs_err, float(err.nan_to_num(nan=float("inf")).max()))
             rep.sum_abs_err += float(err.nan_to_num(nan=0.0).sum())
-            _note(
+            note(
                 rep,
                 n,
                 s,
@@ -433,16 +115,16 @@ def _dequantized(side: ParamSide, chunk: dict[str, torch.Tensor]):
 
 def iter_dequantized(side: ParamSide, device: torch.device | None = None):
     """(first expert, float32 values, tolerance) per chunk of experts, in checkpoint layout."""
-    dev = device or _device(side)
-    for s, t in _expert_chunks(side):
-        values, tol = _dequantized(side, _undo_layout_(side, s, _copy_chunk(side, s, t, dev)))
+    dev = device or device_of(side)
+    for s, t in expert_chunks(side):
+        values, tol = _dequantized(side, undo_layout_(side, s, copy_chunk(side, s, t, dev)))
         yield s, values, tol
 
 
 def compare_layout(expect: ParamSide, actual: ParamSide, label: str | None = None) -> Report:
     """Undo each side's layout, dequantize, compare values with the format's per-element tolerance."""
     _check_pair(expect, actual, raw=False)
-    dev = _device(actual, expect)
+    dev = device_of(actual, expect)
     rep = Report(label or actual.name, "layout")
     for (s, va, ta), (_, vb, tb) in zip(iter_dequantized(actual, dev), iter_dequantized(expect, dev), strict=True):
         if va.shape != vb.shape:
@@ -456,7 +138,7 @@ def compare_layout(expect: ParamSide, actual: ParamSide, label: str | None = Non
         rep.max_abs_err = max(rep.max_abs_err, float(err.nan_to_num(nan=float("inf")).max()))
         rep.sum_abs_err += float(err.nan_to_num(nan=0.0).sum())
         pack = max(1, int(va.shape[-1]) // max(1, int(actual.tensors[actual.name].shape[-1])))
-        _note(rep, actual.name, s, diff, exceed, va, vb, side=actual, pack=pack)
+        note(rep, actual.name, s, diff, exceed, va, vb, side=actual, pack=pack)
     return rep
 
 

@@ -44,8 +44,8 @@ STATE_ATTR = layer_attrs.STATE
 _LAYERS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 #: guards `_LAYERS` and the creation of a layer's state (two threads must never attach two states to one layer)
 _REGISTRY_LOCK = threading.Lock()
-#: what validation caches per layer (validation.plan_of: one write plan per parameter); dropped when the layer's
-#: state or watched format is set
+#: what validation caches per layer (updates/write_plans.py `plan_of`: one write plan per parameter); dropped when the
+#: layer's state or watched format is set
 PLANS_ATTR = layer_attrs.PLANS
 #: bumped whenever a layer starts being managed or watched: caches of which layers a model holds compare it
 _GENERATION = [0]
@@ -114,6 +114,19 @@ class LayerState:
 
     def is_prepared(self, group: str, expert: int) -> bool:
         return self._bits(group)[expert]
+
+    def known_unprepared(self, group: str, expert: int) -> bool:
+        """True when the Python copy of `prepared[group]` is current and says local expert `expert` (in range) is in
+        checkpoint layout: no tensor op, for the loader hook on every write. False when it is prepared, out of
+        range, or the copy is not current (then `before_write_locked` reads the mask and decides)."""
+        m = self._mirror.get(group)
+        return (
+            m is not None
+            and m[0] is self.prepared[group]
+            and m[1] == m[0]._version
+            and expert < self.num_experts
+            and not m[2][expert]
+        )
 
     def all_prepared(self, group: str) -> bool:
         return all(self._bits(group))

@@ -22,8 +22,9 @@ import threading
 import pytest
 import torch
 
-from sglang_trtllm_moe import batched_writes, layer_attrs, layer_state, layouts
+from sglang_trtllm_moe import layer_attrs, layer_state, layouts
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.updates import batched_writes
 
 from .support import bad_updates as B
 from .support import sglang_runtime

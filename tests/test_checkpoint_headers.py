@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from sglang_trtllm_moe import checkpoint_headers
+from sglang_trtllm_moe.updates import checkpoint_headers
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors ships with SGLang")
 

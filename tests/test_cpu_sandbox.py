@@ -22,7 +22,7 @@ PROBE = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     import torch
-    from sglang_trtllm_moe.compat.platform import device_from_sglang
+    from sglang_trtllm_moe.builtins.selection_hooks import device_from_sglang
     from sglang_trtllm_moe.plugin import state
     try:
         a = torch.ones(2, 2, dtype=torch.bfloat16)

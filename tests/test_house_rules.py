@@ -6,8 +6,19 @@
   on: `compat.releases.OLDEST_SUPPORTED` is that fact). Prose in docstrings may name releases.
 * Shared helpers have one public home: no module imports another module's underscore name (a private *module*, such
   as `layouts/_triton.py`, may be imported inside its package), nor reads one as an attribute.
+* Another module's objects by their public names: no module reads (or writes) `obj._name` where `_name` is a private
+  attribute a class of this package defines (`self._name = ...` in its methods, a class attribute, dataclass field
+  or `__slots__` entry starting with `_`), outside the module that defines that class; `self._name` / `cls._name`
+  are the class's own. The owning class offers a public method or property instead. SGLang's and torch's private
+  names (`layer._weight_loader_impl`, `mask._version`, `torch._foreach_copy_`) are not ours and stay allowed.
 * No runtime patch of torch: nothing in the package assigns an attribute of `torch` (a hook that does changes the
   whole process, every thread, for as long as it is suspended).
+* No runtime module over `MAX_LINES` lines (issue #38): a module that grows past it is split along its concerns.
+  `sandbox/` is exempt: it is the CPU test tooling (tiny checkpoints, layers, models, the Engine, demo and bench) that
+  ships in the wheel for the demo, not the plugin's runtime path.
+* `compat/` is the bottom layer (issue #38): its modules import nothing of the package outside `compat/` (at module
+  level or inside a function), except the leaf modules of `COMPAT_MAY_IMPORT`, which themselves import nothing of
+  the package. What sits above (formats, selection, the runner) hands compat what it needs, never the other way.
 
 Each rule has an allowlist of files that wait for work in progress, each entry saying what it waits for; an entry
 whose file no longer breaks the rule fails, so the list only shrinks.
@@ -35,6 +46,19 @@ PENDING_RELEASE_LITERALS: dict[str, str] = {}
 #: files whose underscore imports wait for other work: what for
 #: (none: sandbox/layers.py is the one layer builder, no mx_layers.py takes its _random_experts)
 PENDING_PRIVATE_IMPORTS: dict[str, str] = {}
+
+
+#: the most lines a module of the runtime package may have (sandbox/ aside)
+MAX_LINES = 450
+#: the CPU sandbox: test tooling that ships for the demo, exempt from MAX_LINES
+LINE_LIMIT_EXEMPT = "sandbox/"
+
+#: modules outside compat/ that compat/ may import: leaves that import nothing of the package themselves
+#: (test_compat_leaves_are_leaves holds them to that)
+COMPAT_MAY_IMPORT = {
+    f"{NAME}.env": "the plugin's switches (cpu_sandbox asks SGLANG_TRTLLM_MOE_EMULATE)",
+    f"{NAME}.layer_attrs": "the attribute names the plugin sets on SGLang's objects (platform's REQUESTED_ATTR)",
+}
 
 
 def _sources() -> list[tuple[str, ast.Module]]:
@@ -132,6 +156,101 @@ def private_uses(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(set(out))
 
 
+def package_imports(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """Every module of the package that file `rel` imports, anywhere in it (function-local imports included):
+    `from X import name` counts as X.name where that is a module, else as X."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(rel, node)
+            if not (mod == NAME or mod.startswith(NAME + ".")):
+                continue
+            for a in node.names:
+                out.append((node.lineno, f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name == NAME or a.name.startswith(NAME + ".")]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (node.args[0].value == NAME or node.args[0].value.startswith(NAME + "."))
+        ):
+            out.append((node.lineno, node.args[0].value))
+    return sorted(set(out))
+
+
+def upward_imports(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """A compat/ module's imports of the package outside compat/ (the leaves of COMPAT_MAY_IMPORT aside)."""
+    if not rel.startswith("compat/"):
+        return []
+    return [
+        (line, mod)
+        for line, mod in package_imports(rel, tree)
+        if not (mod == f"{NAME}.compat" or mod.startswith(f"{NAME}.compat.")) and mod not in COMPAT_MAY_IMPORT
+    ]
+
+
+def private_attributes(sources: list[tuple[str, ast.Module]]) -> dict[str, set[str]]:
+    """The private attribute names the package's classes define -> the files defining them."""
+    out: dict[str, set[str]] = {}
+    for rel, tree in sources:
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names: list[str] = []
+            for node in cls.body:  # class attributes, dataclass fields, __slots__
+                targets = (
+                    node.targets
+                    if isinstance(node, ast.Assign)
+                    else [node.target]
+                    if isinstance(node, ast.AnnAssign)
+                    else []
+                )
+                for t in targets:
+                    if isinstance(t, ast.Name):
+                        names.append(t.id)
+                        if t.id == "__slots__" and isinstance(node.value, (ast.Tuple, ast.List)):
+                            names += [
+                                e.value
+                                for e in node.value.elts
+                                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                            ]
+            for node in ast.walk(cls):  # self._x = ... (also inside tuple targets) in its methods
+                targets = []
+                if isinstance(node, ast.Assign):
+                    targets = node.targets
+                elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                    targets = [node.target]
+                for t in targets:
+                    for a in ast.walk(t):
+                        if (
+                            isinstance(a, ast.Attribute)
+                            and isinstance(a.value, ast.Name)
+                            and a.value.id in ("self", "cls")
+                        ):
+                            names.append(a.attr)
+            for name in names:
+                if _private(name):
+                    out.setdefault(name, set()).add(rel)
+    return out
+
+
+def foreign_private_reads(rel: str, tree: ast.Module, defined: dict[str, set[str]]) -> list[tuple[int, str]]:
+    """`expr._name` in file `rel` where `_name` is a private attribute of a package class defined in another file
+    (`self._name` / `cls._name` aside)."""
+    return sorted(
+        {
+            (node.lineno, ast.unparse(node))
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr in defined
+            and rel not in defined[node.attr]
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        }
+    )
+
+
 def torch_patches(tree: ast.Module) -> list[tuple[int, str]]:
     """Assignments to an attribute of torch (torch.X = ..., torch.Tensor.y = ..., setattr(torch.Tensor, ...))."""
 
@@ -179,6 +298,34 @@ def test_no_runtime_patch_of_torch():
     _check(lambda rel, tree: torch_patches(tree), {}, "assignments to torch attributes")
 
 
+def test_no_private_attribute_of_another_modules_class():
+    defined = private_attributes(_sources())
+    _check(
+        lambda rel, tree: foreign_private_reads(rel, tree, defined), {}, "reads of another module's private attributes"
+    )
+
+
+def test_no_runtime_module_over_the_line_limit():
+    def finder(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
+        if rel.startswith(LINE_LIMIT_EXEMPT):
+            return []
+        n = len((PACKAGE / rel).read_text().splitlines())
+        return [(n, f"{n} lines > {MAX_LINES}")] if n > MAX_LINES else []
+
+    _check(finder, {}, f"modules over {MAX_LINES} lines")
+
+
+def test_compat_imports_nothing_above_it():
+    _check(upward_imports, {}, "imports of the package above compat/")
+
+
+def test_compat_leaves_are_leaves():
+    for mod in COMPAT_MAY_IMPORT:
+        rel = mod[len(NAME) + 1 :].replace(".", "/") + ".py"
+        hits = package_imports(rel, ast.parse((PACKAGE / rel).read_text()))
+        assert not hits, f"{rel} may be imported by compat/ only as a leaf, but it imports {hits}"
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [
@@ -205,6 +352,56 @@ def test_the_private_use_finder():
         (1, f"from {NAME}.layouts.maps import _cached"),
         (5, "layouts.maps._round_up"),
     ], hits
+
+
+def test_the_upward_import_finder():
+    src = (
+        "from . import features\n"
+        "from .releases import installed_version\n"
+        "from .. import env, layer_attrs\n"
+        "from ..formats import BF16\n"
+        "def f():\n"
+        "    from ..runner import emulating\n"
+        "    from .. import PROJECT_NAME\n"
+        "    import sglang_trtllm_moe.selection\n"
+        "    importlib.import_module('sglang_trtllm_moe.layer_state')\n"
+    )
+    hits = upward_imports("compat/defer.py", ast.parse(src))
+    assert hits == [
+        (4, f"{NAME}.formats"),
+        (6, f"{NAME}.runner"),
+        (7, NAME),
+        (8, f"{NAME}.selection"),
+        (9, f"{NAME}.layer_state"),
+    ], hits
+    assert upward_imports("runner.py", ast.parse(src)) == []
+
+
+def test_the_foreign_private_read_finder():
+    owner = (
+        "from dataclasses import dataclass, field\n"
+        "@dataclass\n"
+        "class State:\n"
+        "    _mirror: dict = field(default_factory=dict)\n"
+        "    def f(self):\n"
+        "        self._bits, self.n = [], 0\n"
+        "        return self._mirror\n"
+        "class Job:\n"
+        "    __slots__ = ('_refuse', 'name')\n"
+    )
+    defined = private_attributes([("layer_state.py", ast.parse(owner))])
+    assert defined == {"_mirror": {"layer_state.py"}, "_bits": {"layer_state.py"}, "_refuse": {"layer_state.py"}}
+    reader = (
+        "def g(st, layer, job):\n"
+        "    m = st._mirror.get('w13')\n"
+        "    job._refuse = None\n"
+        "    layer._weight_loader_impl(1)\n"
+        "    torch._foreach_copy_([], [])\n"
+        "    return mask._version, st.__dict__\n"
+    )
+    hits = foreign_private_reads("builtins/loader_hooks.py", ast.parse(reader), defined)
+    assert hits == [(2, "st._mirror"), (3, "job._refuse")], hits
+    assert foreign_private_reads("layer_state.py", ast.parse(reader), defined) == []
 
 
 def test_the_torch_patch_finder():

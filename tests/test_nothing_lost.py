@@ -21,9 +21,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_trtllm_moe import bucket_validation, checkpoint_headers
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
+from sglang_trtllm_moe.updates import bucket_validation, checkpoint_headers
 
 from .support import sglang_runtime
 from .support.bad_updates import MAKERS

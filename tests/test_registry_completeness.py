@@ -35,7 +35,7 @@ from sglang_trtllm_moe import emulator, formats, kernel_api, layouts
 from sglang_trtllm_moe.compat import defer
 from sglang_trtllm_moe.compat.releases import TESTED
 from sglang_trtllm_moe.formats import BACKENDS, FORMATS
-from sglang_trtllm_moe.formats.base import BYTE_CODES, KINDS, VALUE_RULES
+from sglang_trtllm_moe.formats.load_rules import BYTE_CODES, KINDS, VALUE_RULES
 from sglang_trtllm_moe.plugin import BUILTIN_MODULES
 from sglang_trtllm_moe.selection import problem_from_hf_config
 
@@ -140,7 +140,7 @@ def test_2_kernel_family_and_emulator(fmt):
 def test_3_load_rule_for_every_parameter_and_scalar(fmt):
     assert fmt.params, f"{fmt.name}: lays out no parameter"
     assert set(fmt.scalar_rules) <= set(fmt.scalar_params), (fmt.name, set(fmt.scalar_rules))
-    codes = set(BYTE_CODES.values()) | {formats.base.E4M3_BYTES, formats.base.UE8M0_BYTES}
+    codes = set(BYTE_CODES.values()) | {formats.load_rules.E4M3_BYTES, formats.load_rules.UE8M0_BYTES}
     for name in (*(p.name for p in fmt.params), *fmt.scalar_params):
         rule = fmt.load_rule(name)
         assert rule is not None, f"{fmt.name}: no load rule for {name}"

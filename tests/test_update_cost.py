@@ -21,9 +21,16 @@ import threading
 import pytest
 import torch
 
-from sglang_trtllm_moe import batched_writes, bucket_validation, validation, value_checks
 from sglang_trtllm_moe.errors import WeightUpdateRefused
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.updates import (
+    batched_writes,
+    bucket_validation,
+    checked_writes,
+    validation,
+    value_checks,
+    write_plans,
+)
 
 from .support import bad_updates as B
 from .support import sglang_runtime
@@ -136,7 +143,7 @@ class Checks:
 @pytest.fixture
 def checks(monkeypatch):
     c = Checks()
-    accepts, full = validation.WritePlan.accepts, validation._check_write
+    accepts, full = write_plans.WritePlan.accepts, validation._check_write
 
     def counted_accepts(plan, layer, param, loaded, weight_name, shard_id, expert_id, scope, *a):
         if c.on:
@@ -149,7 +156,7 @@ def checks(monkeypatch):
             c.where[f"full/{scope}"] += 1
         return full(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values)
 
-    monkeypatch.setattr(validation.WritePlan, "accepts", counted_accepts)
+    monkeypatch.setattr(write_plans.WritePlan, "accepts", counted_accepts)
     monkeypatch.setattr(validation, "_check_write", counted_full)
     return c
 
@@ -182,7 +189,7 @@ def test_each_tensor_is_validated_once_and_a_bucket_synchronises_once(config, de
     assert checks.where == {"entry": expert_tensors}, checks.where  # the loader hooks checked nothing again
     # the values: one read-back per bucket (each holds every kind of scale), none per tensor
     assert dict(device_path) == {"tolist": BUCKETS}, dict(device_path)
-    assert not validation._ACTIVE and not validation._FROM_FILES  # nothing of the requests is kept
+    assert not checked_writes._ACTIVE and not checked_writes._FROM_FILES  # nothing of the requests is kept
 
 
 def test_flattened_buckets_are_validated_once_when_load_weights_gets_them(device_path, checks):
@@ -279,7 +286,7 @@ def test_a_disk_update_checks_each_tensor_once_and_reads_each_scale_once(tmp_pat
     assert len(checks.seen) == expert_tensors and set(checks.seen.values()) == {1}, checks.seen
     assert checks.where == {"entry": expert_tensors}, checks.where
     assert finds == [spec.num_experts * 9]  # every scale (3 kinds x 3 projections per expert), in one call
-    assert not validation._ACTIVE and not validation._FROM_FILES
+    assert not checked_writes._ACTIVE and not checked_writes._FROM_FILES
 
 
 def test_a_refused_bucket_records_nothing():
@@ -292,8 +299,8 @@ def test_a_refused_bucket_records_nothing():
     ok, msg = u.update_weights_from_tensor(bucket)
     assert not ok and "refused the whole weight-update bucket" in msg
     assert B.changed(model.experts, snap) == []
-    assert not validation._ACTIVE
-    record = validation.Checked()
+    assert not checked_writes._ACTIVE
+    record = checked_writes.Checked()
     with pytest.raises(bucket_validation.BucketRefused):
         bucket_validation.check_bucket(model, bucket, record=record)
     assert len(record) == 0

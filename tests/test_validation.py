@@ -21,9 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_trtllm_moe import layer_state, validation
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.updates import layer_params
 
 from .support import bad_updates as B
 from .support import sglang_runtime
@@ -88,7 +89,7 @@ def test_every_invalid_update_is_refused_naming_the_layer_and_changes_nothing(co
         assert_refused_unchanged(layer, w, snap)
         params.add(w.param)
     # every parameter the format loads, of every kind, is covered
-    fmt = validation.format_of(layer)
+    fmt = layer_params.format_of(layer)
     loaded = {w.param for w in B.writes(spec, B.checkpoint(spec, experts=[0]))}
     assert params == loaded and all(fmt.load_rule(p) is not None for p in loaded)
     assert {w.kind for _, w in L["catalogue"]} == {fmt.load_rule(p).kind for p in loaded}
@@ -248,7 +249,7 @@ def test_property_refused_updates_change_nothing_and_a_correct_one_equals_a_fres
 def _refused_then_correct(data, config):
     L = layer_for(config)
     layer, spec = L["layer"], L["spec"]
-    fmt = validation.format_of(layer)
+    fmt = layer_params.format_of(layer)
     managed = layer_state.state_of(layer) is not None
     snap = B.snapshot(layer)
     n_bad = data.draw(st.integers(0, 4), label="refused updates")

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from sglang_trtllm_moe import value_checks as vc
-from sglang_trtllm_moe.formats.base import E4M3_BYTES, NONNEGATIVE, POSITIVE, UE8M0_BYTES
+from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, NONNEGATIVE, POSITIVE, UE8M0_BYTES
+from sglang_trtllm_moe.updates import value_checks as vc
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -4,7 +4,7 @@ a managed layer un-prepares just the written expert.
 * `weight_loader` (AROUND): the whole write is validated (validation.check_write) before SGLang maps the checkpoint
   expert id to EP ranks, so every rank refuses the same bad tensor, and the expert id reaches SGLang as an int (a
   0-dim integer tensor is accepted) — unless the running update request's entry-point check already validated this
-  very write (validation.checked_write: the same tensor object into the same parameter, shard and expert id), which
+  very write (checked_writes.checked_write: the same tensor object into the same parameter, shard and expert id), which
   is then not checked again. SGLang then drops a shard whose expert this EP rank does not own (right: the
   owning rank writes it). Layers SGLang prepares itself (layer_state.observed, compat/defer.py) are validated the
   same way and otherwise left to SGLang.
@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import logging
 
-from .. import PROJECT_NAME, hookimpl, layer_attrs, layer_state, validation
+from .. import PROJECT_NAME, hookimpl, layer_attrs, layer_state
 from ..compat import features
 from ..targets import HookTarget
+from ..updates import checked_writes, layer_params, validation
 
 logger = logging.getLogger(PROJECT_NAME)
 
 FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 
 
-#: the thread-local handshake: weight_loader's (param, tensor, parameter name, local expert count) for the
-#: _weight_loader_impl call SGLang makes inside it (validation.mark_validated / validated, inlined: every write)
-_TLS = validation.HANDSHAKE
 _STATE = layer_state.STATE_ATTR
 
 
@@ -44,7 +42,7 @@ def _state(layer):
 def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):
     st = _state(layer)
     if st is None:
-        if not validation.was_validated(param, loaded_weight):
+        if not checked_writes.was_validated(param, loaded_weight):
             checked = validation.check_write(layer, param, loaded_weight, weight_name, shard_id, expert_id)
             if checked is not None:  # a layer SGLang prepares itself: validated, then SGLang's loader
                 expert_id = checked[1]
@@ -53,8 +51,8 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
     # a concurrent writer of the same expert must neither see it half un-prepared nor have its rows overwritten
     # by this writer's in-place inverse.
     with st.lock:
-        v = getattr(_TLS, "validated", None)
-        if v is not None and v[0] is param and v[1] is loaded_weight:
+        v = checked_writes.validated(param, loaded_weight)  # the thread-local handshake with weight_loader (below)
+        if v is not None:
             # weight_loader validated this write: only the local expert id is left
             name = v[2]
             if type(expert_id) is int and 0 <= expert_id < v[3]:
@@ -70,12 +68,11 @@ def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard
         if group is None:  # a kernel-scalar input (per-tensor / input scales): the scalars are recomputed
             if name in st.fmt.scalar_params:
                 st.scalars_dirty = True
-        else:
-            m = st._mirror.get(group)  # LayerState.is_prepared, inlined (every write)
-            if m is None or m[0] is not st.prepared[group] or m[1] != m[0]._version or e >= st.num_experts or m[2][e]:
-                layer_state.before_write_locked(layer, st, name, e)  # a prepared expert (or its state not read yet)
-            else:  # in checkpoint layout already (a session, or another shard of it written): dirty from now on
-                st.scalars_dirty = True
+        elif st.known_unprepared(group, e):
+            # in checkpoint layout already (a session, or another shard of it written): dirty from now on
+            st.scalars_dirty = True
+        else:  # a prepared expert (or its state not read yet)
+            layer_state.before_write_locked(layer, st, name, e)
         return original(layer, param, loaded_weight, weight_name, shard_id, e, *args, **kwargs)
 
 
@@ -84,13 +81,13 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
     if st is not None and expert_id is None and st.fmt.fused:
         # all experts at once (gpt-oss MXFP4: SGLang's fast path never reaches _weight_loader_impl): validate, then
         # return the whole group to checkpoint layout, then SGLang's copy, as one step under the layer's lock
-        name = validation.param_name(layer, param, st.fmt) or weight_name
+        name = layer_params.param_name(layer, param, st.fmt) or weight_name
         with st.lock:
             validation.validate_fused(layer, name, param, loaded_weight)
             layer_state.before_write(layer, name, None)
             return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
     # validated whole by the running request's entry-point check (the same tensor into the same slot), or now
-    hit = validation.checked_write(param, loaded_weight, weight_name, shard_id, expert_id)
+    hit = checked_writes.checked_write(param, loaded_weight, weight_name, shard_id, expert_id)
     if hit is not None:
         name, _, local_n = hit
         e = expert_id
@@ -99,8 +96,8 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
         if checked is None:  # not a layer or a parameter the plugin manages or watches: SGLang's own loader
             return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
         (name, e), local_n = checked, 0
-    prev = getattr(_TLS, "validated", None)
-    _TLS.validated = (param, loaded_weight, name, local_n)
+    # the thread-local handshake: _weight_loader_impl, which SGLang calls inside, checks only the local expert id
+    prev = checked_writes.mark_validated(param, loaded_weight, name, local_n)
     try:
         if st is None or not st.views or (group := st.groups.get(name)) is None:
             # _weight_loader_impl takes the layer's lock for the un-prepare and the write
@@ -115,7 +112,7 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
                 if st.all_prepared(group):
                     st.fmt.on_layout(layer, group, all_prepared=True)
     finally:
-        _TLS.validated = prev
+        checked_writes.restore_validated(prev)
 
 
 def remember_prefix(result, layer, *args, **kwargs):

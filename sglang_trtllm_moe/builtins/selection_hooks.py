@@ -25,7 +25,15 @@ import logging
 from typing import Any
 
 from .. import PROJECT_NAME, hookimpl
-from ..selection import Code, Resolution, log_decision, problem_from_hf_config, resolve
+from ..selection import (
+    Code,
+    DeviceInfo,
+    Resolution,
+    flashinfer_version,
+    log_decision,
+    problem_from_hf_config,
+    resolve,
+)
 from ..targets import HookTarget
 
 logger = logging.getLogger(PROJECT_NAME)
@@ -60,9 +68,18 @@ def _problem(server_args: Any, draft: bool = False):
     ), view
 
 
+def device_from_sglang() -> DeviceInfo:
+    """The device as SGLang's platform facts describe it (`compat.platform.sm_from_sglang`: honours
+    `override_platform` / the rebound probes), with the installed flashinfer."""
+    from ..compat.platform import sm_from_sglang
+
+    sm, source = sm_from_sglang()
+    return DeviceInfo(sm=sm, flashinfer_version=flashinfer_version(), source=source)
+
+
 def decide(server_args: Any) -> Resolution | None:
     """Look at the half-resolved ServerArgs, declare the plugin's choice, return the report (None: not MoE)."""
-    from ..compat.platform import declare_choice, device_from_sglang, requested_field
+    from ..compat.platform import declare_choice, requested_field
 
     problem, view = _problem(server_args)
     if problem is None:
@@ -144,4 +161,4 @@ def register_sglang_hooks(register, release):
         )
 
 
-__all__ = ["DECISIONS", "SOURCE", "before_handle_moe_kernel_config", "decide"]
+__all__ = ["DECISIONS", "SOURCE", "before_handle_moe_kernel_config", "decide", "device_from_sglang"]

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from .. import batched_writes, bucket_validation, checkpoint_headers, hookimpl, layer_state, rollback, validation
+from .. import hookimpl, layer_state
 from ..compat import features
 from ..targets import HookTarget
+from ..updates import batched_writes, bucket_validation, checked_writes, checkpoint_headers, rollback
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -59,14 +60,14 @@ def _model_of(owner):
 
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
-    what was validated (validation.Checked) so the loader hooks do not check those writes again."""
+    what was validated (checked_writes.Checked) so the loader hooks do not check those writes again."""
     model = _model_of(owner)
     real = getattr(model, "load_weights", None)
     if real is None or "load_weights" in vars(model) or not bucket_validation.managed_modules(model):
         # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
         return original(owner, *args, **kwargs)
     refused = []
-    record = validation.Checked()
+    record = checked_writes.Checked()
     named = args[0] if args else kwargs.get("named_tensors")
     load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
     try:
@@ -119,7 +120,7 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     checked = rollback.fingerprint(model_path) if files else None  # the files as the pre-check is about to read them
     # what the pre-check read from the files: while SGLang loads them, the loader hooks check the structure of each
     # write, not its values again (if a file changes meanwhile, the fingerprint below puts the served weights back)
-    record = validation.Checked()
+    record = checked_writes.Checked()
     try:
         if files:
             try:

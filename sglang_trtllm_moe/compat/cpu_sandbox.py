@@ -25,6 +25,8 @@ import os
 import sys
 import types
 
+from .. import env
+
 _APPLIED: dict[str, object] = {}
 
 
@@ -290,9 +292,7 @@ def requested_sm() -> int | None:
     raw = os.environ.get(ENV_FAKE_SM, "").strip()
     if not raw:
         return None
-    from ..runner import emulating  # only once the switch is set: the runner imports torch
-
-    if not emulating():
+    if not env.emulating():
         return None
     try:
         sm = int(raw)

@@ -16,29 +16,45 @@ plugin prepares the layer itself (formats/, layer_state), keeping the release's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ..formats import (
-    BF16,
-    CT_NVFP4,
-    FP8_BLOCK,
-    FP8_TENSOR,
-    FP8_TENSOR_MODELOPT,
-    MXFP4_EXPERTS,
-    MXFP4_GPTOSS,
-    MXFP8,
-    NVFP4,
-    WeightFormat,
-)
 from .features import Feature
+
+
+class Named(Protocol):
+    """What the table asks of a format it is handed: its registry name (`WeightFormat.name`)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class FormatName:
+    """A weight format as the table names it: its registry name (formats/ `FORMATS`). compat/ sits below formats/
+    and imports none of it; the caller hands the format in (`verdict(fmt)`), and the registry's test holds every
+    registered format to a verdict here (tests/test_registry_completeness.py `test_6`)."""
+
+    name: str
+
+
+BF16 = FormatName("bf16")
+CT_NVFP4 = FormatName("ct_nvfp4")
+FP8_BLOCK = FormatName("fp8_block")
+FP8_TENSOR = FormatName("fp8_tensor")
+FP8_TENSOR_MODELOPT = FormatName("fp8_tensor_modelopt")
+MXFP4_EXPERTS = FormatName("mxfp4_experts")
+MXFP4_GPTOSS = FormatName("mxfp4_gptoss")
+MXFP8 = FormatName("mxfp8")
+NVFP4 = FormatName("nvfp4")
 
 
 @dataclass(frozen=True)
 class Verdict:
-    #: the registry entry (formats/) the verdict is about
-    fmt: WeightFormat
+    #: the registry entry (formats/) the verdict is about, by name
+    fmt: FormatName
     #: the releases this verdict holds on
     releases: str
     #: True: SGLang's own prep and reload are right there, the plugin defers; False: the plugin prepares
@@ -137,28 +153,29 @@ TABLE: tuple[Verdict, ...] = (
 )
 
 
-def verdict(fmt: WeightFormat, release: Version | str | None = None) -> Verdict | None:
-    """The verdict on registry entry `fmt` for the running (or given) release, if the table has one."""
+def verdict(fmt: Named, release: Version | str | None = None) -> Verdict | None:
+    """The verdict on registry entry `fmt` (a `WeightFormat`, matched by its name) for the running (or given)
+    release, if the table has one."""
     for v in TABLE:
-        if v.fmt is fmt and v.holds(release):
+        if v.fmt.name == fmt.name and v.holds(release):
             return v
     return None
 
 
-def upstream_prepares(fmt: WeightFormat, release: Version | str | None = None) -> bool:
+def upstream_prepares(fmt: Named, release: Version | str | None = None) -> bool:
     """True where SGLang's own preparation of `fmt` is right on the running (or given) release."""
     v = verdict(fmt, release)
     return bool(v and v.upstream_correct)
 
 
-__all__ = ["TABLE", "Verdict", "upstream_prepares", "verdict"]
+__all__ = ["TABLE", "FormatName", "Named", "Verdict", "upstream_prepares", "verdict"]
 
 
 def _check_table() -> None:
     """No release has two verdicts for one format (checked at import: the table is data, not code paths)."""
     for i, a in enumerate(TABLE):
         for b in TABLE[i + 1 :]:
-            if a.fmt is b.fmt and SpecifierSet(a.releases) & SpecifierSet(b.releases):
+            if a.fmt.name == b.fmt.name and SpecifierSet(a.releases) & SpecifierSet(b.releases):
                 probe = [f"0.5.{n}" for n in range(0, 60)]
                 both = [r for r in probe if a.holds(r) and b.holds(r)]
                 if both:

@@ -31,7 +31,6 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from .. import layer_attrs
-from ..selection import DeviceInfo, flashinfer_version
 from . import features
 from .releases import installed_version
 
@@ -193,10 +192,12 @@ def _sm_from_probes() -> int | None:
     return None
 
 
-def device_from_sglang() -> DeviceInfo:
-    """The device as SGLang's platform facts describe it (honours `override_platform` / the rebound probes)."""
+def sm_from_sglang() -> tuple[int | None, str]:
+    """The device's SM as SGLang's platform facts describe it (honours `override_platform` / the rebound probes),
+    and which facts said it ("sglang-platform" or "sglang-probes"); `selection_hooks.device_from_sglang` makes it a
+    `selection.DeviceInfo`."""
     if not features.PLATFORM_OVERRIDE.present():
-        return DeviceInfo(sm=_sm_from_probes(), flashinfer_version=flashinfer_version(), source="sglang-probes")
+        return _sm_from_probes(), "sglang-probes"
     from sglang.srt.runtime_context import get_platform
 
     p = get_platform()
@@ -218,7 +219,7 @@ def device_from_sglang() -> DeviceInfo:
             continue
     if sm is None and major is not None:
         sm = major * 10 + minor
-    return DeviceInfo(sm=sm, flashinfer_version=flashinfer_version(), source="sglang-platform")
+    return sm, "sglang-platform"
 
 
 def resolve_server_args(server_args: Any) -> dict:
@@ -244,10 +245,10 @@ __all__ = [
     "backend_requested",
     "record_requested",
     "declare_choice",
-    "device_from_sglang",
     "model_config_of",
     "published_server_args",
     "requested_field",
+    "sm_from_sglang",
     "returns_routed_experts",
     "weight_cache_mode",
     "resolve_server_args",

@@ -28,7 +28,8 @@ import torch
 
 from .. import layer_attrs, layouts
 from ..layouts.maps import cached, norm_device
-from .base import NONNEGATIVE, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .load_rules import NONNEGATIVE
 from .mxfp8 import MX_BLOCK
 
 FLASHINFER_MXFP4 = "flashinfer_mxfp4"

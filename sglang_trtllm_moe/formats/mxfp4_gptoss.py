@@ -28,7 +28,8 @@ import torch
 
 from .. import layouts
 from ..layouts.maps import cached, norm_device
-from .base import UE8M0_BYTES, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .load_rules import UE8M0_BYTES
 from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
 

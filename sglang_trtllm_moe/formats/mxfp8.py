@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, UE8M0_BYTES, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
 from .fp8_block import block_scaled_intermediate, swiglu_limits
+from .load_rules import UE8M0_BYTES
 
 MX_BLOCK = 32
 

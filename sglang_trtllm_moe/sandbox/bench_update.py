@@ -194,7 +194,7 @@ def bypass():
 
     * ``bucket_validation.managed_modules`` -> {}: the entry-point hooks (builtins/weight_updates.py
       `check_buckets_around`, `check_disk_around`) skip the whole-bucket check, the `load_weights` wrapper that
-      checks each list SGLang loads, the request's record of what was checked (validation.Checked) and the id set of
+      checks each list SGLang loads, the request's record of what was checked (checked_writes.Checked) and the id set of
       checked tensors, and the disk path's pre-check; ``checkpoint_headers.files_of`` -> [] (no listing of the
       checkpoint directory for its headers);
     * ``validation.check_write`` -> (the parameter's name, int(expert_id)) for a managed or watched layer, None
@@ -204,15 +204,15 @@ def bypass():
     handshake handing the parameter's name to `_weight_loader_impl`; the layer lock; the per-expert un-prepare
     before a write into a prepared expert; the layout callbacks) and the flushes — the layout work that keeps the
     layer exact."""
-    from .. import bucket_validation, checkpoint_headers, validation
     from ..layer_state import observed, state_of
+    from ..updates import bucket_validation, checkpoint_headers, layer_params, validation
 
     def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False, values=True):
         st = state_of(layer)
         fmt = st.fmt if st is not None else observed(layer)
         if fmt is None:
             return None
-        return validation.param_name(layer, param, fmt), int(expert_id)
+        return layer_params.param_name(layer, param, fmt), int(expert_id)
 
     return _patched(
         [
@@ -295,7 +295,8 @@ class Clock:
     KINDS = ("layout", "entry_checks", "loader_checks", "batched_writes")
 
     def __init__(self, model):
-        from .. import batched_writes, bucket_validation, checkpoint_headers, layer_state, validation
+        from .. import layer_state
+        from ..updates import batched_writes, bucket_validation, checked_writes, checkpoint_headers, validation
         from .models import moe_layers
 
         self.reset()
@@ -309,7 +310,7 @@ class Clock:
             (checkpoint_headers, "files_of", "entry_checks"),
             (bucket_validation, "check_checkpoint", "entry_checks"),
             (validation, "check_write", "loader_checks"),
-            (validation, "checked_write", "loader_checks"),
+            (checked_writes, "checked_write", "loader_checks"),
             (validation, "check_local_expert", "loader_checks"),
             (batched_writes, "write", "batched_writes"),
         ]
@@ -364,7 +365,7 @@ def device_path():
     """value_checks takes the path of device tensors for CPU tensors too (groups reduced together, one read-back per
     device per call), so that a count of tensor-to-Python conversions on the CPU is the count of device
     synchronisations the same update makes on CUDA tensors."""
-    from .. import value_checks
+    from ..updates import value_checks
 
     saved = set(value_checks.PER_TENSOR_DEVICES)
     value_checks.PER_TENSOR_DEVICES.clear()
@@ -384,7 +385,7 @@ def counting(model):
     written (layer, parameter, shard, expert), value checks, and tensor-to-Python conversions in the validation
     path (inside check_write / check_tensor / value_checks.find_bad / check_bucket / check_local_expert /
     expert_index) and outside it."""
-    from .. import batched_writes, bucket_validation, validation, value_checks
+    from ..updates import batched_writes, bucket_validation, checked_writes, layer_params, validation, value_checks
     from .models import moe_layers
 
     c: dict = {"loader_calls": 0, "check_write": Counter(), "per_write": Counter(), "syncs_in_validation": Counter()}
@@ -415,7 +416,7 @@ def counting(model):
                         scope = k.get("scope", args[6] if len(args) > 6 else "local")
                         src = "bucket" if tag == "entry" else f"loader/{scope}"
                         c["check_write"][src] += 1
-                        key = (id(layer), validation.param_name(layer, param), shard, expert)
+                        key = (id(layer), layer_params.param_name(layer, param), shard, expert)
                         c["per_write"][key] += 1
             tls.depth = depth() + 1
             try:
@@ -443,7 +444,7 @@ def counting(model):
         (value_checks, "bad_one", in_validation(value_checks.bad_one, "bad_value")),
         (bucket_validation, "check_checkpoint", in_validation(bucket_validation.check_checkpoint)),
         (validation, "check_local_expert", in_validation(validation.check_local_expert)),
-        (validation, "checked_write", in_validation(validation.checked_write)),
+        (checked_writes, "checked_write", in_validation(checked_writes.checked_write)),
         (validation, "expert_index", in_validation(validation.expert_index)),
     ]
     pairs += [(torch.Tensor, n, conversion(n, getattr(torch.Tensor, n))) for n in SYNCS]
@@ -630,7 +631,7 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
     updates = {"tensor": tensor_update, "disk": disk_update}
     clock = Clock(m.model)
 
-    from .. import batched_writes
+    from ..updates import batched_writes
 
     contexts: dict[str, Any] = {
         "plugin": contextlib.nullcontext,

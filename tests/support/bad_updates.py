@@ -234,9 +234,9 @@ def catalogue(layer, spec: MoeSpec) -> list[tuple[str, Write]]:
 def compared(layer) -> set[str]:
     """What a fresh load defines: the parameters the format loads and the kernel scalars the plugin computes (not
     the never-written placeholders some releases register, e.g. NVFP4 `*_blockscale_swizzled` up to 0.5.1x)."""
-    from sglang_trtllm_moe import validation
+    from sglang_trtllm_moe.updates import layer_params
 
-    fmt = validation.format_of(layer)
+    fmt = layer_params.format_of(layer)
     return {n for n, _ in layer.named_parameters() if fmt.load_rule(n)} | set(fmt.compute_scalars(layer))
 
 

@@ -605,7 +605,7 @@ class Worker:
 
         import safetensors
 
-        from sglang_trtllm_moe import bucket_validation
+        from sglang_trtllm_moe.updates import bucket_validation
 
         real_check, real_open = bucket_validation.check_checkpoint, safetensors.safe_open
         armed: dict = {}

@@ -15,24 +15,15 @@ import weakref
 
 import torch
 
-from . import checkpoint_headers, layer_attrs, layer_state, value_checks
-from .errors import WeightUpdateRefused
-from .layer_state import layer_name, state_of
-from .validation import (
-    NOTHING_WRITTEN,
-    PROJECTIONS,
-    Checked,
-    Refusal,
-    ValueJob,
-    check_planned,
-    check_tensor,
-    format_of,
-    managed_names,
-    param_name,
-    param_view,
-    plan_of,
-    validate_fused,
-)
+from .. import layer_attrs, layer_state
+from ..errors import WeightUpdateRefused
+from ..layer_state import layer_name, state_of
+from . import checkpoint_headers, value_checks
+from .checked_writes import Checked
+from .layer_params import PROJECTIONS, format_of, managed_names, param_name, param_view
+from .refusal import NOTHING_WRITTEN, Refusal, ValueJob
+from .validation import check_planned, check_tensor, validate_fused
+from .write_plans import plan_of
 
 
 class BucketRefused(WeightUpdateRefused):
@@ -156,7 +147,7 @@ def check_bucket(
     skip: ids of tensors already checked (the same objects, handed on by SGLang).
     headers: the tensors are a checkpoint's meta tensors (checkpoint_headers.read_headers): their values are not
     checked here (check_checkpoint reads them).
-    record: a `validation.Checked` of the request: once the whole bucket passed, every expert write it validated is
+    record: a `checked_writes.Checked` of the request: once the whole bucket passed, every expert write it validated is
     recorded there, so the loader hooks do not check it again."""
     entries: list | None = [] if record is not None and not headers else None
     problems, writes, jobs = _check_items(model, named_tensors, direct, skip, headers, entries)
@@ -175,7 +166,7 @@ def check_checkpoint(
     as its header says; every tensor that targets a managed layer checked from its header (name, shard, expert,
     dtype, shape) as `check_bucket` checks a tensor; then the values of every one of them that has a value rule
     (every scale, of any size, 1-byte scales on their bytes), read one tensor at a time. Raises BucketRefused;
-    returns the headers. record: a `validation.Checked` of the disk update: once the whole checkpoint passed, the
+    returns the headers. record: a `checked_writes.Checked` of the disk update: once the whole checkpoint passed, the
     (parameter, shard, expert) of every tensor whose values were read and checked here is recorded there, so the
     loader hooks check only the structure of SGLang's writes of them while the update runs (the caller makes sure
     the files did not change meanwhile: rollback.fingerprint)."""
@@ -272,7 +263,7 @@ def _check_items(
         layer, pname, shard, expert, plan = target
         param = layer._parameters.get(pname)
         if plan is None or plan.param() is not param or id(plan) not in current:
-            # the plan resolved with the name, checked current once per request (validation.plan_of)
+            # the plan resolved with the name, checked current once per request (write_plans.plan_of)
             plan = target[4] = plan_of(layer, param) if param is not None else None
             if plan is not None:
                 current.add(id(plan))

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint_headers, layer_state
+from .. import layer_state
+from . import checkpoint_headers
 
 logger = logging.getLogger("sglang_trtllm_moe")
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .formats.base import E4M3_BYTES, NONNEGATIVE, POSITIVE, UE8M0_BYTES
+from ..formats.load_rules import E4M3_BYTES, NONNEGATIVE, POSITIVE, UE8M0_BYTES
 
 #: what each rule asks for, as a refusal's "expected ..."
 EXPECTED = {
