@@ -297,6 +297,39 @@ def test_batched_writes_race_a_flusher_and_a_per_tensor_writer():
         assert differences(model, fresh) == []
 
 
+def test_a_late_call_through_a_finished_requests_loader_records_nothing():
+    """Another thread that looked `model.load_weights` up while a request ran (the request's wrapper) and calls it
+    after the request ended: the request's closed record of validated writes is not activated again (it was, and
+    stayed active for every later write of the process: tests/test_update_cost.py then failed at random after the
+    race test above); the late write is checked in the loader hooks and lands exactly."""
+    from sglang_trtllm_moe.updates import checked_writes
+
+    spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=96, fmt="nvfp4")
+    model = _model(spec)
+    new = _tensors(spec, seed=1)
+    mine = [(n, t) for n, t in new.items() if _experts_of(n) < 2]
+    late = [(n, t) for n, t in new.items() if _experts_of(n) >= 2]
+    grabbed = []
+    real = type(model).load_weights
+
+    def spy(self, weights, *a, **k):  # the other thread's lookup, made while the request's wrapper is installed
+        if "load_weights" in vars(model):
+            grabbed.append(vars(model)["load_weights"])
+        return real(self, weights, *a, **k)
+
+    type(model).load_weights = spy
+    try:
+        _update(model, [mine])
+    finally:
+        type(model).load_weights = real
+    assert grabbed and not checked_writes._ACTIVE
+    grabbed[0](late)  # after the request closed its record
+    assert not checked_writes._ACTIVE, [len(r.tensors) for r in checked_writes._ACTIVE]
+    layer_state.flush(model.experts)
+    fresh = sglang_runtime.prepared_model(spec, spec.kind.checkpoint(spec, seed=1))
+    assert differences(model, fresh) == []
+
+
 def _tp_rank(rank: int, full: int):
     """The layer as TP rank `rank` of 2 sees itself (SGLang's loader narrows by moe_tp_rank / moe_tp_size; the
     plugin's checks take the checkpoint's whole intermediate `full`)."""

@@ -40,10 +40,15 @@ class Checked:
         #: of checkpoint tensors the disk pre-check validated: header, and values read from the files
         self.from_files: dict = {}
         self._on = False
+        #: closed by its request's end: a late call through the request's load_weights wrapper (another thread
+        #: that looked it up while the request ran) records nothing, and its writes are checked in the hooks
+        self._closed = False
 
     def add_tensors(self, entries) -> None:
         """entries: (tensor, param, shard id, expert id, (parameter name, "." + name, local expert count), ...) of
         writes validated whole."""
+        if self._closed:
+            return
         tensors, ids = self.tensors, self.ids
         for t, param, shard, expert, hit, *_ in entries:
             tensors[(id(t), id(param), shard, expert)] = (t, param, hit)
@@ -54,6 +59,8 @@ class Checked:
         """entries: (header's meta tensor, param, shard id, expert id, (parameter name, "." + name, local expert
         count), ...) of the checkpoint tensors the disk pre-check validated from their headers and whose values
         (where their kind has a value rule) it read from the files and checked."""
+        if self._closed:
+            return
         files = self.from_files
         for meta, param, shard, expert, hit, *_ in entries:
             files[(id(param), shard, expert)] = (param, meta.dtype, meta.shape, hit)
@@ -61,11 +68,12 @@ class Checked:
 
     def _activate(self, table: list) -> None:
         with _CHECKED_LOCK:
-            if not any(r is self for r in table):
+            if not self._closed and not any(r is self for r in table):
                 table.append(self)
                 self._on = True
 
     def close(self) -> None:
+        self._closed = True
         if not self._on:
             return
         with _CHECKED_LOCK:
