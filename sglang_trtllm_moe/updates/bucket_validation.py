@@ -234,7 +234,6 @@ def _check_items(
     jobs: list[ValueJob] = []
     if not layers:
         return problems, writes, jobs
-    targets = cache.targets
     current: set = set()  # ids of the write plans found current during this call (nothing changes them meanwhile)
     for item in named_tensors:
         if type(item) is not tuple or len(item) != 2:
@@ -250,11 +249,7 @@ def _check_items(
             if _layer_at(layers, name.rpartition(".")[0]) is not None:
                 _check_other(layers, name, tensor, direct, jobs, problems, writes)
             continue
-        target = targets.get(name, _UNSEEN)
-        if target is _UNSEEN:
-            target = _target(layers, name)
-            if len(targets) < cache.MAX_NAMES:
-                targets[name] = target
+        target = _cached_target(cache, name)
         if target is None:
             continue  # not an expert tensor of a managed layer: SGLang's behaviour
         if target is _OTHER:
@@ -297,7 +292,7 @@ def expert_targets(model, named_tensors) -> list:
     "<layer>.<expert>.<projection>.<suffix>"), else None. The names are resolved as `check_bucket` resolves them
     (cached per model: after a request's check these are dict look-ups)."""
     cache = _cache_of(model)
-    layers, targets = cache.layers, cache.targets
+    layers = cache.layers
     out: list = []
     if not layers:
         return [None] * len(named_tensors)
@@ -306,11 +301,7 @@ def expert_targets(model, named_tensors) -> list:
         if type(name) is not str:
             out.append(None)
             continue
-        target = targets.get(name, _UNSEEN)
-        if target is _UNSEEN:
-            target = _target(layers, name)
-            if len(targets) < cache.MAX_NAMES:
-                targets[name] = target
+        target = _cached_target(cache, name)
         out.append(None if target is None or target is _OTHER else (target[0], target[1], target[2], target[3]))
     return out
 
@@ -318,6 +309,16 @@ def expert_targets(model, named_tensors) -> list:
 #: `_ModelCache.targets` markers: not resolved yet; a "<layer>.<param>" name (checked by `_check_other`)
 _UNSEEN = object()
 _OTHER = object()
+
+
+def _cached_target(cache, name: str):
+    """`_target` of `name`, remembered per model (up to `MAX_NAMES` names): a request's names resolve once."""
+    target = cache.targets.get(name, _UNSEEN)
+    if target is _UNSEEN:
+        target = _target(cache.layers, name)
+        if len(cache.targets) < cache.MAX_NAMES:
+            cache.targets[name] = target
+    return target
 
 
 def _target(layers: dict, name: str):

@@ -222,12 +222,7 @@ def check_tensor(
             short = len(shape) == 2 and shape[fixed_dim] == fixed and 0 < shape[split_dim] < max(extents)
             note = " (SGLang would zero-fill the rest)" if short else ""
             refuse(f"shape {shape} does not fit {rule.name} {tuple(view.shape)}{note}", expected)
-    if isinstance(values, list):
-        code = rule.value_rule(param.dtype, loaded.dtype) if loaded.numel() else None
-        if code is not None:
-            values.append(ValueJob(loaded, code, rule, refuse))
-    elif values:
-        check_values(rule, param, loaded, refuse)
+    _values_of(rule, param, loaded, values, refuse)
 
 
 def check_local_expert(layer, param, name, expert_id, shard_id) -> int:
@@ -277,6 +272,12 @@ def validate_fused(layer, name: str, param, loaded, shape: bool = True, values: 
             f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}",
             "the layer's experts exactly, every other dimension at most the parameter's",
         )
+    _values_of(rule, param, loaded, values, refuse)
+
+
+def _values_of(rule, param, loaded, values, refuse) -> None:
+    """The value check of a write whose structure passed: queued as a `ValueJob` when `values` is a list (a whole
+    request checks its values together), run now when it is true, skipped when false."""
     if isinstance(values, list):
         code = rule.value_rule(param.dtype, loaded.dtype) if loaded.numel() else None
         if code is not None:
