@@ -15,9 +15,12 @@ bench_one_batch flow) as a BF16 model on its triton MoE runner, which keeps the 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+
+from .helpers import fork_json
 
 
 def dequantized(spec) -> dict:
@@ -70,8 +73,6 @@ def _one(arch: str, quant: str, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    import traceback
-
     if os.environ.get("SGLANG_TRTLLM_MOE_DISABLE") != "1":
         raise SystemExit("run with SGLANG_TRTLLM_MOE_DISABLE=1: the reference is SGLang alone")
     from sglang_trtllm_moe.sandbox import models
@@ -83,21 +84,7 @@ def main(argv=None) -> int:
     out: dict = {}
     for arch, quant in job["models"]:
         part = os.path.join(job["workdir"], f"checksum-{arch}-{quant}.json")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: one model, then leave without the parent's exit handlers
-            code = 0
-            try:
-                with open(part, "w") as f:
-                    json.dump(_one(arch, quant, job["workdir"]), f)
-            except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+        pid = fork_json(part, functools.partial(_one, arch, quant, job["workdir"]))
         _, status = os.waitpid(pid, 0)
         if status != 0:
             raise SystemExit(f"the reference of {arch}:{quant} failed (status {status})")

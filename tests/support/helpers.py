@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +32,29 @@ def run_python(code: str, env: dict | None = None, pythonpath: list[str] | None 
         timeout=timeout,
         cwd=str(REPO),
     )
+
+
+def fork_json(out: str, work) -> int:
+    """Fork a child of this (prepared, preloaded) process that writes `work()` as JSON to `out` and leaves without
+    the parent's exit handlers: exit 0, or 1 with the traceback on stderr. Returns the child's pid (the caller
+    waits)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        result = work()
+        with open(out, "w") as f:
+            json.dump(result, f, default=str)
+    except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def last_json(proc) -> dict:

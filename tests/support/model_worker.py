@@ -16,6 +16,7 @@ single-threaded torch (`models.threads()`), which is what makes a 2-core box fas
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -28,6 +29,8 @@ import traceback
 os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SGLANG_TRTLLM_MOE_TEST_THREADS", "1"))
 
 import torch
+
+from .helpers import fork_json
 
 PROMPTS = [[5, 17, 42, 99, 260, 311, 7], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]
 
@@ -1035,6 +1038,13 @@ def _run_job(arch: str, quant: str, extra: tuple, workdir: str) -> dict:
     return Worker(arch, quant, workdir).run(checks)
 
 
+def _timed_job(arch, quant, extra, workdir) -> dict:
+    t = time.perf_counter()
+    rep = _run_job(arch, quant, extra, workdir)
+    rep["_seconds"] = round(time.perf_counter() - t, 2)
+    return rep
+
+
 def run_jobs(jobs, parallel: int, workdir: str) -> dict:
     """Fork one child per job from this (prepared, preloaded) process; at most `parallel` at a time."""
     from sglang_trtllm_moe.sandbox import models
@@ -1048,24 +1058,8 @@ def run_jobs(jobs, parallel: int, workdir: str) -> dict:
             arch, quant, extra = pending.pop(0)
             key = job_key(arch, quant)
             out = os.path.join(workdir, f"{arch}-{quant}.json")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # the child: one model, then leave without the parent's exit handlers
-                code = 0
-                try:
-                    t = time.perf_counter()
-                    rep = _run_job(arch, quant, extra, os.path.join(workdir, f"{arch}-{quant}"))
-                    rep["_seconds"] = round(time.perf_counter() - t, 2)
-                    with open(out, "w") as f:
-                        json.dump(rep, f, default=str)
-                except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
-                    traceback.print_exc()
-                    code = 1
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
+            job = functools.partial(_timed_job, arch, quant, extra, os.path.join(workdir, f"{arch}-{quant}"))
+            pid = fork_json(out, job)
             running[pid] = (key, out, time.perf_counter())
         pid, status = os.wait()
         if pid not in running:
