@@ -142,7 +142,8 @@ _METHOD_VALUES = {int(m) for m in RoutingMethodType}
 #: one float32 for DeepSeekV3 (flashinfer#2469; the crash of a float32 router on FP8 block in flashinfer#2796).
 #: Anything else (float16 from a model served in fp16, float64) is refused by every version.
 ROUTING_LOGITS_ANY_METHOD_SINCE = "0.6.8"
-_BOTH = ("float32", "bfloat16")
+#: what every pinned flashinfer (and the emulator) takes for every routing method
+ROUTING_LOGITS_DTYPES = ("float32", "bfloat16")
 #: widenings that keep every value exactly
 _EXACT_WIDENINGS = {"bfloat16": ("float32",), "float16": ("float32",)}
 
@@ -151,21 +152,21 @@ def routing_logits_dtypes(flashinfer_version: str | None, family: str, method: i
     """The `routing_logits` dtypes (torch names without "torch.") flashinfer `flashinfer_version`'s `family` entry
     point accepts with routing `method`; None = the newest contract (the emulator's)."""
     if flashinfer_version is None:
-        return _BOTH
+        return ROUTING_LOGITS_DTYPES
     from packaging.version import Version
 
     try:
         v = Version(Version(flashinfer_version).base_version)
     except ValueError:
-        return _BOTH  # "unknown": the contract of every pinned version
+        return ROUTING_LOGITS_DTYPES  # "unknown": the contract of every pinned version
     if v >= Version(ROUTING_LOGITS_ANY_METHOD_SINCE):
-        return _BOTH
+        return ROUTING_LOGITS_DTYPES
     deepseek = method is not None and int(method) == int(RoutingMethodType.DeepSeekV3)
     if family in ("fp8_per_tensor_scale", "fp8_block_scale"):
         return ("float32",) if deepseek else ("bfloat16",)
     if family == "fp4_block_scale" and deepseek:
         return ("float32",)
-    return _BOTH
+    return ROUTING_LOGITS_DTYPES
 
 
 def routing_logits_dtype(dtype: str, accepted: tuple[str, ...]) -> str | None:
@@ -232,6 +233,7 @@ __all__ = [
     "ROUTING_REPLAY_SINCE",
     "replays_routing",
     "ROUTING_LOGITS_ANY_METHOD_SINCE",
+    "ROUTING_LOGITS_DTYPES",
     "routing_logits_dtypes",
     "routing_logits_dtype",
 ]

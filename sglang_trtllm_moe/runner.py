@@ -11,6 +11,7 @@ to SGLang's leaf unchanged — except under the emulator, which reads SGLang's b
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -84,9 +85,16 @@ def kernel_replays(method: int | None, on_kernel: bool) -> bool:
     emulator does for every method; flashinfer's kernels from the version kernel_api.ROUTING_REPLAY_SINCE names."""
     if not on_kernel:
         return True
+    return kernel_api.replays_routing(_kernel_flashinfer_version(), method)
+
+
+@functools.cache
+def _kernel_flashinfer_version() -> str | None:
+    """The installed flashinfer's version, read once per process: the forward path asks for it on every call, and
+    reading it is a look-up of package metadata on disk."""
     from .selection import flashinfer_version
 
-    return kernel_api.replays_routing(flashinfer_version(), method)
+    return flashinfer_version()
 
 
 def replay_problem(layer: Layer) -> str | None:
@@ -241,11 +249,7 @@ def _kernel_logits_dtype(
     if not TopKOutputChecker.format_is_bypassed(topk_output) or fmt.routes_in_kernel(call):
         return None  # precomputed top-k, or a format that casts for its own call (gpt-oss: bfloat16, as SGLang)
     logits = topk_output.router_logits
-    version = None
-    if call.on_kernel:
-        from .selection import flashinfer_version
-
-        version = flashinfer_version()
+    version = _kernel_flashinfer_version() if call.on_kernel else None
     accepted = kernel_api.routing_logits_dtypes(version, fmt.kernel, method)
     return kernel_api.routing_logits_dtype(str(logits.dtype).replace("torch.", ""), accepted) or ""
 

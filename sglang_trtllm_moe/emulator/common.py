@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import layouts
-from ..kernel_api import ActivationType
+from ..kernel_api import ROUTING_LOGITS_DTYPES, ActivationType
 from .routing import route
 
 GATED_ACTIVATIONS = {ActivationType.Swiglu, ActivationType.Geglu, ActivationType.GegluTanh}
@@ -237,10 +237,10 @@ def call_impl(
     return impl(ids, weights, **{n: given[n] if n in given else args[n] for n in _impl_params(impl)})
 
 
-#: what flashinfer's launcher accepts (kernel_api.routing_logits_dtypes, the newest contract): router logits and the
+#: what flashinfer's launcher accepts (kernel_api.ROUTING_LOGITS_DTYPES, the newest contract): router logits and the
 #: routing bias in float32 or bfloat16 (trtllm_fused_moe_kernel_launcher.cu of 0.7.2.post1, `check_routing_logits`
 #: 1238-1252 and `check_routing_bias_shape` 1277-1283; the same checks in every version from 0.6.8)
-ROUTING_DTYPES = (torch.float32, torch.bfloat16)
+ROUTING_DTYPES = tuple(getattr(torch, d) for d in ROUTING_LOGITS_DTYPES)
 
 
 def routing(
