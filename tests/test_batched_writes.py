@@ -148,7 +148,28 @@ def _requests(spec, scenario: str) -> list[list]:
     raise KeyError(scenario)
 
 
-def _update(model, buckets, flattened: bool = False) -> None:
+def _update_from_disk(model, buckets) -> None:
+    """Each bucket as a checkpoint directory, through SGLang's update_weights_from_disk."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    for b in buckets:
+        d = tempfile.mkdtemp(prefix="trtllm-moe-batched-disk-")
+        try:
+            sglang_runtime.write_safetensors_checkpoint(d, {}, model.spec)  # config.json
+            save_file({n: t.contiguous() for n, t in b}, os.path.join(d, "model.safetensors"))
+            ok, msg = sglang_runtime.updater(model, d).update_weights_from_disk(d, "auto")
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        assert ok, msg
+
+
+def _update(model, buckets, flattened: bool = False, disk: bool = False) -> None:
+    if disk:
+        return _update_from_disk(model, buckets)
     u = sglang_runtime.updater(model)
     for b in buckets:
         if flattened:
@@ -166,7 +187,7 @@ def _batched(model) -> bool:
     return batched_writes.batches(model.experts)
 
 
-def _run_both(spec, buckets, flattened=False, patch=None):
+def _run_both(spec, buckets, flattened=False, patch=None, disk=False):
     """The same requests on a batched and a per-tensor model; returns (batched model, per-tensor model, SGLang
     loader writes of the batched model, tensors batched)."""
     batched, per_tensor = _model(spec), _model(spec)
@@ -176,10 +197,10 @@ def _run_both(spec, buckets, flattened=False, patch=None):
             patch(m)
     before = batched_writes.counts().get("tensors", 0)
     with sglang_writes(batched) as calls:
-        _update(batched, buckets, flattened)
+        _update(batched, buckets, flattened, disk)
     taken = batched_writes.counts().get("tensors", 0) - before
     with batched_writes.disabled():
-        _update(per_tensor, buckets, flattened)
+        _update(per_tensor, buckets, flattened, disk)
     return batched, per_tensor, calls[0], taken
 
 
@@ -208,6 +229,25 @@ def test_batched_writes_give_the_bytes_of_sglangs_per_tensor_loader(kind, scenar
     else:
         # gpt-oss (all experts in one tensor), or a format the plugin does not prepare on this release: SGLang's loader
         assert taken == 0 and (sglang_calls > 0 or spec.kind.format.fused)  # gpt-oss: SGLang's all-experts copy
+
+
+#: the disk path's cases: every kind whose checkpoint is per expert (gpt-oss: one tensor of all experts), full and split
+DISK_CASES = [(kind, s) for kind in sorted(SPECS) if not SPECS[kind].kind.format.fused for s in ("full", "split")]
+
+
+@pytest.mark.parametrize("kind, scenario", DISK_CASES, ids=[f"{k}-{s}" for k, s in DISK_CASES])
+def test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader(kind, scenario):
+    """update_weights_from_disk: the expert tensors SGLang's iterator yields, each validated from the files by the
+    pre-check, are written batched (batched_writes.stream); bytes and layout state equal SGLang's per-tensor path."""
+    spec = SPECS[kind]
+    buckets = _requests(spec, scenario)
+    batched, per_tensor, sglang_calls, taken = _run_both(spec, buckets, disk=True)
+    assert differences(batched, per_tensor) == []
+    if _batched(batched):
+        n = sum(len(b) for b in buckets)
+        assert (taken, sglang_calls) == (n, 0), (taken, sglang_calls)
+    else:
+        assert taken == 0 and sglang_calls > 0
 
 
 def test_a_flattened_bucket_is_written_batched():

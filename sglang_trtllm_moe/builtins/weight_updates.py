@@ -19,6 +19,7 @@ layout first, so they are exact outside a begin/end session too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from .. import hookimpl, layer_state
@@ -132,7 +133,8 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
             names = frozenset(n for n, _ in headers.tensors)
         net = rollback.prepare(model, names)
         try:
-            result = original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
+            with _batched_from_files(model, names is not None):
+                result = original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - SGLang's load or its rollback raised: the scheduler must live
             logger.exception("sglang-trtllm-moe: update_weights_from_disk(%r) raised", model_path)
             record.close()
@@ -160,6 +162,38 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     if rollback.SGLANG_ROLLED_BACK in message:  # SGLang had started writing, then re-read the path it failed on
         return _put_back(net, original, owner, message, tuple(result[2:]))
     return result
+
+
+@contextlib.contextmanager
+def _batched_from_files(model, checked: bool):
+    """While a disk update whose checkpoint passed the pre-check loads: the expert tensors of managed layers that
+    SGLang's iterator yields, each the one the pre-check validated (checked_writes.read_from_files), are written
+    batched (batched_writes.stream); everything else goes through the model's own loader, in order."""
+    real = getattr(model, "load_weights", None)
+    if not checked or real is None or "load_weights" in vars(model) or not batched_writes.enabled():
+        yield
+        return
+
+    def target_of(item):
+        if type(item) is not tuple or len(item) != 2:
+            return None
+        target = bucket_validation.expert_targets(model, (item,))[0]
+        if target is None:
+            return None
+        param = getattr(target[0], target[1], None)
+        ok = param is not None and checked_writes.read_from_files(param, item[1], target[2], target[3])
+        return target if ok else None
+
+    def load_weights(weights, *a, **k):
+        if not isinstance(weights, (list, tuple)):
+            weights = batched_writes.stream(weights, target_of)
+        return real(weights, *a, **k)
+
+    vars(model)["load_weights"] = load_weights
+    try:
+        yield
+    finally:
+        vars(model).pop("load_weights", None)
 
 
 def _put_back(net, original, owner, message: str, rest: tuple):

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from .tiny_spec import KV_LORA, Q_LORA, QK_NOPE, QK_ROPE, V_HEAD, TinySpec, layer_prefix, moe_prefix
+from .tiny_spec import Q_LORA, QK_NOPE, QK_ROPE, V_HEAD, TinySpec, layer_prefix, moe_prefix
 
 # ---- config.json and quant configs ---------------------------------------------------------------------------------
 
@@ -203,7 +203,7 @@ def config(spec: TinySpec, with_quant: bool = True) -> dict:
             # `if not _is_cuda: final_hidden_states *= self.routed_scaling_factor`); with 1.0 CPU and GPU agree
             "routed_scaling_factor": 1.0,
             "q_lora_rank": Q_LORA,
-            "kv_lora_rank": KV_LORA,
+            "kv_lora_rank": spec.kv_lora,
             "qk_nope_head_dim": QK_NOPE,
             "qk_rope_head_dim": QK_ROPE,
             "v_head_dim": V_HEAD,

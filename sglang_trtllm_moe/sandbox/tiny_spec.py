@@ -36,6 +36,9 @@ class TinySpec:
     heads: int = 4
     kv_heads: int = 2
     head_dim: int = 64
+    #: DeepSeek MLA: the compressed KV width. 128 by default; 256 where SGLang's triton MLA decode runs (a GPU): its
+    #: kernel handles a latent + rope width of 576 or 288 only (sglang/kernels/ops/attention/decode_attention.py)
+    kv_lora: int = 128
     #: layer kinds: "moe", "dense" (MLP), "attn" (Nemotron-H attention-only block)
     #: (empty: the arch's default stack, set in __post_init__)
     layers: tuple[str, ...] = ()
@@ -72,8 +75,8 @@ class TinySpec:
 
 # ---- names ------------------------------------------------------------------------------------------------------
 
-# DeepSeek MLA sizes (tiny, kernel-aligned)
-Q_LORA, KV_LORA, QK_NOPE, QK_ROPE, V_HEAD = 128, 128, 64, 32, 64
+# DeepSeek MLA sizes (tiny, kernel-aligned; the KV LoRA width is the spec's `kv_lora`)
+Q_LORA, QK_NOPE, QK_ROPE, V_HEAD = 128, 64, 32, 64
 
 
 def _root(spec: TinySpec) -> str:
@@ -111,9 +114,9 @@ def _attn_shapes(spec: TinySpec, p: str) -> dict[str, tuple]:
             f"{a}.q_a_proj.weight": (Q_LORA, h),
             f"{a}.q_a_layernorm.weight": (Q_LORA,),
             f"{a}.q_b_proj.weight": (nh * (QK_NOPE + QK_ROPE), Q_LORA),
-            f"{a}.kv_a_proj_with_mqa.weight": (KV_LORA + QK_ROPE, h),
-            f"{a}.kv_a_layernorm.weight": (KV_LORA,),
-            f"{a}.kv_b_proj.weight": (nh * (QK_NOPE + V_HEAD), KV_LORA),
+            f"{a}.kv_a_proj_with_mqa.weight": (spec.kv_lora + QK_ROPE, h),
+            f"{a}.kv_a_layernorm.weight": (spec.kv_lora,),
+            f"{a}.kv_b_proj.weight": (nh * (QK_NOPE + V_HEAD), spec.kv_lora),
             f"{a}.o_proj.weight": (h, nh * V_HEAD),
         }
     a = f"{p}.mixer" if spec.arch == "nemotron_h" else f"{p}.self_attn"

@@ -178,6 +178,36 @@ def write(items: list, targets: list) -> list:
     return [item for i, item in enumerate(items) if i not in taken]
 
 
+#: a disk update's expert tensors are written in chunks of about this many bytes (`stream`): the iterator's CPU
+#: tensors of a chunk are held until it is written, as a tensor bucket's are
+STREAM_CHUNK_BYTES = 256 << 20
+
+
+def stream(weights, target_of, chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator:
+    """A disk update's iterator of (name, tensor), as SGLang hands it to `model.load_weights`: the items `target_of`
+    resolves ((layer, parameter name, shard id, checkpoint expert id): an expert tensor the pre-check validated
+    from the files) are collected and written batched about every `chunk_bytes`; every other item, and whatever a
+    chunk could not take, is yielded on to the model's loader. Everything is written by the time the iterator ends
+    (before the model's `load_weights` returns and SGLang prepares the layers)."""
+    pending: list = []
+    targets: list = []
+    size = 0
+    for item in weights:
+        target = target_of(item)
+        if target is None:
+            yield item
+            continue
+        pending.append(item)
+        targets.append(target)
+        t = item[1]
+        size += t.numel() * t.element_size()
+        if size >= chunk_bytes:
+            yield from write(pending, targets)
+            pending, targets, size = [], [], 0
+    if pending:
+        yield from write(pending, targets)
+
+
 def batches(layer) -> bool:
     """True when a validated bucket's expert tensors for `layer` are written here rather than by SGLang's loader."""
     return _written_here(layer)[1] is not None

@@ -121,6 +121,20 @@ def checked_write(param, loaded, weight_name, shard_id, expert_id) -> tuple[str,
     return None
 
 
+def read_from_files(param, loaded, shard_id, expert_id) -> bool:
+    """Is `loaded` (SGLang's CPU tensor of a disk update) the checkpoint tensor a running disk update's pre-check
+    validated for this (parameter, shard, expert id) — header, dtype, shape, and values where its kind has a value
+    rule — so it may be written without another check (the files' fingerprints are compared after the load)?"""
+    if not _FROM_FILES or loaded.__class__ is not torch.Tensor or not loaded.is_cpu:
+        return False
+    key = (id(param), shard_id, expert_id)
+    for rec in _FROM_FILES:
+        v = rec.from_files.get(key)
+        if v is not None:
+            return v[0] is param and loaded.dtype is v[1] and loaded.shape == v[2]
+    return False
+
+
 def values_from_files(param, shard_id, expert_id) -> bool:
     """Did a running disk update's pre-check read this (parameter, shard, expert id)'s values from the files?"""
     if not _FROM_FILES:

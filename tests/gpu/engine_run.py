@@ -46,6 +46,13 @@ NEW_TOKENS = 6
 #: be an attention layer", server_args.py); FA3's library is not carried (ci/gpu-wheels), so flashinfer's (its JIT
 #: compiles the kernels on first use)
 ATTENTION = {"nemotron_h": "flashinfer"}
+#: the checkpoint's shape per architecture on the GPU: DeepSeek's MLA with a KV LoRA width of 256 (latent + rope
+#: 288: SGLang's triton MLA decode kernel takes 576 or 288 only; the CPU sandbox's 128 fails to compile there)
+SPEC = {"deepseek_v3": {"kv_lora": 256}}
+#: extra engine arguments per architecture on the GPU: the tiny Nemotron-H has no Mamba layer, and SGLang 0.5.17's
+#: memory-pool sizing divides by the Mamba cache per request (`_handle_max_mamba_cache`: assert stage_per_req > 0)
+#: unless the Mamba pool size is given
+ENGINE = {"nemotron_h": {"max_mamba_cache_size": 16}}
 
 
 def _engine_args(cpu: bool, graphs: bool, arch: str = "", **extra) -> dict:
@@ -55,6 +62,7 @@ def _engine_args(cpu: bool, graphs: bool, arch: str = "", **extra) -> dict:
         kw = {**models.DEFAULT_SERVER_ARGS, **models.ROUTED_EXPERTS_ARGS}
     else:
         kw = dict(
+            **ENGINE.get(arch, {}),
             attention_backend=ATTENTION.get(arch, "triton"),
             sampling_backend="pytorch",
             # left on auto, a faked SM100 picks the CuTe-DSL BF16 GEMM (No module named 'cutlass')
@@ -165,7 +173,7 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
 
         sandbox_engine.prepare_process()
     work = workdir or tempfile.mkdtemp(prefix=f"gpu-{arch}-{quant}-")
-    spec = ck.TinySpec(arch, quant, seed=0)
+    spec = ck.TinySpec(arch, quant, seed=0, **({} if cpu else SPEC.get(arch, {})))
     moe = spec.moe_layers
     full = {s: ck.checkpoint(spec.with_seed(s)) for s in (0, 1)}
     part = ck.quantized_experts(spec.with_seed(2), layers=[moe[-1]], experts=[1, 6])

@@ -42,14 +42,19 @@ def on_cuda():
         torch.set_default_device(before)
 
 
+def _checkpoint(spec, seed: int, experts=None) -> dict:
+    """A random checkpoint of the spec's format (the registry's builder for formats without their own maker)."""
+    make = MAKERS.get(spec.fmt, cpu_layers.random_checkpoint)
+    return make(spec, seed=seed, experts=experts)
+
+
 def _layer(spec, seed=0):
     from sglang.srt.layers.moe.utils import RoutingMethodType
 
     sglang_runtime.ensure("flashinfer_trtllm")
     with on_cuda():
         layer = cpu_layers.build_layer(spec, routing_method_type=RoutingMethodType.Renormalize)
-    make = MAKERS.get(spec.fmt) or (lambda s, seed: cpu_layers.random_checkpoint(s, seed))
-    cpu_layers.load_checkpoint(layer, make(spec, seed=seed), spec.num_experts)
+    cpu_layers.load_checkpoint(layer, _checkpoint(spec, seed=seed), spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)
     return layer
 
@@ -97,8 +102,7 @@ def test_forward_in_a_cuda_graph_and_an_update_landing_in_it(spec, monkeypatch):
     assert torch.equal(static_out, layer(x, topk)), "a replay on new inputs differs from the eager forward"
 
     # an RL update of experts 2 and 5 through SGLang's own weight_loader; the plugin lays them out in place
-    make = MAKERS.get(spec.fmt) or (lambda s, seed: cpu_layers.random_checkpoint(s, seed))
-    new = make(spec, seed=7, experts=[2, 5])
+    new = _checkpoint(spec, seed=7, experts=[2, 5])
     before = static_out.clone()
     cpu_layers.load_checkpoint(layer, new, spec.num_experts)
     layer_state.flush(layer)

@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -1096,17 +1097,24 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", default=None, help="ARCH:QUANT[:check+check],...; 'all' = JOBS")
     p.add_argument("--parallel", type=int, default=min(2, os.cpu_count() or 1))
     a = p.parse_args(argv)
+    # the jobs write ~3.4 GB of checkpoints per run: a directory of our own is removed at the end (a full /tmp
+    # stops every later run on the machine)
+    own = a.workdir is None
     workdir = a.workdir or tempfile.mkdtemp(prefix="trtllm-moe-models-")
-    if a.jobs:
-        jobs = JOBS if a.jobs == "all" else _parse_jobs(a.jobs)
-        t = time.perf_counter()
-        reports = run_jobs(jobs, max(1, a.parallel), workdir)
-        reports["_total_seconds"] = round(time.perf_counter() - t, 2)
-        print(json.dumps(reports, default=str))
+    try:
+        if a.jobs:
+            jobs = JOBS if a.jobs == "all" else _parse_jobs(a.jobs)
+            t = time.perf_counter()
+            reports = run_jobs(jobs, max(1, a.parallel), workdir)
+            reports["_total_seconds"] = round(time.perf_counter() - t, 2)
+            print(json.dumps(reports, default=str))
+            return 0
+        report = Worker(a.arch, a.quant, workdir).run(a.checks.split(",") if a.checks else None)
+        print(json.dumps(report, default=str))
         return 0
-    report = Worker(a.arch, a.quant, workdir).run(a.checks.split(",") if a.checks else None)
-    print(json.dumps(report, default=str))
-    return 0
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
