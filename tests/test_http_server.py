@@ -93,9 +93,23 @@ class Run:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def generate(self, prompts=PROMPTS, n=NEW_TOKENS, timeout=300) -> list[list[int]]:
+        """One batched request (SGLang 0.5.23 hands a batch of input_ids to the scheduler as one message: one prefill
+        batch, then decode steps of the same requests). `n`: new tokens, one number or one per prompt."""
         r = self.srv.post("/generate", _gen_body(prompts, n), timeout=timeout)
         assert r.ok, r
         return [list(o["output_ids"]) for o in r.body]
+
+    def flush(self) -> None:
+        r = self.srv.post("/flush_cache", {}, timeout=60)
+        assert r.ok, r
+
+    def reference(self, prompts, n) -> list[list[int]]:
+        """The served weights' greedy tokens for `prompts` in the batch shape the requests under test ran in: one
+        batch, nothing of the radix cache (flushed first; the requests under test are sent after a flush too), so
+        the reference runs the same prefill and decode batches at the same positions (like with like, docs/TESTING.md
+        "Exact comparisons")."""
+        self.flush()
+        return self.generate(prompts, n)
 
     def checksums(self) -> dict[str, str]:
         r = self.srv.post("/weights_checker", {"action": "checksum"}, timeout=300)
@@ -154,7 +168,10 @@ class Run:
 
 
 def _gen_body(prompts, n):
-    return {"input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+    def params(k):
+        return {"temperature": 0, "max_new_tokens": k, "ignore_eos": True}
+
+    return {"input_ids": prompts, "sampling_params": [params(k) for k in n] if isinstance(n, list) else params(n)}
 
 
 def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
@@ -197,6 +214,7 @@ def _start_reference(work: Path, dirs: dict[str, str]) -> tuple[subprocess.Popen
         "prompts": PROMPTS,
         "new_tokens": NEW_TOKENS,
         "routed_experts": ["A", "B"],
+        "alone": ["A"],
         "direct": {"dir": dirs["D"], "out": str(work / "direct-D.safetensors")},
     }
     (work / "reference.json").write_text(json.dumps(job))
@@ -266,6 +284,8 @@ def run(tmp_path_factory):
                 )
                 assert proc.returncode == 0, (cmd, proc.stderr)
                 r.recipe_out.append(json.loads(proc.stdout))
+                if "/update_weights_from_disk" in cmd:  # the recipe's update: the server holds the step-1 checkpoint
+                    r.state = "B"
             else:
                 proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
                 assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-4000:])
@@ -300,7 +320,7 @@ def run(tmp_path_factory):
 
 def test_the_readme_recipe_serves_through_the_plugin(run):
     gen, update = run.recipe_out
-    assert gen["output_ids"] == run.ref["A"]["tokens"][0], gen  # the first prompt is the recipe's
+    assert gen["output_ids"] == run.ref["A"]["alone"], gen  # the recipe's prompt, alone: the reference's batch of one
     assert update["success"], update
     log = run.srv.log_tail(10**7)
     assert "moe_runner_backend=flashinfer_trtllm" in log  # the plugin's decision line (the launcher)
@@ -361,7 +381,7 @@ def test_disk_update_to_b_and_back_restores_the_fresh_load_exactly(run):
     r = run.disk("A")
     assert r.ok and r.body["success"], r
     run.assert_serves("A")
-    assert run.generate()[0] == run.recipe_out[0]["output_ids"]  # tokens restored exactly
+    assert run.generate(PROMPTS[:1])[0] == run.recipe_out[0]["output_ids"]  # tokens restored exactly (a batch of one)
     r = run.check("compare")  # vs the snapshot of the fresh load taken at start-up: raw, bit for bit
     assert r.ok and r.body["success"], r
 
@@ -534,15 +554,23 @@ def _running(run) -> int:
 
 
 def _in_flight(run, prompts, action, n=LONG):
-    """Send every prompt as its own request; once all of them run, `action()`; every answer."""
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        futures = [ex.submit(run.srv.post, "/generate", _gen_body(p, n), 600) for p in prompts]
+    """The prompts as one batched request (after a cache flush: the batch shape `Run.reference` gives its
+    references); once all of them run, `action()`; every answer (one HTTPResult per prompt).
+
+    One request, not one per prompt: SGLang hands a batch to the scheduler as one message, so the prompts are
+    prefilled together and decode in lockstep whatever the machine's load; requests sent apart reach the scheduler
+    at moments that depend on the load, and so would the batches they run in (docs/TESTING.md "Exact comparisons")."""
+    run.flush()
+    with cf.ThreadPoolExecutor(1) as ex:
+        future = ex.submit(run.srv.post, "/generate", _gen_body(prompts, n), 600)
         t0 = time.monotonic()
-        while _running(run) < len(prompts) and time.monotonic() - t0 < 120:
+        while _running(run) < len(prompts) and time.monotonic() - t0 < 120 and not future.done():
             time.sleep(0.05)
-        assert _running(run) == len(prompts), "the requests did not all run"
+        assert _running(run) == len(prompts), ("the requests did not all run", future.done() and future.result())
         out = action()
-        return out, [f.result() for f in futures]
+        r = future.result()
+    assert r.ok and len(r.body) == len(prompts), r
+    return out, [hs.HTTPResult(r.status, body) for body in r.body]
 
 
 def _spans(body) -> list[tuple[str, int, int]]:
@@ -552,7 +580,7 @@ def _spans(body) -> list[tuple[str, int, int]]:
 def test_pause_retract_abort_and_in_place_around_an_update(run):
     run.at("A")
     prompts = PROMPTS[:4]
-    a_long = run.generate(prompts, LONG)  # the old weights' greedy continuation of each prompt
+    a_long = run.reference(prompts, LONG)  # the old weights' greedy continuation of each prompt, the same batch
 
     def paused(mode, key):
         def act():
@@ -566,22 +594,27 @@ def test_pause_retract_abort_and_in_place_around_an_update(run):
     # retract: running requests go back to the queue; after continue they are recomputed on the new weights
     (p, u, c), answers = _in_flight(run, prompts, paused("retract", "B"))
     assert p.ok and u.ok and u.body["success"] and c.ok, (p, u, c)
-    mixed = 0
-    for prompt, want_a, a in zip(prompts, a_long, answers, strict=True):
+    outs = [a.body["output_ids"] for a in answers]
+    spans = [_spans(a.body) for a in answers]
+    for a, sp in zip(answers, spans, strict=True):
         assert a.ok and len(a.body["output_ids"]) == LONG, a
-        out = a.body["output_ids"]
-        spans = _spans(a.body)
-        assert spans[-1][0] == "B-retract" and spans[-1][2] == LONG, spans
-        for version, s, e in spans:
-            if version == "B-retract":  # B's greedy continuation of what was generated before
-                assert run.generate([prompt + out[:s]], e - s)[0] == out[s:e], (spans, "B continuation")
-            else:
-                assert out[s:e] == want_a[s:e], (spans, "A prefix")
-        mixed += len(spans) > 1
+        assert sp[-1][0] == "B-retract" and sp[-1][2] == LONG, sp
+    # B's greedy continuation of what each request had before its B span: the retracted requests are recomputed
+    # together on B (one prefill of prompt + output so far, then decode): the reference is that batch
+    starts = [next(s for v, s, _ in sp if v == "B-retract") for sp in spans]
+    b_cont = run.reference(
+        [q + o[:s] for q, o, s in zip(prompts, outs, starts, strict=True)], [LONG - s for s in starts]
+    )
+    mixed = 0
+    for i, (sp, out) in enumerate(zip(spans, outs, strict=True)):
+        for version, s, e in sp:
+            want = b_cont[i][: e - s] if version == "B-retract" else a_long[i][s:e]
+            assert out[s:e] == want, (i, sp, version, "B continuation" if version == "B-retract" else "A prefix")
+        mixed += len(sp) > 1
     assert mixed, "no request spanned the update"
 
     # abort: running requests are answered as aborted, with what the old weights had generated
-    b_long = run.generate(prompts, LONG)
+    b_long = run.reference(prompts, LONG)
     (p, u, c), answers = _in_flight(run, prompts, paused("abort", "A"))
     assert p.ok and u.ok and u.body["success"] and c.ok, (p, u, c)
     for want_b, a in zip(b_long, answers, strict=True):
@@ -616,7 +649,7 @@ def test_a_paused_tensor_session_under_load_answers_only_old_or_new_tokens(run):
     call, not per session) answers tokens that are neither A's nor B's — the control below."""
     run.at("A")
     prompts = PROMPTS[:4]
-    a_long = run.generate(prompts, LONG)
+    a_long = run.reference(prompts, LONG)
     begin, end = {"path": "/begin_weight_update"}, {"path": "/end_weight_update"}
     t = "/update_weights_from_tensor"
     session = [
@@ -642,7 +675,9 @@ def test_a_paused_tensor_session_under_load_answers_only_old_or_new_tokens(run):
         assert sp[-1][0] == "B-session" and sp[-1][2] == LONG, sp
     # B's greedy continuation of what each request had before its B span, as one batch of the four (like the server)
     starts = [next(s for v, s, _ in sp if v == "B-session") for sp in spans]
-    b_cont = run.generate([q + o[:s] for q, o, s in zip(prompts, outs, starts, strict=True)], LONG - min(starts))
+    b_cont = run.reference(
+        [q + o[:s] for q, o, s in zip(prompts, outs, starts, strict=True)], [LONG - s for s in starts]
+    )
     mixed = 0
     for i, (sp, out) in enumerate(zip(spans, outs, strict=True)):
         for version, s, e in sp:
@@ -669,7 +704,7 @@ def test_a_paused_tensor_session_under_load_answers_only_old_or_new_tokens(run):
 def test_requests_in_flight_during_an_update_are_all_answered_each_from_one_version(run):
     run.at("A")
     prompts = [PROMPTS[i % 4][: 3 + i % 5] + [i + 1] for i in range(8)]
-    a_long = run.generate(prompts, LONG)
+    a_long = run.reference(prompts[:4], LONG) + [None] * 4  # the batch the requests in flight run as
 
     def update():
         return run.disk("B", version="B-live")
@@ -677,8 +712,11 @@ def test_requests_in_flight_during_an_update_are_all_answered_each_from_one_vers
     u, answers = _in_flight(run, prompts[:4], update)
     assert u.ok and u.body["success"], u
     # the update waited for the requests in flight (SGLang's writer lock): they finished on A; the next are B's
-    later = [run.srv.post("/generate", _gen_body(p, LONG), 600) for p in prompts[4:]]
-    b_long = run.generate(prompts, LONG)
+    # (one batch after the update, which flushed the cache: the shape of the reference below)
+    r = run.srv.post("/generate", _gen_body(prompts[4:], LONG), 600)
+    assert r.ok, r
+    later = [hs.HTTPResult(r.status, body) for body in r.body]
+    b_long = [None] * 4 + run.reference(prompts[4:], LONG)
     for i, a in enumerate(answers + later):
         assert a.ok, a
         (version, s, e), *rest = _spans(a.body)

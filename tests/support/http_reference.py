@@ -5,10 +5,11 @@ that load plugin-managed and bit-exact).
 Per target directory: SGLang's weight-checker checksum of the fresh model (`WeightChecker.handle("checksum")`: the
 per-tensor hashes `POST /weights_checker {"action": "checksum"}` answers for the served model — each weight in
 checkpoint layout, dequantized, so a prepared layout and a fresh prepared load hash alike exactly when they hold the
-same weights), and its greedy tokens for PROMPTS; for the targets under "routed_experts", also the routed experts
-a server returns for that batch and SGLang's own top-k for them (tests/support/r3.py). With "direct": the fresh
-model of that directory in SGLang's own checkpoint layout (every parameter by its model name, the plugin's layers
-un-prepared), written as safetensors: the payload of a `load_format="direct"` update.
+same weights), and its greedy tokens for PROMPTS as one batch (for the targets under "alone", also the first
+prompt's alone: a batch of one, as the README's curl sends it); for the targets under "routed_experts", also the
+routed experts a server returns for that batch and SGLang's own top-k for them (tests/support/r3.py). With "direct":
+the fresh model of that directory in SGLang's own checkpoint layout (every parameter by its model name, the plugin's
+layers un-prepared), written as safetensors: the payload of a `load_format="direct"` update.
 
     python -m tests.support.http_reference JOB.json OUT.json
 """
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
             res = weight_checker(fresh).handle("checksum", role="target")
         tokens, _ = m.generate(job["prompts"], job["new_tokens"], model=fresh)
         out[key] = {"checksums": dict(res["checksums"]), "tokens": tokens}
+        if key in job.get("alone", ()):  # the first prompt alone: what the README's single-prompt curl generates
+            out[key]["alone"] = m.generate(job["prompts"][:1], job["new_tokens"], model=fresh)[0][0]
         if key in job.get("routed_experts", ()):
             out[key]["r3"] = r3.routed_generation(m, job["prompts"], job["new_tokens"], model=fresh)
         del fresh
