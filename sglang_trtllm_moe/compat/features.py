@@ -252,6 +252,17 @@ GPTOSS_FI_KERNEL_ATTR = Feature(
     "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
 )
 
+NVFP4_ONLINE = Feature(
+    ">=0.5.14",
+    "`--quantization nvfp4_online` (layers/quantization/nvfp4_online.py): BF16/FP16/FP8 experts quantized to NVFP4 "
+    "as they load, per-token activation scales; before 0.5.14 upstream lacks it, so the plugin has nothing to serve",
+)
+NVFP4_ONLINE_4OVER6 = Feature(
+    ">=0.5.23",
+    "nvfp4_online quantizes expert weights with flashinfer's 4over6 MSE recipe (NVFP44Over6Config(448, MSE)); "
+    "before, with the plain NVFP4 recipe: a weight update quantized by the plugin must use the release's recipe",
+)
+
 
 def all_features() -> dict[str, Feature]:
     return {name: f for name, f in globals().items() if isinstance(f, Feature)}

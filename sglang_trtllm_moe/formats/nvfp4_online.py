@@ -1,0 +1,73 @@
+"""Online NVFP4 (`--quantization nvfp4_online`): BF16 / FP16 / FP8 source experts quantized to NVFP4 as they load,
+activations quantized per token at run time.
+
+SGLang's `ModelOptNvFp4OnlineFusedMoEMethod` subclasses ModelOpt's NVFP4 method: its weight loader quantizes each
+expert (w1 and w3 together, one global scale per pair) and writes ModelOpt NVFP4 parameters, so the kernel layout,
+the row maps and the scale swizzle are ModelOpt NVFP4's (formats/nvfp4.py). What differs:
+* activations: per token. SGLang's trtllm leaf quantizes the hidden states with flashinfer
+  `nvfp4_quantize(..., per_token_activation=True)` (global scale inverse 1 / (448 * 6)) and hands the kernel the
+  per-token FP32 scales as `per_token_scale` (by keyword here); the kernel then re-quantizes GEMM1's output per
+  token too. The static input scales are never loaded (SGLang leaves them unfilled) and its prep takes a1 = a2 = 1
+  (`use_per_token_activation`), as `NvFp4.compute_scalars` does.
+* non-gated (relu2): SGLang pads the hidden size to 512 for the per-token non-gated kernel (0.5.22+; before, the
+  kernel gives garbage at unaligned hidden sizes); the plugin does not pad hidden, so it serves gated layers only.
+* the weight recipe is release-specific (compat/features.py NVFP4_ONLINE_4OVER6): SGLang 0.5.23 quantizes with
+  flashinfer's "4over6" MSE recipe (`quant.nvfp4_quantize_4over6`), earlier releases with the plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compat import features
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Support
+from .nvfp4 import NvFp4
+
+#: flashinfer's per-token global scale inverse: 1 / (e4m3 max * e2m1 max)
+PER_TOKEN_SCALE_INV = 1.0 / (448.0 * 6.0)
+
+
+class NvFp4Online(NvFp4):
+    name = "nvfp4_online"
+    title = "NVFP4 online (nvfp4_online, per-token activations)"
+    quantizations = {TRTLLM: frozenset({"nvfp4_online"}), TRTLLM_ROUTED: frozenset({"nvfp4_online"})}
+    #: SGLang's own FP4-leaf layers are read as ModelOpt NVFP4 (static activation scales), not as this format
+    sglang_leaf = None
+    non_gated_activations = frozenset()
+    activation_note = (
+        "non-gated per-token NVFP4 needs the hidden size padded to 512 (SGLang's trtllm_nvfp4_hidden_alignment), "
+        "which the plugin does not do"
+    )
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization == "nvfp4_online"
+
+    def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
+        if self.serves(backend, checkpoint) and not features.NVFP4_ONLINE.present():
+            return False, f"no: upstream lacks it (this SGLang release has no --quantization nvfp4_online: {features.NVFP4_ONLINE.releases})"
+        return super().supports_backend(backend, checkpoint)
+
+    def activation_args(self, call: KernelCall) -> dict:
+        """Per-token NVFP4 activations, as SGLang's trtllm leaf makes them: linear e4m3 block scales and the
+        per-token FP32 scales, handed over by keyword (`per_token_scale`; flashinfer#2906 moves
+        `hidden_states_scale` in the positional order)."""
+        if call.on_kernel:
+            from flashinfer import SfLayout, nvfp4_quantize
+
+            inv = torch.full((1,), PER_TOKEN_SCALE_INV, dtype=torch.float32, device=call.hidden.device)
+            hs, hs_sf, pts = nvfp4_quantize(
+                call.hidden, inv, sfLayout=SfLayout.layout_linear, per_token_activation=True, backend="cute-dsl"
+            )
+        else:
+            from ..quant import nvfp4_quantize_per_token
+
+            hs, hs_sf, pts = nvfp4_quantize_per_token(call.hidden, PER_TOKEN_SCALE_INV)
+        t, h = call.hidden.shape
+        return dict(
+            hidden_states=hs.view(torch.uint8).reshape(t, h // 2),
+            hidden_states_scale=hs_sf.view(torch.float8_e4m3fn).reshape(t, h // 16),
+            per_token_scale=pts.reshape(t).to(torch.float32),
+        )
+
+
+NVFP4_ONLINE = NvFp4Online()
