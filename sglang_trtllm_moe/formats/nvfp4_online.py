@@ -34,13 +34,27 @@ class NvFp4Online(NvFp4):
     #: SGLang's own FP4-leaf layers are read as ModelOpt NVFP4 (static activation scales), not as this format
     sglang_leaf = None
     non_gated_activations = frozenset()
-    activation_note = (
-        "non-gated per-token NVFP4 needs the hidden size padded to 512 (SGLang's trtllm_nvfp4_hidden_alignment), "
-        "which the plugin does not do"
-    )
+
+    def supports_activation(self, activation: str, gated: bool) -> Support:
+        ok, why = super().supports_activation(activation, gated)
+        if not ok and not gated:
+            why += (
+                "; non-gated per-token NVFP4 needs the hidden size padded to 512 (SGLang's "
+                "trtllm_nvfp4_hidden_alignment), which the plugin does not do"
+            )
+        return ok, why
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "nvfp4_online"
+
+    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+        """ModelOpt NVFP4's scalars with a1 = a2 = 1 (NvFp4 reads `use_per_token_activation`). The static input
+        scales are never loaded online; SGLang 0.5.23 allocates them unfilled (torch.empty: whatever the allocator
+        held, so two loads of one checkpoint differ there), 0.5.17 fills them with 1.0: the plugin fills 1.0 on
+        every release, so the served bytes are a function of the checkpoint (the weight checker, RL bit-exactness)."""
+        for name in ("w13_input_scale", "w2_input_scale"):
+            getattr(layer, name).data.fill_(1.0)
+        return super().compute_scalars(layer)
 
     def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
         if self.serves(backend, checkpoint) and not features.NVFP4_ONLINE.present():

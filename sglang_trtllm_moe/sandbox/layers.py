@@ -414,19 +414,23 @@ def load_checkpoint(layer, tensors: dict[str, torch.Tensor], num_experts: int) -
     mapping = FusedMoE.make_expert_params_mapping(GATE if gated else UP, DOWN, UP if gated else "<none>", num_experts)
     params = dict(layer.named_parameters())
     calls = 0
-    for name, t in tensors.items():
-        full = "experts." + name.split("experts.", 1)[1]
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if not full.startswith(weight_name):
-                continue
-            pname = param_name.split("experts.", 1)[1] + full[len(weight_name) :].replace(".", "_")
-            param = params[pname]
-            param.weight_loader(param, t, pname, shard_id=shard_id, expert_id=expert_id)
-            calls += 1
-            break
-        else:
-            raise KeyError(f"no FusedMoE parameter for checkpoint tensor {name}")
+    online = type(getattr(layer, "quant_method", None)).__name__ == "ModelOptNvFp4OnlineFusedMoEMethod"
+    with online_quantizer() if online else contextlib.nullcontext():  # SGLang quantizes as it loads (CUDA-only)
+        for name, t in tensors.items():
+            calls += _load_one(layer, mapping, params, name, t)
     return calls
+
+
+def _load_one(layer, mapping, params, name, t) -> int:
+    full = "experts." + name.split("experts.", 1)[1]
+    for param_name, weight_name, expert_id, shard_id in mapping:
+        if not full.startswith(weight_name):
+            continue
+        pname = param_name.split("experts.", 1)[1] + full[len(weight_name) :].replace(".", "_")
+        param = params[pname]
+        param.weight_loader(param, t, pname, shard_id=shard_id, expert_id=expert_id)
+        return 1
+    raise KeyError(f"no FusedMoE parameter for checkpoint tensor {name}")
 
 
 def load_fused(layer, tensors: dict[str, torch.Tensor]) -> None:
