@@ -56,6 +56,31 @@ class NvFp4Online(NvFp4):
             getattr(layer, name).data.fill_(1.0)
         return super().compute_scalars(layer)
 
+    # ---- RL updates in the trainer's dtype ------------------------------------------------------------------
+    #: the parameters SGLang's online loader quantizes into from a BF16 / FP16 / FP32 source tensor
+    SOURCE_PARAMS = ("w13_weight", "w2_weight")
+    SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+    def converted_by_sglang(self, layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
+        """A source-dtype expert weight: SGLang's online loader quantizes it (w1 with w3 of the same expert: one
+        global scale) and writes the NVFP4 bytes and scales through FusedMoE's loader, where the plugin checks them
+        and marks the expert for layout again; the plugin's batched tensor path leaves such writes to it."""
+        return param_name in self.SOURCE_PARAMS and loaded.dtype in self.SOURCE_DTYPES
+
+    def converted_shape(self, layer, param_name: str, loaded: torch.Tensor) -> tuple | None:
+        """Two e2m1 codes per byte along K: [rows, K] -> [rows, K / 2] (an odd K keeps its shape: refused)."""
+        if loaded.dim() != 2 or loaded.shape[-1] % 2:
+            return tuple(loaded.shape)
+        return (int(loaded.shape[0]), int(loaded.shape[1]) // 2)
+
+    def source_problem(self, layer, param_name: str, loaded: torch.Tensor) -> str | None:
+        """NaN / inf in a source weight would become NaN global and block scales (amax-derived): refused. One
+        device read per tensor."""
+        bad = int((~torch.isfinite(loaded)).sum())
+        if bad:
+            return f"{bad} non-finite value(s) (NaN / inf) in the {loaded.dtype} source weight"
+        return None
+
     def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
         if self.serves(backend, checkpoint) and not features.NVFP4_ONLINE.present():
             return False, f"no: upstream lacks it (this SGLang release has no --quantization nvfp4_online: {features.NVFP4_ONLINE.releases})"
