@@ -319,3 +319,32 @@ def test_bad_bf16_update_is_refused_and_changes_nothing(how, bad):
         assert "does not fit" in msg and "nothing of it was written" in msg, msg
     for n, p in model.named_parameters():
         assert torch.equal(as_bytes(p.data), as_bytes(snapshot[n])), f"{n} changed by a refused update"
+
+
+def test_weight_checker_layout_aware_and_a_changed_bf16_expert_located():
+    """SGLang's weight checker on a plugin-prepared online layer: the layout-aware view of the served bytes equals
+    flashinfer's own CPU dequantizer on the bytes SGLang's online loader wrote (checkpoint layout); a snapshot
+    compares equal to itself; a BF16 update of expert 2 through SGLang's online loader is found in expert 2 only."""
+    from flashinfer.quantization.fp4_quantization import _e2m1_and_ufp8sf_scale_to_float_cpu as fi_dequant
+
+    from sglang_trtllm_moe import checker
+
+    model = sglang_runtime.prepared_model(RL_SPEC, rl_ckpt(0))
+    layer = model.experts
+    raw = cpu_layers.TinyMoeModel(RL_SPEC)  # the same checkpoint, loaded and never prepared: checkpoint layout
+    raw.load_weights(cpu_layers.checkpoint_names(rl_ckpt(0)).items())
+    for name in ("w13_weight", "w2_weight"):
+        w, s = getattr(raw.experts, name).data, getattr(raw.experts, NVFP4_ONLINE.scale_of(name)).data
+        want = torch.stack([fi_dequant(w[e], s[e].view(torch.uint8), None, 16, 1, False) for e in range(w.shape[0])])
+        got = torch.cat([v for _, v, _ in checker.iter_dequantized(checker.live_side(layer, name))])
+        assert torch.equal(got, want), name
+    wc = sglang_runtime.weight_checker(model)
+    wc.handle("snapshot", role="target")
+    wc.handle("compare", role="target")
+    wc.handle("snapshot", role="target")
+    cpu_layers.load_checkpoint(layer, rl_ckpt(9, experts=[2]), RL_SPEC.num_experts)
+    layer_state.flush_all()
+    with pytest.raises(Exception) as err:
+        wc.handle("compare", role="target")
+    msg = str(err.value)
+    assert "in experts [2]" in msg and "experts.w13_weight:" in msg, msg[-800:]
