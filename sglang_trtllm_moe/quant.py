@@ -161,8 +161,8 @@ def nvfp4_quantize_4over6(
     sf4_f = sf6_f * _f32(1.5, x.device)
     decode = _f32(1.0, x.device) / gs
     original = xb * gs
-    best_codes = best_sf = best_err = None
-    for sf_f in (sf6_f, sf4_f):  # 6 first: the 4 candidate replaces it only when strictly better
+
+    def candidate(sf_f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sf = sf_f.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
         oscale = torch.clamp(_f32(1.0, x.device) / (sf.float() * decode), max=torch.finfo(torch.float32).max)
         codes = float_to_e2m1((xb * oscale).reshape(x.shape)).reshape(*xb.shape[:-1], block // 2)
@@ -171,15 +171,14 @@ def nvfp4_quantize_4over6(
         err = terms[..., 0]
         for i in range(1, block):  # fp32 adds in element order, as the kernel accumulates
             err = err + terms[..., i]
-        if best_err is None:
-            best_codes, best_sf, best_err = codes, sf, err
-        else:
-            take = (err < best_err).unsqueeze(-1)
-            best_codes = torch.where(take, codes, best_codes)
-            best_sf = torch.where(take, sf.float(), best_sf.float()).to(torch.float8_e4m3fn)
-    zero = (amax == 0).squeeze(-1)
-    best_codes = torch.where(zero.unsqueeze(-1), torch.zeros_like(best_codes), best_codes)
-    best_sf = torch.where(zero.unsqueeze(-1), torch.zeros_like(best_sf.float()), best_sf.float())
+        return codes, sf.float(), err
+
+    codes6, sf6, err6 = candidate(sf6_f)
+    codes4, sf4, err4 = candidate(sf4_f)
+    take4 = (err4 < err6).unsqueeze(-1)  # the 4 candidate replaces the 6 one only when strictly better
+    zero = amax == 0
+    best_codes = torch.where(zero, torch.zeros_like(codes6), torch.where(take4, codes4, codes6))
+    best_sf = torch.where(zero, torch.zeros_like(sf6), torch.where(take4, sf4, sf6))
     return best_codes.reshape(*x.shape[:-1], K // 2), best_sf.to(torch.float8_e4m3fn).reshape(*x.shape[:-1], K // block)
 
 

@@ -195,7 +195,8 @@ PROBES = {
     "NVFP4_ONLINE": lambda: importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None,
     "NVFP4_ONLINE_4OVER6": lambda: (
         importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None
-        and "nvfp4_4over6=" in _source(
+        and "nvfp4_4over6="
+        in _source(
             "sglang.srt.layers.quantization.nvfp4_online:ModelOptNvFp4OnlineFusedMoEMethod._quantize_weight_nvfp4"
         )
     ),

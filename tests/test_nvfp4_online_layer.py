@@ -94,7 +94,8 @@ def test_loaded_bytes_are_sglangs_online_recipe():
         assert torch.equal(as_bytes(layer.w13_weight_scale.data[e, :i]), as_bytes(sf[i:]))
         assert torch.equal(layer.w13_weight_scale_2.data[e], torch.stack([s2, s2]))
         q2, sf2, s22 = quantize_like_sglang(ck[f"experts.{e}.down_proj.weight"])
-        assert torch.equal(layer.w2_weight.data[e], q2) and torch.equal(as_bytes(layer.w2_weight_scale.data[e]), as_bytes(sf2))
+        assert torch.equal(layer.w2_weight.data[e], q2)
+        assert torch.equal(as_bytes(layer.w2_weight_scale.data[e]), as_bytes(sf2))
         assert torch.equal(layer.w2_weight_scale_2.data[e].reshape(()), s22)
 
 
@@ -115,8 +116,8 @@ def test_4over6_picks_the_better_candidate_per_block():
 
 
 def test_per_token_quantizer():
-    """Per token: scale = row amax * fp32(1 / (448 * 6)) (a multiply, as the kernel computes it); rows dequantize to within NVFP4's grid of the input; a zero row gives
-    scale 0 and zero codes."""
+    """Per token: scale = row amax * fp32(1 / (448 * 6)) (a multiply, as the kernel computes it); rows dequantize
+    to within NVFP4's grid of the input; a zero row gives scale 0 and zero codes."""
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(5, 256, generator=g) * torch.tensor([1.0, 100.0, 0.01, 0.0, 3.0]).unsqueeze(1)).to(torch.bfloat16)
     q, sf, pts = quant.nvfp4_quantize_per_token(x)
@@ -177,7 +178,7 @@ def test_forward_with_emulator_matches_reference(spec, monkeypatch):
     x[2] *= 30  # per-token scales: one loud token must not drown the others
     logits = torch.randn(6, spec.num_experts, generator=g)
     out, topk = sglang_runtime.forward(layer, x, logits)
-    (args, kwargs), = calls
+    ((args, kwargs),) = calls
     assert not args, "the kernel is called by keyword only (flashinfer#2906 moves hidden_states_scale)"
     assert kwargs["per_token_scale"].shape == (6,) and kwargs["hidden_states_scale"].dtype == torch.float8_e4m3fn
     ref = _reference(x, topk, ck, spec, round_like_kernel=False)
@@ -284,13 +285,12 @@ def test_partial_bf16_update_of_one_expert(how):
     assert_served_as_fresh(model, {**rl_ckpt(0), **rl_ckpt(3, experts=[5])})
 
 
-BAD = [
-    pytest.param("tensor", bad, id=f"tensor-{bad}") for bad in ("nan", "inf", "shape", "odd_k")
-] + [
+BAD = [pytest.param("tensor", bad, id=f"tensor-{bad}") for bad in ("nan", "inf", "shape", "odd_k")] + [
     # a disk update's pre-check reads headers (shape, dtype) before anything is restored; source weight values are
     # not read from the files there: a NaN is caught when SGLang's loader writes its NaN block scale, and the
     # previous weights are put back bit for bit (an inf is not caught on disk: SGLang's amax uses nan_to_num)
-    pytest.param("disk", bad, id=f"disk-{bad}") for bad in ("nan", "shape", "odd_k")
+    pytest.param("disk", bad, id=f"disk-{bad}")
+    for bad in ("nan", "shape", "odd_k")
 ]
 
 

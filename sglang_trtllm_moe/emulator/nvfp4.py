@@ -119,8 +119,9 @@ def _fp4_impl(
         x = quant.nvfp4_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 16), 1.0)
         if per_token:  # GEMM1 scaled per token (the launcher's usePerTokenScalingGemm1)
             if per_token_scale.dtype != torch.float32 or per_token_scale.numel() != T:
-                raise ValueError(f"per_token_scale must be float32 [{T}], got {per_token_scale.dtype} "
-                                 f"{tuple(per_token_scale.shape)}")
+                raise ValueError(
+                    f"per_token_scale must be float32 [{T}], got {per_token_scale.dtype} {tuple(per_token_scale.shape)}"
+                )
             x = x * per_token_scale.reshape(T, 1)
     elif acts == "mxfp8":
         if hidden_states_scale is None:

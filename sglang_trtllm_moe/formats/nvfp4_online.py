@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Support
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, Support
 from .nvfp4 import NvFp4
 
 #: flashinfer's per-token global scale inverse: 1 / (e4m3 max * e2m1 max)
@@ -38,7 +38,7 @@ class NvFp4Online(NvFp4):
     def supports_activation(self, activation: str, gated: bool) -> Support:
         ok, why = super().supports_activation(activation, gated)
         if not ok and not gated:
-            why += (
+            why = (why or "") + (
                 "; non-gated per-token NVFP4 needs the hidden size padded to 512 (SGLang's "
                 "trtllm_nvfp4_hidden_alignment), which the plugin does not do"
             )
@@ -47,7 +47,7 @@ class NvFp4Online(NvFp4):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "nvfp4_online"
 
-    def compute_scalars(self, layer) -> dict[str, torch.Tensor]:
+    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         """ModelOpt NVFP4's scalars with a1 = a2 = 1 (NvFp4 reads `use_per_token_activation`). The static input
         scales are never loaded online; SGLang 0.5.23 allocates them unfilled (torch.empty: whatever the allocator
         held, so two loads of one checkpoint differ there), 0.5.17 fills them with 1.0: the plugin fills 1.0 on
@@ -61,19 +61,19 @@ class NvFp4Online(NvFp4):
     SOURCE_PARAMS = ("w13_weight", "w2_weight")
     SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-    def converted_by_sglang(self, layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
+    def converted_by_sglang(self, layer: Layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
         """A source-dtype expert weight: SGLang's online loader quantizes it (w1 with w3 of the same expert: one
         global scale) and writes the NVFP4 bytes and scales through FusedMoE's loader, where the plugin checks them
         and marks the expert for layout again; the plugin's batched tensor path leaves such writes to it."""
         return param_name in self.SOURCE_PARAMS and loaded.dtype in self.SOURCE_DTYPES
 
-    def converted_shape(self, layer, param_name: str, loaded: torch.Tensor) -> tuple | None:
+    def converted_shape(self, layer: Layer, param_name: str, loaded: torch.Tensor) -> tuple | None:
         """Two e2m1 codes per byte along K: [rows, K] -> [rows, K / 2] (an odd K keeps its shape: refused)."""
         if loaded.dim() != 2 or loaded.shape[-1] % 2:
             return tuple(loaded.shape)
         return (int(loaded.shape[0]), int(loaded.shape[1]) // 2)
 
-    def source_problem(self, layer, param_name: str, loaded: torch.Tensor) -> str | None:
+    def source_problem(self, layer: Layer, param_name: str, loaded: torch.Tensor) -> str | None:
         """NaN / inf in a source weight would become NaN global and block scales (amax-derived): refused. One
         device read per tensor."""
         bad = int((~torch.isfinite(loaded)).sum())
@@ -83,7 +83,10 @@ class NvFp4Online(NvFp4):
 
     def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
         if self.serves(backend, checkpoint) and not features.NVFP4_ONLINE.present():
-            return False, f"no: upstream lacks it (this SGLang release has no --quantization nvfp4_online: {features.NVFP4_ONLINE.releases})"
+            return False, (
+                "no: upstream lacks it (this SGLang release has no --quantization nvfp4_online: "
+                f"{features.NVFP4_ONLINE.releases})"
+            )
         return super().supports_backend(backend, checkpoint)
 
     def activation_args(self, call: KernelCall) -> dict:

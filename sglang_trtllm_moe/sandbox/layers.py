@@ -538,7 +538,6 @@ def online_quantizer():
     return _patched((flashinfer, "nvfp4_quantize", torch_nvfp4_quantize))
 
 
-
 def torch_block_scale_interleave(x, *args, **kwargs):
     """flashinfer.block_scale_interleave on CPU: 128x4 swizzle of a 2-D [R, C], returned flat (and padded)."""
     if x.dim() != 2:
