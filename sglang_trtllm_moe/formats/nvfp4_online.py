@@ -84,8 +84,8 @@ class NvFp4Online(NvFp4):
     def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
         if self.serves(backend, checkpoint) and not features.NVFP4_ONLINE.present():
             return False, (
-                "no: upstream lacks it (this SGLang release has no --quantization nvfp4_online: "
-                f"{features.NVFP4_ONLINE.releases})"
+                "no: upstream lacks it (--quantization nvfp4_online exists in SGLang "
+                f"{features.NVFP4_ONLINE.releases} only)"
             )
         return super().supports_backend(backend, checkpoint)
 
