@@ -42,9 +42,31 @@ def as_bytes(t):
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def loader_env(how: str):
+    """SGLang's model loader's environment around load_weights where it sets one (features.NVFP4_ONLINE_LOADER_4OVER6:
+    a server's initial load and its disk updates quantize with 4over6 there; its tensor updates do not)."""
+    import contextlib
+    import os
+    from unittest import mock
+
+    if how != "disk" or not features.NVFP4_ONLINE_LOADER_4OVER6.present():
+        return contextlib.nullcontext()
+    return mock.patch.dict(
+        os.environ,
+        {
+            "FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH": "1",
+            "FLASHINFER_NVFP4_4OVER6": "1",
+            "FLASHINFER_NVFP4_4OVER6_E4M3_USE_256": "0",
+            "FLASHINFER_NVFP4_4OVER6_ERR_MODE": "MSE",
+            "FLASHINFER_NVFP4_4OVER6_ERR_USE_FAST_MATH": "1",
+        },
+    )
+
+
 def quantize_like_sglang(w: torch.Tensor):
     """SGLang's online recipe for one source tensor (w1 and w3 of an expert concatenated): weight_scale_2 =
-    amax / (448 * 6), flashinfer's quantizer with global 1 / weight_scale_2 (4over6 MSE on 0.5.23)."""
+    amax / (448 * 6), flashinfer's quantizer with global 1 / weight_scale_2 (4over6 MSE on 0.5.23; harness loads,
+    which bypass the model loader, use the plain recipe before)."""
     s2 = w.float().abs().amax() / (448.0 * 6.0)
     if features.NVFP4_ONLINE_4OVER6.present():
         q, sf = quant.nvfp4_quantize_4over6(w, 1.0 / s2)
@@ -239,8 +261,13 @@ def served(model):
     return {n: getattr(model.experts, n).data.clone() for n in SERVED}
 
 
-def assert_served_as_fresh(model, intended):
-    fresh = sglang_runtime.prepared_model(RL_SPEC, intended)
+def prepared(tensors, how="tensor"):
+    with loader_env(how):  # a disk update's "fresh load" is a server's load, through the model loader
+        return sglang_runtime.prepared_model(RL_SPEC, tensors)
+
+
+def assert_served_as_fresh(model, intended, how="tensor"):
+    fresh = prepared(intended, how)
     for n in SERVED:
         assert torch.equal(as_bytes(getattr(model.experts, n).data), as_bytes(getattr(fresh.experts, n).data)), n
 
@@ -260,13 +287,13 @@ def update(model, tensors, how):
 
 @pytest.mark.parametrize("how", ["tensor", "disk"])
 def test_bf16_update_is_quantized_like_a_fresh_load_and_a_b_a_gives_a_back(how):
-    model = sglang_runtime.prepared_model(RL_SPEC, rl_ckpt(0))
+    model = prepared(rl_ckpt(0), how)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     a = served(model)
     ok, msg = update(model, rl_ckpt(1), how)
     assert ok, msg
     assert layer_state.state_of(model.experts).clean
-    assert_served_as_fresh(model, rl_ckpt(1))
+    assert_served_as_fresh(model, rl_ckpt(1), how)
     ok, msg = update(model, rl_ckpt(0), how)
     assert ok, msg
     for n in SERVED:
@@ -276,13 +303,13 @@ def test_bf16_update_is_quantized_like_a_fresh_load_and_a_b_a_gives_a_back(how):
 
 @pytest.mark.parametrize("how", ["tensor", "disk"])
 def test_partial_bf16_update_of_one_expert(how):
-    model = sglang_runtime.prepared_model(RL_SPEC, rl_ckpt(0))
+    model = prepared(rl_ckpt(0), how)
     st = layer_state.state_of(model.experts)
     before = st.experts_prepared_total
     ok, msg = update(model, rl_ckpt(3, experts=[5]), how)
     assert ok, msg
     assert st.experts_prepared_total - before == 2  # expert 5's w13 and w2 groups, nothing else
-    assert_served_as_fresh(model, {**rl_ckpt(0), **rl_ckpt(3, experts=[5])})
+    assert_served_as_fresh(model, {**rl_ckpt(0), **rl_ckpt(3, experts=[5])}, how)
 
 
 BAD = [pytest.param("tensor", bad, id=f"tensor-{bad}") for bad in ("nan", "inf", "shape", "odd_k")] + [

@@ -263,6 +263,13 @@ NVFP4_ONLINE_4OVER6 = Feature(
     "before, with the plain NVFP4 recipe: a weight update quantized by the plugin must use the release's recipe",
 )
 
+NVFP4_ONLINE_LOADER_4OVER6 = Feature(
+    ">=0.5.18,<0.5.23",
+    "the model loader (initial load, update_weights_from_disk) runs load_weights of an nvfp4_online model under "
+    "FLASHINFER_NVFP4_4OVER6=1 (MSE, e4m3 448, exact math): 4over6 weights there; update_weights_from_tensor calls "
+    "load_weights without it, so SGLang quantizes tensor updates with the plain recipe on these releases",
+)
+
 
 def all_features() -> dict[str, Feature]:
     return {name: f for name, f in globals().items() if isinstance(f, Feature)}

@@ -513,8 +513,16 @@ def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec
     extra = {k: v for k, v in kwargs.items() if v is not None}
     if a.is_cuda or args or extra or do_shuffle or sf_vec_size != 16 or sfLayout != SfLayout.layout_linear:
         raise NotImplementedError(f"the CPU nvfp4_quantize stand-in: {sfLayout}, shuffle {do_shuffle}, {extra}")
-    if recipe == "env":
-        recipe = "4over6 (environment)" if os.environ.get("FLASHINFER_NVFP4_4OVER6") == "1" else None
+    if recipe == "env":  # flashinfer's FLASHINFER_NVFP4_4OVER6* variables (SGLang 0.5.18-0.5.22's model loader sets them)
+        recipe = None
+        if os.environ.get("FLASHINFER_NVFP4_4OVER6") == "1":
+            from types import SimpleNamespace
+
+            recipe = SimpleNamespace(
+                e4m3_max=256 if os.environ.get("FLASHINFER_NVFP4_4OVER6_E4M3_USE_256") == "1" else 448,
+                err_mode_name=os.environ.get("FLASHINFER_NVFP4_4OVER6_ERR_MODE", "MAE").upper(),
+                err_use_fast_math=os.environ.get("FLASHINFER_NVFP4_4OVER6_ERR_USE_FAST_MATH") == "1",
+            )
     gs = a_global_sf.float().reshape(()) if isinstance(a_global_sf, torch.Tensor) else float(a_global_sf)
     if per_token:
         if recipe is not None:
@@ -525,7 +533,7 @@ def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec
         q, sf = quant.nvfp4_quantize(a, gs)
     else:
         exact = os.environ.get("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH") == "1"
-        if isinstance(recipe, str) or recipe.e4m3_max != 448 or not recipe.err_use_fast_math or not exact:
+        if recipe.e4m3_max != 448 or not recipe.err_use_fast_math or not exact:
             raise NotImplementedError(f"NVFP4 4over6 recipe {recipe} (exact math: {exact})")
         q, sf = quant.nvfp4_quantize_4over6(a, gs, recipe.err_mode_name)
     return q, sf.view(torch.uint8)
