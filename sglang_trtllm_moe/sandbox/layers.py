@@ -513,7 +513,7 @@ def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec
     extra = {k: v for k, v in kwargs.items() if v is not None}
     if a.is_cuda or args or extra or do_shuffle or sf_vec_size != 16 or sfLayout != SfLayout.layout_linear:
         raise NotImplementedError(f"the CPU nvfp4_quantize stand-in: {sfLayout}, shuffle {do_shuffle}, {extra}")
-    if recipe == "env":  # flashinfer's FLASHINFER_NVFP4_4OVER6* variables (SGLang 0.5.18-0.5.22's model loader sets them)
+    if recipe == "env":  # flashinfer's FLASHINFER_NVFP4_4OVER6* variables (features.NVFP4_ONLINE_LOADER_4OVER6)
         recipe = None
         if os.environ.get("FLASHINFER_NVFP4_4OVER6") == "1":
             from types import SimpleNamespace
