@@ -201,8 +201,7 @@ PROBES = {
         )
     ),
     "NVFP4_ONLINE_LOADER_4OVER6": lambda: (
-        'FLASHINFER_NVFP4_4OVER6="1"'
-        in inspect.getsource(importlib.import_module("sglang.srt.model_loader.loader"))
+        'FLASHINFER_NVFP4_4OVER6="1"' in inspect.getsource(importlib.import_module("sglang.srt.model_loader.loader"))
     ),
     "GPTOSS_FI_KERNEL_ATTR": lambda: (
         "_fi_kernel" in _source("sglang.srt.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__")
