@@ -137,6 +137,73 @@ def nvfp4_quantize(
     return packed, sf.reshape(*x.shape[:-1], K // block)
 
 
+def nvfp4_quantize_4over6(
+    x: torch.Tensor, global_scale: ScaleLike, err_mode: str = "MSE", block: int = NVFP4_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 "4over6" of `[..., K]`: per block of 16, the candidate of block scale amax/6 and the one of 1.5x that
+    (the block's amax lands on e2m1 4 instead of 6), whichever errs less. flashinfer's cute-dsl recipe as SGLang
+    0.5.23's online weight quantizer calls it (`NVFP44Over6Config(448, err_mode, err_use_fast_math=True)` under
+    FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1; `_nvfp4_4over6_quant_from_values`, quantization_cute_dsl_utils.py):
+        sf6 = rn(rn(amax / 6) * gs), sf4 = rn(sf6 * 1.5), scale_c = e4m3(sf_c)   (satfinite)
+        q_c = e2m1_rn(x * min(1 / (scale_c * (1 / gs)), FLT_MAX))
+        err_c = sum_i (q_c[i] * scale_c - x[i] * gs)^2 (MSE; |.| for MAE), in element order, fp32
+    and the 4-candidate is taken when err4 < err6 (strictly). The fp16 products of the candidates' decode are exact
+    (e2m1 x e4m3 has at most 6 significant bits). Returns (packed uint8 `[..., K/2]`, linear e4m3 `[..., K/16]`)."""
+    K = x.shape[-1]
+    if K % block:
+        raise ValueError(f"last dim {K} is not a multiple of the NVFP4 block {block}")
+    if err_mode not in ("MSE", "MAE"):
+        raise ValueError(f"4over6 error mode {err_mode!r}: MSE or MAE")
+    gs = _as_f32_scalar(global_scale, x.device)
+    xb = x.float().reshape(*x.shape[:-1], K // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    sf6_f = (amax / _f32(6.0, x.device)) * gs
+    sf4_f = sf6_f * _f32(1.5, x.device)
+    decode = _f32(1.0, x.device) / gs
+    original = xb * gs
+
+    def candidate(sf_f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sf = sf_f.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        oscale = torch.clamp(_f32(1.0, x.device) / (sf.float() * decode), max=torch.finfo(torch.float32).max)
+        codes = float_to_e2m1((xb * oscale).reshape(x.shape)).reshape(*xb.shape[:-1], block // 2)
+        diff = e2m1_to_float(codes) * sf.float() - original
+        terms = diff * diff if err_mode == "MSE" else diff.abs()
+        err = terms[..., 0]
+        for i in range(1, block):  # fp32 adds in element order, as the kernel accumulates
+            err = err + terms[..., i]
+        return codes, sf.float(), err
+
+    codes6, sf6, err6 = candidate(sf6_f)
+    codes4, sf4, err4 = candidate(sf4_f)
+    take4 = (err4 < err6).unsqueeze(-1)  # the 4 candidate replaces the 6 one only when strictly better
+    zero = amax == 0
+    best_codes = torch.where(zero, torch.zeros_like(codes6), torch.where(take4, codes4, codes6))
+    best_sf = torch.where(zero, torch.zeros_like(sf6), torch.where(take4, sf4, sf6))
+    return best_codes.reshape(*x.shape[:-1], K // 2), best_sf.to(torch.float8_e4m3fn).reshape(*x.shape[:-1], K // block)
+
+
+def nvfp4_quantize_per_token(
+    x: torch.Tensor, global_scale_inv: ScaleLike = 1.0 / (FP8_E4M3_MAX * E2M1_MAX), block: int = NVFP4_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token NVFP4 of `[T, K]` (flashinfer `nvfp4_quantize(..., per_token_activation=True)`, cute-dsl, default
+    fast math): per row, per_token_scale = amax * global_scale_inv and the row quantized with global scale
+    1 / per_token_scale (`_row_scales`, nvfp4_quantize.py); a zero row gives scale 0 and zero codes. Returns
+    (packed uint8 `[T, K/2]`, linear e4m3 `[T, K/16]`, per_token_scale float32 `[T]`): x ~= dequant * scale[t]."""
+    inv = _as_f32_scalar(global_scale_inv, x.device)
+    amax = x.float().abs().amax(dim=-1)
+    pts = amax * inv
+    enc = torch.where(pts != 0, _f32(1.0, x.device) / pts, torch.zeros_like(pts))
+    K = x.shape[-1]
+    xb = x.float().reshape(x.shape[0], K // block, block)
+    bmax = xb.abs().amax(dim=-1, keepdim=True)
+    gs = enc.reshape(-1, 1, 1)
+    sf = (gs * (bmax * _f32(1.0 / 6.0, x.device))).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    denom = sf.float() * torch.where(gs != 0, 1.0 / gs, torch.zeros_like(gs))
+    oscale = torch.where((bmax != 0) & (denom != 0), 1.0 / denom, torch.zeros_like(denom))
+    packed = float_to_e2m1(torch.nan_to_num(xb * oscale, nan=0.0).reshape(x.shape))
+    return packed, sf.reshape(x.shape[0], K // block), pts
+
+
 def nvfp4_dequantize(
     packed: torch.Tensor, sf: torch.Tensor, global_scale: ScaleLike = 1.0, block: int = NVFP4_BLOCK
 ) -> torch.Tensor:

@@ -192,6 +192,17 @@ PROBES = {
         "loaded_shard_size" in _source("sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE._load_w13")
     ),
     "FP4_EXPERTS_SGLANG_PADS": lambda: _has(FP4E, "_pad_intermediate_size"),
+    "NVFP4_ONLINE": lambda: importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None,
+    "NVFP4_ONLINE_4OVER6": lambda: (
+        importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None
+        and "nvfp4_4over6="
+        in _source(
+            "sglang.srt.layers.quantization.nvfp4_online:ModelOptNvFp4OnlineFusedMoEMethod._quantize_weight_nvfp4"
+        )
+    ),
+    "NVFP4_ONLINE_LOADER_4OVER6": lambda: (
+        'FLASHINFER_NVFP4_4OVER6="1"' in inspect.getsource(importlib.import_module("sglang.srt.model_loader.loader"))
+    ),
     "GPTOSS_FI_KERNEL_ATTR": lambda: (
         "_fi_kernel" in _source("sglang.srt.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__")
     ),

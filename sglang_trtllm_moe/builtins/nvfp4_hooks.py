@@ -12,7 +12,7 @@ import logging
 from .. import hookimpl, layer_state
 from ..compat import features
 from ..errors import TrtllmLayerError
-from ..formats import CT_NVFP4, NVFP4
+from ..formats import CT_NVFP4, NVFP4, NVFP4_ONLINE
 from ..targets import HookTarget
 from ._prepare import UNREADABLE, kw, take_over
 
@@ -52,8 +52,15 @@ def modelopt_process_weights_after_loading(original, method, layer, *args, **kwa
     ok, _ = _modelopt_serves(method, layer)
     if not ok:
         return original(method, layer, *args, **kwargs)
-    if not take_over(NVFP4, method, layer, _modelopt_side_attrs):
+    # nvfp4_online's method subclasses ModelOpt's (same parameters, per-token activations): its own format
+    fmt = NVFP4_ONLINE if _quant_name(method) == "nvfp4_online" else NVFP4
+    if not take_over(fmt, method, layer, _modelopt_side_attrs):
         return original(method, layer, *args, **kwargs)
+
+
+def _quant_name(method) -> str | None:
+    get_name = getattr(getattr(method, "quant_config", None), "get_name", None)
+    return get_name() if callable(get_name) else None
 
 
 def modelopt_create_moe_runner(result, method, *args, **kwargs):

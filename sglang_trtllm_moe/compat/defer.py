@@ -49,6 +49,7 @@ MXFP4_EXPERTS = FormatName("mxfp4_experts")
 MXFP4_GPTOSS = FormatName("mxfp4_gptoss")
 MXFP8 = FormatName("mxfp8")
 NVFP4 = FormatName("nvfp4")
+NVFP4_ONLINE = FormatName("nvfp4_online")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,16 @@ TABLE: tuple[Verdict, ...] = (
         "measured: a one-expert update re-shuffles the experts that were not reloaded (w13/w2 weights and "
         "block scales differ from a fresh load); a tensor update is never prepared (kernel scalars stale)",
     ),
+    Verdict(
+        NVFP4_ONLINE,
+        ">=0.5.16",
+        False,
+        "measured: ModelOpt NVFP4's prep (the online method inherits it): a one-expert update re-shuffles the "
+        "experts that were not reloaded; the unused static input scales are unfilled memory on 0.5.23 (every "
+        "flow differs there)",
+    ),
+    Verdict(NVFP4_ONLINE, ">=0.5.14,<0.5.16", False, "read: " + _NO_CPU_ORACLE),
+    Verdict(NVFP4_ONLINE, "<0.5.14", False, "read: upstream lacks it (no --quantization nvfp4_online before 0.5.14)"),
     Verdict(
         CT_NVFP4,
         ">=0.5.16",

@@ -252,6 +252,24 @@ GPTOSS_FI_KERNEL_ATTR = Feature(
     "Mxfp4MoEMethod._fi_kernel names the flashinfer kernel ('trtllm_sm100' on SM100); 0.5.11 has only use_flashinfer",
 )
 
+NVFP4_ONLINE = Feature(
+    ">=0.5.14",
+    "`--quantization nvfp4_online` (layers/quantization/nvfp4_online.py): BF16/FP16/FP8 experts quantized to NVFP4 "
+    "as they load, per-token activation scales; before 0.5.14 upstream lacks it, so the plugin has nothing to serve",
+)
+NVFP4_ONLINE_4OVER6 = Feature(
+    ">=0.5.23",
+    "nvfp4_online quantizes expert weights with flashinfer's 4over6 MSE recipe (NVFP44Over6Config(448, MSE)); "
+    "before, with the plain NVFP4 recipe: a weight update quantized by the plugin must use the release's recipe",
+)
+
+NVFP4_ONLINE_LOADER_4OVER6 = Feature(
+    ">=0.5.18,<0.5.23",
+    "the model loader (initial load, update_weights_from_disk) runs load_weights of an nvfp4_online model under "
+    "FLASHINFER_NVFP4_4OVER6=1 (MSE, e4m3 448, exact math): 4over6 weights there; update_weights_from_tensor calls "
+    "load_weights without it, so SGLang quantizes tensor updates with the plain recipe on these releases",
+)
+
 
 def all_features() -> dict[str, Feature]:
     return {name: f for name, f in globals().items() if isinstance(f, Feature)}

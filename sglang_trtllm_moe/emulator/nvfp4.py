@@ -1,6 +1,8 @@
 """FP4 weights: flashinfer `trtllm_fp4_block_scale_moe` / `_routed_moe`.
 
-* NVFP4 weights and activations (e2m1 + e4m3 scales per 16, global scales through the output scalars).
+* NVFP4 weights and activations (e2m1 + e4m3 scales per 16, global scales through the output scalars); with
+  `per_token_scale` (online NVFP4) GEMM1 is scaled per token and its bf16 output re-quantized per row with per-row
+  FP32 scales that scale GEMM2 (trtllm_fused_moe_runner.cu, usePerTokenScalingGemm1/2).
 * MXFP4 weights (e2m1 + UE8M0 scales per 32; gpt-oss, DeepSeek-V4 experts) with MXFP8 activations (the
   intermediate re-quantized bf16 -> MXFP8, flashinfer's test reference) or BF16 activations (intermediate bf16),
   optional fp32 GEMM1/GEMM2 biases in the kernel's row layout, SwiGLU with alpha/beta/clamp (gpt-oss: 1.702, 1, 7).
@@ -61,6 +63,7 @@ def _fp4_impl(
     routing_replay_out,
     gemm1_bias=None,
     gemm2_bias=None,
+    per_token_scale=None,
 ):
     """NVFP4 weights x NVFP4 activations, or MXFP4 weights (UE8M0 scales per 32, picked by the scale count as the
     launcher does) x MXFP8 (e4m3 + linear scales) or BF16 activations, with optional fp32 GEMM biases in the
@@ -107,10 +110,19 @@ def _fp4_impl(
         raise NotImplementedError(f"NVFP4 weights with {acts} activations (only NVFP4 activations are emulated)")
     block = 32 if mx else 16
     dev = hidden_states.device
+    per_token = per_token_scale is not None
+    if per_token and (mx or acts != "nvfp4"):
+        raise NotImplementedError("per_token_scale with other than NVFP4 weights and NVFP4 activations")
     if acts == "nvfp4":
         if hidden_states_scale is None:
             raise ValueError("NVFP4 hidden_states need hidden_states_scale (linear e4m3 [T, H/16])")
         x = quant.nvfp4_dequantize(hidden_states, hidden_states_scale.reshape(T, H // 16), 1.0)
+        if per_token:  # GEMM1 scaled per token (the launcher's usePerTokenScalingGemm1)
+            if per_token_scale.dtype != torch.float32 or per_token_scale.numel() != T:
+                raise ValueError(
+                    f"per_token_scale must be float32 [{T}], got {per_token_scale.dtype} {tuple(per_token_scale.shape)}"
+                )
+            x = x * per_token_scale.reshape(T, 1)
     elif acts == "mxfp8":
         if hidden_states_scale is None:
             raise ValueError("MXFP8 hidden_states need hidden_states_scale (linear UE8M0 [T, H/32])")
@@ -123,6 +135,9 @@ def _fp4_impl(
         return quant.mxfp4_dequantize(w, s) if mx else quant.nvfp4_dequantize(w, s, 1.0)
 
     def requant(h):
+        if per_token:  # usePerTokenScalingGemm2: GEMM1 writes bf16, re-quantized per row with per-row FP32 scales
+            hq, hs, p2 = quant.nvfp4_quantize_per_token(round_bf16(h))
+            return quant.nvfp4_dequantize(hq, hs, 1.0) * p2.unsqueeze(-1)
         if acts == "nvfp4":  # FC1 epilogue writes NVFP4 with global scale 1
             hq, hs = quant.nvfp4_quantize(h, 1.0)
             return quant.nvfp4_dequantize(hq, hs, 1.0)
@@ -166,11 +181,16 @@ def _fp4_impl(
 
 def _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6) -> None:
     """What the FP4 entry points take and the emulator does not model. `nvfp4_4over6` (flashinfer 0.7.4+) only
-    changes the per-token NVFP4 requantization, which is refused here already: left unset (the kernel reads its
-    environment then) or None it changes nothing; a recipe is refused by name."""
+    changes the per-token NVFP4 requantization: left unset (the kernel reads its environment then, refused here when
+    that asks for 4over6) or None it is the standard recipe; a recipe is refused by name."""
+    import os
+
     linear = hidden_states_scale_layout is None or int(hidden_states_scale_layout) == 2  # SfLayout.layout_linear
+    # per-token: the kernel re-quantizes GEMM1's output with the recipe of FLASHINFER_NVFP4_4OVER6 (read from the
+    # environment by the runner); the emulator models the standard recipe only
+    env_4over6 = os.environ.get("FLASHINFER_NVFP4_4OVER6") == "1"
     unsupported(
-        per_token_scale=("<tensor>", per_token_scale is None),
+        per_token_scale=("<tensor> with FLASHINFER_NVFP4_4OVER6=1", per_token_scale is None or not env_4over6),
         hidden_states_scale_layout=(hidden_states_scale_layout, linear),
         nvfp4_4over6=(nvfp4_4over6, nvfp4_4over6 is UNSET or nvfp4_4over6 is None),
     )

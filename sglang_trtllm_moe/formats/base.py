@@ -272,6 +272,15 @@ class WeightFormat:
         `scope`: "global" (a checkpoint expert id) or "local"."""
         return False
 
+    def converted_shape(self, layer: Layer, param_name: str, loaded: torch.Tensor) -> tuple | None:
+        """For a write `converted_by_sglang`: the shape SGLang's conversion stores (checked like a direct write of
+        the parameter's dtype), or None (only the ids are checked)."""
+        return None
+
+    def source_problem(self, layer: Layer, param_name: str, loaded: torch.Tensor) -> str | None:
+        """For a write `converted_by_sglang` on a real device: why its values cannot be converted, or None."""
+        return None
+
     def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
         if p.group == "w13":

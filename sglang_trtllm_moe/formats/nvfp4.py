@@ -111,11 +111,13 @@ class NvFp4(WeightFormat):
             "g1_scale_c": scale_c,
         }
 
-    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
-        """SGLang's FP4 QuantInfo as its own leaf reads it; activations quantized to NVFP4 with the layer's 1/a1."""
+    def activation_args(self, call: KernelCall) -> dict:
+        """The kernel's activation arguments (by keyword): NVFP4 with the layer's static 1/a1."""
         qi = call.quant_info
         if getattr(qi, "use_per_token_activation", False):
-            raise NotImplementedError("per-token NVFP4 activations are not supported by the plugin runner yet")
+            raise NotImplementedError(
+                f"{self.name}: per-token NVFP4 activations belong to the nvfp4_online format (formats/nvfp4_online.py)"
+            )
         if call.on_kernel:
             from sglang.srt.layers.moe.moe_runner.flashinfer_trtllm import quantize_hidden_states_fp4
 
@@ -124,10 +126,14 @@ class NvFp4(WeightFormat):
             from ..quant import nvfp4_quantize
 
             hs, hs_sf = nvfp4_quantize(call.hidden, qi.w13_input_scale_quant)
+        return dict(hidden_states=hs, hidden_states_scale=hs_sf.view(torch.float8_e4m3fn).reshape(hs.shape[0], -1))
+
+    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
+        """SGLang's FP4 QuantInfo as its own leaf reads it; activations quantized to NVFP4 with the layer's 1/a1."""
+        qi = call.quant_info
         swiglu = features.FP4_QUANT_INFO_SWIGLU.present()
         return dict(
-            hidden_states=hs,
-            hidden_states_scale=hs_sf.view(torch.float8_e4m3fn).reshape(hs.shape[0], -1),
+            **self.activation_args(call),
             gemm1_weights=qi.w13_weight,
             gemm1_weights_scale=qi.w13_weight_scale.view(torch.float8_e4m3fn),
             gemm1_bias=None,

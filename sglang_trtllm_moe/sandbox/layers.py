@@ -324,6 +324,12 @@ LAYERS: dict[str, LayerKind] = {
         random_nvfp4_checkpoint,
         routing=False,
     ),
+    "nvfp4_online": LayerKind(
+        formats.NVFP4_ONLINE,
+        _parsed("nvfp4_online", "NvFp4OnlineConfig", {}),
+        random_bf16_checkpoint,
+        routing=False,
+    ),
     "ct_nvfp4": LayerKind(
         formats.CT_NVFP4,
         _parsed("compressed_tensors.compressed_tensors", "CompressedTensorsConfig", CT_NVFP4_CONFIG),
@@ -408,19 +414,23 @@ def load_checkpoint(layer, tensors: dict[str, torch.Tensor], num_experts: int) -
     mapping = FusedMoE.make_expert_params_mapping(GATE if gated else UP, DOWN, UP if gated else "<none>", num_experts)
     params = dict(layer.named_parameters())
     calls = 0
-    for name, t in tensors.items():
-        full = "experts." + name.split("experts.", 1)[1]
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if not full.startswith(weight_name):
-                continue
-            pname = param_name.split("experts.", 1)[1] + full[len(weight_name) :].replace(".", "_")
-            param = params[pname]
-            param.weight_loader(param, t, pname, shard_id=shard_id, expert_id=expert_id)
-            calls += 1
-            break
-        else:
-            raise KeyError(f"no FusedMoE parameter for checkpoint tensor {name}")
+    online = type(getattr(layer, "quant_method", None)).__name__ == "ModelOptNvFp4OnlineFusedMoEMethod"
+    with online_quantizer() if online else contextlib.nullcontext():  # SGLang quantizes as it loads (CUDA-only)
+        for name, t in tensors.items():
+            calls += _load_one(layer, mapping, params, name, t)
     return calls
+
+
+def _load_one(layer, mapping, params, name, t) -> int:
+    full = "experts." + name.split("experts.", 1)[1]
+    for param_name, weight_name, expert_id, shard_id in mapping:
+        if not full.startswith(weight_name):
+            continue
+        pname = param_name.split("experts.", 1)[1] + full[len(weight_name) :].replace(".", "_")
+        param = params[pname]
+        param.weight_loader(param, t, pname, shard_id=shard_id, expert_id=expert_id)
+        return 1
+    raise KeyError(f"no FusedMoE parameter for checkpoint tensor {name}")
 
 
 def load_fused(layer, tensors: dict[str, torch.Tensor]) -> None:
@@ -483,6 +493,57 @@ def checkpoint_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 # ---- SGLang's own preparation (the oracle) ------------------------------------------------------------------------
+
+
+def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec_size=16, *args, **kwargs):
+    """flashinfer.nvfp4_quantize for a CPU tensor (its cute-dsl and CUDA backends move the input to CUDA): the
+    plugin's pure-torch quantizers (quant.py), for what SGLang's nvfp4_online loader and trtllm leaf ask of it —
+    linear scales, no shuffle, 16-element blocks; per token (`per_token_activation=True`: the standard recipe), the
+    plain recipe, or the 4over6 recipe SGLang 0.5.23 pins (MSE or MAE, e4m3 max 448, fp16 error, exact math under
+    FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1). Anything else raises NotImplementedError. Returns what flashinfer
+    returns: (uint8 [M, K/2], uint8 [M, K/16]) [, per-token float32 [M]]."""
+    import os
+
+    from flashinfer import SfLayout
+
+    per_token = kwargs.pop("per_token_activation", False)
+    recipe = kwargs.pop("nvfp4_4over6", "env")
+    kwargs.pop("backend", None)
+    kwargs.pop("enable_pdl", None)
+    extra = {k: v for k, v in kwargs.items() if v is not None}
+    if a.is_cuda or args or extra or do_shuffle or sf_vec_size != 16 or sfLayout != SfLayout.layout_linear:
+        raise NotImplementedError(f"the CPU nvfp4_quantize stand-in: {sfLayout}, shuffle {do_shuffle}, {extra}")
+    if recipe == "env":  # flashinfer's FLASHINFER_NVFP4_4OVER6* variables (features.NVFP4_ONLINE_LOADER_4OVER6)
+        recipe = None
+        if os.environ.get("FLASHINFER_NVFP4_4OVER6") == "1":
+            from types import SimpleNamespace
+
+            recipe = SimpleNamespace(
+                e4m3_max=256 if os.environ.get("FLASHINFER_NVFP4_4OVER6_E4M3_USE_256") == "1" else 448,
+                err_mode_name=os.environ.get("FLASHINFER_NVFP4_4OVER6_ERR_MODE", "MAE").upper(),
+                err_use_fast_math=os.environ.get("FLASHINFER_NVFP4_4OVER6_ERR_USE_FAST_MATH") == "1",
+            )
+    gs = a_global_sf.float().reshape(()) if isinstance(a_global_sf, torch.Tensor) else float(a_global_sf)
+    if per_token:
+        if recipe is not None:
+            raise NotImplementedError(f"per-token NVFP4 with the 4over6 recipe {recipe}")
+        q, sf, pts = quant.nvfp4_quantize_per_token(a, gs)
+        return q, sf.view(torch.uint8), pts
+    if recipe is None:
+        q, sf = quant.nvfp4_quantize(a, gs)
+    else:
+        exact = os.environ.get("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH") == "1"
+        if recipe.e4m3_max != 448 or not recipe.err_use_fast_math or not exact:
+            raise NotImplementedError(f"NVFP4 4over6 recipe {recipe} (exact math: {exact})")
+        q, sf = quant.nvfp4_quantize_4over6(a, gs, recipe.err_mode_name)
+    return q, sf.view(torch.uint8)
+
+
+def online_quantizer():
+    """flashinfer's NVFP4 quantizer as the CPU stand-in while SGLang's nvfp4_online loader or leaf runs."""
+    import flashinfer
+
+    return _patched((flashinfer, "nvfp4_quantize", torch_nvfp4_quantize))
 
 
 def torch_block_scale_interleave(x, *args, **kwargs):
@@ -589,6 +650,8 @@ __all__ = [
     "random_mxfp4_experts_checkpoint",
     "random_mxfp8_checkpoint",
     "random_nvfp4_checkpoint",
+    "online_quantizer",
+    "torch_nvfp4_quantize",
     "sglang_layer",
     "sglang_prepare",
     "torch_block_scale_interleave",

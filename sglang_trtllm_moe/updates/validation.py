@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import WeightUpdateRefused
 from ..formats.load_rules import LoadRule
 from ..layer_state import PLANS_ATTR
 from .layer_params import (
@@ -119,7 +120,23 @@ def _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, 
     view = param_view(layer, fmt, name, param)
     e = _check_expert(layer, view, param, expert_id, scope, refuse)
     if isinstance(loaded, torch.Tensor) and fmt.converted_by_sglang(layer, name, loaded, e, scope):
-        return name, e  # SGLang converts this write itself (its own dtypes and shapes): ids checked above
+        # SGLang converts this write itself (its own dtypes): ids checked above, and where the format says what the
+        # conversion stores, its shape as a direct write's, and the source values
+        shape = fmt.converted_shape(layer, name, loaded)
+        if shape is not None:
+            stored = torch.empty(shape, dtype=param.dtype, device="meta")
+            try:
+                check_tensor(layer, fmt, rule, param, view, stored, gated, refuse, headers=True, values=False)
+            except WeightUpdateRefused:
+                refuse(
+                    f"a {loaded.dtype} source tensor of shape {tuple(loaded.shape)} does not fit this parameter "
+                    f"(SGLang would store it as {tuple(shape)} {param.dtype})",
+                    f"the checkpoint's shape of this expert's {name} shard",
+                )
+        problem = fmt.source_problem(layer, name, loaded) if loaded.device.type != "meta" else None
+        if problem:
+            refuse(problem, f"finite {loaded.dtype} values")
+        return name, e
     check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers, values=values)
     return name, e
 

@@ -96,6 +96,11 @@ class WritePlan:
         if not isinstance(loaded, torch.Tensor):
             return None
         if self.converts and self.fmt.converted_by_sglang(layer, self.name, loaded, expert_id, scope):
+            shape = self.fmt.converted_shape(layer, self.name, loaded)
+            if shape is not None and (self.shapes is None or tuple(shape) not in self.shapes):
+                return None  # the full checks refuse it, naming the shape
+            if loaded.device.type != "meta" and self.fmt.source_problem(layer, self.name, loaded):
+                return None  # the full checks refuse it, naming the values
             return self.name, expert_id
         dev = loaded.device
         if dev not in self.devices and not (headers and dev.type == "meta"):

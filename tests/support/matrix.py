@@ -39,6 +39,7 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ),
     ("runtime", "CPU runtime", (("tests/test_compat_release.py::test_single_process_runtime", None),)),
     ("nvfp4", "NVFP4 prep", (("tests/test_nvfp4_layer.py", None), ("tests/test_ct_nvfp4_layer.py", None))),
+    ("nvfp4_online", "NVFP4 online", (("tests/test_nvfp4_online_layer.py", None),)),
     ("fp8", "FP8 prep", (("tests/test_fp8_layer.py", None),)),
     ("bf16", "BF16 prep", (("tests/test_bf16_layer.py", None),)),
     (

@@ -18,6 +18,7 @@ from packaging.version import Version
 #: (question, capability keys of tests/support/matrix.py CAPABILITIES that answer it; all must hold)
 ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serve NVFP4 MoE (ModelOpt, compressed-tensors)", ("nvfp4",)),
+    ("serve online NVFP4 (--quantization nvfp4_online on a BF16 checkpoint), RL updates in BF16", ("nvfp4_online",)),
     ("serve FP8 MoE (per-tensor, DeepSeek 128x128 block)", ("fp8",)),
     ("serve BF16 MoE", ("bf16",)),
     ("serve MXFP8 MoE (quant_method mxfp8)", ("mxfp8",)),

@@ -1,0 +1,115 @@
+"""Online NVFP4 (`--quantization nvfp4_online`): BF16 / FP16 / FP8 source experts quantized to NVFP4 as they load,
+activations quantized per token at run time.
+
+SGLang's `ModelOptNvFp4OnlineFusedMoEMethod` subclasses ModelOpt's NVFP4 method: its weight loader quantizes each
+expert (w1 and w3 together, one global scale per pair) and writes ModelOpt NVFP4 parameters, so the kernel layout,
+the row maps and the scale swizzle are ModelOpt NVFP4's (formats/nvfp4.py). What differs:
+* activations: per token. SGLang's trtllm leaf quantizes the hidden states with flashinfer
+  `nvfp4_quantize(..., per_token_activation=True)` (global scale inverse 1 / (448 * 6)) and hands the kernel the
+  per-token FP32 scales as `per_token_scale` (by keyword here); the kernel then re-quantizes GEMM1's output per
+  token too. The static input scales are never loaded (SGLang leaves them unfilled) and its prep takes a1 = a2 = 1
+  (`use_per_token_activation`), as `NvFp4.compute_scalars` does.
+* non-gated (relu2): SGLang pads the hidden size to 512 for the per-token non-gated kernel (0.5.22+; before, the
+  kernel gives garbage at unaligned hidden sizes); the plugin does not pad hidden, so it serves gated layers only.
+* the weight recipe is release-specific (compat/features.py NVFP4_ONLINE_4OVER6): SGLang 0.5.23 quantizes with
+  flashinfer's "4over6" MSE recipe (`quant.nvfp4_quantize_4over6`), earlier releases with the plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compat import features
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, Support
+from .nvfp4 import NvFp4
+
+#: flashinfer's per-token global scale inverse: 1 / (e4m3 max * e2m1 max)
+PER_TOKEN_SCALE_INV = 1.0 / (448.0 * 6.0)
+
+
+class NvFp4Online(NvFp4):
+    name = "nvfp4_online"
+    title = "NVFP4 online (nvfp4_online, per-token activations)"
+    quantizations = {TRTLLM: frozenset({"nvfp4_online"}), TRTLLM_ROUTED: frozenset({"nvfp4_online"})}
+    #: SGLang's own FP4-leaf layers are read as ModelOpt NVFP4 (static activation scales), not as this format
+    sglang_leaf = None
+    non_gated_activations = frozenset()
+
+    def supports_activation(self, activation: str, gated: bool) -> Support:
+        ok, why = super().supports_activation(activation, gated)
+        if not ok and not gated:
+            why = (why or "") + (
+                "; non-gated per-token NVFP4 needs the hidden size padded to 512 (SGLang's "
+                "trtllm_nvfp4_hidden_alignment), which the plugin does not do"
+            )
+        return ok, why
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization == "nvfp4_online"
+
+    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
+        """ModelOpt NVFP4's scalars with a1 = a2 = 1 (NvFp4 reads `use_per_token_activation`). The static input
+        scales are never loaded online; SGLang 0.5.23 allocates them unfilled (torch.empty: whatever the allocator
+        held, so two loads of one checkpoint differ there), 0.5.17 fills them with 1.0: the plugin fills 1.0 on
+        every release, so the served bytes are a function of the checkpoint (the weight checker, RL bit-exactness)."""
+        for name in ("w13_input_scale", "w2_input_scale"):
+            getattr(layer, name).data.fill_(1.0)
+        return super().compute_scalars(layer)
+
+    # ---- RL updates in the trainer's dtype ------------------------------------------------------------------
+    #: the parameters SGLang's online loader quantizes into from a BF16 / FP16 / FP32 source tensor
+    SOURCE_PARAMS = ("w13_weight", "w2_weight")
+    SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+    def converted_by_sglang(self, layer: Layer, param_name: str, loaded: torch.Tensor, expert: int, scope: str) -> bool:
+        """A source-dtype expert weight: SGLang's online loader quantizes it (w1 with w3 of the same expert: one
+        global scale) and writes the NVFP4 bytes and scales through FusedMoE's loader, where the plugin checks them
+        and marks the expert for layout again; the plugin's batched tensor path leaves such writes to it."""
+        return param_name in self.SOURCE_PARAMS and loaded.dtype in self.SOURCE_DTYPES
+
+    def converted_shape(self, layer: Layer, param_name: str, loaded: torch.Tensor) -> tuple | None:
+        """Two e2m1 codes per byte along K: [rows, K] -> [rows, K / 2] (an odd K keeps its shape: refused)."""
+        if loaded.dim() != 2 or loaded.shape[-1] % 2:
+            return tuple(loaded.shape)
+        return (int(loaded.shape[0]), int(loaded.shape[1]) // 2)
+
+    def source_problem(self, layer: Layer, param_name: str, loaded: torch.Tensor) -> str | None:
+        """NaN / inf in a source weight would become NaN global and block scales (amax-derived): refused. One
+        device read per tensor."""
+        bad = int((~torch.isfinite(loaded)).sum())
+        if bad:
+            return f"{bad} non-finite value(s) (NaN / inf) in the {loaded.dtype} source weight"
+        return None
+
+    def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
+        if self.serves(backend, checkpoint) and not features.NVFP4_ONLINE.present():
+            return False, (
+                "no: upstream lacks it (--quantization nvfp4_online exists in SGLang "
+                f"{features.NVFP4_ONLINE.releases} only)"
+            )
+        return super().supports_backend(backend, checkpoint)
+
+    def activation_args(self, call: KernelCall) -> dict:
+        """Per-token NVFP4 activations, as SGLang's trtllm leaf makes them: linear e4m3 block scales and the
+        per-token FP32 scales, handed over by keyword (`per_token_scale`; flashinfer#2906 moves
+        `hidden_states_scale` in the positional order)."""
+        if call.on_kernel:
+            from flashinfer import SfLayout, nvfp4_quantize
+
+            inv = torch.full((1,), PER_TOKEN_SCALE_INV, dtype=torch.float32, device=call.hidden.device)
+            hs, hs_sf, pts = nvfp4_quantize(
+                call.hidden, inv, sfLayout=SfLayout.layout_linear, per_token_activation=True, backend="cute-dsl"
+            )
+        else:
+            from ..quant import nvfp4_quantize_per_token
+
+            hs, hs_sf, pts = nvfp4_quantize_per_token(call.hidden, PER_TOKEN_SCALE_INV)
+        t, h = call.hidden.shape
+        return dict(
+            hidden_states=hs.view(torch.uint8).reshape(t, h // 2),
+            hidden_states_scale=hs_sf.view(torch.float8_e4m3fn).reshape(t, h // 16),
+            per_token_scale=pts.reshape(t).to(torch.float32),
+        )
+
+
+NVFP4_ONLINE = NvFp4Online()
