@@ -183,8 +183,13 @@ def _update(model, buckets, flattened: bool = False, disk: bool = False) -> None
         assert ok, msg
 
 
+#: kinds whose checkpoint tensors SGLang's own loader converts on every write (formats' `converted_by_sglang`: the
+#: BF16 experts of `nvfp4_online`, quantized by SGLang's online loader): batched_writes leaves them to it, per tensor
+CONVERTED_BY_SGLANG = {"nvfp4_online"}
+
+
 def _batched(model) -> bool:
-    return batched_writes.batches(model.experts)
+    return batched_writes.batches(model.experts) and model.spec.fmt not in CONVERTED_BY_SGLANG
 
 
 def _run_both(spec, buckets, flattened=False, patch=None, disk=False):
@@ -227,7 +232,8 @@ def test_batched_writes_give_the_bytes_of_sglangs_per_tensor_loader(kind, scenar
         assert (taken, sglang_calls) == (n, 0), (taken, sglang_calls)
         assert st is None or st.clean, "the entry point's flush laid the written experts out"
     else:
-        # gpt-oss (all experts in one tensor), or a format the plugin does not prepare on this release: SGLang's loader
+        # gpt-oss (all experts in one tensor), a format the plugin does not prepare on this release, or one whose
+        # writes SGLang converts: SGLang's loader
         assert taken == 0 and (sglang_calls > 0 or spec.kind.format.fused)  # gpt-oss: SGLang's all-experts copy
 
 
