@@ -577,6 +577,29 @@ def _spans(body) -> list[tuple[str, int, int]]:
     return [(s["version"], s["start"], s["end"]) for s in body["meta_info"]["weight_versions"]]
 
 
+def _a_then_b(run, prompts, answers, a_long, b_label: str) -> int:
+    """Every request answered in full, each span of its tokens A's (the A reference's prefix) or, from its `b_label`
+    span on, B's greedy continuation of what it had before: the paused requests are recomputed together on B (one
+    prefill of prompt + output so far, then decode), so the reference is that batch. Returns how many requests
+    spanned both versions."""
+    outs = [a.body["output_ids"] for a in answers]
+    spans = [_spans(a.body) for a in answers]
+    for a, sp in zip(answers, spans, strict=True):
+        assert a.ok and len(a.body["output_ids"]) == LONG, a
+        assert sp[-1][0] == b_label and sp[-1][2] == LONG, sp
+    starts = [next(s for v, s, _ in sp if v == b_label) for sp in spans]
+    b_cont = run.reference(
+        [q + o[:s] for q, o, s in zip(prompts, outs, starts, strict=True)], [LONG - s for s in starts]
+    )
+    mixed = 0
+    for i, (sp, out) in enumerate(zip(spans, outs, strict=True)):
+        for version, s, e in sp:
+            want = b_cont[i][: e - s] if version == b_label else a_long[i][s:e]
+            assert out[s:e] == want, (i, sp, version, "B continuation" if version == b_label else "A prefix")
+        mixed += len(sp) > 1
+    return mixed
+
+
 def test_pause_retract_abort_and_in_place_around_an_update(run):
     run.at("A")
     prompts = PROMPTS[:4]
@@ -594,24 +617,7 @@ def test_pause_retract_abort_and_in_place_around_an_update(run):
     # retract: running requests go back to the queue; after continue they are recomputed on the new weights
     (p, u, c), answers = _in_flight(run, prompts, paused("retract", "B"))
     assert p.ok and u.ok and u.body["success"] and c.ok, (p, u, c)
-    outs = [a.body["output_ids"] for a in answers]
-    spans = [_spans(a.body) for a in answers]
-    for a, sp in zip(answers, spans, strict=True):
-        assert a.ok and len(a.body["output_ids"]) == LONG, a
-        assert sp[-1][0] == "B-retract" and sp[-1][2] == LONG, sp
-    # B's greedy continuation of what each request had before its B span: the retracted requests are recomputed
-    # together on B (one prefill of prompt + output so far, then decode): the reference is that batch
-    starts = [next(s for v, s, _ in sp if v == "B-retract") for sp in spans]
-    b_cont = run.reference(
-        [q + o[:s] for q, o, s in zip(prompts, outs, starts, strict=True)], [LONG - s for s in starts]
-    )
-    mixed = 0
-    for i, (sp, out) in enumerate(zip(spans, outs, strict=True)):
-        for version, s, e in sp:
-            want = b_cont[i][: e - s] if version == "B-retract" else a_long[i][s:e]
-            assert out[s:e] == want, (i, sp, version, "B continuation" if version == "B-retract" else "A prefix")
-        mixed += len(sp) > 1
-    assert mixed, "no request spanned the update"
+    assert _a_then_b(run, prompts, answers, a_long, "B-retract"), "no request spanned the update"
 
     # abort: running requests are answered as aborted, with what the old weights had generated
     b_long = run.reference(prompts, LONG)
@@ -668,23 +674,7 @@ def test_a_paused_tensor_session_under_load_answers_only_old_or_new_tokens(run):
     (p, res, c), answers = _in_flight(run, prompts, paused_session)
     run.state = "B"
     assert p.ok and c.ok and all(x["status"] == 200 for x in res), (p, c, res)
-    outs = [a.body["output_ids"] for a in answers]
-    spans = [_spans(a.body) for a in answers]
-    for a, sp in zip(answers, spans, strict=True):
-        assert a.ok and len(a.body["output_ids"]) == LONG, a
-        assert sp[-1][0] == "B-session" and sp[-1][2] == LONG, sp
-    # B's greedy continuation of what each request had before its B span, as one batch of the four (like the server)
-    starts = [next(s for v, s, _ in sp if v == "B-session") for sp in spans]
-    b_cont = run.reference(
-        [q + o[:s] for q, o, s in zip(prompts, outs, starts, strict=True)], [LONG - s for s in starts]
-    )
-    mixed = 0
-    for i, (sp, out) in enumerate(zip(spans, outs, strict=True)):
-        for version, s, e in sp:
-            want = b_cont[i][: e - s] if version == "B-session" else a_long[i][s:e]
-            assert out[s:e] == want, (i, sp, version, "a token of neither A nor B")
-        mixed += len(sp) > 1
-    assert mixed, "no request spanned the session"
+    assert _a_then_b(run, prompts, answers, a_long, "B-session"), "no request spanned the session"
     run.assert_serves("B")
 
     # the control: generation inside an unpaused session, between its two buckets, serves a half-written model

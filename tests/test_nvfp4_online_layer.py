@@ -77,21 +77,10 @@ def quantize_like_sglang(w: torch.Tensor):
 
 @pytest.mark.parametrize("spec", CASES)
 def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
-    ours = loaded_layer(spec)
-    ptrs = {n: (p.data_ptr(), tuple(p.shape), p) for n, p in ours.named_parameters()}
-    ours.quant_method.process_weights_after_loading(ours)
+    # in place (same Parameter objects, storage, shapes) and byte-equal to SGLang's own preparation
+    ours, upstream = sglang_runtime.prepared_like_sglang(lambda: loaded_layer(spec), WEIGHTS, monkeypatch)
     st = layer_state.state_of(ours)
     assert st is not None and st.clean and st.fmt is NVFP4_ONLINE, "the plugin did not take the layer over"
-    for n, (ptr, shape, obj) in ptrs.items():
-        p = getattr(ours, n)
-        assert p is obj and p.data_ptr() == ptr and tuple(p.shape) == shape, n
-
-    upstream = loaded_layer(spec)
-    sglang_runtime.upstream_process_weights_after_loading(upstream.quant_method, upstream, monkeypatch)
-    for n in WEIGHTS:
-        a, b = getattr(ours, n), getattr(upstream, n)
-        assert a.shape == b.shape, (n, a.shape, b.shape)
-        assert torch.equal(as_bytes(a), as_bytes(b)), f"{n} differs from SGLang's own trtllm preparation"
     # per-token activations: SGLang's prep takes a1 = a2 = 1 (the static input scales are never loaded)
     assert torch.equal(ours.w13_input_scale_quant.data.float().reshape(-1)[:1], torch.ones(1))
     expected = {n: getattr(upstream, n).data for n in SCALARS}

@@ -24,6 +24,28 @@ def ensure(backend: str = "flashinfer_trtllm") -> None:
     runtime.init_single_process(backend)
 
 
+def prepared_like_sglang(make_layer, weights, monkeypatch):
+    """A layer from `make_layer()` prepared by the plugin — in place: the same Parameter objects, storage and shapes —
+    and another from `make_layer()` prepared by SGLang's own code of this release; every parameter named in `weights`
+    must hold the same bytes. Returns (ours, upstream)."""
+    import torch
+
+    ours = make_layer()
+    ptrs = {n: (p.data_ptr(), tuple(p.shape), p) for n, p in ours.named_parameters()}
+    ours.quant_method.process_weights_after_loading(ours)
+    for n, (ptr, shape, obj) in ptrs.items():
+        p = getattr(ours, n)
+        assert p is obj and p.data_ptr() == ptr and tuple(p.shape) == shape, n
+    upstream = make_layer()
+    upstream_process_weights_after_loading(upstream.quant_method, upstream, monkeypatch)
+    for n in weights:
+        a, b = getattr(ours, n).detach(), getattr(upstream, n).detach()
+        assert a.shape == b.shape, (n, a.shape, b.shape)
+        same = torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        assert same, f"{n} differs from SGLang's own trtllm preparation"
+    return ours, upstream
+
+
 def upstream_process_weights_after_loading(method, layer, monkeypatch) -> None:
     """SGLang's own NVFP4 trtllm preparation, as an oracle on CPU.
 
