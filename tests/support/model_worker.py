@@ -825,12 +825,15 @@ class Worker:
         (models/deepseek_common/deepseek_weight_loader.py) submits one task per CPU tensor to a ThreadPoolExecutor
         (`should_async_load`: True for every CPU tensor), so shards of one expert are written concurrently. Each
         run must equal a fresh load byte for byte, storage kept; the threads that wrote are counted to prove the
-        pool was used."""
+        pool was used. SGLang's per-tensor path is what this is about: the plugin's batched writes (which take the
+        validated expert tensors out of that pool, batched_writes.stream) are switched off here; tests/
+        test_batched_writes.py covers them on the disk path."""
         import threading
 
         from sglang.srt.model_loader import utils as loader_utils
 
         from sglang_trtllm_moe import layer_state
+        from sglang_trtllm_moe.updates import batched_writes
 
         seen: dict = {}
         real, real_locked = layer_state.before_write, layer_state.before_write_locked
@@ -845,30 +848,31 @@ class Worker:
 
         layer_state.before_write, layer_state.before_write_locked = spy, spy_locked
         try:
-            a, b = self.write_full(0), self.write_full(1)
-            fresh = {0: m.fresh(a), 1: m.fresh(b)}
-            ptrs = m.pointers()
-            results = []
-            for r in range(runs):
-                for target, path in ((1, b), (0, a)):
-                    seen.clear()
-                    m.update_from_disk(path)
-                    diff = m.differences(fresh[target])
-                    moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
-                    writer_threads = sorted(set(seen.values()))
-                    if target == 1:
-                        results.append(
-                            {
-                                "run": r,
-                                "differs": diff[:6],
-                                "n_differs": len(diff),
-                                "moved": moved[:4],
-                                "writer_threads": len(writer_threads),
-                                "pool_threads": sum(1 for t in writer_threads if t != "MainThread"),
-                            }
-                        )
-                    elif diff or moved:
-                        results.append({"run": r, "back_to_A_differs": diff[:6], "moved": moved[:4]})
+            with batched_writes.disabled():
+                a, b = self.write_full(0), self.write_full(1)
+                fresh = {0: m.fresh(a), 1: m.fresh(b)}
+                ptrs = m.pointers()
+                results = []
+                for r in range(runs):
+                    for target, path in ((1, b), (0, a)):
+                        seen.clear()
+                        m.update_from_disk(path)
+                        diff = m.differences(fresh[target])
+                        moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
+                        writer_threads = sorted(set(seen.values()))
+                        if target == 1:
+                            results.append(
+                                {
+                                    "run": r,
+                                    "differs": diff[:6],
+                                    "n_differs": len(diff),
+                                    "moved": moved[:4],
+                                    "writer_threads": len(writer_threads),
+                                    "pool_threads": sum(1 for t in writer_threads if t != "MainThread"),
+                                }
+                            )
+                        elif diff or moved:
+                            results.append({"run": r, "back_to_A_differs": diff[:6], "moved": moved[:4]})
         finally:
             layer_state.before_write, layer_state.before_write_locked = real, real_locked
         failed = [x for x in results if x.get("n_differs") or x.get("moved") or x.get("back_to_A_differs")]
