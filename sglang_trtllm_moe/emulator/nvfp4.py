@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -183,8 +184,6 @@ def _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6) -
     """What the FP4 entry points take and the emulator does not model. `nvfp4_4over6` (flashinfer 0.7.4+) only
     changes the per-token NVFP4 requantization: left unset (the kernel reads its environment then, refused here when
     that asks for 4over6) or None it is the standard recipe; a recipe is refused by name."""
-    import os
-
     linear = hidden_states_scale_layout is None or int(hidden_states_scale_layout) == 2  # SfLayout.layout_linear
     # per-token: the kernel re-quantizes GEMM1's output with the recipe of FLASHINFER_NVFP4_4OVER6 (read from the
     # environment by the runner); the emulator models the standard recipe only

@@ -109,15 +109,24 @@ def checked_write(param, loaded, weight_name, shard_id, expert_id) -> tuple[str,
                 hit = v[2]
                 break
     if hit is None and _FROM_FILES:
-        slot = (id(param), shard_id, expert_id)
-        for rec in _FROM_FILES:
-            v = rec.from_files.get(slot)
-            if v is not None:
-                if loaded.__class__ is torch.Tensor and loaded.is_cpu and loaded.dtype is v[1] and loaded.shape == v[2]:
-                    hit = v[3]
-                break
+        hit = _file_hit(param, loaded, shard_id, expert_id)
     if hit is not None and type(weight_name) is str and (weight_name.endswith(hit[1]) or weight_name == hit[0]):
         return hit
+    return None
+
+
+def _file_hit(param, loaded, shard_id, expert_id) -> tuple[str, str, int] | None:
+    """(parameter name, "." + name, local expert count) when `loaded` is SGLang's CPU tensor of the checkpoint tensor
+    a running disk update's pre-check validated for this (parameter, shard, expert id): the same dtype and shape as
+    its header (the first record that knows the slot decides)."""
+    slot = (id(param), shard_id, expert_id)
+    for rec in _FROM_FILES:
+        v = rec.from_files.get(slot)
+        if v is not None:
+            cpu = loaded.__class__ is torch.Tensor and loaded.is_cpu
+            if cpu and v[0] is param and loaded.dtype is v[1] and loaded.shape == v[2]:
+                return v[3]
+            return None
     return None
 
 
@@ -125,14 +134,7 @@ def read_from_files(param, loaded, shard_id, expert_id) -> bool:
     """Is `loaded` (SGLang's CPU tensor of a disk update) the checkpoint tensor a running disk update's pre-check
     validated for this (parameter, shard, expert id) — header, dtype, shape, and values where its kind has a value
     rule — so it may be written without another check (the files' fingerprints are compared after the load)?"""
-    if not _FROM_FILES or loaded.__class__ is not torch.Tensor or not loaded.is_cpu:
-        return False
-    key = (id(param), shard_id, expert_id)
-    for rec in _FROM_FILES:
-        v = rec.from_files.get(key)
-        if v is not None:
-            return v[0] is param and loaded.dtype is v[1] and loaded.shape == v[2]
-    return False
+    return bool(_FROM_FILES) and _file_hit(param, loaded, shard_id, expert_id) is not None
 
 
 def values_from_files(param, shard_id, expert_id) -> bool:
