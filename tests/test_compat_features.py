@@ -163,6 +163,27 @@ PROBES = {
         len(inspect.signature(importlib.import_module("sglang.srt.layers.moe.utils").initialize_moe_config).parameters)
         > 0
     ),
+    "BF16_GEMM_TORCH": lambda: (
+        _has("sglang.srt.layers.quantization.unquant", "Bf16GemmBackend")
+        and "torch"
+        in [b.value for b in importlib.import_module("sglang.srt.layers.quantization.unquant").Bf16GemmBackend]
+    ),
+    "DETOKENIZER_IMPORTS_XGRAMMAR": lambda: (
+        importlib.util.find_spec("sglang.srt.function_call.inkling_detector") is not None
+    ),
+    # the `if` that guards the module-level import names CUDA from 0.5.13 (before: "if not (_is_npu or ...)")
+    "HOST_KV_POOL_IMPORTS_SGL_KERNEL": lambda: (
+        "_is_cuda"
+        not in open(importlib.util.find_spec("sglang.srt.mem_cache.memory_pool_host").origin)
+        .read()
+        .split("\n    from sgl_kernel.kvcacheio import")[0]
+        .rsplit("\n", 1)[-1]
+    ),
+    # read, not imported: before 0.5.16 the scheduler module imports sgl_kernel on a CPU
+    "SAVE_SHARDED_MODEL_TAKES_PARAMS": lambda: (
+        "def save_sharded_model(self, **kwargs)"
+        not in open(importlib.util.find_spec("sglang.srt.managers.scheduler").origin).read()
+    ),
     "SWIZZLE_MOVES_TO_CUDA": lambda: ".cuda()" in _source("sglang.srt.layers.quantization.utils:swizzle_blockscale"),
     "WEIGHT_CACHE_CHECK": lambda: (
         _has(UPDATER, "WeightUpdater")

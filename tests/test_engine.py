@@ -24,14 +24,14 @@ import sys
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
 
 from .support.helpers import REPO, last_json
 
 pytestmark = pytest.mark.sglang(
-    str(ENGINE_RELEASES),
+    str(RL_LOOP_RELEASES),
     reason="sglang.Engine's weight-update sessions (begin/end_weight_update), "
-    "the weight-checker request and the Engine's spawn flow (compat/sandbox_releases.py ENGINE_RELEASES)",
+    "the weight-checker request and the Engine's spawn flow (compat/sandbox_releases.py RL_LOOP_RELEASES)",
 )
 
 MODELS = ("qwen3_moe:nvfp4", "nemotron_h:nvfp4")

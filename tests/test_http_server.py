@@ -41,15 +41,15 @@ from pathlib import Path
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
 
 from .support import http_server as hs
 from .support.helpers import REPO
 
 pytestmark = pytest.mark.sglang(
-    str(ENGINE_RELEASES),
+    str(RL_LOOP_RELEASES),
     reason="the README's CPU server recipe: SGLang's HTTP server with begin/end weight-update sessions, "
-    "weight versions per token span and the weight-checker endpoint (compat/sandbox_releases.py ENGINE_RELEASES)",
+    "weight versions per token span and the weight-checker endpoint (compat/sandbox_releases.py RL_LOOP_RELEASES)",
 )
 
 ARCH, QUANT = "qwen3_moe", "nvfp4"

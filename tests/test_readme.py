@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
 
 from .support.helpers import REPO
 
@@ -40,9 +40,9 @@ def test_the_readme_has_a_runnable_example_and_it_compiles():
 
 
 @pytest.mark.sglang(
-    str(ENGINE_RELEASES),
+    str(RL_LOOP_RELEASES),
     reason='the README example drives sglang.Engine(device="cpu") with begin/end '
-    "weight-update sessions and the weight-checker request (compat/sandbox_releases.py ENGINE_RELEASES)",
+    "weight-update sessions and the weight-checker request (compat/sandbox_releases.py RL_LOOP_RELEASES)",
 )
 @pytest.mark.parametrize("index", range(len(runnable_blocks(README.read_text()))))
 def test_readme_example_runs(tmp_path, index):
@@ -110,7 +110,7 @@ def test_every_environment_variable_the_plugin_reads_is_in_the_readme():
 
 def test_the_release_range_in_the_prose_is_the_tested_one():
     """The README's prose names the supported range, the newest tested release and where the CPU recipe runs; when a
-    release is added (compat/releases.py TESTED, sandbox ENGINE_RELEASES) this fails until the prose follows."""
+    release is added (compat/releases.py TESTED, sandbox RL_LOOP_RELEASES) this fails until the prose follows."""
     from sglang_trtllm_moe.compat.releases import NEWEST_TESTED, OLDEST_SUPPORTED
 
     text = README.read_text()
@@ -122,6 +122,6 @@ def test_the_release_range_in_the_prose_is_the_tested_one():
     assert newest and set(newest) == {str(NEWEST_TESTED)}, newest
     older = re.findall(r"Older than (\d+\.\d+\.\d+)", prose)
     assert older == [str(OLDEST_SUPPORTED)], older
-    engine_floor = re.match(r">=\s*(\S+)$", str(ENGINE_RELEASES)).group(1)
+    engine_floor = re.match(r">=\s*(\S+)$", str(RL_LOOP_RELEASES)).group(1)
     cpu = re.findall(r"SGLang (\d+\.\d+\.\d+) or newer", prose)
-    assert cpu and set(cpu) == {engine_floor}, (cpu, str(ENGINE_RELEASES))
+    assert cpu and set(cpu) == {engine_floor}, (cpu, str(RL_LOOP_RELEASES))

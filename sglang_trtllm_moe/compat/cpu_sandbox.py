@@ -74,6 +74,89 @@ def vllm_custom_ops_import_stub() -> None:
     sys.modules["vllm._custom_ops"] = ops
 
 
+_KVCACHEIO_STUB = '''"""sglang-trtllm-moe CPU stand-in, import-only (compat/cpu_sandbox.py)."""
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def kernel(*args, **kwargs):
+        raise RuntimeError(
+            f"sglang-trtllm-moe CPU stand-in: sgl_kernel.kvcacheio.{name} is import-only (the host KV cache's "
+            "CUDA transfer kernel was called on a CPU box)"
+        )
+
+    return kernel
+'''
+
+
+def sgl_kernel_kvcacheio_import_stub() -> None:
+    """SGLang 0.5.11-0.5.12 import `sgl_kernel.kvcacheio` (the hierarchical host KV cache's CUDA transfer kernels)
+    at module level of `mem_cache/memory_pool_host.py` on every platform but NPU / XPU / MPS, and the scheduler
+    imports that module (0.5.13 guards it with is_cuda / is_hip); sgl_kernel has no CPU build on PyPI. The kernels
+    run only with --enable-hierarchical-cache, never here: an import-only package is enough, and calling one raises.
+
+    A directory on sys.path, not a sys.modules entry: the Engine's scheduler is a spawned process that imports
+    the scheduler module while it unpickles its target, before SGLang's load_plugins() (so before register())
+    could run there; multiprocessing gives the child the parent's sys.path first. The empty `sgl_kernel` package
+    answers every other probe as a missing one does (`from sgl_kernel import x` and `sgl_kernel.allreduce` raise
+    ImportError; `torch.ops.sgl_kernel` has no op)."""
+    import importlib.util
+    import tempfile
+
+    from .sandbox_releases import HOST_KV_POOL_IMPORTS_SGL_KERNEL
+
+    if not HOST_KV_POOL_IMPORTS_SGL_KERNEL.present() or importlib.util.find_spec("sgl_kernel") is not None:
+        return
+    root = os.path.join(tempfile.gettempdir(), f"sglang-trtllm-moe-sgl-kernel-stub-{os.getuid()}")
+    pkg = os.path.join(root, "sgl_kernel")
+    os.makedirs(pkg, exist_ok=True)
+    init = '"""sglang-trtllm-moe CPU stand-in: import-only."""\n'
+    for name, text in (("__init__.py", init), ("kvcacheio.py", _KVCACHEIO_STUB)):
+        path = os.path.join(pkg, name)
+        if not os.path.exists(path) or open(path).read() != text:
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    importlib.invalidate_caches()
+
+
+def nvfp4_placeholder_swizzle_on_cpu() -> None:
+    """Up to 0.5.19 ModelOpt NVFP4 `create_weights` calls `quantization.utils.swizzle_blockscale` for a shape-only
+    placeholder (`w13_blockscale_swizzled`; 0.5.16+ skip it on flashinfer_trtllm), and that function ends in
+    `.contiguous().cuda()`, so no NVFP4 MoE layer can be built without a GPU. SGLang's own function is kept; only its
+    `.cuda()` is a no-op for the duration of that call, and the name is rebound in every module that imported it."""
+    import functools
+    import unittest.mock
+
+    import torch
+
+    from .sandbox_releases import SWIZZLE_MOVES_TO_CUDA
+
+    if not SWIZZLE_MOVES_TO_CUDA.present():
+        return
+    import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401  (binds the name first)
+    from sglang.srt.layers.quantization import utils as qutils
+
+    original = qutils.swizzle_blockscale
+    if getattr(original, "_trtllm_moe_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def swizzle_blockscale(scale):
+        with unittest.mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
+            return original(scale)
+
+    vars(swizzle_blockscale)["_trtllm_moe_cpu"] = True
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("sglang") and getattr(mod, "swizzle_blockscale", None) is original:
+            vars(mod)["swizzle_blockscale"] = swizzle_blockscale
+
+
 def cpu_mm_out_dtype() -> None:
     """`torch.mm(a, b, out_dtype=torch.float32)` (`aten::mm.dtype`) has no CPU kernel in torch 2.13; Nemotron-H's
     router calls it (`models/nemotron_h.py`, NemotronHMoE router logits: BF16 inputs, FP32 output). The CUDA kernel
@@ -257,11 +340,13 @@ class _PageableTorch(types.ModuleType):
 STANDINS = (
     ("torchvision op schemas", torchvision_op_schemas, False),
     ("vllm._custom_ops import stub", vllm_custom_ops_import_stub, False),
+    ("sgl_kernel.kvcacheio import stub", sgl_kernel_kvcacheio_import_stub, False),
     ("CPU aten::mm.dtype", cpu_mm_out_dtype, False),
     ("TopK bypassed routing on CPU", topk_bypass_on_cpu, True),
     ("DeepSeek MLA on torch_native", deepseek_mla_on_torch_native, True),
     ("CPU tensors through SGLang's CUDA reduction patch", cpu_tensors_through_the_reduction_patch, True),
     ("pageable routed-experts host cache", pageable_routed_experts_host_cache, True),
+    ("NVFP4 placeholder swizzle on CPU", nvfp4_placeholder_swizzle_on_cpu, True),
 )
 
 

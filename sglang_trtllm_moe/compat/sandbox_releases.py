@@ -30,20 +30,48 @@ SWIZZLE_MOVES_TO_CUDA = Feature(
     "quantization.utils.swizzle_blockscale ends in .cuda(), so NVFP4 create_weights cannot run without a GPU",
 )
 
+BF16_GEMM_TORCH = Feature(
+    ">=0.5.17",
+    "--bf16-gemm-backend offers 'torch' (a faked SM100 otherwise resolves 'auto' to the cutedsl GEMM, which imports "
+    "cuda.bindings); 0.5.15-0.5.16 offer auto / cutedsl only and 'auto' never imports cutedsl there; before 0.5.15 "
+    "the argument does not exist",
+)
+DETOKENIZER_IMPORTS_XGRAMMAR = Feature(
+    ">=0.5.16",
+    "sglang.Engine's detokenizer reaches `from xgrammar import StructuralTag` at import "
+    "(function_call/inkling_detector.py, through the function-call parsers); before, xgrammar is imported only by "
+    "the grammar backend a constrained request builds",
+)
+HOST_KV_POOL_IMPORTS_SGL_KERNEL = Feature(
+    "<0.5.13",
+    "mem_cache/memory_pool_host.py imports sgl_kernel.kvcacheio at module level unless the platform is NPU / XPU / "
+    "MPS, and the scheduler imports it; from 0.5.13 only on CUDA / HIP",
+)
+SAVE_SHARDED_MODEL_TAKES_PARAMS = Feature(
+    "<0.5.13",
+    "the scheduler's save_sharded_model(self, params) takes one dict while its RPC handler calls it with the "
+    "Engine's keywords, so Engine.save_sharded_model(path=...) fails; it has to be save_sharded_model(params={...}) "
+    "(0.5.13 adds Scheduler.save_sharded_model(**kwargs))",
+)
+
 # ---- the releases each harness speaks (not a fact of one SGLang function: the harness's tests are the check) -------
 
 #: sandbox/models.py: SGLang's ModelRunner set up as its bench_one_batch sets one up (bootstrap.init_parallel_runtime,
 #: runtime_context.publish(role="scheduler", ranks=SpawnRanks)); older releases spell publishing, bootstrap and the
 #: runner differently and raise NotImplementedError naming the release
 MODEL_RUNNER_RELEASES = SpecifierSet(">=0.5.21")
-#: sandbox/engine.py: sglang.Engine(device="cpu") driven through its public API (begin/end weight-update sessions,
-#: the weight-checker request, the Engine's spawn flow as 0.5.23 spells it); the demo, the README's example and the
-#: Engine / HTTP-server tests run on these releases
-ENGINE_RELEASES = SpecifierSet(">=0.5.23")
+#: sandbox/engine.py: sglang.Engine(device="cpu") started, generating, updated from disk and from tensors (in a
+#: begin/end session where the release has them: UPDATE_SESSIONS) and read back (save_sharded_model) through its
+#: public API; tests/test_engine_smoke.py proves it on each release
+ENGINE_RELEASES = SpecifierSet(">=0.5.11")
+#: sandbox/rl_loop.py and what runs it — the demo, the README's CPU recipe, the Engine and HTTP-server suites: the
+#: whole RL loop (0.5.23's weight-update sessions, the weight-checker request and its checksum action, a fresh
+#: ModelRunner load as the reference, the HTTP server's weight versions per token span)
+RL_LOOP_RELEASES = SpecifierSet(">=0.5.23")
 
 
 def all_features() -> dict[str, Feature]:
     return {name: f for name, f in globals().items() if isinstance(f, Feature)}
 
 
-__all__ = ["ENGINE_RELEASES", "MODEL_RUNNER_RELEASES", "all_features", *all_features()]
+__all__ = ["ENGINE_RELEASES", "MODEL_RUNNER_RELEASES", "RL_LOOP_RELEASES", "all_features", *all_features()]

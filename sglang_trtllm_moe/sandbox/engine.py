@@ -12,19 +12,24 @@ offers is only what the Engine offers:
 |---|---|
 | generate | `Engine.generate(input_ids=..., sampling_params={"temperature": 0, ...})` (greedy) |
 | update_from_disk | `Engine.update_weights_from_disk(path)` |
-| begin / end / session | `Engine.begin_weight_update()` / `end_weight_update()` (0.5.23 refuses tensor updates
-  outside) |
-| update_from_tensor | `Engine.update_weights_from_tensor(named_tensors)`; `load_format="flattened_bucket"`: one SGLang
-  FlattenedTensorBucket serialized per TP rank with MultiprocessingSerializer (base64), as RL frameworks send it |
+| begin / end / session | `Engine.begin_weight_update()` / `end_weight_update()` (0.5.21+; 0.5.23 refuses tensor
+  updates outside) |
+| update_from_tensor | `Engine.update_weights_from_tensor(named_tensors)` (in a session where the release has them);
+  `load_format="flattened_bucket"`: one SGLang FlattenedTensorBucket serialized per TP rank with
+  MultiprocessingSerializer (base64), as RL frameworks send it |
+| wait_idle | `Engine.flush_cache()` until it succeeds: the scheduler has retired the last batch (every update waits
+  for it: an update that reaches the scheduler first fails SGLang's "Cache flush failed after updating weights"
+  assertion, which ends the scheduler; seen on 0.5.20) |
 | check_weights | the weight checker (`/weights_checker` of the HTTP server): `tokenizer_manager.check_weights(
   CheckWeightsReqInput(action=...))` — snapshot, reset_tensors, compare, checksum (the Engine has no method of its
   own) |
 | state | `Engine.save_sharded_model(path=...)`: the scheduler writes model.state_dict() (the prepared bytes) as
   safetensors; read back here, byte for byte |
 
-Release support: compat/sandbox_releases.py ENGINE_RELEASES (begin/end weight-update sessions, the weight checker
-request, the Engine's spawn flow).
-The RL loop the demo runs on it: sandbox/rl_loop.py.
+Release support: compat/sandbox_releases.py ENGINE_RELEASES (every release: start-up, generate, updates, read-back;
+tests/test_engine_smoke.py on each), with the server arguments of each release (`engine_args()`: BF16_GEMM_TORCH).
+The RL loop the demo runs on it (sessions, the weight checker, a fresh ModelRunner load as the reference):
+sandbox/rl_loop.py, RL_LOOP_RELEASES.
 """
 
 from __future__ import annotations
@@ -37,7 +42,13 @@ import tempfile
 
 import torch
 
-from ..compat.sandbox_releases import ENGINE_RELEASES
+from ..compat.features import UPDATE_SESSIONS
+from ..compat.sandbox_releases import (
+    BF16_GEMM_TORCH,
+    DETOKENIZER_IMPORTS_XGRAMMAR,
+    ENGINE_RELEASES,
+    SAVE_SHARDED_MODEL_TAKES_PARAMS,
+)
 from . import models
 
 #: the faked SM the Engine's processes run with
@@ -60,16 +71,26 @@ def prepare_process(workdir: str | None = None) -> None:
         raise EngineUnavailable(
             f"sandbox.engine drives sglang.Engine of SGLang {ENGINE_RELEASES}; this is SGLang {release()}"
         )
-    if importlib.util.find_spec("xgrammar") is None:
+    if DETOKENIZER_IMPORTS_XGRAMMAR.present() and importlib.util.find_spec("xgrammar") is None:
         # sglang requires it (Requires-Dist: xgrammar); the CPU env installs sglang --no-deps
         raise EngineUnavailable(
-            "sglang.Engine's detokenizer imports xgrammar (parser/response_template.py tool_close_tokens -> "
-            "function_call/function_call_parser.py -> inkling_detector.py `from xgrammar import StructuralTag`), "
-            "and this environment has none: install the release's pin (ci/releases.tsv extra-no-deps)"
+            "sglang.Engine's detokenizer imports xgrammar (function_call/function_call_parser.py -> "
+            "inkling_detector.py `from xgrammar import StructuralTag`), and this environment has none: install the "
+            "release's pin (ci/releases.tsv extra-no-deps)"
         )
     os.environ[ENV_EMULATE] = "1"
     os.environ[ENV_FAKE_SM] = str(FAKE_SM)
-    models.prepare_process()
+    models.prepare_process(runner=False)
+
+
+def engine_args(**overrides) -> dict:
+    """The harness's Engine arguments (models.DEFAULT_SERVER_ARGS with `overrides`) as this release spells them: the
+    BF16 GEMM backend is named only where 'torch' exists (BF16_GEMM_TORCH); before, SGLang's default never reaches
+    the cutedsl GEMM."""
+    kw = {**models.DEFAULT_SERVER_ARGS, **overrides}
+    if not BF16_GEMM_TORCH.present():
+        kw.pop("bf16_gemm_backend", None)
+    return kw
 
 
 @contextlib.contextmanager
@@ -112,7 +133,7 @@ class TinyEngine:
 
         self.workdir = workdir or tempfile.mkdtemp(prefix="sglang-trtllm-moe-engine-")
         prepare_process(self.workdir)
-        kw = {**models.DEFAULT_SERVER_ARGS, **server_args}
+        kw = engine_args(**server_args)
         self.model_dir = model_dir
         self.log = log
         with _children_output(log):
@@ -162,10 +183,24 @@ class TinyEngine:
             raise RuntimeError(f"{what} failed: {msg}")
         return msg
 
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the scheduler has retired its last batch: SGLang answers a generate request before its loop drops
+        that batch, and an update that arrives in between fails the flush after it (an assertion in the scheduler,
+        which then exits). An RL loop's rollout ends long before its update; this harness's next line does not."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not _flushed(self.engine.flush_cache()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Engine's scheduler did not go idle within {timeout} s")
+            time.sleep(0.05)
+
     def update_from_disk(self, path: str) -> str:
+        self.wait_idle()
         return self._ok(self.engine.update_weights_from_disk(path), "update_weights_from_disk")
 
     def begin(self) -> None:
+        self.wait_idle()
         self._ok(self.engine.begin_weight_update(), "begin_weight_update")
         self._session = True
 
@@ -184,7 +219,9 @@ class TinyEngine:
     def update_from_tensor(self, named_tensors, load_format: str | None = None, check: bool = True):
         """One Engine.update_weights_from_tensor call (inside a session; one is opened here if none is).
         Returns (success, message); raises on failure when `check`."""
-        own = not self._session
+        own = not self._session and UPDATE_SESSIONS.present()
+        if not self._session and not own:
+            self.wait_idle()
         if own:
             self.begin()
         try:
@@ -219,13 +256,22 @@ class TinyEngine:
         self._n += 1
         path = os.path.join(self.workdir, f"state-{self._n}")
         os.makedirs(path, exist_ok=True)
-        self.engine.save_sharded_model(path=path, pattern=None, max_size=None)
+        args = dict(path=path, pattern=None, max_size=None)
+        if SAVE_SHARDED_MODEL_TAKES_PARAMS.present():
+            self.engine.save_sharded_model(params=args)
+        else:
+            self.engine.save_sharded_model(**args)
         out: dict[str, torch.Tensor] = {}
         for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
             out.update(load_file(f))
         for f in glob.glob(os.path.join(path, "*.safetensors")):
             os.remove(f)
         return out
+
+
+def _flushed(result) -> bool:
+    """Engine.flush_cache()'s answer: a FlushCacheReqOutput (its `success`) or, on some releases, a bool."""
+    return bool(getattr(result, "success", result))
 
 
 def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:

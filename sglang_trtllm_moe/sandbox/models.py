@@ -84,14 +84,15 @@ def threads() -> int:
     return max(1, int(os.environ.get(ENV_THREADS, "1")))
 
 
-def prepare_process(preload: bool = False) -> None:
+def prepare_process(preload: bool = False, runner: bool = True) -> None:
     """What every harness process needs before SGLang builds a model, once: emulated kernels
     (SGLANG_TRTLLM_MOE_EMULATE=1), `threads()` torch threads, the stand-ins, SGLang's plugins (this plugin among
     them) and a faked SM100. `preload`: also import the modules a model build and the checks import (a parent that
-    forks one child per model pays the imports once)."""
+    forks one child per model pays the imports once). `runner=False`: a process that builds no ModelRunner itself
+    (sglang.Engine's launcher: its scheduler builds one the release's own way), so any release."""
     if _STATE.get("prepared"):
         return
-    if _release() not in MODEL_RUNNER_RELEASES:
+    if runner and _release() not in MODEL_RUNNER_RELEASES:
         raise NotImplementedError(
             f"sandbox.models spells SGLang's runner set-up for {MODEL_RUNNER_RELEASES} (bench_one_batch flow); "
             f"this is SGLang {_release()}"

@@ -25,7 +25,6 @@ without CUDA, SGLang's own function is kept and only its `.cuda()` is made a no-
 from __future__ import annotations
 
 import os
-import sys
 
 from packaging.version import Version
 
@@ -51,32 +50,12 @@ def release() -> Version:
     return Version(v.base_version)
 
 
-def _rebind_everywhere(module, name: str, new) -> None:
-    original = getattr(module, name)
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("sglang") and getattr(mod, name, None) is original:
-            setattr(mod, name, new)
-
-
 def keep_swizzle_on_cpu() -> None:
-    """SGLang's `swizzle_blockscale` without its hard-coded `.cuda()` (only where CUDA is absent)."""
-    import functools
-    import unittest.mock
+    """SGLang's `swizzle_blockscale` without its hard-coded `.cuda()` (only where CUDA is absent): the CPU sandbox's
+    stand-in (compat/cpu_sandbox.py), which the Engine's spawned scheduler gets from register()."""
+    from ..compat.cpu_sandbox import nvfp4_placeholder_swizzle_on_cpu
 
-    import torch
-    from sglang.srt.layers.quantization import utils as qutils
-
-    original = qutils.swizzle_blockscale
-    if getattr(original, "_trtllm_moe_cpu", False):
-        return
-
-    @functools.wraps(original)
-    def swizzle_blockscale(scale):
-        with unittest.mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
-            return original(scale)
-
-    vars(swizzle_blockscale)["_trtllm_moe_cpu"] = True
-    _rebind_everywhere(qutils, "swizzle_blockscale", swizzle_blockscale)
+    nvfp4_placeholder_swizzle_on_cpu()
 
 
 def _publish(server_args) -> None:
@@ -105,8 +84,6 @@ def fake_platform_once() -> None:
 
     fake_blackwell()
     if releases.SWIZZLE_MOVES_TO_CUDA.present() and not torch.cuda.is_available():
-        import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401  (binds the name first)
-
         keep_swizzle_on_cpu()
     _INITIALISED["platform"] = True
 

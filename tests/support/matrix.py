@@ -99,7 +99,7 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ),
     ("defer", "defer table", (("tests/test_defer.py", None),)),
     # whole SGLang models through SGLang's ModelRunner (0.5.21+: every model and flow; the known gaps of 0.5.21 /
-    # 0.5.22 are strict xfails, tests/test_models.py KNOWN), and sglang.Engine(device="cpu") (0.5.23 only)
+    # 0.5.22 are strict xfails, tests/test_models.py KNOWN), the HTTP server and the RL loop (0.5.23)
     (
         "models",
         "whole models",
@@ -111,6 +111,9 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_verl_weight_sync.py", None),
         ),
     ),
+    # sglang.Engine(device="cpu") through the plugin: the smoke on every release (start-up on the plugin's runner,
+    # disk and tensor updates bit-exact, a refused bucket), the whole RL loop where the sandbox spells it (0.5.23)
+    ("engine", "sglang.Engine", (("tests/test_engine_smoke.py", None), ("tests/test_engine.py", None))),
     # issue #27: a bad or failed update changes nothing (refused before a byte, or put back), and empty forwards
     (
         "nothing_lost",
