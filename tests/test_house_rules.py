@@ -13,9 +13,8 @@
   names (`layer._weight_loader_impl`, `mask._version`, `torch._foreach_copy_`) are not ours and stay allowed.
 * No runtime patch of torch: nothing in the package assigns an attribute of `torch` (a hook that does changes the
   whole process, every thread, for as long as it is suspended).
-* No runtime module over `MAX_LINES` lines (issue #38): a module that grows past it is split along its concerns.
-  `sandbox/` is exempt: it is the CPU test tooling (tiny checkpoints, layers, models, the Engine, demo and bench) that
-  ships in the wheel for the demo, not the plugin's runtime path.
+* No module of the package over `MAX_LINES` lines (issue #38), the CPU sandbox's included: a module that grows past
+  it is split along its concerns.
 * `compat/` is the bottom layer (issue #38): its modules import nothing of the package outside `compat/` (at module
   level or inside a function), except the leaf modules of `COMPAT_MAY_IMPORT`, which themselves import nothing of
   the package. What sits above (formats, selection, the runner) hands compat what it needs, never the other way.
@@ -48,10 +47,13 @@ PENDING_RELEASE_LITERALS: dict[str, str] = {}
 PENDING_PRIVATE_IMPORTS: dict[str, str] = {}
 
 
-#: the most lines a module of the runtime package may have (sandbox/ aside)
+#: the most lines a module of the package may have
 MAX_LINES = 450
-#: the CPU sandbox: test tooling that ships for the demo, exempt from MAX_LINES
-LINE_LIMIT_EXEMPT = "sandbox/"
+#: files over MAX_LINES that wait for their split: what for
+PENDING_LONG_MODULES: dict[str, str] = {
+    "sandbox/layers.py": "split pending: concurrently edited (the one layer builder LAYERS, changed by the format "
+    "work in flight; split along builder / checkpoint tensors / references once that lands)",
+}
 
 #: modules outside compat/ that compat/ may import: leaves that import nothing of the package themselves
 #: (test_compat_leaves_are_leaves holds them to that)
@@ -307,12 +309,10 @@ def test_no_private_attribute_of_another_modules_class():
 
 def test_no_runtime_module_over_the_line_limit():
     def finder(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
-        if rel.startswith(LINE_LIMIT_EXEMPT):
-            return []
         n = len((PACKAGE / rel).read_text().splitlines())
         return [(n, f"{n} lines > {MAX_LINES}")] if n > MAX_LINES else []
 
-    _check(finder, {}, f"modules over {MAX_LINES} lines")
+    _check(finder, PENDING_LONG_MODULES, f"modules over {MAX_LINES} lines")
 
 
 def test_compat_imports_nothing_above_it():
