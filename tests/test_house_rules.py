@@ -6,8 +6,9 @@
   on: `compat.releases.OLDEST_SUPPORTED` is that fact). Prose in docstrings may name releases.
 * Shared helpers have one public home: no module imports another module's underscore name (a private *module*, such
   as `layouts/_triton.py`, may be imported inside its package), nor reads one as an attribute.
-* Another module's objects by their public names: no module reads (or writes) `obj._name` where `_name` is a private
-  attribute a class of this package defines (`self._name = ...` in its methods, a class attribute, dataclass field
+* Another module's objects by their public names: no module reads (or writes) `obj._name` — or names it in a string
+  to `getattr` / `setattr` / `hasattr` / `delattr` — where `_name` is a private attribute a class of this package
+  defines (`self._name = ...` in its methods, a class attribute, dataclass field
   or `__slots__` entry starting with `_`), outside the module that defines that class; `self._name` / `cls._name`
   are the class's own. The owning class offers a public method or property instead. SGLang's and torch's private
   names (`layer._weight_loader_impl`, `mask._version`, `torch._foreach_copy_`) are not ours and stay allowed.
@@ -238,19 +239,35 @@ def private_attributes(sources: list[tuple[str, ast.Module]]) -> dict[str, set[s
     return out
 
 
+#: builtins that read or write an attribute named by a string: getattr(obj, "_name") is obj._name
+BY_NAME = ("getattr", "setattr", "hasattr", "delattr")
+
+
 def foreign_private_reads(rel: str, tree: ast.Module, defined: dict[str, set[str]]) -> list[tuple[int, str]]:
-    """`expr._name` in file `rel` where `_name` is a private attribute of a package class defined in another file
-    (`self._name` / `cls._name` aside)."""
-    return sorted(
-        {
-            (node.lineno, ast.unparse(node))
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute)
-            and node.attr in defined
-            and rel not in defined[node.attr]
-            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-        }
-    )
+    """`expr._name` (or `getattr(expr, "_name")`, `setattr`, `hasattr`, `delattr`) in file `rel` where `_name` is a
+    private attribute of a package class defined in another file (`self._name` / `cls._name` aside)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            obj, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in BY_NAME
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            obj, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if (
+            name in defined
+            and rel not in defined[name]
+            and not (isinstance(obj, ast.Name) and obj.id in ("self", "cls"))
+        ):
+            out.add((node.lineno, ast.unparse(node)))
+    return sorted(out)
 
 
 def torch_patches(tree: ast.Module) -> list[tuple[int, str]]:
@@ -398,9 +415,11 @@ def test_the_foreign_private_read_finder():
         "    layer._weight_loader_impl(1)\n"
         "    torch._foreach_copy_([], [])\n"
         "    return mask._version, st.__dict__\n"
+        "def h(st, self):\n"
+        "    return getattr(st, '_bits', None), hasattr(self, '_bits'), getattr(st, '_weight_loader_impl')\n"
     )
     hits = foreign_private_reads("builtins/loader_hooks.py", ast.parse(reader), defined)
-    assert hits == [(2, "st._mirror"), (3, "job._refuse")], hits
+    assert hits == [(2, "st._mirror"), (3, "job._refuse"), (8, "getattr(st, '_bits', None)")], hits
     assert foreign_private_reads("layer_state.py", ast.parse(reader), defined) == []
 
 
