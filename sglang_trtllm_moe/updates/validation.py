@@ -35,8 +35,9 @@ Cost: each write is checked by a plan computed once per (layer, parameter) (`wri
 accepted shard ids, expert ranges, devices, dtypes and shapes), so a write that passes costs a few dict lookups and
 comparisons; a write the plan does not accept goes through the full checks, which refuse it with their message (or
 accept a rarer valid form: numpy or 0-dim tensor expert ids, a layer without a known intermediate size). The plan and
-the full checks ask the same rules (write_plans.py: `shards_of`, `expert_count`, `accepted_devices`, `ShapeRule`;
-the format's `LoadRule` for dtypes and values), each declared once; refusal messages are built only when refusing.
+the full checks ask the same rules (write_plans.py: `names_another_parameter`, `shards_of`, `expert_count`,
+`accepted_devices`, `ShapeRule`; the format's `LoadRule` for dtypes and values), each declared once; refusal
+messages are built only when refusing.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ..formats.load_rules import LoadRule
 from ..layer_state import PLANS_ATTR
 from .layer_params import SHARDS, expert_index, format_of, managed_names, param_name, param_view
 from .refusal import Refusal, ValueJob, check_values, short
-from .write_plans import ShapeRule, accepted_devices, expert_count, plan_of, shards_of
+from .write_plans import ShapeRule, accepted_devices, expert_count, names_another_parameter, plan_of, shards_of
 
 
 def check_write(
@@ -133,8 +134,8 @@ def _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, 
 def _check_name(layer, fmt, param, name, weight_name, refuse: Refusal) -> None:
     if not isinstance(weight_name, str):
         refuse(f"weight_name is {type(weight_name).__name__}", "the parameter's name as a str")
-    tail = weight_name.rsplit(".", 1)[-1]
-    if tail != name and fmt.load_rule(tail) is not None and layer._parameters.get(tail) is not param:
+    tail = names_another_parameter(fmt, weight_name, name)
+    if tail is not None and layer._parameters.get(tail) is not param:
         # SGLang routes a write by substrings of weight_name ("input_scale", "weight_scale_2", "scale", ...)
         refuse(
             f"weight_name {weight_name!r} names another parameter ({tail}) than the one passed ({name}), so "

@@ -2,10 +2,10 @@
 (`plan_of`), so a write that passes every check costs a few dict lookups and comparisons (validation.py runs the
 full checks for anything a plan does not accept).
 
-The structural rules of a write are declared once, here (`shards_of`, `expert_count`, `accepted_devices`,
-`ShapeRule`; the dtype and value rules are the format's `LoadRule.accepts_dtype` / `value_rule`): a plan compiles
-them into its fields and the hot path only executes those; the full checks (validation.py) ask the same rules and
-build a refusal's message from them only when one fails."""
+The structural rules of a write are declared once, here (`names_another_parameter`, `shards_of`, `expert_count`,
+`accepted_devices`, `ShapeRule`; the dtype and value rules are the format's `LoadRule.accepts_dtype` /
+`value_rule`): a plan compiles them into its fields and the hot path only executes those; the full checks
+(validation.py) ask the same rules and build a refusal's message from them only when one fails."""
 
 from __future__ import annotations
 
@@ -25,6 +25,24 @@ _CPU = torch.device("cpu")
 
 
 # ---- the rules of a write, each declared once ----------------------------------------------------------------------
+
+
+def named_parameter(weight_name: str) -> str:
+    """The parameter a write's `weight_name` names: its last dotted part (SGLang's loader routes a write by it:
+    "input_scale", "weight_scale_2", "scale", ...)."""
+    return weight_name[weight_name.rfind(".") + 1 :]
+
+
+def rule_names(fmt) -> frozenset[str]:
+    """Every parameter name `fmt` has a load rule for (`WeightFormat.load_rule`: its laid-out and scalar params)."""
+    return frozenset((*(p.name for p in fmt.params), *fmt.scalar_params))
+
+
+def names_another_parameter(fmt, weight_name: str, name: str) -> str | None:
+    """The other parameter with a load rule that `weight_name` names instead of `name` — SGLang's loader would write
+    it by that parameter's rule — or None (a plan compiles it: `rule_names` and the name's dotted tail)."""
+    tail = named_parameter(weight_name)
+    return tail if tail != name and fmt.load_rule(tail) is not None else None
 
 
 def shards_of(rule: LoadRule, gated: bool) -> tuple[str, ...]:
@@ -135,8 +153,9 @@ class WritePlan:
         self.devices = accepted_devices(param)
         self.converts = type(fmt).converted_by_sglang is not WeightFormat.converted_by_sglang
         self.hit = (name, self.dot_name, 0)
-        #: every parameter name the format has a rule for (a weight_name ending in another one is checked in full)
-        self.managed = frozenset((*(p.name for p in fmt.params), *fmt.scalar_params))
+        #: every parameter name the format has a rule for (a weight_name ending in another one is checked in full:
+        #: `names_another_parameter`)
+        self.managed = rule_names(fmt)
         if rule is None:
             return
         gated = fmt.is_gated(layer)
@@ -153,7 +172,7 @@ class WritePlan:
             return None
         # SGLang's mapped name ends in the parameter's; a checkpoint name ("...experts.3.gate_proj.weight_scale")
         # ends in a suffix that names no other parameter
-        if not weight_name.endswith(self.dot_name) and weight_name[weight_name.rfind(".") + 1 :] in self.managed:
+        if not weight_name.endswith(self.dot_name) and named_parameter(weight_name) in self.managed:
             return None
         if type(shard_id) is not str or shard_id not in self.shards or type(expert_id) is not int:
             return None
