@@ -34,8 +34,8 @@ Rows (wall seconds, each run ends with torch.cuda.synchronize; plugin and bare i
   layout work: every expert to checkpoint layout at begin, every expert prepared at the end), and
   ``plugin_per_tensor``: the plugin with batched writes switched off (every tensor through the stand-in loader and
   the plugin's loader hooks: the plugin before issue #38), ``bypassed``: that with its checks replaced by
-  pass-throughs (`sandbox/bench_update.bypass`), which splits what the per-tensor path adds into its checks and its
-  hooks' bookkeeping;
+  pass-throughs (`sandbox/bench_update_modes.bypass`), which splits what the per-tensor path adds into its checks
+  and its hooks' bookkeeping;
 * ``partial``: `--partial` experts updated outside a session (the disk path's shape) through the entry point
   (`update_weights_from_tensor` of one bucket, then its flush): the plugin un-prepares the bucket's experts (one
   call per group) and writes them batched, then flushes; bare: unprepare_ of those experts, the writes, prepare_;
@@ -68,7 +68,7 @@ from sglang_trtllm_moe import layer_state, layouts
 from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
 from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
-from sglang_trtllm_moe.sandbox.bench_update import bypass, device_path  # torch-only: pass-throughs, device path
+from sglang_trtllm_moe.sandbox.bench_update_modes import bypass, device_path  # torch-only: pass-throughs, device path
 from sglang_trtllm_moe.updates import batched_writes, bucket_validation, checked_writes, value_checks
 
 PREFIX = "model.layers.3.mlp.experts"

@@ -6,16 +6,16 @@
   on: `compat.releases.OLDEST_SUPPORTED` is that fact). Prose in docstrings may name releases.
 * Shared helpers have one public home: no module imports another module's underscore name (a private *module*, such
   as `layouts/_triton.py`, may be imported inside its package), nor reads one as an attribute.
-* Another module's objects by their public names: no module reads (or writes) `obj._name` where `_name` is a private
-  attribute a class of this package defines (`self._name = ...` in its methods, a class attribute, dataclass field
+* Another module's objects by their public names: no module reads (or writes) `obj._name` — or names it in a string
+  to `getattr` / `setattr` / `hasattr` / `delattr` — where `_name` is a private attribute a class of this package
+  defines (`self._name = ...` in its methods, a class attribute, dataclass field
   or `__slots__` entry starting with `_`), outside the module that defines that class; `self._name` / `cls._name`
   are the class's own. The owning class offers a public method or property instead. SGLang's and torch's private
   names (`layer._weight_loader_impl`, `mask._version`, `torch._foreach_copy_`) are not ours and stay allowed.
 * No runtime patch of torch: nothing in the package assigns an attribute of `torch` (a hook that does changes the
   whole process, every thread, for as long as it is suspended).
-* No runtime module over `MAX_LINES` lines (issue #38): a module that grows past it is split along its concerns.
-  `sandbox/` is exempt: it is the CPU test tooling (tiny checkpoints, layers, models, the Engine, demo and bench) that
-  ships in the wheel for the demo, not the plugin's runtime path.
+* No module of the package over `MAX_LINES` lines (issue #38), the CPU sandbox's included: a module that grows past
+  it is split along its concerns.
 * `compat/` is the bottom layer (issue #38): its modules import nothing of the package outside `compat/` (at module
   level or inside a function), except the leaf modules of `COMPAT_MAY_IMPORT`, which themselves import nothing of
   the package. What sits above (formats, selection, the runner) hands compat what it needs, never the other way.
@@ -48,10 +48,13 @@ PENDING_RELEASE_LITERALS: dict[str, str] = {}
 PENDING_PRIVATE_IMPORTS: dict[str, str] = {}
 
 
-#: the most lines a module of the runtime package may have (sandbox/ aside)
+#: the most lines a module of the package may have
 MAX_LINES = 450
-#: the CPU sandbox: test tooling that ships for the demo, exempt from MAX_LINES
-LINE_LIMIT_EXEMPT = "sandbox/"
+#: files over MAX_LINES that wait for their split: what for
+PENDING_LONG_MODULES: dict[str, str] = {
+    "sandbox/layers.py": "split pending: concurrently edited (the one layer builder LAYERS, changed by the format "
+    "work in flight; split along builder / checkpoint tensors / references once that lands)",
+}
 
 #: modules outside compat/ that compat/ may import: leaves that import nothing of the package themselves
 #: (test_compat_leaves_are_leaves holds them to that)
@@ -236,19 +239,35 @@ def private_attributes(sources: list[tuple[str, ast.Module]]) -> dict[str, set[s
     return out
 
 
+#: builtins that read or write an attribute named by a string: getattr(obj, "_name") is obj._name
+BY_NAME = ("getattr", "setattr", "hasattr", "delattr")
+
+
 def foreign_private_reads(rel: str, tree: ast.Module, defined: dict[str, set[str]]) -> list[tuple[int, str]]:
-    """`expr._name` in file `rel` where `_name` is a private attribute of a package class defined in another file
-    (`self._name` / `cls._name` aside)."""
-    return sorted(
-        {
-            (node.lineno, ast.unparse(node))
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute)
-            and node.attr in defined
-            and rel not in defined[node.attr]
-            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-        }
-    )
+    """`expr._name` (or `getattr(expr, "_name")`, `setattr`, `hasattr`, `delattr`) in file `rel` where `_name` is a
+    private attribute of a package class defined in another file (`self._name` / `cls._name` aside)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            obj, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in BY_NAME
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            obj, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if (
+            name in defined
+            and rel not in defined[name]
+            and not (isinstance(obj, ast.Name) and obj.id in ("self", "cls"))
+        ):
+            out.add((node.lineno, ast.unparse(node)))
+    return sorted(out)
 
 
 def torch_patches(tree: ast.Module) -> list[tuple[int, str]]:
@@ -307,12 +326,10 @@ def test_no_private_attribute_of_another_modules_class():
 
 def test_no_runtime_module_over_the_line_limit():
     def finder(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
-        if rel.startswith(LINE_LIMIT_EXEMPT):
-            return []
         n = len((PACKAGE / rel).read_text().splitlines())
         return [(n, f"{n} lines > {MAX_LINES}")] if n > MAX_LINES else []
 
-    _check(finder, {}, f"modules over {MAX_LINES} lines")
+    _check(finder, PENDING_LONG_MODULES, f"modules over {MAX_LINES} lines")
 
 
 def test_compat_imports_nothing_above_it():
@@ -398,9 +415,11 @@ def test_the_foreign_private_read_finder():
         "    layer._weight_loader_impl(1)\n"
         "    torch._foreach_copy_([], [])\n"
         "    return mask._version, st.__dict__\n"
+        "def h(st, self):\n"
+        "    return getattr(st, '_bits', None), hasattr(self, '_bits'), getattr(st, '_weight_loader_impl')\n"
     )
     hits = foreign_private_reads("builtins/loader_hooks.py", ast.parse(reader), defined)
-    assert hits == [(2, "st._mirror"), (3, "job._refuse")], hits
+    assert hits == [(2, "st._mirror"), (3, "job._refuse"), (8, "getattr(st, '_bits', None)")], hits
     assert foreign_private_reads("layer_state.py", ast.parse(reader), defined) == []
 
 

@@ -59,12 +59,31 @@ def _model_of(owner):
     return get() if callable(get) else getattr(owner, "model", None)
 
 
+def _own_load_weights(model):
+    """The model's own `load_weights`, where an entry point may stand a wrapper over it (`_load_weights_as`); None
+    where it has none, or where an instance attribute already stands over the class's method (another entry point's
+    wrapper, or someone else's)."""
+    real = getattr(model, "load_weights", None)
+    return None if real is None or "load_weights" in vars(model) else real
+
+
+@contextlib.contextmanager
+def _load_weights_as(model, wrapper):
+    """For the block, `model.load_weights` is `wrapper` (an instance attribute over the class's method, which
+    `wrapper` calls); removed after, an exception included. The one place an entry point wraps the model's loader."""
+    vars(model)["load_weights"] = wrapper
+    try:
+        yield
+    finally:
+        vars(model).pop("load_weights", None)
+
+
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
     what was validated (checked_writes.Checked) so the loader hooks do not check those writes again."""
     model = _model_of(owner)
-    real = getattr(model, "load_weights", None)
-    if real is None or "load_weights" in vars(model) or not bucket_validation.managed_modules(model):
+    real = _own_load_weights(model)
+    if real is None or not bucket_validation.managed_modules(model):
         # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
         return original(owner, *args, **kwargs)
     refused = []
@@ -92,14 +111,12 @@ def check_buckets_around(original, owner, *args, **kwargs):
                     weights = batched_writes.write(list(weights), bucket_validation.expert_targets(model, weights))
             return real(weights, *a, **k)
 
-        vars(model)["load_weights"] = load_weights
         rollback.forget(model)  # served weights from tensors: no longer reproducible from disk loads
         try:
-            result = original(owner, *args, **kwargs)
+            with _load_weights_as(model, load_weights):
+                result = original(owner, *args, **kwargs)
         except bucket_validation.BucketRefused as e:
             return False, str(e)
-        finally:
-            vars(model).pop("load_weights", None)
     finally:
         record.close()
     if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written
@@ -169,8 +186,8 @@ def _batched_from_files(model, checked: bool):
     """While a disk update whose checkpoint passed the pre-check loads: the expert tensors of managed layers that
     SGLang's iterator yields, each the one the pre-check validated (checked_writes.read_from_files), are written
     batched (batched_writes.stream); everything else goes through the model's own loader, in order."""
-    real = getattr(model, "load_weights", None)
-    if not checked or real is None or "load_weights" in vars(model) or not batched_writes.enabled():
+    real = _own_load_weights(model)
+    if not checked or real is None or not batched_writes.enabled():
         yield
         return
 
@@ -189,11 +206,8 @@ def _batched_from_files(model, checked: bool):
             weights = batched_writes.stream(weights, target_of)
         return real(weights, *a, **k)
 
-    vars(model)["load_weights"] = load_weights
-    try:
+    with _load_weights_as(model, load_weights):
         yield
-    finally:
-        vars(model).pop("load_weights", None)
 
 
 def _put_back(net, original, owner, message: str, rest: tuple):

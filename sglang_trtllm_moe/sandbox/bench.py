@@ -11,7 +11,7 @@ Rows (each: name, plugin_s, upstream_s, ratio = upstream_s / plugin_s, plus byte
 * `load_plugins()`: the time SGLang's plugin loading takes with the plugin enabled vs disabled (fresh processes).
 * RL update of a whole model (DeepSeek-V3 architecture, NVFP4 and block FP8, small sizes: `bench_update.SIZES`)
   through SGLang's WeightUpdater, tensor buckets in a session and from disk: the plugin against the same update with
-  its checks bypassed, in the same process (`bench_update.bypass` says what is replaced), CPU seconds with the
+  its checks bypassed, in the same process (`bench_update_modes.bypass` says what is replaced), CPU seconds with the
   layout work excluded; the layout work on its own row (SGLang 0.5.21+: sandbox/models.py).
 Peak extra memory is the growth of the process's peak RSS during each step (ru_maxrss; plugin measured first, so
 upstream's figure is a lower bound). Timings are medians of `repeats` runs. Never used as a test.

@@ -15,7 +15,8 @@ Validation, before a byte changes:
   the values read from the files);
 * `value_checks.py` — the values of scales, many tensors at once (one read-back per device);
 * `layer_params.py` (a write's layer and parameter as the checks see them), `refusal.py` (how a write is refused;
-  a tensor's value job), `write_plans.py` (what a write into one parameter must look like, computed once),
+  a tensor's value job), `write_plans.py` (the rules of a write, declared once, and
+  what a write into one parameter must look like, compiled from them once per parameter),
   `checked_writes.py` (what a running request already validated, and the loader hooks' thread-local handshake).
 
 Writing and undoing:

@@ -34,7 +34,9 @@ under the layer's lock.
 Cost: each write is checked by a plan computed once per (layer, parameter) (`write_plans.plan_of`: name, rule,
 accepted shard ids, expert ranges, devices, dtypes and shapes), so a write that passes costs a few dict lookups and
 comparisons; a write the plan does not accept goes through the full checks, which refuse it with their message (or
-accept a rarer valid form: numpy or 0-dim tensor expert ids, a layer without a known intermediate size). Refusal
+accept a rarer valid form: numpy or 0-dim tensor expert ids, a layer without a known intermediate size). The plan and
+the full checks ask the same rules (write_plans.py: `names_another_parameter`, `shards_of`, `expert_count`,
+`accepted_devices`, `ShapeRule`; the format's `LoadRule` for dtypes and values), each declared once; refusal
 messages are built only when refusing.
 """
 
@@ -42,21 +44,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import WeightUpdateRefused
 from ..formats.load_rules import LoadRule
 from ..layer_state import PLANS_ATTR
-from .layer_params import (
-    SHARDS,
-    expert_index,
-    format_of,
-    global_expert_count,
-    intermediate_extents,
-    managed_names,
-    param_name,
-    param_view,
-)
+from .layer_params import SHARDS, expert_index, format_of, managed_names, param_name, param_view
 from .refusal import Refusal, ValueJob, check_values, short
-from .write_plans import plan_of
+from .write_plans import ShapeRule, accepted_devices, expert_count, names_another_parameter, plan_of, shards_of
 
 
 def check_write(
@@ -124,10 +116,8 @@ def _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, 
         # conversion stores, its shape as a direct write's, and the source values
         shape = fmt.converted_shape(layer, name, loaded)
         if shape is not None:
-            stored = torch.empty(shape, dtype=param.dtype, device="meta")
-            try:
-                check_tensor(layer, fmt, rule, param, view, stored, gated, refuse, headers=True, values=False)
-            except WeightUpdateRefused:
+            # the stored tensor is of the parameter's own dtype on no device: only its shape can be wrong
+            if ShapeRule(layer, fmt, rule, view, gated).problem(tuple(shape)) is not None:
                 refuse(
                     f"a {loaded.dtype} source tensor of shape {tuple(loaded.shape)} does not fit this parameter "
                     f"(SGLang would store it as {tuple(shape)} {param.dtype})",
@@ -144,8 +134,8 @@ def _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, 
 def _check_name(layer, fmt, param, name, weight_name, refuse: Refusal) -> None:
     if not isinstance(weight_name, str):
         refuse(f"weight_name is {type(weight_name).__name__}", "the parameter's name as a str")
-    tail = weight_name.rsplit(".", 1)[-1]
-    if tail != name and fmt.load_rule(tail) is not None and layer._parameters.get(tail) is not param:
+    tail = names_another_parameter(fmt, weight_name, name)
+    if tail is not None and layer._parameters.get(tail) is not param:
         # SGLang routes a write by substrings of weight_name ("input_scale", "weight_scale_2", "scale", ...)
         refuse(
             f"weight_name {weight_name!r} names another parameter ({tail}) than the one passed ({name}), so "
@@ -155,7 +145,7 @@ def _check_name(layer, fmt, param, name, weight_name, refuse: Refusal) -> None:
 
 
 def _check_shard(rule: LoadRule, shard_id, gated: bool, refuse: Refusal) -> None:
-    allowed = ("w2",) if rule.group == "w2" else (("w1", "w3") if gated else ("w1",))
+    allowed = shards_of(rule, gated)
     if not isinstance(shard_id, str) or shard_id not in allowed:
         why = "" if isinstance(shard_id, str) and shard_id in SHARDS else f" (SGLang's shard ids are {SHARDS})"
         kind = rule.kind.replace("_", " ")
@@ -173,14 +163,14 @@ def _check_expert(layer, view, param, expert_id, scope: str, refuse: Refusal) ->
             f"expert id {short(expert_id)} of type {type(expert_id).__name__} is not an integer expert index",
             "an int (or a 0-dim integer tensor)",
         )
-    if scope == "global":
-        n = global_expert_count(layer, param)
-        what = "experts of this model"
-    else:
-        global_ids = getattr(param, "_sglang_require_global_experts", False)
-        n = int(view.shape[0])
-        what = "experts kept in this parameter" if global_ids else "local experts of this layer"
+    n = expert_count(layer, param, view, scope)
     if n and not 0 <= e < n:
+        if scope == "global":
+            what = "experts of this model"
+        elif getattr(param, "_sglang_require_global_experts", False):
+            what = "experts kept in this parameter"
+        else:
+            what = "local experts of this layer"
         refuse(f"expert id {e} is out of range ({n} {what})", f"0 <= expert id < {n}")
     return e
 
@@ -204,7 +194,7 @@ def check_tensor(
     if not isinstance(loaded, torch.Tensor):
         refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
     dev = loaded.device
-    if dev != param.device and dev.type != "cpu" and not (headers and dev.type == "meta"):
+    if dev not in accepted_devices(param) and not (headers and dev.type == "meta"):
         refuse(
             f"the tensor is on {dev}" + (" (no data)" if dev.type == "meta" else ""),
             f"a tensor on {param.device}" + ("" if param.device.type == "cpu" else " or on the CPU"),
@@ -221,24 +211,10 @@ def check_tensor(
     if whole is not None:
         if shape != tuple(whole):
             refuse(f"shape {shape} of a whole-parameter write", f"{tuple(whole)}")
-    elif rule.scalar:
-        if shape not in ((), (1,)):
-            refuse(
-                f"shape {shape}: {rule.name} holds one {rule.kind.replace('_', ' ')} per expert and shard",
-                "a 0-dim or [1] tensor",
-            )
     else:
-        extents, want, _ = intermediate_extents(layer, fmt, rule, view, gated)
-        if rule.group == "w13":
-            fixed_dim, split_dim, fixed = 1, 0, int(view.shape[2])
-            expected = f"[{want}, {fixed}]"
-        else:
-            fixed_dim, split_dim, fixed = 0, 1, int(view.shape[1])
-            expected = f"[{fixed}, {want}]"
-        if len(shape) != 2 or shape[fixed_dim] != fixed or shape[split_dim] not in extents:
-            short = len(shape) == 2 and shape[fixed_dim] == fixed and 0 < shape[split_dim] < max(extents)
-            note = " (SGLang would zero-fill the rest)" if short else ""
-            refuse(f"shape {shape} does not fit {rule.name} {tuple(view.shape)}{note}", expected)
+        problem = ShapeRule(layer, fmt, rule, view, gated).problem(shape)
+        if problem is not None:
+            refuse(*problem)
     _values_of(rule, param, loaded, values, refuse)
 
 
@@ -268,7 +244,7 @@ def validate_fused(layer, name: str, param, loaded, shape: bool = True, values: 
         refuse(f"{name} is not one of this layer's checkpoint parameters", f"one of {managed_names(layer, fmt)}")
     if not isinstance(loaded, torch.Tensor):
         refuse(f"the loaded weight is a {type(loaded).__name__}, not a torch.Tensor", "a torch.Tensor")
-    if loaded.device != param.device and loaded.device.type != "cpu" and (shape or loaded.device.type != "meta"):
+    if loaded.device not in accepted_devices(param) and (shape or loaded.device.type != "meta"):
         refuse(f"the tensor is on {loaded.device}", f"a tensor on {param.device} or on the CPU")
     if not rule.accepts_dtype(loaded.dtype, param.dtype):
         extra = f" or {', '.join(map(str, rule.dtypes))}" if rule.dtypes else ""

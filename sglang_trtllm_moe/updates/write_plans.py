@@ -1,6 +1,11 @@
 """Write plans: what a write into one parameter of one layer must look like, computed once per (layer, parameter)
 (`plan_of`), so a write that passes every check costs a few dict lookups and comparisons (validation.py runs the
-full checks for anything a plan does not accept)."""
+full checks for anything a plan does not accept).
+
+The structural rules of a write are declared once, here (`names_another_parameter`, `shards_of`, `expert_count`,
+`accepted_devices`, `ShapeRule`; the dtype and value rules are the format's `LoadRule.accepts_dtype` /
+`value_rule`): a plan compiles them into its fields and the hot path only executes those; the full checks
+(validation.py) ask the same rules and build a refusal's message from them only when one fails."""
 
 from __future__ import annotations
 
@@ -17,6 +22,94 @@ from .layer_params import format_of, global_expert_count, intermediate_extents, 
 from .refusal import ValueJob
 
 _CPU = torch.device("cpu")
+
+
+# ---- the rules of a write, each declared once ----------------------------------------------------------------------
+
+
+def named_parameter(weight_name: str) -> str:
+    """The parameter a write's `weight_name` names: its last dotted part (SGLang's loader routes a write by it:
+    "input_scale", "weight_scale_2", "scale", ...)."""
+    return weight_name[weight_name.rfind(".") + 1 :]
+
+
+def rule_names(fmt) -> frozenset[str]:
+    """Every parameter name `fmt` has a load rule for (`WeightFormat.load_rule`: its laid-out and scalar params)."""
+    return frozenset((*(p.name for p in fmt.params), *fmt.scalar_params))
+
+
+def names_another_parameter(fmt, weight_name: str, name: str) -> str | None:
+    """The other parameter with a load rule that `weight_name` names instead of `name` — SGLang's loader would write
+    it by that parameter's rule — or None (a plan compiles it: `rule_names` and the name's dotted tail)."""
+    tail = named_parameter(weight_name)
+    return tail if tail != name and fmt.load_rule(tail) is not None else None
+
+
+def shards_of(rule: LoadRule, gated: bool) -> tuple[str, ...]:
+    """The shard ids a parameter of `rule` takes: w2 for the w2 group; w1 / w3 for the w13 group (w1 alone where the
+    layer is not gated) — per-tensor scales and input scales included."""
+    return ("w2",) if rule.group == "w2" else (("w1", "w3") if gated else ("w1",))
+
+
+def expert_count(layer, param, view, scope: str) -> int:
+    """How many expert ids a write into `param` may name (0: no bound known): the checkpoint's experts in
+    `FusedMoE.weight_loader` (scope "global"), the experts the parameter keeps in `_weight_loader_impl` ("local":
+    the local ones, or every expert for parameters SGLang keeps per global expert)."""
+    return global_expert_count(layer, param) if scope == "global" else int(view.shape[0])
+
+
+def accepted_devices(param) -> frozenset:
+    """The devices a loaded tensor may be on: the parameter's, or the CPU (a header's meta tensor stands for a
+    checkpoint tensor not read yet: accepted where the caller checks headers)."""
+    return frozenset((param.device, _CPU))
+
+
+class ShapeRule:
+    """The shapes a one-expert, one-shard write into a parameter may have: a per-expert scale is 0-dim or [1]; a
+    weight or block scale is 2-D, the dimension TP does not split equals the parameter's and the split one is one of
+    the layer's `extents` (the checkpoint's logical intermediate, or the layer's padded size). `shapes`: the accepted
+    shapes as a set where they are few (what a plan compares against), else None."""
+
+    __slots__ = ("rule", "view_shape", "scalar", "extents", "fixed_dim", "split_dim", "fixed", "expected", "shapes")
+
+    def __init__(self, layer, fmt, rule: LoadRule, view, gated: bool):
+        self.rule, self.view_shape, self.scalar = rule, tuple(view.shape), rule.scalar
+        if self.scalar:
+            self.shapes: frozenset | None = frozenset({(), (1,)})
+            return
+        self.extents, want, _ = intermediate_extents(layer, fmt, rule, view, gated)
+        if rule.group == "w13":
+            self.fixed_dim, self.split_dim, self.fixed = 1, 0, int(view.shape[2])
+            self.expected = f"[{want}, {self.fixed}]"
+        else:
+            self.fixed_dim, self.split_dim, self.fixed = 0, 1, int(view.shape[1])
+            self.expected = f"[{self.fixed}, {want}]"
+        self.shapes = None
+        if isinstance(self.extents, tuple):
+            if self.fixed_dim == 1:
+                self.shapes = frozenset((x, self.fixed) for x in self.extents)
+            else:
+                self.shapes = frozenset((self.fixed, x) for x in self.extents)
+
+    def problem(self, shape: tuple) -> tuple[str, str] | None:
+        """(what is wrong with `shape`, what is expected) — None where the rule accepts it."""
+        rule = self.rule
+        if self.scalar:
+            if shape in ((), (1,)):
+                return None
+            return (
+                f"shape {shape}: {rule.name} holds one {rule.kind.replace('_', ' ')} per expert and shard",
+                "a 0-dim or [1] tensor",
+            )
+        fixed_dim, split_dim, fixed, extents = self.fixed_dim, self.split_dim, self.fixed, self.extents
+        if len(shape) == 2 and shape[fixed_dim] == fixed and shape[split_dim] in extents:
+            return None
+        short = len(shape) == 2 and shape[fixed_dim] == fixed and 0 < shape[split_dim] < max(extents)
+        note = " (SGLang would zero-fill the rest)" if short else ""
+        return f"shape {shape} does not fit {rule.name} {self.view_shape}{note}", self.expected
+
+
+# ---- the plan of one parameter ---------------------------------------------------------------------------------
 
 
 class WritePlan:
@@ -57,36 +150,29 @@ class WritePlan:
         self.shapes: frozenset | None = None
         self.shards: tuple = ()
         self.global_n = self.local_n = 0
-        self.devices = frozenset((param.device, _CPU))
+        self.devices = accepted_devices(param)
         self.converts = type(fmt).converted_by_sglang is not WeightFormat.converted_by_sglang
         self.hit = (name, self.dot_name, 0)
-        #: every parameter name the format has a rule for (a weight_name ending in another one is checked in full)
-        self.managed = frozenset((*(p.name for p in fmt.params), *fmt.scalar_params))
+        #: every parameter name the format has a rule for (a weight_name ending in another one is checked in full:
+        #: `names_another_parameter`)
+        self.managed = rule_names(fmt)
         if rule is None:
             return
         gated = fmt.is_gated(layer)
-        self.shards = ("w2",) if rule.group == "w2" else (("w1", "w3") if gated else ("w1",))
+        self.shards = shards_of(rule, gated)
         view = param_view(layer, fmt, name, param)
-        self.global_n = global_expert_count(layer, param)
-        self.local_n = int(view.shape[0])
+        self.global_n = expert_count(layer, param, view, "global")
+        self.local_n = expert_count(layer, param, view, "local")
         #: what a request's record says of a write this plan accepted (checked_writes.Checked)
         self.hit = (name, self.dot_name, self.local_n)
-        if rule.scalar:
-            self.shapes = frozenset({(), (1,)})
-        else:
-            extents, _, _ = intermediate_extents(layer, fmt, rule, view, gated)
-            if isinstance(extents, tuple):
-                if rule.group == "w13":
-                    self.shapes = frozenset((x, int(view.shape[2])) for x in extents)
-                else:
-                    self.shapes = frozenset((int(view.shape[1]), x) for x in extents)
+        self.shapes = ShapeRule(layer, fmt, rule, view, gated).shapes
 
     def accepts(self, layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values):
         if type(weight_name) is not str:
             return None
         # SGLang's mapped name ends in the parameter's; a checkpoint name ("...experts.3.gate_proj.weight_scale")
         # ends in a suffix that names no other parameter
-        if not weight_name.endswith(self.dot_name) and weight_name[weight_name.rfind(".") + 1 :] in self.managed:
+        if not weight_name.endswith(self.dot_name) and named_parameter(weight_name) in self.managed:
             return None
         if type(shard_id) is not str or shard_id not in self.shards or type(expert_id) is not int:
             return None
