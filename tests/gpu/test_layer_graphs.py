@@ -3,16 +3,26 @@
 equals the eager forward; an RL update of two experts through SGLang's own weight_loader keeps every prepared
 parameter's storage (`data_ptr()`), and the same graph, replayed, equals an eager forward on the updated weights —
 without recapture. A 0-token forward returns an empty output.
+
+nvfp4_online (BF16 checkpoint, experts quantized to NVFP4 by SGLang's online loader as they load, activations
+quantized per token in the forward): SGLang's loader calls flashinfer's `nvfp4_quantize(..., backend="cute-dsl")`,
+which needs the CuTe DSL and SM100+. Where it does not run (the lent H200: SM90, no CuTe DSL; `quantizer_problem()`
+asks it once) the loader gets the plugin's pure-torch quantizer on the CUDA tensors instead (`cuda_nvfp4_quantize`,
+test-side only, like sandbox/layers.py `online_quantizer` on CPU): the same bytes flashinfer's plain recipe gives
+(tests/gpu/test_nvfp4_quantizers.py compares them where flashinfer's CUDA quantizer runs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import os
 
 import pytest
 import torch
 
-from sglang_trtllm_moe import layer_state
+from sglang_trtllm_moe import layer_state, quant
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from ..support import sglang_runtime
@@ -24,12 +34,79 @@ MAKERS = {
     "fp8_tensor": cpu_layers.random_fp8_checkpoint,
     "fp8_block": cpu_layers.random_fp8_checkpoint,
     "bf16": cpu_layers.random_bf16_checkpoint,
+    "nvfp4_online": cpu_layers.random_bf16_checkpoint,  # BF16 source; SGLang's online loader quantizes it
 }
 SPEC = dict(num_experts=8, hidden=256, intermediate=256)
 CASES = [pytest.param(cpu_layers.MoeSpec(**SPEC, fmt=f), id=f) for f in MAKERS] + [
     pytest.param(cpu_layers.MoeSpec(**SPEC, fmt="nvfp4", gated=False, activation="relu2"), id="nvfp4-relu2"),
     pytest.param(cpu_layers.MoeSpec(**SPEC, fmt="mxfp8"), id="mxfp8"),
 ]
+
+
+ONLINE = next(c for c in CASES if c.id == "nvfp4_online")
+
+
+@functools.lru_cache(maxsize=1)
+def quantizer_problem() -> str | None:
+    """Why flashinfer's NVFP4 quantizer, called as SGLang's online loader calls it (linear scales, cute-dsl), does
+    not run on this GPU; None where it does. Written to $SGLANG_TRTLLM_MOE_GPU_OUT/gpu-nvfp4-online-quantizer.json."""
+    problem = None
+    try:
+        from flashinfer import SfLayout, nvfp4_quantize
+
+        w = torch.randn(128, 256, device="cuda").to(torch.bfloat16)
+        gs = (448.0 * 6.0) / w.float().abs().amax()
+        q, sf = nvfp4_quantize(w, gs, sfLayout=SfLayout.layout_linear, backend="cute-dsl")
+        torch.cuda.synchronize()
+        if q.numel() != 128 * 128:
+            problem = f"unexpected output shape {tuple(q.shape)}"
+    except Exception as e:  # noqa: BLE001 - any failure means the stand-in serves
+        problem = f"{type(e).__name__}: {str(e)[:400]}"
+    out = os.environ.get("SGLANG_TRTLLM_MOE_GPU_OUT")
+    if out:
+        cap = torch.cuda.get_device_capability()
+        with open(os.path.join(out, "gpu-nvfp4-online-quantizer.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "capability": list(cap), "problem": problem}, f)
+    return problem
+
+
+def cuda_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec_size=16, **kwargs):
+    """flashinfer.nvfp4_quantize for what SGLang's online loader asks of it (linear scales, no shuffle, 16-element
+    blocks, the plain recipe) on CUDA tensors, by the plugin's pure-torch quantizer (quant.nvfp4_quantize), where
+    flashinfer's does not run (quantizer_problem). Anything else raises NotImplementedError."""
+    from flashinfer import SfLayout
+
+    kwargs.pop("backend", None)
+    kwargs.pop("enable_pdl", None)
+    extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
+    if not a.is_cuda or extra or do_shuffle or sf_vec_size != 16 or sfLayout != SfLayout.layout_linear:
+        raise NotImplementedError(f"the CUDA nvfp4_quantize stand-in: {sfLayout}, shuffle {do_shuffle}, {extra}")
+    if os.environ.get("FLASHINFER_NVFP4_4OVER6") == "1":
+        raise NotImplementedError("the CUDA nvfp4_quantize stand-in serves the plain recipe only")
+    q, sf = quant.nvfp4_quantize(a, a_global_sf)
+    return q, sf.view(torch.uint8)
+
+
+@contextlib.contextmanager
+def gpu_online_quantizer():
+    """What SGLang's online loader quantizes with in these tests: flashinfer's own where it runs, else the stand-in."""
+    if quantizer_problem() is None:
+        yield
+        return
+    import flashinfer
+
+    real = flashinfer.nvfp4_quantize
+    flashinfer.nvfp4_quantize = cuda_nvfp4_quantize
+    try:
+        yield
+    finally:
+        flashinfer.nvfp4_quantize = real
+
+
+@pytest.fixture(autouse=True)
+def _online_quantizer_on_cuda(monkeypatch):
+    # sandbox/layers.py load_checkpoint wraps nvfp4_online loads in its CPU stand-in (refuses CUDA tensors)
+    monkeypatch.setattr(cpu_layers, "online_quantizer", gpu_online_quantizer)
 
 
 @contextlib.contextmanager
@@ -114,7 +191,7 @@ def test_forward_in_a_cuda_graph_and_an_update_landing_in_it(spec, monkeypatch):
     assert not torch.equal(static_out, before), "the update changed nothing (the check could not fail)"
 
 
-@pytest.mark.parametrize("spec", CASES[:1] + CASES[-2:-1])
+@pytest.mark.parametrize("spec", CASES[:1] + CASES[-2:-1] + [ONLINE])
 def test_a_forward_with_no_tokens_on_the_gpu(spec, monkeypatch):
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     layer = _layer(spec)
