@@ -6,10 +6,10 @@ without recapture. A 0-token forward returns an empty output.
 
 nvfp4_online (BF16 checkpoint, experts quantized to NVFP4 by SGLang's online loader as they load, activations
 quantized per token in the forward): SGLang's loader calls flashinfer's `nvfp4_quantize(..., backend="cute-dsl")`,
-which needs the CuTe DSL and SM100+. Where it does not run (the lent H200: SM90, no CuTe DSL; `quantizer_problem()`
-asks it once) the loader gets the plugin's pure-torch quantizer on the CUDA tensors instead (`cuda_nvfp4_quantize`,
-test-side only, like sandbox/layers.py `online_quantizer` on CPU): the same bytes flashinfer's plain recipe gives
-(tests/gpu/test_nvfp4_quantizers.py compares them where flashinfer's CUDA quantizer runs).
+which needs the CuTe DSL and SM100+. Where it does not run (`quantizer_problem()` asks once; the lent H200: SM90, and
+no `cutlass` module) the loader gets the plugin's pure-torch quantizer on the CUDA tensors instead
+(`cuda_nvfp4_quantize`, test-side only, like sandbox/layers.py `online_quantizer` on CPU). Its bytes against
+flashinfer's: tests/gpu/test_nvfp4_quantizers.py, on SM100+ (flashinfer's FP4 kernels are compiled out below).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def quantizer_problem() -> str | None:
     """Why flashinfer's NVFP4 quantizer, called as SGLang's online loader calls it (linear scales, cute-dsl), does
     not run on this GPU; None where it does. Written to $SGLANG_TRTLLM_MOE_GPU_OUT/gpu-nvfp4-online-quantizer.json."""
     problem = None
+    cap = torch.cuda.get_device_capability()
+    if cap < (10, 0):  # quantization.cuh: the FP4 kernels' bodies are under __CUDA_ARCH__ >= 1000
+        problem = f"SM{cap[0]}{cap[1]}: flashinfer's NVFP4 quantization kernels are SM100+"
     try:
         from flashinfer import SfLayout, nvfp4_quantize
 
@@ -61,10 +64,9 @@ def quantizer_problem() -> str | None:
         if q.numel() != 128 * 128:
             problem = f"unexpected output shape {tuple(q.shape)}"
     except Exception as e:  # noqa: BLE001 - any failure means the stand-in serves
-        problem = f"{type(e).__name__}: {str(e)[:400]}"
+        problem = "; ".join(filter(None, [problem, f"cute-dsl: {type(e).__name__}: {str(e)[:400]}"]))
     out = os.environ.get("SGLANG_TRTLLM_MOE_GPU_OUT")
     if out:
-        cap = torch.cuda.get_device_capability()
         with open(os.path.join(out, "gpu-nvfp4-online-quantizer.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "capability": list(cap), "problem": problem}, f)
     return problem
