@@ -281,6 +281,10 @@ class WeightFormat:
         """For a write `converted_by_sglang` on a real device: why its values cannot be converted, or None."""
         return None
 
+    #: the value rule (load_rules.VALUE_RULES) of a write `converted_by_sglang` whose values are read later (a disk
+    #: update's checkpoint, from its files before SGLang loads anything), or None: not value-checked there
+    source_values: str | None = None
+
     def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
         if p.group == "w13":
