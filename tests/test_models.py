@@ -84,14 +84,6 @@ FULL_FLOWS = (
 #: listed (release, format, check) is a strict xfail: it must fail, so a fix shows up as a failure to remove here.
 KNOWN: tuple = (
     (
-        str(features.NVFP4_ONLINE.releases),
-        ("qwen3_moe:nvfp4_online",),
-        ("tensor_split_shards", "random_rounds"),
-        "an update of a gated expert's gate (w1) without its up (w3): SGLang's nvfp4_online loader holds the half "
-        "until its partner arrives (one global scale per pair), so the expert never becomes the intended mix of new "
-        "and old halves (the Worker runs these checks last: the held half poisons later updates)",
-    ),
-    (
         str(features.NVFP4_ONLINE_LOADER_4OVER6.releases),
         ("qwen3_moe:nvfp4_online",),
         ("tensor_buckets", "tensor_flattened_bucket", "session_forward", "distributed", "weight_checker"),
@@ -290,6 +282,17 @@ def test_online_non_finite_source_weight_is_refused_and_changes_nothing(arch, qu
     saturated amax-derived global scale): answered (False, message), nothing of the model changed."""
     c = _refused(arch, quant)[f"{case}/{how}"]
     assert c["refused"] and c["returned_failure"] and not c["raised"] and not c["changed"], c
+
+
+@pytest.mark.parametrize("arch,quant", ONLINE, ids=[job_key(a, q) for a, q in ONLINE])
+def test_online_checkpoint_with_a_gate_but_not_its_up_is_refused(arch, quant):
+    """A disk update whose checkpoint holds an expert's gate (w1) and not its up (w3): SGLang's online loader would
+    hold the gate unwritten (it quantizes the pair with one scale) and fail the next update that sends it. Refused
+    from the headers, nothing changed. (In a tensor session the halves may come in different calls:
+    test_model_rl_flow_equals_fresh_load's tensor_split_shards / tensor_buckets.)"""
+    c = _refused(arch, quant)["gate_alone/disk"]
+    assert c["refused"] and c["returned_failure"] and not c["changed"], c
+    assert "w1 (gate) without w3 (up)" in c["message"], c
 
 
 def test_model_threaded_load_deepseek_nvfp4_ten_runs():

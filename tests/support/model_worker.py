@@ -298,7 +298,11 @@ class Worker:
 
     def check_tensor_split_shards(self, m) -> dict:
         """One expert's w1 and w3 in separate update_weights_from_tensor calls, each its own session (an entry point
-        ends in between, so the expert is prepared with one half new and the other old, then again)."""
+        ends in between, so the expert is prepared with one half new and the other old, then again). An online quant
+        (`paired_halves`) quantizes a gated expert's w1 and w3 together, so its loader holds a half until the other
+        arrives: there the two calls are one session's, and after the first nothing of the model has changed."""
+        if self.paired_halves:
+            return self._split_shards_one_session(m)
         ptrs = m.pointers()
         layer = self.spec.moe_layers[0]
         roles = ["gate", "up"] if self.spec.gated else ["up", "down"]
@@ -309,6 +313,29 @@ class Worker:
             self.intended = {**self.intended, **part}
             steps.append(self.compare(m, self.intended, ptrs))
         return {"ok": all(s["ok"] for s in steps), "steps": steps}
+
+    @property
+    def paired_halves(self) -> bool:
+        """An online quant of gated experts: SGLang quantizes w1 and w3 of an expert together (one global scale), so
+        an update sends both halves of an expert (in one request, or in calls of one session)."""
+        return self.spec.quantization is not None and self.spec.gated
+
+    def _split_shards_one_session(self, m) -> dict:
+        ptrs = m.pointers()
+        layer = self.spec.moe_layers[0]
+        with m.session():
+            before = m.state_bytes()  # inside the session: every managed layer in checkpoint layout
+            gate = self.experts_of(5, layers=[layer], experts=[3], roles=["gate"])
+            m.update_from_tensor(sorted(gate.items()))
+            after_gate = m.state_bytes()
+            held = [n for n in before if not torch.equal(before[n], after_gate[n])]
+            up = self.experts_of(5, layers=[layer], experts=[3], roles=["up"])
+            m.update_from_tensor(sorted(up.items()))
+        self.intended = {**self.intended, **gate, **up}
+        out = self.compare(m, self.intended, ptrs)
+        out["changed_by_the_gate_alone"] = held[:8]
+        out["ok"] = out["ok"] and not held
+        return out
 
     def check_session_direct(self, m) -> dict:
         """begin_weight_update; whole parameters written with load_format="direct" (no loader, SGLang's
@@ -518,6 +545,8 @@ class Worker:
             experts = rng.sample(range(self.spec.num_experts), rng.randint(1, self.spec.num_experts))
             roles = list(self.ck.expert_proj_names(self.spec))
             roles = rng.sample(roles, rng.randint(1, len(roles)))
+            if self.paired_halves and ("gate" in roles) != ("up" in roles):  # an expert's halves go together
+                roles = sorted({*roles, "gate", "up"})
             part = self.experts_of(seed, layers=layers, experts=experts, roles=roles)
             how = ("disk", "tensor", "flattened_bucket")[r % 3]
             if how == "disk":
@@ -603,11 +632,15 @@ class Worker:
                 t = w.clone()
                 t[3, 7] = value
                 cases[case] = {wname: t}
+        hows = {}
+        if self.paired_halves:  # a checkpoint with an expert's gate and not its up (a bucket may: the session pairs)
+            cases["gate_alone"] = {wname: w}
+            hows["gate_alone"] = ("disk",)
         mixed = "wrong_dtype" if "wrong_dtype" in bad else "extra_column"
         cases["mixed"] = {**{n: t for n, t in part.items() if n != wname}, wname: bad[mixed]}  # good ones first
         out: dict = {}
         for case, payload in cases.items():
-            for how in ("tensor", "disk"):
+            for how in hows.get(case, ("tensor", "disk")):
                 before = m.state_bytes()
                 raised, returned = "", None
                 try:
@@ -933,11 +966,6 @@ class Worker:
             "results": results,
         }
 
-    #: checks that update a gated expert's gate (w1) without its up (w3) or the other way: with an online quant
-    #: SGLang's loader holds such a half until its partner arrives (one global scale per pair), so the expert is
-    #: never the intended mix, and the held half is still pending in later updates ("got two w1 tensors"): they run
-    #: last for online quants (tests/test_models.py KNOWN)
-    HALVES = ("tensor_split_shards", "random_rounds")
     ON_REQUEST = ("threaded_disk_ab", "routed_experts", "checksum", "batch_invariance", "disk_a_b_a")
     ORDER = (
         "load",
@@ -973,10 +1001,7 @@ class Worker:
         m = models.TinyModel(self.write_full(0), **self.spec.server_args(), **variant.get("server_args", {}))
         self.intended = self.full(0)
         self.report["_load_s"] = round(time.perf_counter() - t0, 2)
-        order = list(self.ORDER)
-        if self.spec.quantization is not None and self.spec.gated:  # what they leave held runs into nothing after
-            order = [c for c in order if c not in self.HALVES] + [c for c in order if c in self.HALVES]
-        for name in order:
+        for name in self.ORDER:
             if (checks and name not in checks) or (not checks and name in self.ON_REQUEST):
                 continue
             t = time.perf_counter()
