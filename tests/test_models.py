@@ -86,7 +86,15 @@ KNOWN: tuple = (
     (
         str(features.NVFP4_ONLINE_LOADER_4OVER6.releases),
         ("qwen3_moe:nvfp4_online",),
-        ("tensor_buckets", "tensor_flattened_bucket", "session_forward", "distributed", "weight_checker"),
+        (
+            "tensor_buckets",
+            "tensor_flattened_bucket",
+            "tensor_split_shards",
+            "session_forward",
+            "distributed",
+            "random_rounds",
+            "weight_checker",
+        ),
         "SGLang's model loader quantizes an nvfp4_online load and its disk updates with the 4over6 recipe, its "
         "update_weights_from_tensor / _distributed with the plain one (features.NVFP4_ONLINE_LOADER_4OVER6): a "
         "tensor update is not a fresh load's bytes on these releases (weight_checker replays such a state from disk)",
