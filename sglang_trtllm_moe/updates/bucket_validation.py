@@ -192,6 +192,8 @@ def _unpaired_halves(model, named_tensors) -> list[str]:
     expert, and still hold it in the next update (which then fails: "got two w1 tensors"). A tensor bucket may hold
     one half (its partner can come in a later call of the same session, where SGLang pairs them); a checkpoint is
     the whole request."""
+    if not any((f := format_of(m)) is not None and f.pairs_sources for m in _cache_of(model).layers.values()):
+        return []  # no layer here pairs its sources: nothing to look at (one pass over the layers)
     halves: dict = {}
     items = [it for it in named_tensors if isinstance(it, (list, tuple)) and len(it) == 2]
     for (name, tensor), target in zip(items, expert_targets(model, items), strict=True):
