@@ -143,7 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(config.json, safetensors, quant config, tokenizer)",
     )
     t.add_argument("--arch", required=True, help="qwen3_moe | deepseek_v3 | nemotron_h | mixtral")
-    t.add_argument("--quant", required=True, help="nvfp4 | ct_nvfp4 | fp8 | fp8_static | fp8_block | bf16")
+    t.add_argument(
+        "--quant",
+        required=True,
+        help="nvfp4 | ct_nvfp4 | fp8 | fp8_static | fp8_block | bf16 | nvfp4_online "
+        "(a BF16 checkpoint, to serve with --quantization nvfp4_online)",
+    )
     t.add_argument("--out", required=True, help="model directory to write")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--layers", default=None, help="only these MoE layers' experts, e.g. 1,2 (partial checkpoint)")

@@ -247,6 +247,10 @@ def test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader(kind,
     pre-check, are written batched (batched_writes.stream); bytes and layout state equal SGLang's per-tensor path."""
     spec = SPECS[kind]
     buckets = _requests(spec, scenario)
+    if spec.kind.format.pairs_sources and scenario == "split":
+        # a checkpoint holds both halves of a gated expert whose w1 and w3 SGLang converts together (nvfp4_online: a
+        # checkpoint with one half is refused, bucket_validation._unpaired_halves): gate and up in one directory
+        buckets = [buckets[0] + buckets[1], buckets[2]]
     batched, per_tensor, sglang_calls, taken = _run_both(spec, buckets, disk=True)
     assert differences(batched, per_tensor) == []
     if _batched(batched):

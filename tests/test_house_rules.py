@@ -61,6 +61,7 @@ PENDING_LONG_MODULES: dict[str, str] = {
 COMPAT_MAY_IMPORT = {
     f"{NAME}.env": "the plugin's switches (cpu_sandbox asks SGLANG_TRTLLM_MOE_EMULATE)",
     f"{NAME}.layer_attrs": "the attribute names the plugin sets on SGLang's objects (platform's REQUESTED_ATTR)",
+    f"{NAME}.quant": "the pure-torch quantizers (cpu_nvfp4: the CPU sandbox's stand-in for flashinfer's NVFP4 one)",
 }
 
 

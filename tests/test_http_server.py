@@ -95,7 +95,7 @@ class Run:
     def generate(self, prompts=PROMPTS, n=NEW_TOKENS, timeout=300) -> list[list[int]]:
         """One batched request (SGLang 0.5.23 hands a batch of input_ids to the scheduler as one message: one prefill
         batch, then decode steps of the same requests). `n`: new tokens, one number or one per prompt."""
-        r = self.srv.post("/generate", _gen_body(prompts, n), timeout=timeout)
+        r = self.srv.post("/generate", hs.gen_body(prompts, n), timeout=timeout)
         assert r.ok, r
         return [list(o["output_ids"]) for o in r.body]
 
@@ -167,13 +167,6 @@ class Run:
         return json.loads(out.read_text())
 
 
-def _gen_body(prompts, n):
-    def params(k):
-        return {"temperature": 0, "max_new_tokens": k, "ignore_eos": True}
-
-    return {"input_ids": prompts, "sampling_params": [params(k) for k in n] if isinstance(n, list) else params(n)}
-
-
 def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
     """Beside the recipe's A (seed 0) and B (seed 1): a partial checkpoint and the full one it makes, C and D for
     the tensor updates, and three bad ones."""
@@ -233,21 +226,6 @@ def _start_reference(work: Path, dirs: dict[str, str]) -> tuple[subprocess.Popen
     return proc, work / "ref.out", log
 
 
-def _shm_managers(logs: list[Path]) -> list[int]:
-    """PIDs of torch_shm_manager processes whose output is one of our clients' logs (theirs, nobody else's)."""
-    wanted = {str(p) for p in logs}
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{d}/comm").read_text().strip() != "torch_shm_manager":
-                continue
-            if any(os.readlink(f"/proc/{d}/fd/{fd}") in wanted for fd in (1, 2)):
-                out.append(int(d))
-    return out
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     pytest.importorskip(
@@ -300,11 +278,11 @@ def run(tmp_path_factory):
         left = r.server.stop() if r.server is not None else []
         if ref is not None and ref[0].poll() is None:
             os.killpg(ref[0].pid, 9)
-        managers = _shm_managers(r.client_logs)
+        managers = hs.shm_managers(r.client_logs)
         t1 = time.monotonic()
         while managers and time.monotonic() - t1 < 30:
             time.sleep(1)
-            managers = _shm_managers(r.client_logs)
+            managers = hs.shm_managers(r.client_logs)
         for pid in managers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
@@ -360,7 +338,7 @@ def test_routed_experts_are_the_ones_the_fused_kernel_routed(run):
     ref = run.ref["B"]["r3"]
     for check in ref["checks"]:
         assert check["n_mismatches"] == 0 and check["rows"] > 0, check
-    body = dict(_gen_body(PROMPTS, NEW_TOKENS), return_routed_experts=True)
+    body = dict(hs.gen_body(PROMPTS, NEW_TOKENS), return_routed_experts=True)
     r = run.srv.post("/generate", body, timeout=300)
     assert r.ok, r
     assert [list(o["output_ids"]) for o in r.body] == ref["tokens"]
@@ -439,7 +417,7 @@ def _trainer_steps(run) -> list[dict]:
     def served(label):
         return [
             {"label": f"{label}: checksum", "path": "/weights_checker", "body": {"action": "checksum"}},
-            {"label": f"{label}: generate", "path": "/generate", "body": _gen_body(PROMPTS, NEW_TOKENS)},
+            {"label": f"{label}: generate", "path": "/generate", "body": hs.gen_body(PROMPTS, NEW_TOKENS)},
         ]
 
     return [
@@ -562,7 +540,7 @@ def _in_flight(run, prompts, action, n=LONG):
     at moments that depend on the load, and so would the batches they run in (docs/TESTING.md "Exact comparisons")."""
     run.flush()
     with cf.ThreadPoolExecutor(1) as ex:
-        future = ex.submit(run.srv.post, "/generate", _gen_body(prompts, n), 600)
+        future = ex.submit(run.srv.post, "/generate", hs.gen_body(prompts, n), 600)
         t0 = time.monotonic()
         while _running(run) < len(prompts) and time.monotonic() - t0 < 120 and not future.done():
             time.sleep(0.05)
@@ -680,7 +658,7 @@ def test_a_paused_tensor_session_under_load_answers_only_old_or_new_tokens(run):
     # the control: generation inside an unpaused session, between its two buckets, serves a half-written model
     b_tokens = run.ref["B"]["tokens"]
     run.at("A")
-    gen = {"path": "/generate", "body": _gen_body(PROMPTS, NEW_TOKENS)}
+    gen = {"path": "/generate", "body": hs.gen_body(PROMPTS, NEW_TOKENS)}
     steps = [begin, session[1], {**gen, "label": "inside"}, session[2], end, {**gen, "label": "after"}]
     res = run.client(steps, "unpaused-session")
     run.state = "B"
@@ -703,7 +681,7 @@ def test_requests_in_flight_during_an_update_are_all_answered_each_from_one_vers
     assert u.ok and u.body["success"], u
     # the update waited for the requests in flight (SGLang's writer lock): they finished on A; the next are B's
     # (one batch after the update, which flushed the cache: the shape of the reference below)
-    r = run.srv.post("/generate", _gen_body(prompts[4:], LONG), 600)
+    r = run.srv.post("/generate", hs.gen_body(prompts[4:], LONG), 600)
     assert r.ok, r
     later = [hs.HTTPResult(r.status, body) for body in r.body]
     b_long = [None] * 4 + run.reference(prompts[4:], LONG)

@@ -55,11 +55,6 @@ NO_TINY_CHECKPOINT = {
     "mxfp8": "no tiny MXFP8 model yet: tests/test_mxfp8_layer.py builds its layers directly",
     "mxfp4_experts": "no tiny DeepSeek-V4 / MiMo-V2 model yet: tests/test_mxfp4_experts_layer.py builds its layers",
     "mxfp4_gptoss": "no tiny gpt-oss model yet: tests/test_mxfp4_gptoss_layer.py builds its layers directly",
-    "nvfp4_online": (
-        "a BF16 checkpoint served with --quantization nvfp4_online: the whole-model recipe is not wired yet (the CPU "
-        "stand-in for flashinfer's quantizer is not a process-wide stand-in); tests/test_nvfp4_online_layer.py "
-        "builds its layers directly"
-    ),
 }
 #: 4. a checkpoint's quantization_config for the formats without a tiny checkpoint (the others use the tiny one's)
 QUANTIZATION_CONFIGS = {
@@ -87,7 +82,8 @@ def _tiny_formats() -> dict[str, str]:
 
     out = {}
     for quant in tiny_spec.QUANTS:
-        problem = problem_from_hf_config(checkpoint_configs.config(tiny_spec.TinySpec(quant=quant)))
+        spec = tiny_spec.TinySpec(quant=quant)  # an online quant: its checkpoint served with its --quantization
+        problem = problem_from_hf_config(checkpoint_configs.config(spec), quantization=spec.quantization)
         assert problem is not None, quant
         fmt, why = problem.weight_format()
         assert fmt is not None, (quant, why)
@@ -99,7 +95,7 @@ def _hf_config(fmt) -> dict:
     from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
 
     tiny = _tiny_formats().get(fmt.name)
-    if tiny is not None:
+    if tiny is not None and tiny_spec.TinySpec(quant=tiny).quantization is None:
         return checkpoint_configs.config(tiny_spec.TinySpec(quant=tiny))
     assert fmt.name in QUANTIZATION_CONFIGS, (
         f"{fmt.name}: no checkpoint config to detect it from: give it a tiny checkpoint (sandbox/tiny_spec.py) or a "

@@ -302,6 +302,30 @@ def pageable_routed_experts_host_cache() -> None:
     common._cuda_host_register = _cuda_host_register  # type: ignore[attr-defined]
 
 
+def flashinfer_nvfp4_quantize_on_cpu() -> None:
+    """`--quantization nvfp4_online`: SGLang's online loader (`nvfp4_online.py` `_quantize_weight_nvfp4`) quantizes
+    every BF16 expert with `flashinfer.nvfp4_quantize` (a function-local import, read at each call), every backend
+    of which moves the input to CUDA. The stand-in (`compat/cpu_nvfp4.py`) computes the same bytes with the plugin's
+    pure-torch quantizers for what SGLang asks of it, and raises NotImplementedError for anything else; a flashinfer
+    that is not importable here leaves nothing to stand in for."""
+    try:
+        import flashinfer
+    except Exception:  # noqa: BLE001 - flashinfer's import fails on CPU for some pins: nothing to stand in for
+        return
+    real = getattr(flashinfer, "nvfp4_quantize", None)
+    if real is None or getattr(real, "_trtllm_moe_standin", False):
+        return
+    from .cpu_nvfp4 import torch_nvfp4_quantize
+
+    def nvfp4_quantize(a, *args, **kwargs):
+        if a.is_cuda:
+            return real(a, *args, **kwargs)
+        return torch_nvfp4_quantize(a, *args, **kwargs)
+
+    vars(nvfp4_quantize).update(_trtllm_moe_standin=True, __wrapped__=real)
+    flashinfer.nvfp4_quantize = nvfp4_quantize
+
+
 def _source_of(module) -> str:
     import inspect
 
@@ -347,6 +371,7 @@ STANDINS = (
     ("CPU tensors through SGLang's CUDA reduction patch", cpu_tensors_through_the_reduction_patch, True),
     ("pageable routed-experts host cache", pageable_routed_experts_host_cache, True),
     ("NVFP4 placeholder swizzle on CPU", nvfp4_placeholder_swizzle_on_cpu, True),
+    ("flashinfer.nvfp4_quantize on CPU tensors", flashinfer_nvfp4_quantize_on_cpu, True),
 )
 
 
@@ -419,6 +444,7 @@ __all__ = [
     "activate_from_env",
     "apply",
     "cpu_tensors_through_the_reduction_patch",
+    "flashinfer_nvfp4_quantize_on_cpu",
     "pageable_routed_experts_host_cache",
     "requested_sm",
 ]

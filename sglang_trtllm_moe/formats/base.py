@@ -281,6 +281,13 @@ class WeightFormat:
         """For a write `converted_by_sglang` on a real device: why its values cannot be converted, or None."""
         return None
 
+    #: True when SGLang converts a gated expert's w1 and w3 source writes together (one scale per pair) and holds a
+    #: half until its partner arrives: a disk update's checkpoint must hold both halves of every such expert it holds
+    pairs_sources: bool = False
+    #: the value rule (load_rules.VALUE_RULES) of a write `converted_by_sglang` whose values are read later (a disk
+    #: update's checkpoint, from its files before SGLang loads anything), or None: not value-checked there
+    source_values: str | None = None
+
     def row_map(self, layer: Layer, p: ParamLayout, t: torch.Tensor) -> torch.Tensor:
         m = t.shape[1]
         if p.group == "w13":

@@ -21,7 +21,11 @@ POSITIVE, NONNEGATIVE = "positive", "nonnegative"
 #: UE8M0 (MXFP8 / MXFP4 scales, as float8_e8m0fnu or uint8 bytes) has NaN at 0xFF and no negative values. An all-zero
 #: e4m3 block scale is valid: the block is zero (SGLang's loader zero-fills padding the same way).
 E4M3_BYTES, UE8M0_BYTES = "e4m3 bytes", "ue8m0 bytes"
-VALUE_RULES = (POSITIVE, NONNEGATIVE, E4M3_BYTES, UE8M0_BYTES)
+#: the value rule of a source tensor SGLang's loader converts itself (an online quant's BF16 / FP16 / FP32 expert
+#: weight, `WeightFormat.source_values`): every value finite. Its amax-derived scales would be NaN, or (SGLang takes
+#: the amax after nan_to_num) saturated by an inf; any sign and zero are fine
+FINITE = "finite"
+VALUE_RULES = (POSITIVE, NONNEGATIVE, E4M3_BYTES, UE8M0_BYTES, FINITE)
 #: the byte encoding a 1-byte scale storage dtype implies (uint8 storage says nothing: the format declares it)
 BYTE_CODES = {torch.float8_e4m3fn: E4M3_BYTES}
 if hasattr(torch, "float8_e8m0fnu"):

@@ -21,6 +21,7 @@ import torch
 
 from ..compat import features
 from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, Support
+from .load_rules import FINITE
 from .nvfp4 import NvFp4
 
 #: flashinfer's per-token global scale inverse: 1 / (e4m3 max * e2m1 max)
@@ -72,6 +73,13 @@ class NvFp4Online(NvFp4):
         if loaded.dim() != 2 or loaded.shape[-1] % 2:
             return tuple(loaded.shape)
         return (int(loaded.shape[0]), int(loaded.shape[1]) // 2)
+
+    #: a disk update's source weights are read from the files and checked before SGLang loads anything: an inf would
+    #: not show in the NVFP4 bytes (SGLang's amax takes nan_to_num first), a NaN only after SGLang wrote it
+    source_values = FINITE
+    #: SGLang's online loader quantizes w1 with w3 (one global scale) and holds the first half of a pair until the
+    #: second arrives: a checkpoint with one half of an expert would leave it unwritten, and held into later updates
+    pairs_sources = True
 
     def source_problem(self, layer: Layer, param_name: str, loaded: torch.Tensor) -> str | None:
         """NaN / inf in a source weight would become NaN global and block scales (amax-derived): refused. One

@@ -62,7 +62,7 @@ def _ignored_layers_fp8(spec: TinySpec) -> list[str]:
 
 
 def quantization_config(spec: TinySpec) -> dict | None:
-    q = spec.quant
+    q = spec.stored
     if q == "bf16":
         return None
     if q in ("nvfp4", "fp8"):
@@ -120,12 +120,12 @@ def quantization_config(spec: TinySpec) -> dict | None:
 
 def hf_quant_config(spec: TinySpec) -> dict | None:
     """ModelOpt's hf_quant_config.json (the legacy file SGLang still reads first for ModelOpt checkpoints)."""
-    if spec.quant not in ("nvfp4", "fp8"):
+    if spec.stored not in ("nvfp4", "fp8"):
         return None
     qc = quantization_config(spec)
     assert qc is not None  # ModelOpt formats have one
     body = {"quant_algo": qc["quant_algo"], "kv_cache_quant_algo": None, "exclude_modules": qc["ignore"]}
-    if spec.quant == "nvfp4":
+    if spec.stored == "nvfp4":
         body["group_size"] = 16
     return {"producer": qc["producer"], "quantization": body}
 

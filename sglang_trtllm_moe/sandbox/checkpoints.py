@@ -17,7 +17,8 @@ Formats (`quant`): `nvfp4` (ModelOpt NVFP4: `weight` packed e2m1, `weight_scale`
 `input_scale`), `ct_nvfp4` (llm-compressor compressed-tensors NVFP4: `weight_packed`, `weight_scale`,
 `weight_global_scale`, `input_global_scale`), `fp8` (ModelOpt FP8 per-tensor, static input scales), `fp8_static`
 (`quant_method: fp8`, per-tensor, static: the FP8 format Mixtral's FusedMoE class takes), `fp8_block` (DeepSeek
-128x128 block FP8, `weight_scale_inv`), `bf16`.
+128x128 block FP8, `weight_scale_inv`), `bf16`, `nvfp4_online` (a BF16 checkpoint, served with `--quantization
+nvfp4_online`: `TinySpec.server_args()`).
 
 Only the routed experts are quantized. Attention, dense MLPs, shared experts, routers, embeddings and lm_head stay
 BF16 and are listed in the quant config's exclude/ignore list, as real mixed-precision checkpoints list what they
@@ -146,7 +147,7 @@ def quantized_experts(spec: TinySpec, layers=None, experts=None, roles=None) -> 
                 continue
             base = expert_base(spec, layer, e, role)
             in_amax = a_amax if role == DOWN else x_amax
-            q = spec.quant
+            q = spec.stored
             if q == "nvfp4":
                 packed, sf, gs = _nvfp4(w)
                 out[f"{base}.weight"] = packed
@@ -184,7 +185,7 @@ def dequantize_experts(spec: TinySpec, tensors: dict[str, torch.Tensor]) -> dict
     out = {}
     bases = {n.rsplit(".", 1)[0] for n in tensors if ".experts." in n}
     for b in sorted(bases):
-        q = spec.quant
+        q = spec.stored
         if q == "nvfp4":
             w = quant.nvfp4_dequantize(
                 tensors[f"{b}.weight"], tensors[f"{b}.weight_scale"], 1.0 / float(tensors[f"{b}.weight_scale_2"])
@@ -294,6 +295,8 @@ def main(args) -> int:
         )
     write(args.out, spec, layers=_ints(args.layers), experts=_ints(args.experts), dense=not args.experts_only)
     print(f"wrote {args.arch} {args.quant} (seed {args.seed}) to {args.out}")
+    if spec.quantization is not None:
+        print(f"a {spec.stored} checkpoint: serve it with --quantization {spec.quantization}")
     if args.reference:
         ref = args.out.rstrip("/") + "-reference"
         write_reference(ref, spec)

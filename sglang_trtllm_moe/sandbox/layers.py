@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .. import formats, layouts, quant
+from ..compat.cpu_nvfp4 import torch_nvfp4_quantize
 from ..formats import WeightFormat
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
@@ -495,52 +496,9 @@ def checkpoint_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 # ---- SGLang's own preparation (the oracle) ------------------------------------------------------------------------
 
 
-def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec_size=16, *args, **kwargs):
-    """flashinfer.nvfp4_quantize for a CPU tensor (its cute-dsl and CUDA backends move the input to CUDA): the
-    plugin's pure-torch quantizers (quant.py), for what SGLang's nvfp4_online loader and trtllm leaf ask of it —
-    linear scales, no shuffle, 16-element blocks; per token (`per_token_activation=True`: the standard recipe), the
-    plain recipe, or the 4over6 recipe SGLang 0.5.23 pins (MSE or MAE, e4m3 max 448, fp16 error, exact math under
-    FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1). Anything else raises NotImplementedError. Returns what flashinfer
-    returns: (uint8 [M, K/2], uint8 [M, K/16]) [, per-token float32 [M]]."""
-    import os
-
-    from flashinfer import SfLayout
-
-    per_token = kwargs.pop("per_token_activation", False)
-    recipe = kwargs.pop("nvfp4_4over6", "env")
-    kwargs.pop("backend", None)
-    kwargs.pop("enable_pdl", None)
-    extra = {k: v for k, v in kwargs.items() if v is not None}
-    if a.is_cuda or args or extra or do_shuffle or sf_vec_size != 16 or sfLayout != SfLayout.layout_linear:
-        raise NotImplementedError(f"the CPU nvfp4_quantize stand-in: {sfLayout}, shuffle {do_shuffle}, {extra}")
-    if recipe == "env":  # flashinfer's FLASHINFER_NVFP4_4OVER6* variables (features.NVFP4_ONLINE_LOADER_4OVER6)
-        recipe = None
-        if os.environ.get("FLASHINFER_NVFP4_4OVER6") == "1":
-            from types import SimpleNamespace
-
-            recipe = SimpleNamespace(
-                e4m3_max=256 if os.environ.get("FLASHINFER_NVFP4_4OVER6_E4M3_USE_256") == "1" else 448,
-                err_mode_name=os.environ.get("FLASHINFER_NVFP4_4OVER6_ERR_MODE", "MAE").upper(),
-                err_use_fast_math=os.environ.get("FLASHINFER_NVFP4_4OVER6_ERR_USE_FAST_MATH") == "1",
-            )
-    gs = a_global_sf.float().reshape(()) if isinstance(a_global_sf, torch.Tensor) else float(a_global_sf)
-    if per_token:
-        if recipe is not None:
-            raise NotImplementedError(f"per-token NVFP4 with the 4over6 recipe {recipe}")
-        q, sf, pts = quant.nvfp4_quantize_per_token(a, gs)
-        return q, sf.view(torch.uint8), pts
-    if recipe is None:
-        q, sf = quant.nvfp4_quantize(a, gs)
-    else:
-        exact = os.environ.get("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH") == "1"
-        if recipe.e4m3_max != 448 or not recipe.err_use_fast_math or not exact:
-            raise NotImplementedError(f"NVFP4 4over6 recipe {recipe} (exact math: {exact})")
-        q, sf = quant.nvfp4_quantize_4over6(a, gs, recipe.err_mode_name)
-    return q, sf.view(torch.uint8)
-
-
 def online_quantizer():
-    """flashinfer's NVFP4 quantizer as the CPU stand-in while SGLang's nvfp4_online loader or leaf runs."""
+    """flashinfer's NVFP4 quantizer as the CPU stand-in (compat/cpu_nvfp4.py) while SGLang's nvfp4_online loader or
+    leaf runs (a no-op where the CPU sandbox installed it process-wide)."""
     import flashinfer
 
     return _patched((flashinfer, "nvfp4_quantize", torch_nvfp4_quantize))

@@ -7,13 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")
-QUANTS = ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16")
+QUANTS = ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16", "nvfp4_online")
+
+#: quants served with a `--quantization` of their own: the checkpoint holds the experts in another quant (its
+#: tensors and config.json are that quant's), the server quantizes them as they load. nvfp4_online: a plain BF16
+#: checkpoint served with `--quantization nvfp4_online` (SGLang 0.5.14+: BF16 experts quantized to NVFP4 online)
+ONLINE = {"nvfp4_online": ("bf16", "nvfp4_online")}
 
 #: (arch, quant) pairs SGLang builds with FusedMoE layers. Quantized Mixtral other than `fp8` / compressed-tensors
 #: is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no FusedMoE).
 #: Nemotron-H's loader has no compressed-tensors expert names; DeepSeek block FP8 is the only block recipe here.
 SUPPORTED = {
-    "qwen3_moe": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16"),
+    "qwen3_moe": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16", "nvfp4_online"),
     "deepseek_v3": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16"),
     "nemotron_h": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16"),
     "mixtral": ("ct_nvfp4", "fp8_static", "bf16"),
@@ -60,6 +65,20 @@ class TinySpec:
     @property
     def gated(self) -> bool:
         return self.arch != "nemotron_h"
+
+    @property
+    def stored(self) -> str:
+        """The quant the checkpoint's tensors and config.json are written in (an online quant's source)."""
+        return ONLINE[self.quant][0] if self.quant in ONLINE else self.quant
+
+    @property
+    def quantization(self) -> str | None:
+        """The `--quantization` to serve the checkpoint with (None: SGLang reads it from config.json)."""
+        return ONLINE[self.quant][1] if self.quant in ONLINE else None
+
+    def server_args(self) -> dict:
+        """What a server / Engine / ModelRunner of this checkpoint is started with besides the harness's flags."""
+        return {} if self.quantization is None else {"quantization": self.quantization}
 
     @property
     def moe_layers(self) -> list[int]:

@@ -173,7 +173,7 @@ def check_checkpoint(
     headers = checkpoint_headers.read_headers(files, keep)
     entries: list | None = [] if record is not None else None
     problems, _, jobs = _check_items(model, headers.tensors, False, frozenset(), True, entries)
-    problems = headers.problems + problems
+    problems = headers.problems + problems + _unpaired_halves(model, headers.tensors)
     if not problems and jobs:
         wanted = {j.name: j for j in jobs}
         try:
@@ -184,6 +184,35 @@ def check_checkpoint(
     if entries:  # every value of theirs with a value rule was read and checked above
         record.add_from_files(entries)  # type: ignore[union-attr]
     return headers
+
+
+def _unpaired_halves(model, named_tensors) -> list[str]:
+    """Gated experts of a format that converts w1 and w3 source writes together (`WeightFormat.pairs_sources`:
+    nvfp4_online) with one half in the checkpoint: SGLang's loader would hold that half, write nothing of the
+    expert, and still hold it in the next update (which then fails: "got two w1 tensors"). A tensor bucket may hold
+    one half (its partner can come in a later call of the same session, where SGLang pairs them); a checkpoint is
+    the whole request."""
+    if not any((f := format_of(m)) is not None and f.pairs_sources for m in _cache_of(model).layers.values()):
+        return []  # no layer here pairs its sources: nothing to look at (one pass over the layers)
+    halves: dict = {}
+    items = [it for it in named_tensors if isinstance(it, (list, tuple)) and len(it) == 2]
+    for (name, tensor), target in zip(items, expert_targets(model, items), strict=True):
+        if target is None or target[2] not in ("w1", "w3") or not isinstance(tensor, torch.Tensor):
+            continue
+        layer, pname, shard, expert = target
+        fmt = format_of(layer)
+        if fmt is None or not fmt.pairs_sources or not fmt.is_gated(layer):
+            continue
+        if fmt.converted_by_sglang(layer, pname, tensor, expert, "global"):
+            halves.setdefault((id(layer), expert), (layer, expert, name, {}))[3][shard] = name
+    return [
+        f"{layer_name(layer)}: expert {expert}: "
+        f"{'w1 (gate) without w3 (up)' if 'w1' in got else 'w3 (up) without w1 (gate)'} ({first}); expected both "
+        "halves of a gated expert in the checkpoint (SGLang quantizes them together, with one scale, and holds a "
+        "half alone unwritten)"
+        for layer, expert, first, got in halves.values()
+        if len(got) == 1
+    ]
 
 
 def _check_read_values(headers, wanted: dict) -> list[str]:

@@ -126,6 +126,8 @@ def _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, 
         problem = fmt.source_problem(layer, name, loaded) if loaded.device.type != "meta" else None
         if problem:
             refuse(problem, f"finite {loaded.dtype} values")
+        if loaded.device.type == "meta" and isinstance(values, list) and fmt.source_values is not None:
+            values.append(ValueJob(loaded, fmt.source_values, rule, (layer, name, shard_id, e)))  # read from the file
         return name, e
     check_tensor(layer, fmt, rule, param, view, loaded, gated, refuse, headers=headers, values=values)
     return name, e

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..formats.load_rules import E4M3_BYTES, NONNEGATIVE, POSITIVE, UE8M0_BYTES
+from ..formats.load_rules import E4M3_BYTES, FINITE, NONNEGATIVE, POSITIVE, UE8M0_BYTES
 
 #: what each rule asks for, as a refusal's "expected ..."
 EXPECTED = {
@@ -30,6 +30,7 @@ EXPECTED = {
     NONNEGATIVE: "every value finite and >= 0",
     E4M3_BYTES: "e4m3 scale bytes that are finite and >= 0 (no 0x7F / 0xFF NaN byte, no negative byte above 0x80)",
     UE8M0_BYTES: "UE8M0 scale bytes without 0xFF (NaN)",
+    FINITE: "every value of the source weight finite (it is quantized as it loads: a NaN or inf reaches its scales)",
 }
 _BYTE_RULES = (E4M3_BYTES, UE8M0_BYTES)
 _INF = math.inf
@@ -53,12 +54,14 @@ def bad_mask(t: torch.Tensor, rule: str) -> torch.Tensor:
             return ((b & 0x7F) == 0x7F) | (b > 0x80)
         return b == 0xFF
     v = t if t.dtype.itemsize >= 4 else t.float()
+    if rule == FINITE:
+        return ~torch.isfinite(v)
     ok = (v > 0) if rule == POSITIVE else (v >= 0)  # NaN fails both comparisons
     return ~(ok & (v < _INF))
 
 
 def _scalar_ok(x: float, rule: str) -> bool:
-    return math.isfinite(x) and (x > 0 if rule == POSITIVE else x >= 0)
+    return math.isfinite(x) and (rule == FINITE or (x > 0 if rule == POSITIVE else x >= 0))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -81,7 +84,7 @@ def any_bad(t: torch.Tensor, rule: str) -> torch.Tensor:
         return _bytes(t).amax() == 0xFF
     v = t.detach()
     lo, hi = v.amin(), v.amax()  # NaN propagates through both
-    ok = (lo > 0) if rule == POSITIVE else (lo >= 0)
+    ok = (lo > -_INF) if rule == FINITE else (lo > 0) if rule == POSITIVE else (lo >= 0)
     return ~(ok & (hi < _INF))
 
 
@@ -90,7 +93,7 @@ def _cpu_bad(t: torch.Tensor, rule: str) -> bool:
         if t.numel() == 1:  # one scale per expert and shard: a Python float is cheapest
             return not _scalar_ok(t.item(), rule)
         lo, hi = torch.aminmax(t.detach() if t.requires_grad else t)  # NaN propagates through both
-        return not (_scalar_ok(lo.item(), rule) and math.isfinite(hi.item()))
+        return not (_scalar_ok(float(lo), rule) and math.isfinite(float(hi)))
     if rule == E4M3_BYTES:
         b = _bytes(t)
         top = int(b.amax())

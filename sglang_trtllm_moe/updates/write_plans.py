@@ -185,8 +185,12 @@ class WritePlan:
             shape = self.fmt.converted_shape(layer, self.name, loaded)
             if shape is not None and (self.shapes is None or tuple(shape) not in self.shapes):
                 return None  # the full checks refuse it, naming the shape
-            if loaded.device.type != "meta" and self.fmt.source_problem(layer, self.name, loaded):
-                return None  # the full checks refuse it, naming the values
+            if loaded.device.type != "meta":
+                if self.fmt.source_problem(layer, self.name, loaded):
+                    return None  # the full checks refuse it, naming the values
+            elif isinstance(values, list) and self.fmt.source_values is not None:  # a header: read from the file
+                job = ValueJob(loaded, self.fmt.source_values, self.rule, (layer, self.name, shard_id, expert_id))  # type: ignore[arg-type]
+                values.append(job)
             return self.name, expert_id
         dev = loaded.device
         if dev not in self.devices and not (headers and dev.type == "meta"):

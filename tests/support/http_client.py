@@ -16,7 +16,8 @@ long as the server holds the tensors' files, so this script's output goes to a f
 
 JOB: {"url", "spec": {"arch", "quant"}, "steps": [{"path", "body"?, "tensors"?, "label"?}, ...]}; a step's "tensors":
 {"seed": S, "bucket": [i, n]} (the i-th of n consecutive buckets of the whole checkpoint of seed S), or {"file":
-path.safetensors}; with "bad": NAME-SUFFIX (that tensor sent as float32), "load_format" and "tp" (copies, one per
+path.safetensors}; with "bad": NAME-SUFFIX (that tensor sent as float32), "nan": NAME-SUFFIX (one NaN in it),
+"load_format" and "tp" (copies, one per
 rank). {"init_group": {"port", "group"}} and {"distributed": {the same tensor choice, "group"}} steps drive the
 NCCL-style path. Steps without tensors are plain POSTs (a checksum, a generate: what the test checks between updates).
 OUT: [{"label", "path", "status", "body"}, ...].
@@ -46,7 +47,16 @@ def _tensors(spec, t: dict):
     if t.get("bad"):
         named = [(k, v.to(torch.float32) if k.endswith(t["bad"]) else v) for k, v in named]
         assert any(k.endswith(t["bad"]) for k, _ in named), t["bad"]
+    if t.get("nan"):  # one NaN in that (floating) tensor: a trainer's diverged BF16 weight
+        named = [(k, _with_nan(v) if k.endswith(t["nan"]) else v) for k, v in named]
+        assert any(k.endswith(t["nan"]) for k, _ in named), t["nan"]
     return named
+
+
+def _with_nan(t):
+    t = t.clone()
+    t.view(-1)[t.numel() // 3] = float("nan")
+    return t
 
 
 def _while_posting(url: str, body: dict, collective, timeout: float = 300):

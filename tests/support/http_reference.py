@@ -36,7 +36,10 @@ def main(argv=None) -> int:
     # the server under test returns routed experts (the README recipe's --enable-return-routed-experts); so does the
     # reference. With chunked prefill off (the harness's -1) SGLang would size its capture buffer from
     # max_running_requests alone, which a batch of the test's prompts overflows
-    m = models.TinyModel(job["first"], enable_return_routed_experts=True, chunked_prefill_size=4096)
+    # "server_args": what the server under test is started with besides (e.g. --quantization nvfp4_online)
+    m = models.TinyModel(
+        job["first"], enable_return_routed_experts=True, chunked_prefill_size=4096, **job.get("server_args", {})
+    )
     out: dict = {}
     for key, d in job["targets"].items():
         fresh = m.fresh(d)

@@ -33,12 +33,16 @@ RECIPE_PORT = "30000"
 RECIPE_DIR = "/tmp/tiny-moe"
 
 
-def recipe(text: str | None = None) -> list[str]:
-    """The commands of the README's HTTP recipe, in order."""
+#: the README's online NVFP4 recipe (a BF16 checkpoint served with --quantization nvfp4_online)
+HTTP_ONLINE_MARK = "<!-- readme-test: http-online -->"
+
+
+def recipe(text: str | None = None, mark: str = HTTP_MARK) -> list[str]:
+    """The commands of the README's HTTP recipe after `mark`, in order."""
     text = README.read_text() if text is None else text
-    m = re.search(re.escape(HTTP_MARK) + r"\s*\n```bash\n(.*?)\n```", text, re.DOTALL)
+    m = re.search(re.escape(mark) + r"\s*\n```bash\n(.*?)\n```", text, re.DOTALL)
     if m is None:
-        raise AssertionError(f"README.md has no ```bash block after {HTTP_MARK!r}")
+        raise AssertionError(f"README.md has no ```bash block after {mark!r}")
     joined = re.sub(r"\\\n\s*", " ", m.group(1))
     out = []
     for line in joined.splitlines():
@@ -201,6 +205,30 @@ class Server:
         return self._group_pids()
 
 
+def gen_body(prompts, n):
+    """A /generate body: greedy, `n` new tokens (one number or one per prompt), never stopped early."""
+
+    def params(k):
+        return {"temperature": 0, "max_new_tokens": k, "ignore_eos": True}
+
+    return {"input_ids": prompts, "sampling_params": [params(k) for k in n] if isinstance(n, list) else params(n)}
+
+
+def shm_managers(logs: list[Path]) -> list[int]:
+    """PIDs of torch_shm_manager processes whose output is one of our clients' logs (theirs, nobody else's)."""
+    wanted = {str(p) for p in logs}
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{d}/comm").read_text().strip() != "torch_shm_manager":
+                continue
+            if any(os.readlink(f"/proc/{d}/fd/{fd}") in wanted for fd in (1, 2)):
+                out.append(int(d))
+    return out
+
+
 def recipe_env(extra: dict | None = None) -> dict:
     """The environment a user's shell would give the recipe: this checkout's plugin first on PYTHONPATH (as an
     installed plugin would be), this env's bin first on PATH (`python`, `sglang-trtllm-moe`), no SGLANG_TRTLLM_MOE_*
@@ -221,9 +249,12 @@ def split(command: str, replacements: dict[str, str]) -> list[str]:
 __all__ = [
     "HTTPResult",
     "HTTP_MARK",
+    "HTTP_ONLINE_MARK",
     "RECIPE_DIR",
     "RECIPE_PORT",
     "Server",
+    "gen_body",
+    "shm_managers",
     "free_port",
     "recipe",
     "recipe_env",

@@ -39,7 +39,17 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ),
     ("runtime", "CPU runtime", (("tests/test_compat_release.py::test_single_process_runtime", None),)),
     ("nvfp4", "NVFP4 prep", (("tests/test_nvfp4_layer.py", None), ("tests/test_ct_nvfp4_layer.py", None))),
-    ("nvfp4_online", "NVFP4 online", (("tests/test_nvfp4_online_layer.py", None),)),
+    # online NVFP4: layers on every release; a whole BF16 model served with --quantization nvfp4_online (0.5.21+) and
+    # the README's server recipe (0.5.23)
+    (
+        "nvfp4_online",
+        "NVFP4 online",
+        (
+            ("tests/test_nvfp4_online_layer.py", None),
+            ("tests/test_models.py", "nvfp4_online"),
+            ("tests/test_http_online.py", None),
+        ),
+    ),
     ("fp8", "FP8 prep", (("tests/test_fp8_layer.py", None),)),
     ("bf16", "BF16 prep", (("tests/test_bf16_layer.py", None),)),
     (
@@ -108,6 +118,7 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_engine.py", None),
             ("tests/test_demo.py", None),
             ("tests/test_http_server.py", None),
+            ("tests/test_http_online.py", None),
             ("tests/test_verl_weight_sync.py", None),
         ),
     ),

@@ -165,7 +165,7 @@ class Worker:
         not a flag the test set."""
         from sglang_trtllm_moe.compat.platform import resolved_moe_runner_backend
 
-        rep = _explain(m.model_dir)
+        rep = _explain(m.model_dir, self.spec.quantization)
         layers = m.moe_layers()
         built = _runner_backends(layers)
         managed = {n: owner(layer) for n, layer in layers.items()}
@@ -214,6 +214,48 @@ class Worker:
         self.intended = self.full(1)
         return self.compare(m, self.intended, ptrs)
 
+    @torch.no_grad()
+    def check_disk_a_b_a(self, m) -> dict:
+        """update_weights_from_disk A -> B -> A (the issue #37 recipe: a BF16 checkpoint served with --quantization
+        nvfp4_online, quantized as it loads). On each: every byte, SGLang's WeightChecker `checksum` (what
+        `/weights_checker` answers) and the greedy tokens equal a fresh get_model() of that checkpoint's — what a
+        fresh server of it would serve. The comparison can fail: A's and B's expert checksums differ."""
+        from .sglang_runtime import weight_checker
+
+        ptrs = m.pointers()
+        steps = {}
+        for key, seed in (("B", 1), ("A", 0)):
+            d = self.write_full(seed)
+            m.update_from_disk(d)
+            fresh = m.fresh(d)
+            mine = dict(weight_checker(m.model).handle("checksum", role="target")["checksums"])
+            theirs = dict(weight_checker(fresh).handle("checksum", role="target")["checksums"])
+            tokens, _ = m.generate(PROMPTS, 4)
+            fresh_tokens, _ = m.generate(PROMPTS, 4, model=fresh)
+            diff = m.differences(fresh)
+            del fresh
+            steps[key] = {
+                "differs": diff[:8],
+                "checksums_differ": sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))[:8],
+                "n_checksums": len(mine),
+                "tokens": tokens,
+                "fresh_tokens": fresh_tokens,
+                "experts": {n: v for n, v in mine.items() if n.endswith(".experts.w13_weight")},
+            }
+        self.intended = self.full(0)
+        moved = [n for n, p in m.pointers().items() if ptrs.get(n) != p]
+        apart = bool(steps["A"]["experts"]) and all(
+            steps["A"]["experts"][n] != steps["B"]["experts"][n] for n in steps["A"]["experts"]
+        )
+        ok = (
+            all(not s["differs"] and not s["checksums_differ"] for s in steps.values())
+            and all(s["tokens"] == s["fresh_tokens"] for s in steps.values())
+            and not moved
+            and apart
+            and steps["A"]["tokens"] != steps["B"]["tokens"]
+        )
+        return {"ok": ok, "steps": steps, "moved": moved[:8], "a_b_checksums_apart": apart}
+
     def check_disk_partial(self, m) -> dict:
         """A checkpoint dir holding two experts of the last MoE layer only (experts-only, as a trainer writes it)."""
         ptrs = m.pointers()
@@ -256,7 +298,11 @@ class Worker:
 
     def check_tensor_split_shards(self, m) -> dict:
         """One expert's w1 and w3 in separate update_weights_from_tensor calls, each its own session (an entry point
-        ends in between, so the expert is prepared with one half new and the other old, then again)."""
+        ends in between, so the expert is prepared with one half new and the other old, then again). An online quant
+        (`paired_halves`) quantizes a gated expert's w1 and w3 together, so its loader holds a half until the other
+        arrives: there the two calls are one session's, and after the first nothing of the model has changed."""
+        if self.paired_halves:
+            return self._split_shards_one_session(m)
         ptrs = m.pointers()
         layer = self.spec.moe_layers[0]
         roles = ["gate", "up"] if self.spec.gated else ["up", "down"]
@@ -267,6 +313,29 @@ class Worker:
             self.intended = {**self.intended, **part}
             steps.append(self.compare(m, self.intended, ptrs))
         return {"ok": all(s["ok"] for s in steps), "steps": steps}
+
+    @property
+    def paired_halves(self) -> bool:
+        """An online quant of gated experts: SGLang quantizes w1 and w3 of an expert together (one global scale), so
+        an update sends both halves of an expert (in one request, or in calls of one session)."""
+        return self.spec.quantization is not None and self.spec.gated
+
+    def _split_shards_one_session(self, m) -> dict:
+        ptrs = m.pointers()
+        layer = self.spec.moe_layers[0]
+        with m.session():
+            before = m.state_bytes()  # inside the session: every managed layer in checkpoint layout
+            gate = self.experts_of(5, layers=[layer], experts=[3], roles=["gate"])
+            m.update_from_tensor(sorted(gate.items()))
+            after_gate = m.state_bytes()
+            held = [n for n in before if not torch.equal(before[n], after_gate[n])]
+            up = self.experts_of(5, layers=[layer], experts=[3], roles=["up"])
+            m.update_from_tensor(sorted(up.items()))
+        self.intended = {**self.intended, **gate, **up}
+        out = self.compare(m, self.intended, ptrs)
+        out["changed_by_the_gate_alone"] = held[:8]
+        out["ok"] = out["ok"] and not held
+        return out
 
     def check_session_direct(self, m) -> dict:
         """begin_weight_update; whole parameters written with load_format="direct" (no loader, SGLang's
@@ -476,6 +545,8 @@ class Worker:
             experts = rng.sample(range(self.spec.num_experts), rng.randint(1, self.spec.num_experts))
             roles = list(self.ck.expert_proj_names(self.spec))
             roles = rng.sample(roles, rng.randint(1, len(roles)))
+            if self.paired_halves and ("gate" in roles) != ("up" in roles):  # an expert's halves go together
+                roles = sorted({*roles, "gate", "up"})
             part = self.experts_of(seed, layers=layers, experts=experts, roles=roles)
             how = ("disk", "tensor", "flattened_bucket")[r % 3]
             if how == "disk":
@@ -556,11 +627,20 @@ class Worker:
             else:
                 t[-1, -1] = float("nan")
             cases["nan_block_scale"] = {block[0]: t}
+        if self.spec.quantization is not None:  # an online quant's source weight: NaN / inf in the trainer's dtype
+            for case, value in (("nan_source", float("nan")), ("inf_source", float("inf"))):
+                t = w.clone()
+                t[3, 7] = value
+                cases[case] = {wname: t}
+        hows = {}
+        if self.paired_halves:  # a checkpoint with an expert's gate and not its up (a bucket may: the session pairs)
+            cases["gate_alone"] = {wname: w}
+            hows["gate_alone"] = ("disk",)
         mixed = "wrong_dtype" if "wrong_dtype" in bad else "extra_column"
         cases["mixed"] = {**{n: t for n, t in part.items() if n != wname}, wname: bad[mixed]}  # good ones first
         out: dict = {}
         for case, payload in cases.items():
-            for how in ("tensor", "disk"):
+            for how in hows.get(case, ("tensor", "disk")):
                 before = m.state_bytes()
                 raised, returned = "", None
                 try:
@@ -886,11 +966,12 @@ class Worker:
             "results": results,
         }
 
-    ON_REQUEST = ("threaded_disk_ab", "routed_experts", "checksum", "batch_invariance")
+    ON_REQUEST = ("threaded_disk_ab", "routed_experts", "checksum", "batch_invariance", "disk_a_b_a")
     ORDER = (
         "load",
         "forward",
         "batch_invariance",
+        "disk_a_b_a",
         "disk_full",
         "disk_partial",
         "tensor_buckets",
@@ -917,7 +998,7 @@ class Worker:
         if not self.spec.supported:
             return self.run_without_fused_moe()
         variant = VARIANTS.get(self.quant.partition("@")[2], {})
-        m = models.TinyModel(self.write_full(0), **variant.get("server_args", {}))
+        m = models.TinyModel(self.write_full(0), **self.spec.server_args(), **variant.get("server_args", {}))
         self.intended = self.full(0)
         self.report["_load_s"] = round(time.perf_counter() - t0, 2)
         for name in self.ORDER:
@@ -1017,7 +1098,7 @@ def _STATE_ARGS():
     return models._STATE["server_args"]
 
 
-def _explain(model_dir: str) -> dict:
+def _explain(model_dir: str, quantization: str | None = None) -> dict:
     """explain on a faked SM100, with the harness's own ServerArgs for SGLang's resolution (Nemotron-H needs
     disable_radix_cache on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform)."""
     from sglang_trtllm_moe.explain import explain_model
@@ -1028,7 +1109,7 @@ def _explain(model_dir: str) -> dict:
         for k, v in models.DEFAULT_SERVER_ARGS.items()
         if k in ("disable_radix_cache", "attention_backend", "bf16_gemm_backend", "disable_cuda_graph")
     }
-    return explain_model(model_dir, sm=100, server_args=extra)
+    return explain_model(model_dir, sm=100, server_args=extra, quantization=quantization)
 
 
 # ---- jobs: one forked child per model ------------------------------------------------------------------------------
@@ -1072,6 +1153,8 @@ JOBS = (
     ("mixtral", "bf16", ("checksum",)),
     ("mixtral", "fp8_static", ()),
     ("mixtral", "nvfp4", ()),
+    # issue #37: a BF16 checkpoint served with --quantization nvfp4_online (experts quantized to NVFP4 as they load)
+    ("qwen3_moe", "nvfp4_online", ("disk_a_b_a",)),
     # R3: routed experts through the fused runner, per routing method and format (one check each)
     ("qwen3_moe", "nvfp4@r3", ()),
     ("qwen3_moe", "fp8@r3", ()),
