@@ -36,6 +36,7 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weight checker checksum: hashes like SGLang alone holding the same weights unquantized", ("checksum",)),
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
+    ("RL update by checkpoint-engine (update_weights_from_ipc buckets, then its post hook)", ("rl_ipc",)),
     ("a whole model on sglang.Engine: serve + RL loop end to end", ("models",)),
 )
 
