@@ -152,6 +152,9 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         "RL update: checkpoint-engine",
         (("tests/test_models.py::test_checkpoint_engine_buckets_then_finish_equal_a_fresh_load", None),),
     ),
+    # speculative-draft (NextN / MTP) MoE layers: a DeepSeek-V3 target and its draft ModelRunner, updated with
+    # SGLang's runner selector (0.5.21+)
+    ("draft_moe", "speculative draft MoE", (("tests/test_draft_moe.py", None),)),
 )
 
 

@@ -37,6 +37,10 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
     ("RL update by checkpoint-engine (update_weights_from_ipc buckets, then its post hook)", ("rl_ipc",)),
+    (
+        "speculative-draft (NextN / MTP) MoE layers: prepared like the target's, RL updates per runner selector",
+        ("draft_moe",),
+    ),
     ("a whole model on sglang.Engine: serve + RL loop end to end", ("models",)),
 )
 
