@@ -9,7 +9,8 @@ compat/defer.py); after a disk update (every runner) and tensor sessions with se
 runner's bytes equal a fresh load of the checkpoint meant for it (a runner the selector leaves out keeps its bytes),
 storage kept, layers clean; a malformed draft expert tensor after good ones is refused whole with neither runner
 changed (the request's names are the checkpoint's `model.layers.{N}.`, the draft's layer is `model.decoder`:
-bucket_validation resolves them as SGLang's NextN loader does).
+bucket_validation resolves them as SGLang's NextN loader does); SGLang's weight checker compares and hashes the
+draft's layers too (its checksum under the `draft.` prefix).
 
 Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), and NVFP4 drafts (SGLang builds a
 ModelOpt FP4 DeepSeek's NextN layer unquantized: deepseek_nextn.py sets its quant_config to None).
@@ -84,3 +85,11 @@ def test_a_bad_draft_expert_is_refused_whole(quant, owner):
         "refused the whole weight-update bucket" in res["returned"][1]
         and "model.decoder.mlp.experts" in (res["returned"][1])
     )
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_weight_checker_covers_the_draft(quant, owner):
+    """SGLang's weight checker over both runners (selector all): compare passes after a replay, a flipped byte of the
+    draft's expert weight is caught, and the checksum lists the draft's expert tensors under `draft.`."""
+    res = _ok(report(quant), "checker")
+    assert any(k.endswith(".experts.w13_weight") for k in res["draft_expert_checksums"]), res

@@ -15,11 +15,12 @@ its `tp_worker` / `draft_worker` are shells that borrow SGLang's own `weight_upd
 
 Every comparison is with a fresh `get_model()` of the intended checkpoint for that runner's model config; the draft's
 `embed_tokens` / `lm_head` are left out (SGLang's NextN loader skips them: the EAGLE worker hands the draft the
-target's, `set_embed_and_head`, so in a standalone draft they hold whatever was allocated).
+target's, `set_embed_and_head`, done here too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -86,6 +87,7 @@ class Draft:
         d0 = self.write(0)
         self.target = models.TinyModel(d0, speculative_draft_model_path=d0, **SPEC_ARGS)
         self.draft = self._draft_runner(d0)
+        self._share_embed_and_head()
         self.manager = self._manager()
 
     def write(self, seed: int) -> str:
@@ -116,6 +118,15 @@ class Draft:
                 memory_pool_config=target.memory_pool_config,
             )
 
+    def _share_embed_and_head(self):
+        """What the EAGLE worker does once both runners exist: the draft uses the target's embedding and head
+        (`DeepseekV2ForCausalLM.set_embed_and_head`'s body, without its torch.cuda cache calls)."""
+        target, draft = self.target.model, self.draft.model
+        del draft.model.embed_tokens.weight
+        del draft.lm_head.weight
+        draft.model.embed_tokens.weight = target.model.embed_tokens.weight
+        draft.lm_head.weight = target.lm_head.weight
+
     def _manager(self):
         from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
         from sglang.srt.managers.tp_worker import TpModelWorker
@@ -138,7 +149,13 @@ class Draft:
             def record_weight_version_change(self, new_version=None):
                 return None
 
+        extra = {}
+        if any(f.name == "tp_cpu_group" and f.init for f in dataclasses.fields(SchedulerWeightUpdaterManager)):
+            from sglang.srt.distributed import get_tp_group  # 0.5.21 takes the group; later releases look it up
+
+            extra["tp_cpu_group"] = get_tp_group().cpu_group
         return SchedulerWeightUpdaterManager(
+            **extra,
             tp_worker=TargetWorker(self.target.runner),
             draft_worker=SpecWorker(self.draft),
             memory_saver_adapter=None,
@@ -246,15 +263,16 @@ def _ok(out) -> bool:
 def check_built(w: Draft) -> dict:
     """The draft is SGLang's NextN class with one FusedMoE layer, and the plugin owns it as it owns the target's
     layers of the same format (compat/defer.py): prepared in place, or prepared by SGLang and observed."""
-    from .model_worker import expected_owner, owner
+    from .model_worker import _runner_backends, expected_owner, owner
 
     layers = w.moe_layers()
+    runners = _runner_backends(layers)  # what each layer runs on, as this release records it
     rows = {
         n: {
             "owner": owner(layer),
             "expected": expected_owner(layer),
             "method": type(layer.quant_method).__name__,
-            "runner": str(getattr(getattr(layer, "runner_backend", None), "value", None)),
+            "runner": runners[n],
         }
         for n, layer in layers.items()
     }
@@ -323,7 +341,47 @@ def _state_bytes(model, role: str) -> dict:
     return {f"{role}:{n}": _bytes(p).clone() for n, p in model.named_parameters()}
 
 
-CHECKS = {"built": check_built, "updates": check_updates, "refused": check_refused}
+def check_checker(w: Draft) -> dict:
+    """SGLang's weight checker through the same manager (selector all): snapshot, reset_tensors, the same disk update
+    again, compare passes on both runners; a flipped byte of the draft's expert weight is caught; the checksum lists
+    the draft's expert tensors under SGLang's `draft.` prefix (0.5.23 `_merge_checksum_payloads`)."""
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    def check(action: str):
+        out = w.manager.check_weights(CheckWeightsReqInput(action=action))
+        return out.success, out.message[:400], out.payload
+
+    steps = {"disk": w.disk(6).success}
+    for action in ("snapshot", "reset_tensors"):
+        steps[action] = check(action)[:2]
+    steps["disk_again"] = w.disk(6).success
+    steps["compare"] = check("compare")[:2]
+    check("snapshot")
+    layer = w.models.moe_layers(w.draft.model)["model.decoder.mlp.experts"]
+    flat = layer.w2_weight.data.view(torch.uint8).reshape(-1)
+    flat[flat.numel() // 3] ^= 0x10
+    try:
+        steps["flipped"] = check("compare")[:2]
+    finally:
+        flat[flat.numel() // 3] ^= 0x10
+    ok, _, payload = check("checksum")
+    keys = sorted(payload[0].checksums) if ok and payload else []
+    draft_experts = [k for k in keys if k.startswith("draft.") and ".experts.w" in k]
+    return {
+        "ok": steps["disk"]
+        and steps["snapshot"][0]
+        and steps["reset_tensors"][0]
+        and steps["disk_again"]
+        and steps["compare"][0]
+        and not steps["flipped"][0]
+        and "decoder" in steps["flipped"][1]
+        and bool(draft_experts),
+        "steps": steps,
+        "draft_expert_checksums": draft_experts[:6],
+    }
+
+
+CHECKS = {"built": check_built, "updates": check_updates, "refused": check_refused, "checker": check_checker}
 
 
 def main(argv=None) -> int:
@@ -336,7 +394,8 @@ def main(argv=None) -> int:
         w = Draft(quant, workdir)
         for name in checks:
             try:
-                report[name] = CHECKS[name](w)
+                with torch.no_grad():  # as SGLang's scheduler loop runs them (DynamicGradMode)
+                    report[name] = CHECKS[name](w)
             except Exception as e:  # noqa: BLE001 - reported
                 report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500], "tb": traceback.format_exc()}
     except Exception as e:  # noqa: BLE001 - reported
