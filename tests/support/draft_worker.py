@@ -347,8 +347,11 @@ def check_checker(w: Draft) -> dict:
     the draft's expert tensors under SGLang's `draft.` prefix (0.5.23 `_merge_checksum_payloads`)."""
     from sglang.srt.managers.io_struct import CheckWeightsReqInput
 
+    from .sglang_runtime import cpu_checksum
+
     def check(action: str):
-        out = w.manager.check_weights(CheckWeightsReqInput(action=action))
+        with cpu_checksum(action):
+            out = w.manager.check_weights(CheckWeightsReqInput(action=action))
         return out.success, out.message[:400], out.payload
 
     steps = {"disk": w.disk(6).success}
