@@ -102,7 +102,7 @@ def _nextn_aliases(model, found: dict) -> dict:
     no layer here, and are checked only write by write in the loader hook (a bad one after good ones: a partial
     write)."""
     cfg = getattr(model, "config", None)
-    if not type(model).__name__.endswith("NextN") or not getattr(cfg, "num_nextn_predict_layers", 0):
+    if cfg is None or not type(model).__name__.endswith("NextN") or not getattr(cfg, "num_nextn_predict_layers", 0):
         return {}
     n = 0 if cfg.num_hidden_layers == 1 else cfg.num_hidden_layers
     head = f"model.layers.{n}."
