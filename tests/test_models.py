@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -134,9 +135,14 @@ def reports() -> dict:
         _REPORTS.update(last_json(proc))
         _REPORTS["_stderr_tail"] = proc.stderr[-3000:]
         _, err = ref.communicate(timeout=600)
-        _REPORTS["_checksum_reference"] = (
-            json.load(open(out)) if ref.returncode == 0 else {"_error": f"exit {ref.returncode}: {err[-3000:]}"}
-        )
+        try:
+            if ref.returncode == 0:
+                with open(out) as f:
+                    _REPORTS["_checksum_reference"] = json.load(f)
+            else:
+                _REPORTS["_checksum_reference"] = {"_error": f"exit {ref.returncode}: {err[-3000:]}"}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # its checkpoints (~13 MB a run) were left in /tmp before
     return _REPORTS
 
 
