@@ -337,6 +337,44 @@ def check_refused(w: Draft) -> dict:
     }
 
 
+def check_unresolved(w: Draft) -> dict:
+    """The fallback behind check_refused: a draft expert name the request's check cannot place (the NextN names
+    switched off here, as for a model whose names the plugin does not know) and a bad tensor after good ones, which
+    the loader hook refuses mid-load: answered (False, message), not raised; every managed layer laid out; a good
+    update after it gives a fresh load's bytes."""
+    from sglang_trtllm_moe.updates import bucket_validation
+
+    layer = w.spec.moe_layers[-1]
+    good = [kv for kv in _nextn_tensors(w, 7) if f"model.layers.{layer}.mlp.experts." in kv[0]]
+    name = f"{w.ck.expert_base(w.spec, layer, 3, 'gate')}.weight"
+    bad = dict(good)[name]
+    payload = [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
+    real = bucket_validation._nextn_aliases
+    bucket_validation._nextn_aliases = lambda model, found: {}
+    bucket_validation._CACHES.clear()
+    try:
+        raised, outs = "", []
+        try:
+            outs = w.tensors(payload, "draft")
+        except Exception as e:  # noqa: BLE001 - what the check is about
+            raised = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        bucket_validation._nextn_aliases = real
+        bucket_validation._CACHES.clear()
+    unclean = [n for n, m in w.moe_layers().items() if not _clean(m)]
+    ptrs = w.pointers()
+    after = w.tensors(_nextn_tensors(w, 8), "all")
+    state = w.state(8, 8, ptrs)
+    update = outs[1] if len(outs) > 1 else None
+    return {
+        "ok": not raised and update is not None and not update.success and not unclean and _ok(after) and state["ok"],
+        "raised": raised,
+        "returned": None if update is None else [update.success, update.message[:400]],
+        "unclean": unclean,
+        "after": state,
+    }
+
+
 def _state_bytes(model, role: str) -> dict:
     return {f"{role}:{n}": _bytes(p).clone() for n, p in model.named_parameters()}
 
@@ -384,7 +422,13 @@ def check_checker(w: Draft) -> dict:
     }
 
 
-CHECKS = {"built": check_built, "updates": check_updates, "refused": check_refused, "checker": check_checker}
+CHECKS = {
+    "built": check_built,
+    "updates": check_updates,
+    "refused": check_refused,
+    "unresolved": check_unresolved,
+    "checker": check_checker,
+}
 
 
 def main(argv=None) -> int:
