@@ -24,6 +24,7 @@ import logging
 
 from .. import hookimpl, layer_state
 from ..compat import features
+from ..errors import WeightUpdateRefused
 from ..targets import HookTarget
 from ..updates import batched_writes, bucket_validation, checked_writes, checkpoint_headers, rollback
 
@@ -78,6 +79,13 @@ def _load_weights_as(model, wrapper):
         vars(model).pop("load_weights", None)
 
 
+#: what a refusal by the loader hook (not the request's check) leaves
+PARTLY_WRITTEN = (
+    "sglang-trtllm-moe: refused while SGLang loaded the request, not before: tensors ahead of it in the request may "
+    "be written (every layer the plugin manages is laid out again); send the whole update again"
+)
+
+
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
     what was validated (checked_writes.Checked) so the loader hooks do not check those writes again."""
@@ -117,6 +125,11 @@ def check_buckets_around(original, owner, *args, **kwargs):
                 result = original(owner, *args, **kwargs)
         except bucket_validation.BucketRefused as e:
             return False, str(e)
+        except WeightUpdateRefused as e:
+            # a write the request's check could not place (no managed layer under its name) refused by the loader
+            # hook: answered, never raised (SGLang's tensor entry point does not catch it: the scheduler would exit)
+            logger.warning("sglang-trtllm-moe: a write refused while SGLang loaded the request: %s", e)
+            return False, f"{e}\n{PARTLY_WRITTEN}"
     finally:
         record.close()
     if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written

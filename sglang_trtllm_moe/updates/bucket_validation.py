@@ -86,7 +86,27 @@ def _managed_modules(model) -> dict[str, object]:
     for tail, ms in tails.items():
         if len(ms) == 1:
             out.setdefault(tail, ms[0])
+    for alias, m in _nextn_aliases(model, out).items():
+        out.setdefault(alias, m)
     return out
+
+
+#: where SGLang's NextN / MTP draft classes (`*NextN`: DeepSeek-V3/V4, GLM-5, Hunyuan, LongCat) build their one
+#: decoder layer; their loaders read it from the checkpoint's "model.layers.{N}." (N = num_hidden_layers, 0 for a
+#: one-layer config: deepseek_common/deepseek_weight_loader.py `_initialize_nextn_conf`)
+NEXTN_DECODER = "model.decoder."
+
+
+def _nextn_aliases(model, found: dict) -> dict:
+    """The checkpoint names of a speculative draft's MoE layers: without them a request's draft experts resolve to
+    no layer here, and are checked only write by write in the loader hook (a bad one after good ones: a partial
+    write)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not type(model).__name__.endswith("NextN") or not getattr(cfg, "num_nextn_predict_layers", 0):
+        return {}
+    n = 0 if cfg.num_hidden_layers == 1 else cfg.num_hidden_layers
+    head = f"model.layers.{n}."
+    return {head + path[len(NEXTN_DECODER) :]: m for path, m in found.items() if path.startswith(NEXTN_DECODER)}
 
 
 def _from_layers(path: str) -> str | None:

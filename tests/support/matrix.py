@@ -159,6 +159,16 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_http_server.py::test_nccl_style", None),
         ),
     ),
+    # checkpoint-engine (Moonshot): many update_weights_from_ipc buckets, then SGLang's post hook (whole DeepSeek-V3
+    # models, 0.5.21+; its worker loop stood in on CPU: tests/support/checkpoint_engine.py)
+    (
+        "rl_ipc",
+        "RL update: checkpoint-engine",
+        (("tests/test_models.py::test_checkpoint_engine_buckets_then_finish_equal_a_fresh_load", None),),
+    ),
+    # speculative-draft (NextN / MTP) MoE layers: a DeepSeek-V3 target and its draft ModelRunner, updated with
+    # SGLang's runner selector (0.5.21+)
+    ("draft_moe", "speculative draft MoE", (("tests/test_draft_moe.py", None),)),
 )
 
 

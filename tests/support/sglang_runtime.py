@@ -9,6 +9,7 @@ here is named in tests/support/releases.py (and compat/features.py where the pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from sglang_trtllm_moe.compat import features
@@ -202,6 +203,22 @@ def weight_updater(model, model_config):
     return runner
 
 
+@contextlib.contextmanager
+def cpu_checksum(action: str):
+    """Stand-in (docs/TESTING.md) for a weight-checker `action`: before 0.5.23 the checksum brackets its timing with
+    torch.cuda.synchronize(), which a CPU-only torch refuses; nothing is queued on a CPU, so a no-op is the same wait.
+    Anything else, or with CUDA: unchanged."""
+    import torch
+
+    if action != "checksum" or torch.cuda.is_available():
+        yield
+        return
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None):
+        yield
+
+
 def weight_checker(model):
     """SGLang's WeightChecker around `model`, as the ModelRunner of this release builds it, callable the 0.5.21+ way.
     Before 0.5.21 it also takes the runner's ParallelState (`ps`, read for the checksum's parallelism info; one CPU
@@ -217,13 +234,7 @@ def weight_checker(model):
 
     class _CpuChecksum(WeightChecker):
         def handle(self, action, *args, **kwargs):
-            if action != "checksum" or torch.cuda.is_available():
-                return super().handle(action, *args, **kwargs)
-            # stand-in (docs/TESTING.md): before 0.5.23 the checksum brackets its timing with torch.cuda.synchronize(),
-            # which a CPU-only torch refuses; nothing is queued on a CPU, so a no-op is the same wait
-            from unittest import mock
-
-            with mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None):
+            with cpu_checksum(action):
                 return super().handle(action, *args, **kwargs)
 
     if not (releases.WEIGHT_CHECKER_TAKES_PS.present() or features.WEIGHT_CHECKER_OF_MODEL_RUNNER.present()):

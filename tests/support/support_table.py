@@ -36,6 +36,11 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weight checker checksum: hashes like SGLang alone holding the same weights unquantized", ("checksum",)),
     ("auto-select flashinfer_trtllm on SM100", ("auto",)),
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
+    ("RL update by checkpoint-engine (update_weights_from_ipc buckets, then its post hook)", ("rl_ipc",)),
+    (
+        "speculative-draft (NextN / MTP) MoE layers: prepared like the target's, RL updates per runner selector",
+        ("draft_moe",),
+    ),
     ("a whole model on sglang.Engine: serve + RL updates end to end", ("engine",)),
 )
 

@@ -1,0 +1,105 @@
+"""Speculative-draft (NextN / MTP) MoE layers under the plugin (issue #39): a tiny DeepSeek-V3 whose last layer is its
+NextN layer, SGLang's target ModelRunner and its draft ModelRunner (`is_draft_worker=True`,
+`DeepseekV3ForCausalLMNextN`), updated through SGLang's own scheduler-side update manager with its runner
+`selector` (tests/support/draft_worker.py says how each piece is stood up).
+
+What holds, per format: the draft's FusedMoE layer is owned like the target's layers of the same format (the plugin
+prepares FP8 per-tensor in place on both; DeepSeek FP8 block is SGLang's on both, watched by the plugin:
+compat/defer.py); after a disk update (every runner) and tensor sessions with selector draft / all / target, each
+runner's bytes equal a fresh load of the checkpoint meant for it (a runner the selector leaves out keeps its bytes),
+storage kept, layers clean; a malformed draft expert tensor after good ones is refused whole with neither runner
+changed (the request's names are the checkpoint's `model.layers.{N}.`, the draft's layer is `model.decoder`:
+bucket_validation resolves them as SGLang's NextN loader does); SGLang's weight checker compares and hashes the
+draft's layers too (its checksum under the `draft.` prefix).
+
+Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), and NVFP4 drafts (SGLang builds a
+ModelOpt FP4 DeepSeek's NextN layer unquantized: deepseek_nextn.py sets its quant_config to None).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
+
+from .support.helpers import REPO, last_json
+
+pytestmark = pytest.mark.sglang(
+    str(MODEL_RUNNER_RELEASES),
+    reason="sandbox.models spells SGLang's runner set-up of these releases (compat/sandbox_releases.py "
+    "MODEL_RUNNER_RELEASES); the draft runner and the update manager's selector come with them",
+)
+
+#: (quant, who prepares both the target's and the draft's MoE layers)
+FORMATS = (("fp8", "plugin"), ("fp8_block", "sglang"))
+_REPORTS: dict = {}
+
+
+def report(quant: str) -> dict:
+    if quant not in _REPORTS:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        p = subprocess.run(
+            [sys.executable, "-m", "tests.support.draft_worker", quant],
+            cwd=str(REPO),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        _REPORTS[quant] = last_json(p)  # once per format, whatever it holds
+    rep = _REPORTS[quant]
+    assert "_crash" not in rep, rep["_crash"]
+    return rep
+
+
+def _ok(rep: dict, name: str) -> dict:
+    res = rep[name]
+    assert res.get("ok"), json.dumps(res, default=str)[:4000]
+    return res
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_draft_moe_layer_is_owned_like_the_targets(quant, owner):
+    res = _ok(report(quant), "built")
+    assert res["draft_class"] == "DeepseekV3ForCausalLMNextN"
+    assert {r["owner"] for r in res["layers"].values()} == {owner}, res["layers"]
+    assert {r["runner"] for r in res["layers"].values()} == {"flashinfer_trtllm"}, res["layers"]
+    assert res["fresh"]["ok"], res["fresh"]
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_every_selector_leaves_each_runner_equal_to_a_fresh_load(quant, owner):
+    steps = _ok(report(quant), "updates")["steps"]
+    assert set(steps) == {"disk", "tensor:draft", "tensor:all", "tensor:target"}
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_a_bad_draft_expert_is_refused_whole(quant, owner):
+    res = _ok(report(quant), "refused")
+    assert (
+        "refused the whole weight-update bucket" in res["returned"][1]
+        and "model.decoder.mlp.experts" in (res["returned"][1])
+    )
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_weight_checker_covers_the_draft(quant, owner):
+    """SGLang's weight checker over both runners (selector all): compare passes after a replay, a flipped byte of the
+    draft's expert weight is caught, and the checksum lists the draft's expert tensors under `draft.`."""
+    res = _ok(report(quant), "checker")
+    assert any(k.endswith(".experts.w13_weight") for k in res["draft_expert_checksums"]), res
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_a_write_refused_mid_load_is_answered_not_raised(quant, owner):
+    """The fallback: a name the request's check cannot place (NextN names switched off in the worker), a bad tensor
+    after good ones refused by the loader hook while SGLang loads: (False, message saying tensors ahead of it may be
+    written), not an exception out of update_weights_from_tensor (SGLang does not catch it there: the scheduler would
+    exit); every managed layer laid out, and a good update after it equals a fresh load."""
+    res = _ok(report(quant), "unresolved")
+    assert not res["returned"][0] and "may be written" in res["returned"][1], res
