@@ -190,6 +190,22 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "upstream in 0.5.12",
     ),
     Requirement(
+        "tests/test_batched_writes.py::test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
+        "tests/test_batched_writes.py::test_batched_writes_give_the_bytes_of_sglangs_per_tensor_loader[nvfp4_online",
+        ">=0.5.14",
+        "--quantization nvfp4_online (layers/quantization/nvfp4_online.py) arrives upstream in 0.5.14",
+    ),
+    Requirement(
+        "tests/test_batched_writes.py::test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader[nvfp4_online",
+        ">=0.5.14",
+        "--quantization nvfp4_online (layers/quantization/nvfp4_online.py) arrives upstream in 0.5.14",
+    ),
+    Requirement(
         "tests/test_mxfp4_experts_layer.py",
         ">=0.5.12",
         "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
