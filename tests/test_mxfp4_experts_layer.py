@@ -17,6 +17,7 @@ import torch
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import sglang_oracle
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
 from .support import mx_reference, sglang_runtime
@@ -63,9 +64,9 @@ def prepared_layer(spec, ck):
 
 
 def sglang_prepared(spec, ck):
-    layer = cpu_layers.sglang_layer(spec)
+    layer = sglang_oracle.sglang_layer(spec)
     cpu_layers.load_checkpoint(layer, ck, spec.num_experts)
-    cpu_layers.sglang_prepare(layer)
+    sglang_oracle.sglang_prepare(layer)
     return layer
 
 
@@ -81,7 +82,7 @@ def assert_same_bytes(ours, other, what):
 
 def test_storage_is_allocated_at_the_kernel_width_with_sglang_attributes():
     spec = spec_of(128)
-    ours, upstream = cpu_layers.build_layer(spec), cpu_layers.sglang_layer(spec)
+    ours, upstream = cpu_layers.build_layer(spec), sglang_oracle.sglang_layer(spec)
     for n in PARAMS:
         a, b = getattr(ours, n), getattr(upstream, n)
         assert a.shape == b.shape
@@ -133,7 +134,7 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp4_weights():
         return q, s.reshape(-1)
 
     saved = fq4stub.fp4_quantize, fq4.block_scale_interleave
-    fq4stub.fp4_quantize, fq4.block_scale_interleave = fp4_quantize, cpu_layers.torch_block_scale_interleave
+    fq4stub.fp4_quantize, fq4.block_scale_interleave = fp4_quantize, sglang_oracle.torch_block_scale_interleave
     try:
         if hasattr(api, "QuantFormat"):  # flashinfer 0.7
             how = dict(quant=api.QuantConfig(api.QuantFormat.MXFP4, api.QuantFormat.MXFP8))

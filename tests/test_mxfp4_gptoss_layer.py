@@ -16,6 +16,7 @@ import torch
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import sglang_oracle
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
 from .support import mx_reference, sglang_runtime
@@ -51,9 +52,9 @@ def prepared_layer(spec, ck):
 
 
 def sglang_prepared(spec, ck):
-    layer = cpu_layers.sglang_layer(spec)
+    layer = sglang_oracle.sglang_layer(spec)
     cpu_layers.load_fused(layer, ck)
-    cpu_layers.sglang_prepare(layer)
+    sglang_oracle.sglang_prepare(layer)
     return layer
 
 

@@ -17,6 +17,7 @@ import torch
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import sglang_oracle
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
 
 from .support import mx_reference, sglang_runtime
@@ -77,7 +78,7 @@ def assert_same_bytes(a, b, what):
 def test_prepared_bytes_equal_sglang_own_preparation(backend, spec):
     ours = prepared_layer(backend, spec)
     upstream = loaded_layer(backend, spec)
-    cpu_layers.sglang_prepare(upstream)
+    sglang_oracle.sglang_prepare(upstream)
     assert_same_bytes(ours, upstream, "SGLang's own MXFP8 trtllm preparation")
     # what SGLang's apply and dispatcher read after its own prep
     assert ours.w13_weight_scale_inv.format_ue8m0 and ours.w2_weight_scale_inv.format_ue8m0
@@ -115,7 +116,7 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
         return q, s.reshape(-1)
 
     saved = fq8.mxfp8_quantize, fq4.block_scale_interleave
-    fq8.mxfp8_quantize, fq4.block_scale_interleave = mxfp8_quantize, cpu_layers.torch_block_scale_interleave
+    fq8.mxfp8_quantize, fq4.block_scale_interleave = mxfp8_quantize, sglang_oracle.torch_block_scale_interleave
     try:
         if hasattr(api, "QuantFormat"):  # flashinfer 0.7
             how = dict(quant=api.QuantConfig(api.QuantFormat.MXFP8, api.QuantFormat.MXFP8))
@@ -182,13 +183,13 @@ def test_one_expert_update_equals_sglang_own_preparation_of_the_mixed_checkpoint
     cpu_layers.load_checkpoint(layer, one, spec.num_experts)
     layer.quant_method.process_weights_after_loading(layer)  # what update_weights_from_disk runs after loading
     upstream = loaded_layer(TRTLLM, spec, _mixed(base, new, {3}))
-    cpu_layers.sglang_prepare(upstream)
+    sglang_oracle.sglang_prepare(upstream)
     assert_same_bytes(layer, upstream, "SGLang's own preparation of the mixed checkpoint")
     # SGLang's own flow on the same update: the experts that were not reloaded are laid out twice
     stale = loaded_layer(TRTLLM, spec, base)
-    cpu_layers.sglang_prepare(stale)
+    sglang_oracle.sglang_prepare(stale)
     cpu_layers.load_checkpoint(stale, one, spec.num_experts)
-    cpu_layers.sglang_prepare(stale)
+    sglang_oracle.sglang_prepare(stale)
     assert not torch.equal(as_bytes(stale.w13_weight[0]), as_bytes(upstream.w13_weight[0]))
 
 

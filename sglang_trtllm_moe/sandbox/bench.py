@@ -203,11 +203,12 @@ def _fill_random_mx(layer, seed: int = 0) -> None:
 
 def _mx_layers(fmt: str, experts: int):
     from . import layers as mx_layers
+    from . import sglang_oracle
     from .layers import MoeSpec
 
     real_e, h, i = MX_SHAPES[fmt][2]
     spec = MoeSpec(num_experts=experts, hidden=h, intermediate=i, fmt=fmt)
-    ours, theirs = mx_layers.build_layer(spec), mx_layers.sglang_layer(spec)
+    ours, theirs = mx_layers.build_layer(spec), sglang_oracle.sglang_layer(spec)
     _fill_random_mx(ours)
     for name, p in ours.named_parameters(recurse=False):  # the same values in SGLang's dtypes (exact but biases)
         getattr(theirs, name).data.copy_(p.data)
@@ -216,13 +217,14 @@ def _mx_layers(fmt: str, experts: int):
 
 def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
     """Plugin vs SGLang's own preparation of the same MX layer (SGLang's CUDA-only helpers replaced by CPU ones of the
-    same bytes: sandbox/layers.sglang_prepare), and an RL update: one expert for MXFP8 / MXFP4 experts (the
+    same bytes: sandbox/sglang_oracle.sglang_prepare), and an RL update: one expert for MXFP8 / MXFP4 experts (the
     plugin: loader writes + flush of that expert; SGLang: loader writes + its prep of the whole layer, which is also
     what re-shuffles the experts it did not reload), the whole layer for gpt-oss (its loader writes all experts).
     For the MXFP4 paths SGLang's own loader cannot write after its prep (the Parameters it made have no
     weight_loader): its update figure is its whole-layer prep alone, a lower bound."""
     from .. import layer_state, layouts
     from . import layers as mx_layers
+    from . import sglang_oracle
 
     backend, shape, (real_e, h, i) = MX_SHAPES[fmt]
     spec, ours, theirs = _mx_layers(fmt, experts)
@@ -237,7 +239,7 @@ def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
     plugin_s = time.perf_counter() - t0
     rss1 = _maxrss()
     t0 = time.perf_counter()
-    mx_layers.sglang_prepare(theirs)
+    sglang_oracle.sglang_prepare(theirs)
     upstream_s = time.perf_counter() - t0
     rss2 = _maxrss()
     same = all(
@@ -289,7 +291,7 @@ def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
         if fmt == "mxfp8":  # in place: the loader's write, then SGLang's prep of the whole layer
             for n in names:
                 getattr(theirs, n).data[ids].view(torch.uint8).copy_(loaded[n][ids].view(torch.uint8))
-        mx_layers.sglang_prepare(theirs)
+        sglang_oracle.sglang_prepare(theirs)
 
     p_s = _median_time(plugin_update, repeats)
     u_s = _median_time(upstream_update, 1 if fmt != "mxfp8" else repeats)

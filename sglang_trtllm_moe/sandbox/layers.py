@@ -1,5 +1,5 @@
 """Real SGLang MoE layers on a CPU box, one builder for every registered weight format: build them, make random
-calibrated checkpoints, load them through SGLang's own loader, and run SGLang's own preparation as a byte oracle.
+calibrated checkpoints (layer_checkpoints.py), load them through SGLang's own loader.
 
 Used by the tests, `bench` and benchmarks/, so all drive the same SGLang objects a server would: FusedMoE built with
 a real quant config (parsed by SGLang's own config class), shards fed one by one through `FusedMoE.weight_loader`
@@ -11,15 +11,8 @@ format (formats/) the plugin prepares it in — every registered format has one 
 quant config SGLang builds such a layer from and its random checkpoint. What the registry declares (all experts
 written at once, the checkpoint names of fused tensors) drives the loaders; `build_layer` is the one FusedMoE call.
 
-SGLang's own preparation (`sglang_prepare`, `sglang_layer`) runs on CPU with the fewest stand-ins, each a CUDA-only
-helper whose CPU equivalent computes the same bytes:
-* MXFP8: `fp8._is_cuda` (a guard) is set True, and `flashinfer.block_scale_interleave` (CUDA kernel) is the
-  plugin's pure-torch 128x4 swizzle, returned flat as flashinfer returns it. Index helpers are FlashInfer's own.
-* MXFP4 experts: the module binds flashinfer's names only when `is_flashinfer_available()` (CUDA), so FlashInfer's
-  own `_maybe_get_cached_w3_w1_permute_indices` / `get_w2_permute_indices_with_cache` are bound there and
-  `block_scale_interleave` is the torch swizzle; `torch.cuda.empty_cache` is a no-op.
-* gpt-oss: likewise `nvfp4_block_scale_interleave` (torch) and FlashInfer's `get_w2_permute_indices_with_cache` are
-  bound in `mxfp4`, and `Tensor.cuda` is the identity while it runs (it moves the alpha/beta/clamp scalars).
+Random checkpoints per format: `layer_checkpoints.py` (re-exported here). SGLang's own preparation as the byte
+oracle (`sglang_prepare`, `sglang_layer`, its CPU stand-ins): `sglang_oracle.py`.
 """
 
 from __future__ import annotations
@@ -32,11 +25,23 @@ from typing import Any
 
 import torch
 
-from .. import formats, layouts, quant
+from .. import formats
 from ..compat.cpu_nvfp4 import torch_nvfp4_quantize
 from ..formats import WeightFormat
+from .layer_checkpoints import (
+    DOWN,
+    GATE,
+    UP,
+    random_bf16_checkpoint,
+    random_checkpoint,
+    random_ct_nvfp4_checkpoint,
+    random_fp8_checkpoint,
+    random_gptoss_checkpoint,
+    random_mxfp4_experts_checkpoint,
+    random_mxfp8_checkpoint,
+    random_nvfp4_checkpoint,
+)
 
-GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 GPTOSS_ALPHA, GPTOSS_LIMIT = 1.702, 7.0
 GPTOSS_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale", "w2_weight_bias")
 
@@ -62,163 +67,6 @@ class MoeSpec:
             return LAYERS[self.fmt]
         except KeyError:
             raise NotImplementedError(f"format {self.fmt!r}; the harness builds {sorted(LAYERS)}") from None
-
-
-# ---- random calibrated checkpoints, per format ---------------------------------------------------------------------
-
-
-def _random_experts(spec: MoeSpec, seed: int, experts, std: float = 0.02, up_factor: float = 1.0):
-    """(expert, {projection: float32 weight}) with HF shapes; one generator, one draw per projection in order, so
-    every format's checkpoint of the same seed is built from the same numbers (std varies per expert)."""
-    g = torch.Generator().manual_seed(seed)
-    h, i = spec.hidden, spec.intermediate
-    for e in range(spec.num_experts) if experts is None else experts:
-        yield (
-            e,
-            {
-                proj: torch.randn((h, i) if proj == DOWN else (i, h), generator=g)
-                * (std + 0.01 * (e % 3))
-                * (up_factor if proj == UP else 1.0)
-                for proj in spec.shards
-            },
-        )
-
-
-def random_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
-    """ModelOpt NVFP4 tensors per expert and projection, as a safetensors checkpoint names them."""
-    out: dict[str, torch.Tensor] = {}
-    for e, ws in _random_experts(spec, seed, experts):
-        for proj, w in ws.items():
-            gs = float(448 * 6 / w.abs().max())
-            packed, sf = quant.nvfp4_quantize(w, gs)
-            base = f"experts.{e}.{proj}."
-            out[base + "weight"] = packed
-            out[base + "weight_scale"] = sf
-            out[base + "weight_scale_2"] = torch.tensor(1.0 / gs, dtype=torch.float32)
-            out[base + "input_scale"] = torch.tensor(0.5 + 0.1 * ((e + len(proj)) % 4), dtype=torch.float32)
-    return out
-
-
-def random_bf16_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
-    """BF16 tensors per expert and projection (HF names)."""
-    return {
-        f"experts.{e}.{proj}.weight": w.to(torch.bfloat16)
-        for e, ws in _random_experts(spec, seed, experts, std=0.05)
-        for proj, w in ws.items()
-    }
-
-
-def random_ct_nvfp4_checkpoint(
-    spec: MoeSpec, seed: int = 0, experts=None, same_gate_up_scale: bool = True
-) -> dict[str, torch.Tensor]:
-    """Compressed-tensors NVFP4 tensors as llm-compressor names them. Its global scales are *quantize* scales
-    (value = e2m1 * e4m3 / global_scale), i.e. the inverses of ModelOpt's weight_scale_2 / input_scale.
-    llm-compressor fuses the gate/up global scales; `same_gate_up_scale=False` makes them differ."""
-    out: dict[str, torch.Tensor] = {}
-    for e, ws in _random_experts(spec, seed, experts):
-        fused = float(448 * 6 / max(float(ws[p].abs().max()) for p in spec.shards if p != DOWN))
-        in_gs = 1.0 / (0.5 + 0.1 * (e % 4))
-        for proj, w in ws.items():
-            gs = fused if (proj != DOWN and same_gate_up_scale) else float(448 * 6 / w.abs().max())
-            packed, sf = quant.nvfp4_quantize(w, gs)
-            base = f"experts.{e}.{proj}."
-            out[base + "weight_packed"] = packed
-            out[base + "weight_scale"] = sf
-            out[base + "weight_global_scale"] = torch.tensor([gs], dtype=torch.float32)
-            out[base + "input_global_scale"] = torch.tensor(
-                [in_gs if proj != DOWN else in_gs * 0.8], dtype=torch.float32
-            )
-    return out
-
-
-def random_fp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, equal_gate_up_scale: bool = False):
-    """FP8 tensors per expert and projection. Per-tensor (ModelOpt / fp8 static): e4m3 `weight`, fp32 `weight_scale`
-    (amax/448 of that projection, so gate and up differ unless `equal_gate_up_scale`) and static `input_scale`
-    (one per expert and GEMM, calibrated like a real checkpoint for x ~ N(0, 1): no e4m3 clipping of x or
-    of the GEMM1 output, relu2's squared output needing the larger a2).
-    Block (DeepSeek): e4m3 `weight` and fp32 `weight_scale_inv` per 128x128 block (a partial last block when I is
-    not a multiple of 128, as DeepSeek-style checkpoints store it)."""
-    out: dict[str, torch.Tensor] = {}
-    for e, ws in _random_experts(spec, seed, experts, up_factor=1.5):
-        for proj, w in ws.items():
-            base = f"experts.{e}.{proj}."
-            if spec.fmt == "fp8_block":
-                r, c = w.shape
-                wp = torch.zeros(-(-r // quant.FP8_BLOCK) * quant.FP8_BLOCK, -(-c // quant.FP8_BLOCK) * quant.FP8_BLOCK)
-                wp[:r, :c] = w
-                q, s = quant.fp8_block_quantize(wp)
-                out[base + "weight"], out[base + "weight_scale_inv"] = q[:r, :c].contiguous(), s
-                continue
-            amax = w.abs().max()
-            if equal_gate_up_scale and proj != DOWN:
-                amax = max(ws[p].abs().max() for p in ws if p != DOWN)
-            scale = (amax / quant.FP8_E4M3_MAX).to(torch.float32)
-            out[base + "weight"] = quant.fp8_quantize(w, scale)
-            out[base + "weight_scale"] = scale
-            out[base + "input_scale"] = torch.tensor(
-                (0.012 + 0.002 * (e % 3)) if proj != DOWN else (0.004 if spec.gated else 0.05) + 0.001 * (e % 4),
-                dtype=torch.float32,
-            )
-    return out
-
-
-def random_mxfp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
-    """MXFP8 tensors per expert and projection: e4m3 `weight` and uint8 UE8M0 `weight_scale_inv` per 32 columns."""
-    out: dict[str, torch.Tensor] = {}
-    for e, ws in _random_experts(spec, seed, experts, std=0.05):
-        for proj, w in ws.items():
-            q, s = quant.mxfp8_quantize(w)
-            out[f"experts.{e}.{proj}.weight"] = q
-            out[f"experts.{e}.{proj}.weight_scale_inv"] = s
-    return out
-
-
-def random_mxfp4_experts_checkpoint(
-    spec: MoeSpec, seed: int = 0, experts=None, scale_dtype: torch.dtype = torch.float8_e8m0fnu
-) -> dict[str, torch.Tensor]:
-    """DeepSeek-V4-style MXFP4 experts: int8 packed e2m1 `weight` and UE8M0 `weight_scale_inv` as float8_e8m0fnu
-    (native DeepSeek-V4), or as the float32 values 2^(b-127) (`scale_dtype=torch.float32`)."""
-    out: dict[str, torch.Tensor] = {}
-    for e, ws in _random_experts(spec, seed, experts, std=0.05):
-        for proj, w in ws.items():
-            q, s = quant.mxfp4_quantize(w)
-            s = s.view(torch.float8_e8m0fnu)
-            out[f"experts.{e}.{proj}.weight"] = q.view(torch.int8)
-            out[f"experts.{e}.{proj}.weight_scale_inv"] = (
-                s if scale_dtype == torch.float8_e8m0fnu else s.to(scale_dtype)
-            )
-    return out
-
-
-def random_gptoss_checkpoint(
-    spec: MoeSpec, seed: int = 0, experts=None, bias_dtype: torch.dtype = torch.bfloat16
-) -> dict[str, torch.Tensor]:
-    """gpt-oss's fused MXFP4 tensors, named by the FusedMoE parameter they load into (what GptOssForCausalLM's
-    `_load_mxfp4_experts_weights` passes to `weight_loader(..., expert_id=None)`): w13 rows interleaved
-    (2j = gate_j, 2j+1 = up_j), blocks uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/32], biases bf16. The fused
-    tensors hold every expert: `experts` is ignored."""
-    g = torch.Generator().manual_seed(seed + 1000)
-    gate, up, down = [], [], []
-    for _, ws in _random_experts(spec, seed, None, std=0.05):
-        gate.append(ws[GATE])
-        up.append(ws[UP])
-        down.append(ws[DOWN])
-    w13 = torch.stack([torch.stack([g_, u_], dim=1).reshape(-1, spec.hidden) for g_, u_ in zip(gate, up, strict=True)])
-    q13, s13 = quant.mxfp4_quantize(w13)
-    q2, s2 = quant.mxfp4_quantize(torch.stack(down))
-    return {
-        "w13_weight": q13,
-        "w13_weight_scale": s13,
-        "w13_weight_bias": (torch.randn(spec.num_experts, 2 * spec.intermediate, generator=g) * 0.1).to(bias_dtype),
-        "w2_weight": q2,
-        "w2_weight_scale": s2,
-        "w2_weight_bias": (torch.randn(spec.num_experts, spec.hidden, generator=g) * 0.1).to(bias_dtype),
-    }
-
-
-def random_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, **kwargs) -> dict[str, torch.Tensor]:
-    """The random calibrated checkpoint of `spec`'s kind of layer (keyword arguments: its maker's)."""
-    return spec.kind.checkpoint(spec, seed, experts, **kwargs)
 
 
 # ---- the kinds of layer: what SGLang builds each from ---------------------------------------------------------------
@@ -400,9 +248,7 @@ def build_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwa
     kw.update(kind.kwargs(spec))
     kw.update(kwargs)
     probe = kind.capability_probe and not torch.cuda.is_available()
-    with (
-        _patched((torch.cuda, "get_device_capability", lambda *a, **k: (10, 0))) if probe else contextlib.nullcontext()
-    ):
+    with patched((torch.cuda, "get_device_capability", lambda *a, **k: (10, 0))) if probe else contextlib.nullcontext():
         return FusedMoE(**kw)
 
 
@@ -493,7 +339,7 @@ def checkpoint_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {TinyMoeModel.prefix + k: v for k, v in below_block(tensors).items()}
 
 
-# ---- SGLang's own preparation (the oracle) ------------------------------------------------------------------------
+# ---- patching SGLang and flashinfer names for a call -------------------------------------------------------------
 
 
 def online_quantizer():
@@ -501,24 +347,17 @@ def online_quantizer():
     leaf runs (a no-op where the CPU sandbox installed it process-wide)."""
     import flashinfer
 
-    return _patched((flashinfer, "nvfp4_quantize", torch_nvfp4_quantize))
+    return patched((flashinfer, "nvfp4_quantize", torch_nvfp4_quantize))
 
 
-def torch_block_scale_interleave(x, *args, **kwargs):
-    """flashinfer.block_scale_interleave on CPU: 128x4 swizzle of a 2-D [R, C], returned flat (and padded)."""
-    if x.dim() != 2:
-        raise ValueError(f"expects a 2-D scale matrix, got {tuple(x.shape)}")
-    return layouts.swizzle_sf_128x4(x.contiguous()).reshape(-1)
-
-
-def _unhooked(fn):
+def unhooked(fn):
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return fn
 
 
 @contextlib.contextmanager
-def _patched(*triples):
+def patched(*triples):
     saved = []
     for obj, name, value in triples:
         saved.append((obj, name, getattr(obj, name, None), hasattr(obj, name)))
@@ -531,58 +370,6 @@ def _patched(*triples):
                 setattr(obj, name, old)
             else:
                 delattr(obj, name)
-
-
-def prep_patches(method) -> contextlib.AbstractContextManager:
-    """The CPU stand-ins SGLang's own preparation of `method`'s layers needs (module doc), as one context."""
-    name = type(method).__name__
-    if name == "Fp8MoEMethod":
-        import flashinfer
-        from sglang.srt.layers.quantization import fp8 as fp8_mod
-
-        return _patched(
-            (fp8_mod, "_is_cuda", True), (flashinfer, "block_scale_interleave", torch_block_scale_interleave)
-        )
-    if name == "Mxfp4FlashinferTrtllmMoEMethod":
-        from flashinfer.fused_moe import core as ficore
-        from sglang.srt.layers.quantization import mxfp4_flashinfer_trtllm_moe as fte
-
-        return _patched(
-            (fte, "_maybe_get_cached_w3_w1_permute_indices", ficore._maybe_get_cached_w3_w1_permute_indices),
-            (fte, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
-            (fte, "block_scale_interleave", torch_block_scale_interleave),
-            (torch.cuda, "empty_cache", lambda: None),
-        )
-    if name == "Mxfp4MoEMethod":
-        from flashinfer.fused_moe import core as ficore
-        from sglang.srt.layers.quantization import mxfp4 as mx
-
-        return _patched(
-            (mx, "nvfp4_block_scale_interleave", torch_block_scale_interleave),
-            (mx, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
-            (torch.Tensor, "cuda", lambda self, *a, **k: self),
-            (torch.cuda, "empty_cache", lambda: None),
-        )
-    raise NotImplementedError(name)
-
-
-def sglang_prepare(layer) -> None:
-    """SGLang's own process_weights_after_loading of an MX `layer` (the plugin's hook bypassed), on CPU."""
-    method = layer.quant_method
-    with prep_patches(method):
-        _unhooked(type(method).process_weights_after_loading)(method, layer)
-
-
-def sglang_layer(spec: MoeSpec, prefix: str = "model.layers.0.mlp.experts", **kwargs):
-    """A layer exactly as SGLang allocates it (the plugin's allocation hook bypassed): for SGLang's own flow."""
-    if spec.fmt == "mxfp4_experts":
-        from sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe import Mxfp4FlashinferTrtllmMoEMethod as cls
-    elif spec.fmt == "mxfp4_gptoss":
-        from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod as cls
-    else:
-        return build_layer(spec, prefix, **kwargs)
-    with _patched((cls, "create_weights", _unhooked(cls.create_weights))):
-        return build_layer(spec, prefix, **kwargs)
 
 
 __all__ = [
@@ -599,7 +386,6 @@ __all__ = [
     "kind_of",
     "load_checkpoint",
     "load_fused",
-    "prep_patches",
     "random_bf16_checkpoint",
     "random_checkpoint",
     "random_ct_nvfp4_checkpoint",
@@ -609,8 +395,7 @@ __all__ = [
     "random_mxfp8_checkpoint",
     "random_nvfp4_checkpoint",
     "online_quantizer",
+    "patched",
+    "unhooked",
     "torch_nvfp4_quantize",
-    "sglang_layer",
-    "sglang_prepare",
-    "torch_block_scale_interleave",
 ]

@@ -25,7 +25,7 @@ from .. import conftest  # noqa: F401  (torchvision shim before SGLang is import
 from . import sglang_runtime
 
 SEEDS = {"a": 0, "b": 1, "c": 2, "d": 3}
-#: the harness's kinds of layer whose SGLang preparation needs the CPU stand-ins of sandbox.layers.prep_patches
+#: the harness's kinds of layer whose SGLang preparation needs the CPU stand-ins of sandbox.sglang_oracle.prep_patches
 STANDIN_PREP = ("mxfp8", "mxfp4_experts", "mxfp4_gptoss")
 
 
@@ -98,11 +98,11 @@ class Case:
     def _patches(self, model=None):
         import contextlib
 
-        from sglang_trtllm_moe.sandbox import layers
+        from sglang_trtllm_moe.sandbox import sglang_oracle
 
         if self.fmt not in STANDIN_PREP:
             return contextlib.nullcontext()
-        return layers.prep_patches((model or self.model).experts.quant_method)
+        return sglang_oracle.prep_patches((model or self.model).experts.quant_method)
 
     def _prepared(self, tensors):
         from sglang_trtllm_moe.sandbox import layers
