@@ -15,25 +15,9 @@ from typing import Any
 
 import torch
 
+from .layers import patched
+
 # ---- what the modes replace ---------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _patched(pairs):
-    """Set (object, attribute, value) for the block, then restore every original: an attribute the object held
-    itself is set back, one it inherited (a method of a format instance's class, torch.Tensor's C slots) is deleted
-    again."""
-    saved = [(obj, attr, attr in vars(obj), getattr(obj, attr)) for obj, attr, _ in pairs]
-    try:
-        for obj, attr, value in pairs:
-            setattr(obj, attr, value)
-        yield
-    finally:
-        for obj, attr, own, value in reversed(saved):
-            if own:
-                setattr(obj, attr, value)
-            else:
-                delattr(obj, attr)
 
 
 def bypass():
@@ -61,13 +45,11 @@ def bypass():
             return None
         return layer_params.param_name(layer, param, fmt), int(expert_id)
 
-    return _patched(
-        [
-            (bucket_validation, "managed_modules", lambda model: {}),
-            (checkpoint_headers, "files_of", lambda *a, **k: []),
-            (validation, "check_write", check_write),
-            (validation, "check_local_expert", lambda layer, param, name, expert_id, shard_id: int(expert_id)),
-        ]
+    return patched(
+        (bucket_validation, "managed_modules", lambda model: {}),
+        (checkpoint_headers, "files_of", lambda *a, **k: []),
+        (validation, "check_write", check_write),
+        (validation, "check_local_expert", lambda layer, param, name, expert_id, shard_id: int(expert_id)),
     )
 
 
@@ -195,7 +177,7 @@ class Clock:
 
     def __enter__(self):
         # wraps what is there now (the mode's pass-throughs, when a mode patched them first)
-        self._cm = _patched([(obj, attr, self._timed(getattr(obj, attr), kind)) for obj, attr, kind in self._targets])
+        self._cm = patched(*[(obj, attr, self._timed(getattr(obj, attr), kind)) for obj, attr, kind in self._targets])
         self._cm.__enter__()
         return self
 
@@ -309,7 +291,7 @@ def counting(model):
         layer.__dict__["_weight_loader_impl"] = counted
     batched_before = batched_writes.counts()
     try:
-        with _patched(pairs):
+        with patched(*pairs):
             yield c
     finally:
         for layer in layers:

@@ -358,15 +358,17 @@ def unhooked(fn):
 
 @contextlib.contextmanager
 def patched(*triples):
-    saved = []
-    for obj, name, value in triples:
-        saved.append((obj, name, getattr(obj, name, None), hasattr(obj, name)))
-        setattr(obj, name, value)
+    """Set (object, attribute, value) for the block, then restore every original: an attribute the object held
+    itself is set back; one it inherited (a method of an instance's class, torch.Tensor's C slots) or did not have
+    is deleted again, so no shadow is left behind."""
+    saved = [(obj, name, name in vars(obj), getattr(obj, name, None)) for obj, name, _ in triples]
     try:
+        for obj, name, value in triples:
+            setattr(obj, name, value)
         yield
     finally:
-        for obj, name, old, had in reversed(saved):
-            if had:
+        for obj, name, own, old in reversed(saved):
+            if own:
                 setattr(obj, name, old)
             else:
                 delattr(obj, name)
@@ -376,6 +378,14 @@ __all__ = [
     "DOWN",
     "GATE",
     "UP",
+    "random_bf16_checkpoint",
+    "random_checkpoint",
+    "random_ct_nvfp4_checkpoint",
+    "random_fp8_checkpoint",
+    "random_gptoss_checkpoint",
+    "random_mxfp4_experts_checkpoint",
+    "random_mxfp8_checkpoint",
+    "random_nvfp4_checkpoint",
     "LAYERS",
     "LayerKind",
     "MoeSpec",
@@ -386,14 +396,6 @@ __all__ = [
     "kind_of",
     "load_checkpoint",
     "load_fused",
-    "random_bf16_checkpoint",
-    "random_checkpoint",
-    "random_ct_nvfp4_checkpoint",
-    "random_fp8_checkpoint",
-    "random_gptoss_checkpoint",
-    "random_mxfp4_experts_checkpoint",
-    "random_mxfp8_checkpoint",
-    "random_nvfp4_checkpoint",
     "online_quantizer",
     "patched",
     "unhooked",
