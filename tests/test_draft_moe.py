@@ -19,15 +19,12 @@ ModelOpt FP4 DeepSeek's NextN layer unquantized: deepseek_nextn.py sets its quan
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
 
-from .support.helpers import REPO, last_json
+from .support.helpers import last_json, run_module
 
 pytestmark = pytest.mark.sglang(
     str(MODEL_RUNNER_RELEASES),
@@ -42,15 +39,7 @@ _REPORTS: dict = {}
 
 def report(quant: str) -> dict:
     if quant not in _REPORTS:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        p = subprocess.run(
-            [sys.executable, "-m", "tests.support.draft_worker", quant],
-            cwd=str(REPO),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        p = run_module("tests.support.draft_worker", quant, timeout=900)
         _REPORTS[quant] = last_json(p)  # once per format, whatever it holds
     rep = _REPORTS[quant]
     assert "_crash" not in rep, rep["_crash"]

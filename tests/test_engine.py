@@ -18,15 +18,12 @@ Runs tests/support/engine_worker.py once (both models, one process, one Engine a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
 
-from .support.helpers import REPO, last_json
+from .support.helpers import last_json, run_module
 
 pytestmark = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
@@ -58,21 +55,7 @@ _RUN: dict = {}
 
 def run() -> dict:
     if not _RUN:
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-            ),
-        }
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.support.engine_worker", ",".join(MODELS)],
-            cwd=str(REPO),
-            capture_output=True,
-            text=True,
-            timeout=1200,
-            env=env,
-            check=False,
-        )
+        proc = run_module("tests.support.engine_worker", ",".join(MODELS), timeout=1200)
         _RUN.update(last_json(proc))
         _RUN["_stderr_tail"] = proc.stderr[-4000:]
     return _RUN

@@ -7,16 +7,12 @@ reference, transformers) is tests/test_engine.py on RL_LOOP_RELEASES, where this
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 from packaging.specifiers import SpecifierSet
 
 from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES, RL_LOOP_RELEASES
 
-from .support.helpers import REPO, last_json
+from .support.helpers import last_json, run_module
 
 #: where the whole RL loop runs (tests/test_engine.py: the same steps and more, against a ModelRunner reference) the
 #: smoke would only repeat it: CI time goes to the releases that have nothing else on the Engine
@@ -44,16 +40,7 @@ _RUN: dict = {}
 
 def run() -> dict:
     if not _RUN:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.support.engine_smoke", "qwen3_moe:nvfp4"],
-            cwd=str(REPO),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-            check=False,
-        )
+        proc = run_module("tests.support.engine_smoke", "qwen3_moe:nvfp4", timeout=600)
         _RUN.update(last_json(proc))
     return _RUN
 

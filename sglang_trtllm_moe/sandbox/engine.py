@@ -220,10 +220,10 @@ class TinyEngine:
         """One Engine.update_weights_from_tensor call (inside a session; one is opened here if none is).
         Returns (success, message); raises on failure when `check`."""
         own = not self._session and UPDATE_SESSIONS.present()
-        if not self._session and not own:
-            self.wait_idle()
         if own:
-            self.begin()
+            self.begin()  # waits for the scheduler to go idle
+        elif not self._session:
+            self.wait_idle()
         try:
             if load_format == "flattened_bucket":
                 from sglang.srt.utils.common import MultiprocessingSerializer

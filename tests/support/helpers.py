@@ -34,6 +34,21 @@ def run_python(code: str, env: dict | None = None, pythonpath: list[str] | None 
     )
 
 
+def run_module(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    """`python -m module args` in this environment from the checkout (REPO first on PYTHONPATH), output captured: how
+    the tests run a worker that prints one JSON report (read it with `last_json`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
 def fork_json(out: str, work) -> int:
     """Fork a child of this (prepared, preloaded) process that writes `work()` as JSON to `out` and leaves without
     the parent's exit handlers: exit 0, or 1 with the traceback on stderr. Returns the child's pid (the caller
