@@ -144,8 +144,16 @@ def rl_loop(
     buckets; flattened buckets), a partial disk update, the weight checker, a corrupted update caught. Every state
     the Engine serves is read back (save_sharded_model) and compared byte for byte, with its greedy tokens, to a
     fresh get_model() of the checkpoint intended, computed by SGLang's ModelRunner in a forked process."""
+    from ..compat.sandbox_releases import RL_LOOP_RELEASES
     from . import checkpoints as ck
+    from .runtime import release
 
+    if release() not in RL_LOOP_RELEASES:
+        # the Engine itself runs on more releases (ENGINE_RELEASES); the loop's sessions, checker request and
+        # ModelRunner reference do not
+        raise EngineUnavailable(
+            f"the RL loop drives sglang.Engine of SGLang {RL_LOOP_RELEASES}; this is SGLang {release()}"
+        )
     st = steps or Steps()
     work = workdir or tempfile.mkdtemp(prefix=f"sglang-trtllm-moe-engine-{arch}-{quant}-")
     prepare_process(work)
