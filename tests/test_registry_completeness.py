@@ -129,6 +129,38 @@ def test_1_registry_entry(fmt):
     assert gated % layouts.GATED_ALIGN == 0 and plain % layouts.NON_GATED_ALIGN == 0, (fmt.name, fmt.intermediate_align)
 
 
+def test_0_required_members_are_declared_by_role():
+    """Each role says what a format MUST define; a registered format that leaves one unset is refused by name."""
+    from sglang_trtllm_moe.formats import base, roles
+
+    assert roles.required_members(base.WeightFormat) == (
+        "name",
+        "title",
+        "quantizations",
+        "gated_activations",
+        "intermediate_align",
+        "params",
+        "kernel",
+    )
+    assert base.WeightFormat.__abstractmethods__ == {"describes", "kernel_args"}
+    for fmt in FORMATS:
+        assert roles.missing(fmt) == (), fmt.name
+
+    class NoKernelArgs(base.WeightFormat):
+        def describes(self, checkpoint):
+            return False
+
+    with pytest.raises(TypeError, match="kernel_args"):
+        NoKernelArgs()
+
+    class Unnamed(type(formats.BF16)):
+        title = roles.MUST
+        kernel = roles.MUST
+
+    with pytest.raises(TypeError, match=r"does not define: title, kernel$"):
+        base.check_complete(Unnamed())
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_2_kernel_family_and_emulator(fmt):
     assert fmt.kernel in kernel_api.FAMILIES, f"{fmt.name}: kernel {fmt.kernel!r} is not in kernel_api.FAMILIES"

@@ -7,7 +7,18 @@ the generic machinery (`layer_state`, `runner`, `selection`) never asks "which f
 
 from __future__ import annotations
 
-from .base import BACKENDS, SUPPORTED, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, ParamLayout, Support, WeightFormat
+from .base import (
+    BACKENDS,
+    SUPPORTED,
+    TRTLLM,
+    TRTLLM_ROUTED,
+    Checkpoint,
+    KernelCall,
+    ParamLayout,
+    Support,
+    WeightFormat,
+    check_complete,
+)
 from .bf16 import BF16
 from .ct_nvfp4 import CT_NVFP4
 from .fp8_block import FP8_BLOCK
@@ -31,6 +42,8 @@ FORMATS: tuple[WeightFormat, ...] = (
     MXFP4_GPTOSS,
     BF16,
 )
+for _fmt in FORMATS:
+    check_complete(_fmt)
 
 
 def by_name(name: str) -> WeightFormat:

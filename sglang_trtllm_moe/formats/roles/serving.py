@@ -1,0 +1,115 @@
+"""The serving role: which checkpoints a format holds, on which runner backends, and what its kernel computes.
+
+Selection (offline, from a checkpoint's config: selection/rules.py) and `explain` read only this role; the load-time
+layout check (`layout.Layout.check_layout`) asks `supports_activation` of it too.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar
+
+from ... import layouts
+from ..records import SUPPORTED, Checkpoint, Support
+from .required import MUST
+
+
+class Serving(ABC):
+    """MUST define: `name` (unique), `title` (a sentence naming the format in reports: "NVFP4 (modelopt_fp4)"),
+    `quantizations` ({runner backend: SGLang quantization names} this format serves), `describes(checkpoint)`,
+    `gated_activations` (what the kernel family computes gated for this format on every flashinfer the supported
+    releases pin; checked against SGLang's runner sets and `kernel_api`), `intermediate_align` ((gated, non-gated)
+    per-rank intermediate alignment as SGLang allocates the layer).
+
+    MAY define: `non_gated_activations` (default none), `hidden_align` (default 128), `activation_note`,
+    `own_backend`, `refusal`, and any `supports_*` predicate whose rule differs. Each predicate answers
+    `(ok, reason)` (`Support`); selection asks them all, each under its reason code."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = (
+        "name",
+        "title",
+        "quantizations",
+        "gated_activations",
+        "intermediate_align",
+    )
+
+    # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
+    # per instance (Fp8PerTensor)
+    name: str = MUST
+    title: str = MUST
+    quantizations: Mapping[str, frozenset] = MUST
+    gated_activations: ClassVar[frozenset[str]] = MUST
+    non_gated_activations: ClassVar[frozenset[str]] = frozenset()
+    intermediate_align: ClassVar[tuple[int, int]] = MUST
+    #: w2's rows are the hidden dim and go through the same 128-row scale/shuffle tiling
+    hidden_align: ClassVar[int] = 128
+    #: why the activation sets are what they are, added to a refusal (e.g. a kernel that only implements SwiGLU)
+    activation_note: ClassVar[str] = ""
+    #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
+    #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
+    own_backend: ClassVar[str | None] = None
+
+    @abstractmethod
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        """True when a checkpoint of this kind is held in this format on the TRT-LLM-Gen path."""
+
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        """Why a checkpoint of this format's quantization that the format does not describe is not prepared (a
+        variant of it the kernels or SGLang's path do not serve), or None when the checkpoint is not this format's
+        to refuse. `formats.for_checkpoint` asks it when no format describes the checkpoint."""
+        return None
+
+    def serves(self, backend: str, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization in self.quantizations.get(backend, ())
+
+    def activations(self, gated: bool) -> frozenset[str]:
+        return self.gated_activations if gated else self.non_gated_activations
+
+    # ---- eligibility: named predicates, each -> (ok, reason) ---------------------------------------------------
+    # One set per format, read by selection (selection/rules.py, offline: the checkpoint's sizes, per rank) and by
+    # the load-time `check_layout` (SGLang's allocation of the layer: `supports_activation` on its runner config, then
+    # its storage, whose sizes SGLang may already have padded).
+    def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
+        """SGLang has a path for this format's checkpoints on runner `backend` that the plugin prepares."""
+        if self.serves(backend, checkpoint):
+            return SUPPORTED
+        where = (
+            f"; SGLang serves it on {self.own_backend} (TRT-LLM-Gen kernels too), where the plugin prepares it in place"
+            if self.own_backend
+            else ""
+        )
+        return False, f"{backend} has no {self.title} path in SGLang{where}"
+
+    def supports_activation(self, activation: str, gated: bool) -> Support:
+        """The kernel computes (activation, gating) for this format on every flashinfer the releases pin."""
+        allowed = self.activations(gated)
+        if activation in allowed:
+            return SUPPORTED
+        kind = "gated" if gated else "non-gated"
+        note = f"; {self.activation_note}" if self.activation_note else ""
+        return False, (
+            f"{kind} {activation!r} is not computed by the TRT-LLM-Gen {self.title or self.name} kernel "
+            f"(supported {kind}: {sorted(allowed) or 'none'}{note})"
+        )
+
+    def supports_hidden(self, hidden: int) -> Support:
+        """The checkpoint's hidden size fits the kernel's tiling (`hidden_align`)."""
+        if hidden % self.hidden_align:
+            return False, f"hidden size {hidden} is not a multiple of {self.hidden_align}"
+        return SUPPORTED
+
+    def supports_intermediate(self, per_rank: int, gated: bool) -> Support:
+        """The checkpoint's per-rank intermediate can be served: by default SGLang's allocation pads it to
+        `intermediate_align` (`padded_intermediate`); a format whose scale blocks cannot be padded overrides this."""
+        return SUPPORTED
+
+    def activation_problem(self, activation: str, gated: bool) -> str | None:
+        """None when the kernel computes (activation, gating) for this format, else the sentence saying why not
+        (`supports_activation`'s reason)."""
+        return self.supports_activation(activation, gated)[1]
+
+    def padded_intermediate(self, per_rank: int, gated: bool) -> int:
+        """The per-rank intermediate as SGLang allocates this format's layer (per half for gated w13): rounded up to
+        the format's `intermediate_align` — a multiple of the kernel's own tiling (`layouts.padded_intermediate`)."""
+        return layouts.padded_intermediate(per_rank, gated, align=self.intermediate_align[0 if gated else 1])
