@@ -28,19 +28,26 @@ ENV_DISABLE = "SGLANG_TRTLLM_MOE_DISABLE"
 ENV_LOAD_PLUGINS = "SGLANG_TRTLLM_MOE_LOAD_PLUGINS"
 EXTENSION_GROUP = PROJECT_NAME
 
-#: Built-in capabilities, registered the same way as extensions (one module per capability).
-BUILTIN_MODULES = (
+#: Built-in capabilities that are not a weight format's, registered the same way as extensions (one module per
+#: capability). Each format declares its own hook module (`WeightFormat.hook_module`): `builtin_modules()`.
+CORE_MODULES = (
     "sglang_trtllm_moe.builtins.loader_hooks",
-    "sglang_trtllm_moe.builtins.nvfp4_hooks",
-    "sglang_trtllm_moe.builtins.fp8_hooks",
-    "sglang_trtllm_moe.builtins.bf16_hooks",
-    "sglang_trtllm_moe.builtins.mx_hooks",
     "sglang_trtllm_moe.builtins.runner_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
     "sglang_trtllm_moe.builtins.selection_hooks",
     "sglang_trtllm_moe.builtins.checker_hooks",
     "sglang_trtllm_moe.builtins.checker_legacy_hooks",
 )
+
+
+def builtin_modules() -> tuple[str, ...]:
+    """Every built-in module, in registration order: the loader hooks, each format family's quant-method hooks (in
+    registry order, from the formats' own declarations), then the other capabilities. Imports the registry, so it is
+    asked at `register()`, not at import (the CLI's `doctor` imports this module without torch)."""
+    from .formats import FORMATS
+
+    families = tuple(dict.fromkeys(f.hook_module for f in FORMATS))
+    return (*CORE_MODULES[:1], *families, *CORE_MODULES[1:])
 
 
 @dataclass
@@ -215,7 +222,7 @@ def register() -> None:
 
         pm = pluggy.PluginManager(PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
-        for mod in BUILTIN_MODULES:
+        for mod in builtin_modules():
             pm.register(importlib.import_module(mod), name=mod)
         st.extensions = _load_extensions(pm)
         targets = _collect_targets(pm, release, st)

@@ -15,6 +15,7 @@ import torch
 
 from sglang_trtllm_moe import checker, layer_state
 from sglang_trtllm_moe.errors import WeightUpdateRefused
+from sglang_trtllm_moe.formats import mxfp4_gptoss
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox import sglang_oracle
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
@@ -203,7 +204,7 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypat
     out, topk = _forward(layer, x, logits)
     assert out.shape == x.shape  # the kernel's output is as wide as the unpadded hidden size
     w = mx_reference.dequantized_experts(SPEC, ck)
-    kw = dict(alpha=cpu_layers.GPTOSS_ALPHA, beta=1.0, limit=cpu_layers.GPTOSS_LIMIT, biases=w)
+    kw = dict(alpha=mxfp4_gptoss.ALPHA, beta=1.0, limit=mxfp4_gptoss.LIMIT, biases=w)
     ref = mx_reference.reference_moe(x, topk.topk_ids, topk.topk_weights, w, SPEC, **kw)
     tight = mx_reference.reference_moe(
         x,

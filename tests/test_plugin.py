@@ -254,7 +254,7 @@ def test_register_is_idempotent_and_never_raises(monkeypatch):
     saved_state = plugin.state()
     try:
         plugin.reset_for_tests()
-        monkeypatch.setattr(plugin, "BUILTIN_MODULES", plugin.BUILTIN_MODULES + ("sglang_trtllm_moe.no_such_module",))
+        monkeypatch.setattr(plugin, "CORE_MODULES", plugin.CORE_MODULES + ("sglang_trtllm_moe.no_such_module",))
         plugin.register()  # a broken built-in: logged, stands down, no exception
         assert plugin.state().status == "stood_down"
         assert "no_such_module" in plugin.state().reason

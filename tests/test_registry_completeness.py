@@ -10,11 +10,12 @@ missing, before a checklist is followed or forgotten); docs/ARCHITECTURE.md's "a
  2. its kernel family in `kernel_api.FAMILIES`, and both entry points of that family in the emulator;
  3. a load rule for every laid-out parameter and every scalar (validation.py's kind, value rule, byte code);
  4. detection: a checkpoint config, as SGLang names its quantization (selection/hf_config.py), that selection holds
-    in this format and serves on one of its backends;
- 5. a built-in hook module (plugin.BUILTIN_MODULES) that takes such layers over (`_prepare.take_over`);
+    in this format and serves on one of its backends (the tiny checkpoint's, else the format's `example`);
+ 5. its built-in hook module (`hook_module`, registered by plugin.builtin_modules()) takes such layers over
+    (`_prepare.take_over`);
  6. a defer verdict (compat/defer.py) on every tested release;
- 7. a layer kind in the CPU harness, in tests/test_registry_consistency.py's KINDS (the builder and checkpoint maker
-    it drives; registry names map to harness kinds through sandbox/layers.py's LAYERS, each naming its format);
+ 7. a layer kind in the CPU harness: the format's `example` (formats/records.py), from which sandbox/layers.py's
+    LAYERS and tests/test_registry_consistency.py's KINDS derive;
  8. a layer test file, selected by a capability column of the compat matrix (tests/support/matrix.py CAPABILITIES);
  9. docs/RELIABILITY.md's table of write kinds names each of its parameters;
 10. a tiny checkpoint (sandbox/tiny_spec.py QUANTS, sandbox/checkpoint_configs.py) for the whole-model tests.
@@ -36,9 +37,10 @@ from sglang_trtllm_moe.compat import defer
 from sglang_trtllm_moe.compat.releases import TESTED
 from sglang_trtllm_moe.formats import BACKENDS, FORMATS
 from sglang_trtllm_moe.formats.load_rules import BYTE_CODES, KINDS, VALUE_RULES
-from sglang_trtllm_moe.plugin import BUILTIN_MODULES
+from sglang_trtllm_moe.plugin import builtin_modules
 from sglang_trtllm_moe.selection import problem_from_hf_config
 
+from .support import format_examples
 from .support.helpers import REPO
 
 IDS = [f.name for f in FORMATS]
@@ -55,18 +57,6 @@ NO_TINY_CHECKPOINT = {
     "mxfp8": "no tiny MXFP8 model yet: tests/test_mxfp8_layer.py builds its layers directly",
     "mxfp4_experts": "no tiny DeepSeek-V4 / MiMo-V2 model yet: tests/test_mxfp4_experts_layer.py builds its layers",
     "mxfp4_gptoss": "no tiny gpt-oss model yet: tests/test_mxfp4_gptoss_layer.py builds its layers directly",
-}
-#: 4. a checkpoint's quantization_config for the formats without a tiny checkpoint (the others use the tiny one's)
-QUANTIZATION_CONFIGS = {
-    "mxfp8": {"quant_method": "mxfp8"},
-    "nvfp4_online": {"quant_method": "nvfp4_online"},
-    "mxfp4_gptoss": {"quant_method": "mxfp4"},
-    "mxfp4_experts": {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "routed_experts_quant_method": "mxfp4",
-    },
 }
 #: 8. layer test files of formats that share one (default: tests/test_<name>_layer.py)
 LAYER_TESTS = {
@@ -97,19 +87,7 @@ def _hf_config(fmt) -> dict:
     tiny = _tiny_formats().get(fmt.name)
     if tiny is not None and tiny_spec.TinySpec(quant=tiny).quantization is None:
         return checkpoint_configs.config(tiny_spec.TinySpec(quant=tiny))
-    assert fmt.name in QUANTIZATION_CONFIGS, (
-        f"{fmt.name}: no checkpoint config to detect it from: give it a tiny checkpoint (sandbox/tiny_spec.py) or a "
-        "quantization_config in QUANTIZATION_CONFIGS"
-    )
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "hidden_size": 256,
-        "moe_intermediate_size": 128,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "hidden_act": "silu",
-        "quantization_config": QUANTIZATION_CONFIGS[fmt.name],
-    }
+    return format_examples.hf_config(fmt)  # the format's own example config
 
 
 def test_names_are_unique():
@@ -134,11 +112,13 @@ def test_0_required_members_are_declared_by_role():
     from sglang_trtllm_moe.formats import base, roles
 
     assert roles.required_members(base.WeightFormat) == (
+        "example",
         "name",
         "title",
         "quantizations",
         "gated_activations",
         "intermediate_align",
+        "hook_module",
         "params",
         "kernel",
     )
@@ -193,12 +173,11 @@ def test_4_detected_from_its_checkpoint_config(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_5_a_builtin_hook_takes_such_layers_over(fmt):
-    owners = []
-    for name in BUILTIN_MODULES:
-        mod = importlib.import_module(name)
-        if "take_over(" in inspect.getsource(mod) and any(v is fmt for v in vars(mod).values()):
-            owners.append(name)
-    assert owners, f"{fmt.name}: no module of plugin.BUILTIN_MODULES takes its layers over (_prepare.take_over)"
+    assert fmt.hook_module in builtin_modules(), fmt.name
+    mod = importlib.import_module(fmt.hook_module)
+    assert "take_over(" in inspect.getsource(mod) and any(v is fmt for v in vars(mod).values()), (
+        f"{fmt.name}: its hook module {fmt.hook_module} does not take its layers over (_prepare.take_over)"
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
@@ -213,13 +192,14 @@ def test_7_a_layer_kind_in_the_harness(fmt):
 
     from .test_registry_consistency import KINDS as HARNESS_KINDS
 
-    kind = {k.format.name: name for name, k in layers.LAYERS.items()}.get(fmt.name, fmt.name)
+    kind = fmt.example.kind
+    assert layers.LAYERS[kind].format is fmt, kind
     if fmt.name in NO_TRTLLM_LAYER:
         assert kind not in HARNESS_KINDS, f"{fmt.name} has a kind now: drop its exception"
         return
     assert kind in HARNESS_KINDS, f"{fmt.name}: no layer kind {kind!r} in tests/test_registry_consistency.py KINDS"
     checkpoint, make = HARNESS_KINDS[kind]
-    found, why = formats.for_checkpoint(formats.Checkpoint(**checkpoint))
+    found, why = formats.for_checkpoint(checkpoint)
     assert found is fmt and callable(make), (fmt.name, kind, found, why)
 
 
@@ -258,5 +238,5 @@ def test_10_a_tiny_checkpoint(fmt):
 
 
 def test_exceptions_name_registered_formats():
-    for table in (NO_TRTLLM_LAYER, NO_TINY_CHECKPOINT, QUANTIZATION_CONFIGS, LAYER_TESTS):
+    for table in (NO_TRTLLM_LAYER, NO_TINY_CHECKPOINT, LAYER_TESTS):
         assert set(table) <= set(IDS), set(table) - set(IDS)

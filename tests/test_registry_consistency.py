@@ -13,28 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import TrtllmLayerError, kernel_api, layer_state
+from sglang_trtllm_moe import TrtllmLayerError, formats, kernel_api, layer_state
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement
 
-from .support import sglang_runtime
+from .support import format_examples, sglang_runtime
 
-#: the CPU harness's layer kinds -> what the checkpoint's config says (as SGLang names it) and its maker
+#: the CPU harness's layer kinds -> what the checkpoint's config says (as SGLang names it, read by selection from
+#: the format's own example) and its maker; every format of the registry that SGLang builds on flashinfer_trtllm
+#: (gpt-oss MXFP4 is built on its own backend only: test_registry_completeness NO_TRTLLM_LAYER)
 KINDS = {
-    "nvfp4": (dict(quantization="modelopt_fp4"), cpu_layers.random_nvfp4_checkpoint),
-    "ct_nvfp4": (dict(quantization="compressed-tensors", quant_scheme="nvfp4"), cpu_layers.random_ct_nvfp4_checkpoint),
-    # BF16 experts through SGLang's online loader (`--quantization nvfp4_online`)
-    "nvfp4_online": (dict(quantization="nvfp4_online"), cpu_layers.random_bf16_checkpoint),
-    "fp8_modelopt": (dict(quantization="modelopt_fp8"), cpu_layers.random_fp8_checkpoint),
-    "fp8_tensor": (dict(quantization="fp8", activation_scheme="static"), cpu_layers.random_fp8_checkpoint),
-    "fp8_block": (dict(quantization="fp8", weight_block_size=(128, 128)), cpu_layers.random_fp8_checkpoint),
-    "bf16": (dict(quantization=None), cpu_layers.random_bf16_checkpoint),
-    "mxfp8": (dict(quantization="mxfp8"), lambda spec, seed: cpu_layers.random_checkpoint(spec, seed)),
-    # SGLang has no MXFP4 path on flashinfer_trtllm: selection refuses it there, the layer is a TrtllmLayerError
-    "mxfp4_experts": (
-        dict(quantization="fp8", weight_block_size=(128, 128), fp4_experts=True),
-        lambda spec, seed: cpu_layers.random_checkpoint(spec, seed),
-    ),
+    f.example.kind: (format_examples.checkpoint(f), cpu_layers.LAYERS[f.example.kind].checkpoint)
+    for f in formats.FORMATS
+    if f is not formats.MXFP4_GPTOSS
 }
 #: every (activation, gated) SGLang can name, plus gated relu2 (never a kernel activation)
 ACTIVATIONS = sorted(
@@ -57,9 +48,8 @@ def runtime():
 @pytest.mark.parametrize("kind,activation,gated", CASES)
 def test_what_selection_accepts_a_real_layer_serves(kind, activation, gated, monkeypatch):
     ck, make = KINDS[kind]
-    problem = MoeProblem(
-        hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, activation=activation, gated=gated, **ck
-    )
+    shape = dict(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2)
+    problem = MoeProblem(**shape, activation=activation, gated=gated, checkpoint=ck)
     verdict = can_implement("flashinfer_trtllm", problem, SM100)
     spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, activation=activation, gated=gated, fmt=kind)
 

@@ -14,12 +14,30 @@ to `roles.MUST` (the registry refuses a format that leaves one unset, naming it:
 
 from __future__ import annotations
 
-from .records import BACKENDS, SUPPORTED, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, Support
-from .roles import Checking, Kernel, Layout, Loading, Serving, missing, set_scalar_
+from typing import ClassVar
+
+from .records import (
+    BACKENDS,
+    SUPPORTED,
+    TRTLLM,
+    TRTLLM_ROUTED,
+    Checkpoint,
+    Example,
+    KernelCall,
+    Layer,
+    ParamLayout,
+    Support,
+)
+from .roles import MUST, Checking, Kernel, Layout, Loading, Serving, missing, set_scalar_
 
 
 class WeightFormat(Serving, Layout, Loading, Kernel, Checking):
-    """Base of every format: all five roles (see each role's docstring for its MUST / MAY members)."""
+    """Base of every format: all five roles (see each role's docstring for its MUST / MAY members), and MUST
+    define `example`: a layer of the format as SGLang builds it from a checkpoint (`records.Example`), from which
+    the CPU harness and the tests derive their kinds."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("example",)
+    example: Example = MUST
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"
@@ -38,6 +56,7 @@ __all__ = [
     "TRTLLM",
     "TRTLLM_ROUTED",
     "Checkpoint",
+    "Example",
     "KernelCall",
     "Layer",
     "ParamLayout",

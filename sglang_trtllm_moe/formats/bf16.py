@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import layouts
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, ParamLayout, WeightFormat
 
 BLOCK_K_BYTES = 128
 
@@ -27,6 +27,8 @@ class Bf16(WeightFormat):
     name = "bf16"
     title = "BF16 (unquantized)"
     kernel = "bf16"
+    hook_module = "sglang_trtllm_moe.builtins.bf16_hooks"
+    example = Example("bf16", {}, None, "random_bf16_checkpoint", routing=False)
     quantizations = {TRTLLM: frozenset({None}), TRTLLM_ROUTED: frozenset({None})}
     #: SGLang's own trtllm BF16 prep produces this layout (its BF16 leaf's layers, emulated as BF16)
     sglang_leaf = "bf16"

@@ -17,8 +17,36 @@ from __future__ import annotations
 
 import torch
 
-from .base import TRTLLM, Checkpoint, Layer, ParamLayout, Support, WeightFormat
+from .base import TRTLLM, Checkpoint, Example, Layer, ParamLayout, Support, WeightFormat
 from .nvfp4 import NvFp4
+
+#: the config.json `quantization_config` of an llm-compressor NVFP4 (W4A4, tensor_group, group 16) checkpoint
+EXAMPLE_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "ignore": [],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": "local",
+            },
+        }
+    },
+}
 
 
 class CtNvFp4(NvFp4):
@@ -39,6 +67,13 @@ class CtNvFp4(NvFp4):
         "w2_weight_global_scale",
         "w13_input_global_scale",
         "w2_input_global_scale",
+    )
+    example = Example(
+        "ct_nvfp4",
+        EXAMPLE_CONFIG,
+        "compressed_tensors.compressed_tensors.CompressedTensorsConfig",
+        "random_ct_nvfp4_checkpoint",
+        capability_probe=True,
     )
 
     def supports_activation(self, activation: str, gated: bool) -> Support:

@@ -18,7 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..compat import features
-from .base import SUPPORTED, TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
+from .base import (
+    SUPPORTED,
+    TRTLLM,
+    TRTLLM_ROUTED,
+    Checkpoint,
+    Example,
+    KernelCall,
+    Layer,
+    ParamLayout,
+    Support,
+    WeightFormat,
+)
 
 BLOCK = 128
 
@@ -45,6 +56,13 @@ class Fp8Block(WeightFormat):
     name = "fp8_block"
     title = "FP8 128x128 block (fp8)"
     kernel = "fp8_block_scale"
+    hook_module = "sglang_trtllm_moe.builtins.fp8_hooks"
+    example = Example(
+        "fp8_block",
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]},
+        "fp8.Fp8Config",
+        "random_fp8_checkpoint",
+    )
     quantizations = {TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})}
     gated_activations = frozenset({"silu"})
     non_gated_activations = frozenset()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..layouts.maps import cached, norm_device
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, ParamLayout, WeightFormat
 
 
 def _swap_halves_map(m: int) -> torch.Tensor:
@@ -34,6 +34,7 @@ class Fp8PerTensor(WeightFormat):
     params = (ParamLayout("w13_weight", "w13"), ParamLayout("w2_weight", "w2"))
     scalar_params = ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale")
     kernel = "fp8_per_tensor_scale"
+    hook_module = "sglang_trtllm_moe.builtins.fp8_hooks"
     #: SGLang's FP8 trtllm path (flashinfer_trtllm.py `_SUPPORTED_FP8_ACTIVATIONS` and get_activation_type): gated
     #: SwiGLU, non-gated silu / relu2; flashinfer's per-tensor launcher takes any of them from 0.6.8
     gated_activations = frozenset({"silu"})
@@ -42,8 +43,11 @@ class Fp8PerTensor(WeightFormat):
     #: although the kernel alone would accept 16 (measured by the multi-rank tests)
     intermediate_align = (128, 128)
 
-    def __init__(self, name: str, title: str, gate_first: bool, quantizations: dict, checkpoint: Checkpoint):
+    def __init__(
+        self, name: str, title: str, gate_first: bool, quantizations: dict, checkpoint: Checkpoint, example: Example
+    ):
         self.name = name
+        self.example = example
         self.title = title
         #: True when the loader stores w13 as [gate; up] (ModelOpt), False for [up; gate] (Fp8MoEMethod)
         self.gate_first = gate_first
@@ -168,6 +172,12 @@ FP8_TENSOR_MODELOPT = Fp8PerTensor(
     gate_first=True,
     quantizations={TRTLLM: frozenset({"modelopt_fp8"})},
     checkpoint=Checkpoint("modelopt_fp8"),
+    example=Example(
+        "fp8_modelopt",
+        {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}},
+        "modelopt_quant.ModelOptFp8Config",
+        "random_fp8_checkpoint",
+    ),
 )
 #: SGLang `fp8` with static activation scales and no weight_block_size
 FP8_TENSOR = Fp8PerTensor(
@@ -176,4 +186,7 @@ FP8_TENSOR = Fp8PerTensor(
     gate_first=False,
     quantizations={TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})},
     checkpoint=Checkpoint("fp8", activation_scheme="static"),
+    example=Example(
+        "fp8_tensor", {"quant_method": "fp8", "activation_scheme": "static"}, "fp8.Fp8Config", "random_fp8_checkpoint"
+    ),
 )

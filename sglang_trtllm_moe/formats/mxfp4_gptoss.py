@@ -28,19 +28,31 @@ import torch
 
 from .. import layouts
 from ..layouts.maps import cached, norm_device
-from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .base import Checkpoint, Example, KernelCall, Layer, ParamLayout, WeightFormat
 from .load_rules import UE8M0_BYTES
 from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
 
 #: SGLang's Mxfp4MoEMethod (no type information)
 QuantMethod = Any
+#: gpt-oss's SwiGLU alpha and clamp limit (its beta is 1)
+ALPHA, LIMIT = 1.702, 7.0
 
 
 class Mxfp4GptOss(WeightFormat):
     name = "mxfp4_gptoss"
     title = "MXFP4 (mxfp4, gpt-oss)"
     kernel = "fp4_block_scale"
+    hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
+    #: gpt-oss: SwiGLU with its alpha and clamp, bf16 biases
+    example = Example(
+        "mxfp4_gptoss",
+        {"quant_method": "mxfp4"},
+        "mxfp4.Mxfp4Config",
+        "random_gptoss_checkpoint",
+        routing=False,
+        layer_kwargs={"activation": "silu", "with_bias": True, "gemm1_alpha": ALPHA, "gemm1_clamp_limit": LIMIT},
+    )
     own_backend = FLASHINFER_MXFP4
     quantizations = {FLASHINFER_MXFP4: frozenset({"mxfp4"})}
     gated_activations = frozenset({"silu"})
@@ -169,8 +181,8 @@ class Mxfp4GptOss(WeightFormat):
         cfg = layer.moe_runner_config
         e = layer.w13_weight.shape[0]
         dev = layer.w13_weight.device
-        alpha = getattr(cfg, "gemm1_alpha", None) or 1.702
-        limit = getattr(cfg, "gemm1_clamp_limit", None) or 7.0
+        alpha = getattr(cfg, "gemm1_alpha", None) or ALPHA
+        limit = getattr(cfg, "gemm1_clamp_limit", None) or LIMIT
         return {
             n: torch.full((e,), float(v), dtype=torch.float32, device=dev)
             for n, v in (("gemm1_alpha", alpha), ("gemm1_beta", 1.0), ("gemm1_clamp_limit", limit))

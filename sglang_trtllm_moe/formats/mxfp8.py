@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, ParamLayout, Support, WeightFormat
 from .fp8_block import block_scaled_intermediate, swiglu_limits
 from .load_rules import UE8M0_BYTES
 
@@ -46,6 +46,10 @@ class Mxfp8(WeightFormat):
     name = "mxfp8"
     title = "MXFP8 (mxfp8)"
     kernel = "fp8_block_scale"
+    hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
+    example = Example(
+        "mxfp8", {"quant_method": "mxfp8", "activation_scheme": "dynamic"}, "fp8.Fp8Config", "random_mxfp8_checkpoint"
+    )
     quantizations = {TRTLLM: frozenset({"mxfp8"}), TRTLLM_ROUTED: frozenset({"mxfp8"})}
     #: SGLang's FP8 leaf (`_SUPPORTED_FP8_ACTIVATIONS`) and flashinfer's MxFp8 launcher: SwiGLU (with optional
     #: alpha/beta/clamp) gated, relu2 non-gated (0.5.19+, see `activations`)

@@ -16,13 +16,21 @@ from typing import ClassVar
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, ParamLayout, Support, WeightFormat
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, ParamLayout, Support, WeightFormat
 
 
 class NvFp4(WeightFormat):
     name = "nvfp4"
     title = "NVFP4 (modelopt_fp4)"
     kernel = "fp4_block_scale"
+    hook_module = "sglang_trtllm_moe.builtins.nvfp4_hooks"
+    example = Example(
+        "nvfp4",
+        {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "group_size": 16}},
+        "modelopt_quant.ModelOptFp4Config",
+        "random_nvfp4_checkpoint",
+        routing=False,
+    )
     quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
     #: SGLang's own trtllm NVFP4 prep produces this layout (its FP4 leaf's layers, emulated as NVFP4)
     sglang_leaf: ClassVar[str | None] = "fp4"

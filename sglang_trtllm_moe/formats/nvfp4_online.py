@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, Support
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, Support
 from .load_rules import FINITE
 from .nvfp4 import NvFp4
 
@@ -35,6 +35,13 @@ class NvFp4Online(NvFp4):
     #: SGLang's own FP4-leaf layers are read as ModelOpt NVFP4 (static activation scales), not as this format
     sglang_leaf = None
     non_gated_activations = frozenset()
+    example = Example(
+        "nvfp4_online",
+        {"quant_method": "nvfp4_online"},
+        "nvfp4_online.NvFp4OnlineConfig",
+        "random_bf16_checkpoint",
+        routing=False,
+    )
 
     def supports_activation(self, activation: str, gated: bool) -> Support:
         ok, why = super().supports_activation(activation, gated)

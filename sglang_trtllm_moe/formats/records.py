@@ -5,7 +5,8 @@ import them without importing a whole format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,3 +83,37 @@ class KernelCall:
     on_kernel: bool
     #: activation scales when the dispatcher already quantized `hidden` (a2a pre-quantized input), else None
     hidden_scale: Any = None
+
+
+@dataclass(frozen=True)
+class Example:
+    """A layer of the format as SGLang builds it from a checkpoint, declared by the format: the CPU harness
+    (`sandbox.layers.LAYERS`), the registry's detection check and the layer tests derive their kinds from it, so a
+    new format is not listed again in them.
+
+    SGLang's own config class parses `quantization_config` (`sglang_config.from_config`), as its model loader does."""
+
+    #: the harness's name of such a layer (`MoeSpec.fmt`, test ids)
+    kind: str
+    #: a checkpoint's config.json `quantization_config` in this format; for a format SGLang quantizes as it loads,
+    #: the config `--quantization <name>` yields on a checkpoint that has none
+    quantization_config: Mapping[str, Any]
+    #: SGLang's config class, "<module under sglang.srt.layers.quantization>.<class>"; None: unquantized (SGLang
+    #: picks UnquantizedFusedMoEMethod)
+    sglang_config: str | None
+    #: the sandbox/layer_checkpoints function making a random calibrated checkpoint of such a layer
+    checkpoint: str
+    #: attributes SGLang's model loader sets on the parsed config from the model's config (e.g. `is_fp4_experts`,
+    #: copied from ModelConfig)
+    config_attrs: Mapping[str, Any] = field(default_factory=dict)
+    #: the layer declares the softmax-renormalize router TopK(renormalize=True) implements (model code passes one;
+    #: ModelOptFp8MoEMethod only takes flashinfer_trtllm when the layer declares it, compressed-tensors' trtllm
+    #: apply asserts one)
+    routing: bool = True
+    #: FusedMoE keywords of such a layer (under the caller's)
+    layer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: FusedMoE keywords passed where the release's FusedMoE takes them (e.g. DeepSeek-V4's swiglu_limit)
+    layer_kwargs_if_accepted: Mapping[str, Any] = field(default_factory=dict)
+    #: SGLang's config probes torch.cuda's capability while the layer is built (compressed-tensors): the harness
+    #: answers "SM100" for the build on a box without CUDA
+    capability_probe: bool = False

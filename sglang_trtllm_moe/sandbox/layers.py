@@ -6,9 +6,9 @@ a real quant config (parsed by SGLang's own config class), shards fed one by one
 (the path `model.load_weights`, update_weights_from_disk and update_weights_from_tensor all end in), and SGLang's
 `process_weights_after_loading`.
 
-`LAYERS` holds one `LayerKind` per kind of layer the harness builds (`MoeSpec.fmt`), each naming the registry's
-format (formats/) the plugin prepares it in — every registered format has one (tests/test_package.py) — with the
-quant config SGLang builds such a layer from and its random checkpoint. What the registry declares (all experts
+`LAYERS` holds one `LayerKind` per kind of layer the harness builds (`MoeSpec.fmt`), derived from each registered
+format's own `example` (formats/records.py: the quant config SGLang builds such a layer from, its random
+checkpoint, FusedMoE keywords), so a new format is not listed here. What the registry declares (all experts
 written at once, the checkpoint names of fused tensors) drives the loaders; `build_layer` is the one FusedMoE call.
 
 Random checkpoints per format: `layer_checkpoints.py` (re-exported here). SGLang's own preparation as the byte
@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import formats
 from ..compat.cpu_nvfp4 import torch_nvfp4_quantize
-from ..formats import WeightFormat
+from ..formats import Example, WeightFormat
+from . import layer_checkpoints
 from .layer_checkpoints import (
     DOWN,
     GATE,
@@ -42,7 +44,6 @@ from .layer_checkpoints import (
     random_nvfp4_checkpoint,
 )
 
-GPTOSS_ALPHA, GPTOSS_LIMIT = 1.702, 7.0
 GPTOSS_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale", "w2_weight_bias")
 
 
@@ -69,53 +70,43 @@ class MoeSpec:
             raise NotImplementedError(f"format {self.fmt!r}; the harness builds {sorted(LAYERS)}") from None
 
 
-# ---- the kinds of layer: what SGLang builds each from ---------------------------------------------------------------
+# ---- the kinds of layer: derived from each format's own `example` ---------------------------------------------------
 
 
-def _parsed(module: str, cls: str, config: dict) -> Callable[[], Any]:
-    """SGLang's own parser of a checkpoint's `quantization_config`: `<quantization.module>.<cls>.from_config`."""
+def _sglang_config(example: Example) -> Callable[[], Any] | None:
+    """SGLang's own parser of the example's `quantization_config` (`<quantization.module>.<class>.from_config`), plus
+    the attributes SGLang's model loader copies onto it; None for an unquantized layer."""
+    if example.sglang_config is None:
+        return None
+    module, cls = example.sglang_config.rsplit(".", 1)
 
     def make():
-        return getattr(importlib.import_module(f"sglang.srt.layers.quantization.{module}"), cls).from_config(config)
+        qc = getattr(importlib.import_module(f"sglang.srt.layers.quantization.{module}"), cls).from_config(
+            dict(example.quantization_config)
+        )
+        for name, value in example.config_attrs.items():
+            setattr(qc, name, value)
+        return qc
 
     return make
 
 
-def _fp4_experts_config():
-    """An FP8 [128, 128] config with the routed experts in MXFP4 (DeepSeek-V4, MiMo-V2)."""
-    qc = _parsed("fp8", "Fp8Config", FP8_BLOCK_CONFIG)()
-    qc.is_fp4_experts = True  # what SGLang's model loader copies from ModelConfig.is_fp4_experts
-    return qc
+def _layer_kwargs(example: Example) -> Callable[[MoeSpec], dict]:
+    def kwargs(spec: MoeSpec) -> dict:
+        kw = dict(example.layer_kwargs)
+        if example.layer_kwargs_if_accepted:
+            from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
+            accepted = inspect.signature(FusedMoE.__init__).parameters
+            kw.update({k: v for k, v in example.layer_kwargs_if_accepted.items() if k in accepted})
+        return kw
 
-def _gptoss_config():
-    from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
-
-    return Mxfp4Config(is_checkpoint_mxfp4_serialized=True)
-
-
-def _fp4_experts_kwargs(spec: MoeSpec) -> dict:
-    import inspect
-
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-
-    if "swiglu_limit" in inspect.signature(FusedMoE.__init__).parameters:
-        return {"swiglu_limit": 10.0}  # DeepSeek-V4's; SGLang <= 0.5.18 asserts it is set
-    return {}
-
-
-def _gptoss_kwargs(spec: MoeSpec) -> dict:
-    """gpt-oss: SwiGLU with its alpha 1.702 and clamp 7, bf16 biases."""
-    return dict(activation="silu", with_bias=True, gemm1_alpha=GPTOSS_ALPHA, gemm1_clamp_limit=GPTOSS_LIMIT)
-
-
-def _no_kwargs(spec: MoeSpec) -> dict:
-    return {}
+    return kwargs
 
 
 @dataclass(frozen=True)
 class LayerKind:
-    """One kind of FusedMoE layer the harness builds."""
+    """One kind of FusedMoE layer the harness builds (from its format's `example`)."""
 
     #: the registry's format the plugin prepares such a layer in
     format: WeightFormat
@@ -124,93 +115,24 @@ class LayerKind:
     quant_config: Callable[[], Any] | None
     #: its random calibrated checkpoint: (spec, seed, experts, **kwargs) -> tensors
     checkpoint: Callable[..., dict[str, torch.Tensor]]
-    #: the layer declares the softmax-renormalize router TopK(renormalize=True) implements (model code passes one;
-    #: ModelOptFp8MoEMethod only takes flashinfer_trtllm when the layer declares it, compressed-tensors' trtllm
-    #: apply asserts one)
-    routing: bool = True
+    #: see `Example.routing`
+    routing: bool
     #: FusedMoE arguments of this kind (defaults under the caller's)
-    kwargs: Callable[[MoeSpec], dict] = field(default=_no_kwargs)
-    #: SGLang's config probes torch.cuda's capability while the layer is built (compressed-tensors): answered
-    #: "SM100" for the build on a box without CUDA
-    capability_probe: bool = False
+    kwargs: Callable[[MoeSpec], dict]
+    #: see `Example.capability_probe`
+    capability_probe: bool
+
+    @classmethod
+    def of(cls, fmt: WeightFormat) -> LayerKind:
+        ex = fmt.example
+        checkpoint = getattr(layer_checkpoints, ex.checkpoint)
+        return cls(fmt, _sglang_config(ex), checkpoint, ex.routing, _layer_kwargs(ex), ex.capability_probe)
 
 
-#: the config.json `quantization_config` of an llm-compressor NVFP4 (W4A4, tensor_group, group 16) checkpoint
-CT_NVFP4_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "nvfp4-pack-quantized",
-    "ignore": [],
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "float",
-                "strategy": "tensor_group",
-                "group_size": 16,
-                "symmetric": True,
-                "dynamic": False,
-            },
-            "input_activations": {
-                "num_bits": 4,
-                "type": "float",
-                "strategy": "tensor_group",
-                "group_size": 16,
-                "symmetric": True,
-                "dynamic": "local",
-            },
-        }
-    },
-}
-FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-FP8_MODELOPT_CONFIG = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}}
-
-#: every kind of layer the harness builds, by `MoeSpec.fmt`
-LAYERS: dict[str, LayerKind] = {
-    "nvfp4": LayerKind(
-        formats.NVFP4,
-        _parsed("modelopt_quant", "ModelOptFp4Config", {"quantization": {"quant_algo": "NVFP4", "group_size": 16}}),
-        random_nvfp4_checkpoint,
-        routing=False,
-    ),
-    "nvfp4_online": LayerKind(
-        formats.NVFP4_ONLINE,
-        _parsed("nvfp4_online", "NvFp4OnlineConfig", {}),
-        random_bf16_checkpoint,
-        routing=False,
-    ),
-    "ct_nvfp4": LayerKind(
-        formats.CT_NVFP4,
-        _parsed("compressed_tensors.compressed_tensors", "CompressedTensorsConfig", CT_NVFP4_CONFIG),
-        random_ct_nvfp4_checkpoint,
-        capability_probe=True,
-    ),
-    "fp8_modelopt": LayerKind(
-        formats.FP8_TENSOR_MODELOPT,
-        _parsed(
-            "modelopt_quant", "ModelOptFp8Config", {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}}
-        ),
-        random_fp8_checkpoint,
-    ),
-    "fp8_tensor": LayerKind(
-        formats.FP8_TENSOR,
-        _parsed("fp8", "Fp8Config", {"quant_method": "fp8", "activation_scheme": "static"}),
-        random_fp8_checkpoint,
-    ),
-    "fp8_block": LayerKind(formats.FP8_BLOCK, _parsed("fp8", "Fp8Config", FP8_BLOCK_CONFIG), random_fp8_checkpoint),
-    "mxfp8": LayerKind(
-        formats.MXFP8,
-        _parsed("fp8", "Fp8Config", {"quant_method": "mxfp8", "activation_scheme": "dynamic"}),
-        random_mxfp8_checkpoint,
-    ),
-    "mxfp4_experts": LayerKind(
-        formats.MXFP4_EXPERTS, _fp4_experts_config, random_mxfp4_experts_checkpoint, kwargs=_fp4_experts_kwargs
-    ),
-    "mxfp4_gptoss": LayerKind(
-        formats.MXFP4_GPTOSS, _gptoss_config, random_gptoss_checkpoint, routing=False, kwargs=_gptoss_kwargs
-    ),
-    "bf16": LayerKind(formats.BF16, None, random_bf16_checkpoint, routing=False),
-}
+#: every kind of layer the harness builds, by `MoeSpec.fmt`: one per registered format
+LAYERS: dict[str, LayerKind] = {f.example.kind: LayerKind.of(f) for f in formats.FORMATS}
+if len(LAYERS) != len(formats.FORMATS):
+    raise AssertionError(f"two formats declare one example kind: {[f.example.kind for f in formats.FORMATS]}")
 
 
 def kind_of(format_name: str) -> str:

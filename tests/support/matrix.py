@@ -320,10 +320,10 @@ def plugin_capabilities(release: Version) -> set[str]:
     """Capabilities for which the built-ins register at least one target applicable on `release`."""
     import importlib
 
-    from sglang_trtllm_moe.plugin import BUILTIN_MODULES
+    from sglang_trtllm_moe.plugin import builtin_modules
 
     caps: set[str] = set()
-    for mod in BUILTIN_MODULES:
+    for mod in builtin_modules():
         targets = []
         importlib.import_module(mod).register_sglang_hooks(register=targets.append, release=release)
         caps.update(t.capability for t in targets if t.applies_to(release))

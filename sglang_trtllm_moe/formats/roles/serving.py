@@ -18,6 +18,7 @@ from .required import MUST
 class Serving(ABC):
     """MUST define: `name` (unique), `title` (a sentence naming the format in reports: "NVFP4 (modelopt_fp4)"),
     `quantizations` ({runner backend: SGLang quantization names} this format serves), `describes(checkpoint)`,
+    `hook_module` (the built-in module whose SGLang quant-method hooks take such layers over),
     `gated_activations` (what the kernel family computes gated for this format on every flashinfer the supported
     releases pin; checked against SGLang's runner sets and `kernel_api`), `intermediate_align` ((gated, non-gated)
     per-rank intermediate alignment as SGLang allocates the layer).
@@ -32,6 +33,7 @@ class Serving(ABC):
         "quantizations",
         "gated_activations",
         "intermediate_align",
+        "hook_module",
     )
 
     # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
@@ -49,6 +51,10 @@ class Serving(ABC):
     #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None
+    #: the built-in module (registered like an extension: `plugin.builtin_modules()` derives the list from the
+    #: registry) whose hooks on SGLang's quant method for such checkpoints take its layers over; formats of one
+    #: SGLang quant-method family share one
+    hook_module: ClassVar[str] = MUST
 
     @abstractmethod
     def describes(self, checkpoint: Checkpoint) -> bool:
