@@ -221,6 +221,11 @@ PROBES = {
             "sglang.srt.layers.quantization.nvfp4_online:ModelOptNvFp4OnlineFusedMoEMethod._quantize_weight_nvfp4"
         )
     ),
+    "NVFP4_ONLINE_NON_GATED": lambda: (
+        importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None
+        and "moe_runner_config.is_gated"
+        in inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.nvfp4_online"))
+    ),
     "NVFP4_ONLINE_LOADER_4OVER6": lambda: (
         'FLASHINFER_NVFP4_4OVER6="1"' in inspect.getsource(importlib.import_module("sglang.srt.model_loader.loader"))
     ),

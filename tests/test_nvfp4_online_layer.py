@@ -24,6 +24,15 @@ SCALARS = ("g1_alphas", "g1_alphas_up", "g2_alphas", "w13_input_scale_quant", "w
 CASES = [
     pytest.param(cpu_layers.MoeSpec(intermediate=128, fmt="nvfp4_online"), id="gated-I128"),
     pytest.param(cpu_layers.MoeSpec(intermediate=96, fmt="nvfp4_online"), id="gated-I96-padded"),
+    # Nemotron-H's non-gated relu2: served where hidden is a multiple of 512 (the per-token non-gated kernel's)
+    pytest.param(
+        cpu_layers.MoeSpec(hidden=512, intermediate=128, activation="relu2", gated=False, fmt="nvfp4_online"),
+        id="relu2-H512",
+        marks=pytest.mark.sglang(
+            features.NVFP4_ONLINE_NON_GATED.releases,
+            reason="SGLang's online loader never writes a non-gated layer before 0.5.18 (refused: test below)",
+        ),
+    ),
 ]
 
 
@@ -84,7 +93,8 @@ def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
     # per-token activations: SGLang's prep takes a1 = a2 = 1 (the static input scales are never loaded)
     assert torch.equal(ours.w13_input_scale_quant.data.float().reshape(-1)[:1], torch.ones(1))
     expected = {n: getattr(upstream, n).data for n in SCALARS}
-    if features.NVFP4_W13_SCALE_2_UP_GATE.present():  # SGLang reads its [Up, Gate] columns as [Gate, Up]: equal here
+    # SGLang reads its [Up, Gate] columns as [Gate, Up]: equal here (gated layers)
+    if features.NVFP4_W13_SCALE_2_UP_GATE.present() and spec.gated:
         assert torch.equal(upstream.w13_weight_scale_2.data[:, 0], upstream.w13_weight_scale_2.data[:, 1])
     for n in SCALARS:
         torch.testing.assert_close(getattr(ours, n).data, expected[n], rtol=0, atol=0, msg=n)
@@ -149,19 +159,22 @@ def _reference(x, topk, ck, spec, round_like_kernel):
         xs = quant.nvfp4_dequantize(q, sf, 1.0) * pts.unsqueeze(-1)
     deq = {}
     for e in range(spec.num_experts):
-        gate, up = ck[f"experts.{e}.gate_proj.weight"], ck[f"experts.{e}.up_proj.weight"]
-        down = ck[f"experts.{e}.down_proj.weight"]
+        up, down = ck[f"experts.{e}.up_proj.weight"], ck[f"experts.{e}.down_proj.weight"]
+        gate = ck[f"experts.{e}.gate_proj.weight"] if spec.gated else up[:0]  # non-gated: up_proj alone is w1
         if round_like_kernel:
             q, sf, s2 = quantize_like_sglang(torch.cat([gate, up]))
             w13 = quant.nvfp4_dequantize(q, sf, 1.0) * s2
             q, sf, s2 = quantize_like_sglang(down)
-            deq[e] = (w13[: spec.intermediate], w13[spec.intermediate :], quant.nvfp4_dequantize(q, sf, 1.0) * s2)
+            deq[e] = (w13[: gate.shape[0]], w13[gate.shape[0] :], quant.nvfp4_dequantize(q, sf, 1.0) * s2)
         else:
             deq[e] = (gate.float(), up.float(), down.float())
     for t in range(x.shape[0]):
         for k in range(topk.topk_ids.shape[1]):
             g_, u_, d_ = deq[int(topk.topk_ids[t, k])]
-            h = torch.nn.functional.silu(g_ @ xs[t]) * (u_ @ xs[t])
+            if spec.gated:
+                h = torch.nn.functional.silu(g_ @ xs[t]) * (u_ @ xs[t])
+            else:
+                h = torch.relu(u_ @ xs[t]) ** 2
             if round_like_kernel:
                 hb = h.to(torch.bfloat16)[None]
                 q, sf, p2 = quant.nvfp4_quantize_per_token(hb)
@@ -223,9 +236,19 @@ def test_one_expert_update_equals_fresh_load():
     assert {n: getattr(layer, n).data_ptr() for n in WEIGHTS} == ptrs
 
 
-def test_non_gated_is_refused_with_a_reason():
-    ok, why = NVFP4_ONLINE.supports_activation("relu2", gated=False)
+def test_non_gated_at_a_hidden_size_the_kernel_gets_wrong_is_refused_with_a_reason():
+    """relu2 is served (relu2-H512 above); at a hidden size that is not a multiple of 512 the per-token non-gated
+    kernel gives garbage (SGLang pads hidden into new tensors, the plugin prepares in place): selection and the
+    layer both refuse, naming 512 — gated layers of that size are served."""
+    if not features.NVFP4_ONLINE_NON_GATED.present():  # the release's own loader leaves such layers unwritten
+        ok, why = NVFP4_ONLINE.supports_activation("relu2", gated=False)
+        assert not ok and "0.5.18" in why
+    else:
+        assert NVFP4_ONLINE.supports_activation("relu2", gated=False) == (True, None)
+    ok, why = NVFP4_ONLINE.supports_hidden(256, gated=False)
     assert not ok and "512" in why
+    assert NVFP4_ONLINE.supports_hidden(512, gated=False) == (True, None)
+    assert NVFP4_ONLINE.supports_hidden(256, gated=True) == (True, None)
     spec = cpu_layers.MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="nvfp4_online")
     try:
         layer = loaded_layer(spec)
@@ -233,7 +256,8 @@ def test_non_gated_is_refused_with_a_reason():
         pytest.skip(f"SGLang builds no non-gated nvfp4_online layer here: {e}")
     with pytest.raises(TrtllmLayerError) as e:
         layer.quant_method.process_weights_after_loading(layer)
-    assert "model.layers.0.mlp.experts" in str(e.value) and "512" in str(e.value) and "Fix:" in str(e.value)
+    want = "512" if features.NVFP4_ONLINE_NON_GATED.present() else "0.5.18"
+    assert "model.layers.0.mlp.experts" in str(e.value) and want in str(e.value) and "Fix:" in str(e.value)
 
 
 # ---- RL updates in the trainer's dtype: BF16 experts through SGLang's own update entry points ---------------------

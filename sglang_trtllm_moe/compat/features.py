@@ -257,6 +257,12 @@ NVFP4_ONLINE = Feature(
     "`--quantization nvfp4_online` (layers/quantization/nvfp4_online.py): BF16/FP16/FP8 experts quantized to NVFP4 "
     "as they load, per-token activation scales; before 0.5.14 upstream lacks it, so the plugin has nothing to serve",
 )
+NVFP4_ONLINE_NON_GATED = Feature(
+    ">=0.5.18",
+    "nvfp4_online's weight loader quantizes a non-gated layer's w1 on its own (`not moe_runner_config.is_gated`); "
+    "before, it holds every w1 for its w3 partner, which a non-gated (relu2) layer never loads: its experts stay "
+    "unwritten (NaN forwards), so the plugin refuses such layers there",
+)
 NVFP4_ONLINE_4OVER6 = Feature(
     ">=0.5.23",
     "nvfp4_online quantizes expert weights with flashinfer's 4over6 MSE recipe (NVFP44Over6Config(448, MSE)); "

@@ -9,8 +9,12 @@ the row maps and the scale swizzle are ModelOpt NVFP4's (formats/nvfp4.py). What
   per-token FP32 scales as `per_token_scale` (by keyword here); the kernel then re-quantizes GEMM1's output per
   token too. The static input scales are never loaded (SGLang leaves them unfilled) and its prep takes a1 = a2 = 1
   (`use_per_token_activation`), as `NvFp4.compute_scalars` does.
-* non-gated (relu2): SGLang pads the hidden size to 512 for the per-token non-gated kernel (0.5.22+; before, the
-  kernel gives garbage at unaligned hidden sizes); the plugin does not pad hidden, so it serves gated layers only.
+* non-gated (relu2, Nemotron-H): the kernel's per-token non-gated tiles are right only at hidden sizes that are
+  multiples of 512 (SGLang's `trtllm_nvfp4_hidden_alignment`: garbage at Nemotron's 2688 on flashinfer 0.7.0.post1;
+  SGLang pads hidden to 512 into new tensors from 0.5.22, before it runs unaligned). The plugin prepares in place
+  and pads no hidden dimension: it serves non-gated relu2 where hidden % 512 == 0 and refuses other hidden sizes
+  with that reason (selection's HIDDEN_ALIGNMENT, and the layer at load). Before SGLang 0.5.18 the online loader
+  never writes a non-gated layer (compat/features.py NVFP4_ONLINE_NON_GATED): refused there.
 * the weight recipe is release-specific (compat/features.py NVFP4_ONLINE_4OVER6): SGLang 0.5.23 quantizes with
   flashinfer's "4over6" MSE recipe (`quant.nvfp4_quantize_4over6`), earlier releases with the plain one.
 """
@@ -34,7 +38,10 @@ class NvFp4Online(NvFp4):
     quantizations = {TRTLLM: frozenset({"nvfp4_online"}), TRTLLM_ROUTED: frozenset({"nvfp4_online"})}
     #: SGLang's own FP4-leaf layers are read as ModelOpt NVFP4 (static activation scales), not as this format
     sglang_leaf = None
-    non_gated_activations = frozenset()
+    #: relu2 only: Nemotron-H's, the non-gated activation SGLang's online NVFP4 users run
+    non_gated_activations = frozenset({"relu2"})
+    #: the per-token non-gated kernel's hidden alignment (SGLang's `trtllm_nvfp4_hidden_alignment`)
+    NON_GATED_HIDDEN_ALIGN = 512
     example = Example(
         "nvfp4_online",
         {"quant_method": "nvfp4_online"},
@@ -44,13 +51,28 @@ class NvFp4Online(NvFp4):
     )
 
     def supports_activation(self, activation: str, gated: bool) -> Support:
-        ok, why = super().supports_activation(activation, gated)
-        if not ok and not gated:
-            why = (why or "") + (
-                "; non-gated per-token NVFP4 needs the hidden size padded to 512 (SGLang's "
-                "trtllm_nvfp4_hidden_alignment), which the plugin does not do"
+        if not gated and not features.NVFP4_ONLINE_NON_GATED.present():
+            return False, (
+                "non-gated nvfp4_online layers are not loaded by this SGLang release: its online loader holds each w1 "
+                f"for a w3 that a non-gated layer never has, so the experts stay unwritten (fixed in SGLang "
+                f"{features.NVFP4_ONLINE_NON_GATED.releases})"
             )
-        return ok, why
+        return super().supports_activation(activation, gated)
+
+    def supports_hidden(self, hidden: int, gated: bool) -> Support:
+        if not gated and hidden % self.NON_GATED_HIDDEN_ALIGN:
+            return False, (
+                f"hidden size {hidden} is not a multiple of {self.NON_GATED_HIDDEN_ALIGN}: the per-token non-gated "
+                "NVFP4 kernel is only right at such sizes (SGLang pads hidden to it into new tensors; the plugin "
+                "prepares in place and pads no hidden dimension)"
+            )
+        return super().supports_hidden(hidden, gated)
+
+    def check_layout(self, layer: Layer) -> str | None:
+        problem = super().check_layout(layer)
+        if problem is None:
+            problem = self.supports_hidden(int(layer.w2_weight.shape[1]), self.is_gated(layer))[1]
+        return problem
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "nvfp4_online"

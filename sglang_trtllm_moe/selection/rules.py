@@ -170,7 +170,7 @@ def can_implement(backend: str, problem: MoeProblem, device: DeviceInfo) -> Elig
     for code, (ok, why) in (
         (Code.QUANT_UNSUPPORTED_BY_BACKEND, fmt.supports_backend(backend, p.checkpoint)),
         (Code.ACTIVATION_UNSUPPORTED, fmt.supports_activation(p.activation, p.gated)),
-        (Code.HIDDEN_ALIGNMENT, fmt.supports_hidden(p.hidden_size)),
+        (Code.HIDDEN_ALIGNMENT, fmt.supports_hidden(p.hidden_size, p.gated)),
     ):
         if not ok:
             return no(code, why or code)

@@ -99,8 +99,8 @@ class Serving(ABC):
             f"(supported {kind}: {sorted(allowed) or 'none'}{note})"
         )
 
-    def supports_hidden(self, hidden: int) -> Support:
-        """The checkpoint's hidden size fits the kernel's tiling (`hidden_align`)."""
+    def supports_hidden(self, hidden: int, gated: bool) -> Support:
+        """The checkpoint's hidden size fits the kernel's tiling (`hidden_align`) for this gating."""
         if hidden % self.hidden_align:
             return False, f"hidden size {hidden} is not a multiple of {self.hidden_align}"
         return SUPPORTED
