@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import layer_state, quant
+from sglang_trtllm_moe.compat import features
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from ..support import sglang_runtime
@@ -41,6 +42,10 @@ CASES = [pytest.param(cpu_layers.MoeSpec(**SPEC, fmt=f), id=f) for f in MAKERS] 
     pytest.param(
         cpu_layers.MoeSpec(**{**SPEC, "hidden": 512}, fmt="nvfp4_online", gated=False, activation="relu2"),
         id="nvfp4_online-relu2",
+        marks=pytest.mark.sglang(
+            features.NVFP4_ONLINE_NON_GATED.releases,
+            reason="SGLang's online loader never writes a non-gated layer before 0.5.18 (the plugin refuses it)",
+        ),
     ),
 ]
 
