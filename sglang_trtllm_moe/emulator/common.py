@@ -4,8 +4,9 @@ Why: the kernels only run on Blackwell (SM100). To prove on CPU (or any GPU) tha
 right, the emulator takes the *prepared* tensors exactly as the kernel would (shuffled rows, gated interleave, 128x4
 swizzled scales, block-major K), undoes the layouts with `layouts`' inverses, and runs the per-format math of the
 kernels in float32 (read from the CUDA sources flashinfer ships in its wheel: data/csrc/trtllm_fused_moe_*.cu).
-The public functions have the newest tested flashinfer's exact signatures (0.7.4; older ones predate the parameters
-listed in kernel_api.FLASHINFER_ADDED), so `runner` can swap one for the other. `workspace_buffer` (0.7.4: scratch
+The entry points have the newest tested flashinfer's exact signatures (0.7.4: kernel_api.SIGNATURES, made into
+functions by `entry_points`; older ones predate the parameters in kernel_api.FLASHINFER_ADDED), so `runner` can swap
+one for the other. `workspace_buffer` (0.7.4: scratch
 the kernel carves its temporaries from) changes no result and is accepted as such.
 
 Structure shared by every format:
