@@ -1,7 +1,8 @@
 """The contract of FlashInfer's TRT-LLM-Gen fused MoE entry points, without importing flashinfer.
 
 Why one module: the runner calls these entry points (on SM100) or the emulator's (anywhere) with the same
-arguments, the formats declare which activations their kernel computes, and the emulator mirrors the enums; all of
+arguments (their signatures: one table here, the emulator's entry points are made from it), the formats declare which
+activations their kernel computes, and the emulator mirrors the enums; all of
 them must agree with flashinfer's `tllm_enums` and SGLang's `get_activation_type` (tests compare against both), and
 importing flashinfer on a CPU box is slow or impossible (0.6.8-0.6.12 assert libcudart at import).
 """
@@ -212,9 +213,9 @@ _FP8_BLOCK_TENSORS = (
 _FP8_TENSOR_TENSORS = (
     "hidden_states gemm1_weights output1_scales_scalar output1_scales_gate_scalar gemm2_weights output2_scales_scalar"
 )
-#: Each entry point's parameters in order, as flashinfer writes them: positional-or-keyword, "|" = the defaulted ones
-#: start here (their defaults: DEFAULTS, else None), "*" = keyword-only from here. The first one is what routes:
-#: `routing_logits` (routing inside the kernel) or `topk_ids` (precomputed top-k, the `_routed` entry points).
+#: Each entry point's parameters in order, as flashinfer writes them, space-separated: positional-or-keyword, "|" =
+#: the defaulted ones start here (their defaults: DEFAULTS, else None), "*" = keyword-only from here. The first one
+#: routes: `routing_logits` (routing inside the kernel) or `topk_ids` (precomputed top-k, the `_routed` entry points).
 SIGNATURE_SPECS: dict[str, str] = {
     "trtllm_fp4_block_scale_moe": f"routing_logits routing_bias {_FP4_TENSORS} {_SIZES} routed_scaling_factor"
     " | routing_method_type do_finalize enable_pdl activation_type per_token_scale output tune_max_num_tokens"
