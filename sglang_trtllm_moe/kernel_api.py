@@ -1,7 +1,8 @@
 """The contract of FlashInfer's TRT-LLM-Gen fused MoE entry points, without importing flashinfer.
 
 Why one module: the runner calls these entry points (on SM100) or the emulator's (anywhere) with the same
-arguments, the formats declare which activations their kernel computes, and the emulator mirrors the enums; all of
+arguments (their signatures: one table here, the emulator's entry points are made from it), the formats declare which
+activations their kernel computes, and the emulator mirrors the enums; all of
 them must agree with flashinfer's `tllm_enums` and SGLang's `get_activation_type` (tests compare against both), and
 importing flashinfer on a CPU box is slow or impossible (0.6.8-0.6.12 assert libcudart at import).
 """
@@ -9,6 +10,7 @@ importing flashinfer on a CPU box is slow or impossible (0.6.8-0.6.12 assert lib
 from __future__ import annotations
 
 import enum
+import inspect
 from typing import Any
 
 
@@ -192,19 +194,114 @@ class _Unset:
 #: the default of the FP4 entry points' `nvfp4_4over6` (see `_Unset`)
 UNSET: Any = _Unset()
 
-#: What flashinfer added to these entry points and enums after 0.7.2.post1 (the flashinfer of SGLang 0.5.23's env,
-#: the oldest the contract tests compare against), read from the wheels: (first version, entry points or enums of
-#: this module, parameter or member names). The emulator and the enums here follow the newest; tests/test_emulator.py
-#: leaves out what the installed flashinfer predates and compares the rest exactly (names, order, kinds, defaults).
-#: 0.7.4 (next after 0.7.2.post1): a caller-owned scratch buffer on every entry point (keyword-only on
-#: trtllm_fp8_block_scale_moe, after its keyword-only biases), the NVFP4 "4over6" recipe of the per-token
-#: requantization on both FP4 entry points, precomputed routing metadata on the routed FP4 one, and PowLU.
-FLASHINFER_ADDED: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("0.7.4", KERNEL_FUNCTIONS, ("workspace_buffer",)),
-    ("0.7.4", ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe"), ("nvfp4_4over6",)),
-    ("0.7.4", ("trtllm_fp4_block_scale_routed_moe",), ("routing_metadata",)),
-    ("0.7.4", ("ActivationType",), ("PowLU",)),
+# ----------------------------------------------------------------------------------------------------------------
+# The entry points' signatures: one table, read from flashinfer's `fused_moe/core.py` of the newest tested version
+# (0.7.4). The emulator's entry points are generated from it (emulator/entry_points.py) and tests/test_emulator.py
+# compares it with the installed flashinfer's: names, order, kinds, defaults.
+# ----------------------------------------------------------------------------------------------------------------
+
+#: the spine every entry point shares, in this order, required: the expert-parallel and routing sizes
+_SIZES = "num_experts top_k n_group topk_group intermediate_size local_expert_offset local_num_experts"
+_FP4_TENSORS = (
+    "hidden_states hidden_states_scale gemm1_weights gemm1_weights_scale gemm1_bias gemm1_alpha gemm1_beta "
+    "gemm1_clamp_limit gemm2_weights gemm2_weights_scale gemm2_bias output1_scale_scalar output1_scale_gate_scalar "
+    "output2_scale_scalar"
 )
+_FP8_BLOCK_TENSORS = (
+    "hidden_states hidden_states_scale gemm1_weights gemm1_weights_scale gemm2_weights gemm2_weights_scale"
+)
+_FP8_TENSOR_TENSORS = (
+    "hidden_states gemm1_weights output1_scales_scalar output1_scales_gate_scalar gemm2_weights output2_scales_scalar"
+)
+#: Each entry point's parameters in order, as flashinfer writes them, space-separated: positional-or-keyword, "|" =
+#: the defaulted ones start here (their defaults: DEFAULTS, else None), "*" = keyword-only from here. The first one
+#: routes: `routing_logits` (routing inside the kernel) or `topk_ids` (precomputed top-k, the `_routed` entry points).
+SIGNATURE_SPECS: dict[str, str] = {
+    "trtllm_fp4_block_scale_moe": f"routing_logits routing_bias {_FP4_TENSORS} {_SIZES} routed_scaling_factor"
+    " | routing_method_type do_finalize enable_pdl activation_type per_token_scale output tune_max_num_tokens"
+    " norm_topk_prob routing_replay_out num_fused_shared_experts valid_hidden_size valid_intermediate_size"
+    " hidden_states_scale_layout workspace_buffer nvfp4_4over6",
+    "trtllm_fp4_block_scale_routed_moe": f"topk_ids routing_bias {_FP4_TENSORS} {_SIZES} routed_scaling_factor"
+    " | routing_method_type do_finalize enable_pdl activation_type per_token_scale output tune_max_num_tokens"
+    " gemm1_lora_delta valid_hidden_size valid_intermediate_size num_fused_shared_experts hidden_states_scale_layout"
+    " workspace_buffer nvfp4_4over6 routing_metadata",
+    "trtllm_fp8_block_scale_moe": f"routing_logits routing_bias {_FP8_BLOCK_TENSORS} {_SIZES} routed_scaling_factor"
+    " | routing_method_type use_shuffled_weight weight_layout do_finalize enable_pdl tune_max_num_tokens"
+    " fp8_quantization_type num_fused_shared_experts activation_type norm_topk_prob routing_replay_out gemm1_alpha"
+    " gemm1_beta gemm1_clamp_limit output valid_hidden_size valid_intermediate_size"
+    " * gemm1_bias gemm2_bias workspace_buffer",
+    "trtllm_fp8_block_scale_routed_moe": f"topk_ids routing_bias {_FP8_BLOCK_TENSORS} {_SIZES} routed_scaling_factor"
+    " | routing_method_type use_shuffled_weight weight_layout do_finalize enable_pdl gemm1_lora_delta output"
+    " tune_max_num_tokens fp8_quantization_type activation_type gemm1_alpha gemm1_beta gemm1_clamp_limit"
+    " valid_hidden_size valid_intermediate_size workspace_buffer",
+    "trtllm_fp8_per_tensor_scale_moe": f"routing_logits routing_bias {_FP8_TENSOR_TENSORS} {_SIZES}"
+    " routed_scaling_factor use_routing_scales_on_input | routing_method_type do_finalize enable_pdl"
+    " tune_max_num_tokens activation_type norm_topk_prob routing_replay_out output gemm1_clamp_limit workspace_buffer",
+    "trtllm_fp8_per_tensor_scale_routed_moe": f"topk_ids routing_bias {_FP8_TENSOR_TENSORS} {_SIZES}"
+    " routed_scaling_factor use_routing_scales_on_input | routing_method_type do_finalize enable_pdl"
+    " tune_max_num_tokens activation_type routing_replay_out output gemm1_clamp_limit workspace_buffer",
+    "trtllm_bf16_moe": f"routing_logits routing_bias hidden_states gemm1_weights gemm2_weights {_SIZES}"
+    " | routed_scaling_factor routing_method_type use_shuffled_weight weight_layout do_finalize enable_pdl"
+    " tune_max_num_tokens activation_type norm_topk_prob routing_replay_out gemm1_alpha gemm1_beta gemm1_clamp_limit"
+    " output workspace_buffer",
+    "trtllm_bf16_routed_moe": f"topk_ids hidden_states gemm1_weights gemm2_weights {_SIZES}"
+    " | routed_scaling_factor routing_method_type use_shuffled_weight weight_layout do_finalize enable_pdl"
+    " gemm1_lora_delta tune_max_num_tokens activation_type routing_replay_out gemm1_alpha gemm1_beta"
+    " gemm1_clamp_limit output workspace_buffer",
+}
+#: the defaults that are not None, the same on every entry point that takes the parameter ...
+DEFAULTS: dict[str, Any] = {
+    "routing_method_type": 0,
+    "do_finalize": True,
+    "activation_type": ActivationType.Swiglu.value,
+    "tune_max_num_tokens": 8192,
+    "norm_topk_prob": True,
+    "use_shuffled_weight": False,
+    "weight_layout": 0,
+    "fp8_quantization_type": Fp8QuantizationType.DeepSeekFp8,
+    "nvfp4_4over6": UNSET,
+}
+#: ... but for a family's own (BF16 takes shuffled block-major-K weights and enables PDL by default)
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "bf16": {"use_shuffled_weight": True, "weight_layout": WeightLayout.BlockMajorK, "enable_pdl": True},
+}
+
+
+def _signature(name: str, family: str) -> inspect.Signature:
+    P = inspect.Parameter
+    defaults: dict[str, Any] | None = None
+    keyword_only, params = False, []
+    for word in SIGNATURE_SPECS[name].split():
+        if word == "|":
+            defaults = {**DEFAULTS, **FAMILY_DEFAULTS.get(family, {})}
+        elif word == "*":
+            keyword_only = True
+        else:
+            kind = P.KEYWORD_ONLY if keyword_only else P.POSITIONAL_OR_KEYWORD
+            params.append(P(word, kind, default=P.empty if defaults is None else defaults.get(word)))
+    return inspect.Signature(params)
+
+
+#: entry point name -> its flashinfer signature (names, order, kinds, defaults; no annotations)
+SIGNATURES: dict[str, inspect.Signature] = {
+    kernel_function(f, r): _signature(kernel_function(f, r), f) for f in FAMILIES for r in (False, True)
+}
+
+#: What flashinfer added to these entry points and enums after 0.7.2.post1 (the flashinfer of SGLang 0.5.23's env,
+#: the oldest the contract tests compare against), read from the wheels: parameter (of every entry point in
+#: SIGNATURES that takes it) or enum member name -> the first version that has it. The emulator and the enums here
+#: follow the newest; tests/test_emulator.py leaves out what the installed flashinfer predates and compares the rest
+#: exactly. 0.7.4 (next after 0.7.2.post1): a caller-owned scratch buffer on every entry point (keyword-only on
+#: trtllm_fp8_block_scale_moe, after its keyword-only biases), the NVFP4 "4over6" recipe of the per-token
+#: requantization on both FP4 entry points, precomputed routing metadata on the routed FP4 one, and PowLU. (A name
+#: that reaches different entry points in different versions would need keys per entry point.)
+FLASHINFER_ADDED: dict[str, str] = {
+    "workspace_buffer": "0.7.4",
+    "nvfp4_4over6": "0.7.4",
+    "routing_metadata": "0.7.4",
+    "PowLU": "0.7.4",
+}
+_ENUMS = {e.__name__: e for e in (ActivationType, WeightLayout, Fp8QuantizationType, RoutingMethodType)}
 
 
 def flashinfer_predates(version: str, owner: str) -> set[str]:
@@ -212,8 +309,9 @@ def flashinfer_predates(version: str, owner: str) -> set[str]:
     yet, per FLASHINFER_ADDED."""
     from packaging.version import Version
 
+    names = SIGNATURES[owner].parameters if owner in SIGNATURES else _ENUMS[owner].__members__
     v = Version(version)
-    return {n for since, owners, names in FLASHINFER_ADDED if owner in owners and v < Version(since) for n in names}
+    return {n for n, since in FLASHINFER_ADDED.items() if n in names and v < Version(since)}
 
 
 __all__ = [
@@ -228,6 +326,10 @@ __all__ = [
     "kernel_function",
     "KERNEL_FUNCTIONS",
     "UNSET",
+    "SIGNATURE_SPECS",
+    "DEFAULTS",
+    "FAMILY_DEFAULTS",
+    "SIGNATURES",
     "FLASHINFER_ADDED",
     "flashinfer_predates",
     "ROUTING_REPLAY_SINCE",

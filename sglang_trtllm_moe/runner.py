@@ -218,6 +218,9 @@ def run(
     )
     if not routed and logits_dtype:
         routing["routing_logits"] = routing["routing_logits"].to(getattr(torch, logits_dtype))
+    entry = kernel_api.kernel_function(fmt.kernel, routed)
+    # the routing arguments this entry point takes (trtllm_bf16_routed_moe has no routing_bias)
+    routing = {k: v for k, v in routing.items() if k in kernel_api.SIGNATURES[entry].parameters}
     try:
         kwargs = fmt.kernel_args(call, routing, routed)
     except NotImplementedError as e:
@@ -230,7 +233,7 @@ def run(
         # int16 [T, top_k], as the kernel writes it; allocated per call (CUDA graphs: from the graph's pool)
         replay = torch.empty((x.shape[0], int(kwargs["top_k"])), dtype=torch.int16, device=x.device)
         kwargs["routing_replay_out"] = replay
-    out = getattr(backend, kernel_api.kernel_function(fmt.kernel, routed))(**kwargs)
+    out = getattr(backend, entry)(**kwargs)
     out = out[0] if isinstance(out, (list, tuple)) else out
     if replay is not None:
         routed_experts.capture(topk_output.topk_config, layer_id(layer), replay)

@@ -16,6 +16,7 @@ Shapes: E=8, top_k=2, H=256, T=16 (small, the whole file runs in a few seconds o
 """
 
 import inspect
+import sys
 
 import flashinfer
 import flashinfer.fused_moe.api as fi_api
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from sglang_trtllm_moe import emulator, kernel_api, layouts, quant
+from sglang_trtllm_moe.emulator import entry_points
 from sglang_trtllm_moe.emulator.routing import pack_topk, route
 
 E, H, TOPK, T = 8, 256, 2, 16
@@ -571,11 +573,12 @@ def test_bf16_with_flashinfer_prepared_weights(gated):
 
 
 def _same_default(ours, theirs) -> bool:
-    """Equal, or both identity sentinels with the same repr (0.7.4's `nvfp4_4over6=_UNSET` has no `__eq__`)."""
-    if ours == theirs:
-        return True
+    """The same repr (an int for an enum member, or 1 for True, differs), and equal or both identity sentinels
+    (0.7.4's `nvfp4_4over6=_UNSET` has no `__eq__`)."""
+    if repr(ours) != repr(theirs):
+        return False
     sentinel = type(theirs).__eq__ is object.__eq__ and type(ours).__eq__ is object.__eq__
-    return sentinel and theirs is not None and repr(ours) == repr(theirs)
+    return ours == theirs or (sentinel and theirs is not None)
 
 
 @pytest.mark.parametrize("name", emulator.KERNEL_FUNCTIONS)
@@ -589,6 +592,55 @@ def test_signatures_match_flashinfer(name):
     for p in theirs:
         assert ours[p].kind == theirs[p].kind, p
         assert _same_default(ours[p].default, theirs[p].default), (p, ours[p].default, theirs[p].default)
+
+
+def test_entry_points_are_the_signature_table():
+    """Each emulator entry point is made from kernel_api.SIGNATURES (what the test above compares with flashinfer):
+    the same signature, named as flashinfer's, in its family module."""
+    assert tuple(kernel_api.SIGNATURE_SPECS) == kernel_api.KERNEL_FUNCTIONS
+    for name in kernel_api.KERNEL_FUNCTIONS:
+        fn = getattr(emulator, name)
+        assert inspect.signature(fn) == kernel_api.SIGNATURES[name], name
+        assert fn.__name__ == fn.__qualname__ == name and f"`{name}`" in fn.__doc__
+        assert fn.__module__.startswith("sglang_trtllm_moe.emulator."), fn.__module__
+        assert getattr(sys.modules[fn.__module__], name) is fn, name
+
+
+def test_entry_points_bind_arguments_as_python_functions():
+    """Positional and keyword calls compute the same; a wrong call fails as a Python function's call does."""
+    args, _, _, _ = _nvfp4_case(96, True, seed=7)
+    ids, w = route(RENORM, args["routing_logits"], TOPK)
+    routed = {k: v for k, v in args.items() if k != "routing_logits"} | {"topk_ids": pack_topk(ids, w)}
+    fn = emulator.trtllm_fp4_block_scale_routed_moe
+    positional = [routed.get(n, p.default) for n, p in inspect.signature(fn).parameters.items()]
+    assert torch.equal(fn(*positional)[0], fn(**routed)[0])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        fn(**routed, bogus=1)
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'topk_ids'"):
+        fn(**{k: v for k, v in routed.items() if k != "topk_ids"})
+    with pytest.raises(TypeError, match="multiple values for argument 'topk_ids'"):
+        fn(routed["topk_ids"], **routed)
+    block = emulator.trtllm_fp8_block_scale_moe  # its biases and workspace are keyword-only, as flashinfer's
+    n_positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(block).parameters.values())
+    with pytest.raises(TypeError, match=f"takes from 16 to {n_positional} positional arguments"):
+        block(*[None] * (n_positional + 1))
+
+
+def test_an_entry_point_parameter_nothing_handles_fails_at_import():
+    """Every parameter of the table is consumed, refused unless off, or known to change nothing, when the entry
+    point is made: a parameter flashinfer adds is never silently ignored; an impl may not read one it lacks."""
+
+    def reads_hidden_states(ids, weights, hidden_states):
+        return hidden_states
+
+    with pytest.raises(TypeError, match="does not handle .*gemm1_weights"):
+        entry_points.entry_points("bf16", reads_hidden_states, "stub")
+
+    def reads_a_missing_one(ids, weights, hidden_states, no_such_argument):
+        return hidden_states
+
+    with pytest.raises(TypeError, match="no_such_argument"):
+        entry_points.entry_points("bf16", reads_a_missing_one, "stub")
 
 
 def test_enums_match_flashinfer():

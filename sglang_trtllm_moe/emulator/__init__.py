@@ -3,9 +3,10 @@
 Why: the kernels only run on Blackwell (SM100). To prove on CPU (or any GPU) that the plugin's prepared weights are
 right, the emulator takes the *prepared* tensors exactly as the kernel would, undoes the layouts with `layouts`'
 inverses, and runs each format's math in float32. The entry points have the exact signatures of the newest flashinfer
-tested (0.7.4; a test compares names, kinds and defaults with the installed flashinfer, leaving out what an older one
-predates: kernel_api.FLASHINFER_ADDED), so the runner can call either. One module per kernel family; `common` holds the
-structure every family shares (routing, grouping by expert, activation, finalize).
+tested (0.7.4), made from kernel_api.SIGNATURES (`entry_points`; a test compares names, kinds and defaults with the
+installed flashinfer, leaving out what an older one predates: kernel_api.FLASHINFER_ADDED), so the runner can call
+either. One module per kernel family (its impl); `common` holds the structure every family shares (routing,
+grouping by expert, activation, finalize).
 """
 
 from ..kernel_api import KERNEL_FUNCTIONS, ActivationType, Fp8QuantizationType, WeightLayout

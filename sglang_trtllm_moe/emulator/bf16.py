@@ -6,23 +6,20 @@ from __future__ import annotations
 import torch
 
 from .. import layouts
-from ..kernel_api import ActivationType, WeightLayout
+from ..kernel_api import WeightLayout
 from .common import (
     activate,
-    call_impl,
     check_local,
-    common_unsupported,
     gemm1_rows,
     is_gated,
     round_bf16,
-    routing,
     row_inverses,
     run_experts,
     scalar_or_none,
     unshuffle_rows,
     unsupported,
 )
-from .routing import split_routed_input
+from .entry_points import entry_points
 
 
 def _bf16_weights(w: torch.Tensor, rows: int, cols: int, inv: torch.Tensor, e: int) -> torch.Tensor:
@@ -93,79 +90,4 @@ def _bf16_impl(
     )
 
 
-def trtllm_bf16_moe(
-    routing_logits: torch.Tensor,
-    routing_bias: torch.Tensor | None,
-    hidden_states: torch.Tensor,
-    gemm1_weights: torch.Tensor,
-    gemm2_weights: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None = None,
-    routing_method_type: int = 0,
-    use_shuffled_weight: bool = True,
-    weight_layout: int = WeightLayout.BlockMajorK,
-    do_finalize: bool = True,
-    enable_pdl: bool = True,
-    tune_max_num_tokens: int = 8192,
-    activation_type: int = ActivationType.Swiglu.value,
-    norm_topk_prob: bool = True,
-    routing_replay_out: torch.Tensor | None = None,
-    gemm1_alpha: torch.Tensor | None = None,
-    gemm1_beta: torch.Tensor | None = None,
-    gemm1_clamp_limit: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    workspace_buffer: torch.Tensor | None = None,
-) -> list[torch.Tensor] | torch.Tensor:
-    """Emulates flashinfer `trtllm_bf16_moe`."""
-    common_unsupported(do_finalize)
-    ids, w = routing(
-        routing_logits,
-        routing_bias,
-        top_k,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        routing_method_type,
-        norm_topk_prob,
-    )
-    return call_impl(_bf16_impl, ids, w, locals())
-
-
-def trtllm_bf16_routed_moe(
-    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    hidden_states: torch.Tensor,
-    gemm1_weights: torch.Tensor,
-    gemm2_weights: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None = None,
-    routing_method_type: int = 0,
-    use_shuffled_weight: bool = True,
-    weight_layout: int = WeightLayout.BlockMajorK,
-    do_finalize: bool = True,
-    enable_pdl: bool = True,
-    gemm1_lora_delta: torch.Tensor | None = None,
-    tune_max_num_tokens: int = 8192,
-    activation_type: int = ActivationType.Swiglu.value,
-    routing_replay_out: torch.Tensor | None = None,
-    gemm1_alpha: torch.Tensor | None = None,
-    gemm1_beta: torch.Tensor | None = None,
-    gemm1_clamp_limit: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    workspace_buffer: torch.Tensor | None = None,
-) -> torch.Tensor | list[torch.Tensor]:
-    """Emulates flashinfer `trtllm_bf16_routed_moe`."""
-    common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)
-    ids, w = split_routed_input(topk_ids)
-    return call_impl(_bf16_impl, ids, w, locals())
+trtllm_bf16_moe, trtllm_bf16_routed_moe = entry_points("bf16", _bf16_impl, "BF16 block-major-K weights")

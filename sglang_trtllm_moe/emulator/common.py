@@ -4,8 +4,9 @@ Why: the kernels only run on Blackwell (SM100). To prove on CPU (or any GPU) tha
 right, the emulator takes the *prepared* tensors exactly as the kernel would (shuffled rows, gated interleave, 128x4
 swizzled scales, block-major K), undoes the layouts with `layouts`' inverses, and runs the per-format math of the
 kernels in float32 (read from the CUDA sources flashinfer ships in its wheel: data/csrc/trtllm_fused_moe_*.cu).
-The public functions have the newest tested flashinfer's exact signatures (0.7.4; older ones predate the parameters
-listed in kernel_api.FLASHINFER_ADDED), so `runner` can swap one for the other. `workspace_buffer` (0.7.4: scratch
+The entry points have the newest tested flashinfer's exact signatures (0.7.4: kernel_api.SIGNATURES, made into
+functions by `entry_points`; older ones predate the parameters in kernel_api.FLASHINFER_ADDED), so `runner` can swap
+one for the other. `workspace_buffer` (0.7.4: scratch
 the kernel carves its temporaries from) changes no result and is accepted as such.
 
 Structure shared by every format:
@@ -33,10 +34,7 @@ raise NotImplementedError naming the option, never silently compute something el
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 import torch
 
@@ -216,27 +214,6 @@ def run_experts(
     return out
 
 
-R = TypeVar("R")
-
-
-@functools.cache
-def _impl_params(impl: Callable[..., Any]) -> tuple[str, ...]:
-    return tuple(inspect.signature(impl).parameters)[2:]
-
-
-def call_impl(
-    impl: Callable[..., R],
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    args: dict[str, Any],
-    **given: Any,
-) -> R:
-    """`impl(ids, weights, ...)` with the caller's arguments of the same names (`args`: its `locals()`), `given`
-    for those it lacks. Why: each entry point mirrors one flashinfer signature (they differ in order and extras)
-    while its format's impl takes what the math needs; passing them by name keeps the two in step in one place."""
-    return impl(ids, weights, **{n: given[n] if n in given else args[n] for n in _impl_params(impl)})
-
-
 #: what flashinfer's launcher accepts (kernel_api.ROUTING_LOGITS_DTYPES, the newest contract): router logits and the
 #: routing bias in float32 or bfloat16 (trtllm_fused_moe_kernel_launcher.cu of 0.7.2.post1, `check_routing_logits`
 #: 1238-1252 and `check_routing_bias_shape` 1277-1283; the same checks in every version from 0.6.8)
@@ -267,18 +244,6 @@ def unsupported(**opts) -> None:
     for name, (value, ok) in opts.items():
         if not ok:
             raise NotImplementedError(f"the TRT-LLM-Gen MoE emulator does not model {name}={value!r}")
-
-
-def common_unsupported(
-    do_finalize, num_fused_shared_experts=None, gemm1_bias=None, gemm2_bias=None, gemm1_lora_delta=None
-):
-    unsupported(
-        do_finalize=(do_finalize, bool(do_finalize)),
-        num_fused_shared_experts=(num_fused_shared_experts, not num_fused_shared_experts),
-        gemm1_bias=("<tensor>", gemm1_bias is None),
-        gemm2_bias=("<tensor>", gemm2_bias is None),
-        gemm1_lora_delta=("<tensor>", gemm1_lora_delta is None),
-    )
 
 
 def check_local(name: str, w: torch.Tensor, local_num_experts: int) -> None:

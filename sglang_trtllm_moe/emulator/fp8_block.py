@@ -17,20 +17,17 @@ from .common import (
     FLT_MIN,
     act_name,
     activate,
-    call_impl,
     check_local,
-    common_unsupported,
     expert_sf,
     is_gated,
     round_bf16,
-    routing,
     row_inverses,
     run_experts,
     scalar_or_none,
     unshuffle_rows,
     unsupported,
 )
-from .routing import split_routed_input
+from .entry_points import entry_points
 
 
 def _block_requant(x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +60,11 @@ def _fp8_block_impl(
     valid_intermediate_size,
     routing_replay_out,
 ):
-    act = int(activation_type)
     if int(fp8_quantization_type) == Fp8QuantizationType.MxFp8:
-        return call_impl(_mxfp8_impl, ids, weights, locals())
+        args = dict(locals())  # this impl's parameters, as MxFp8's takes them
+        del args["fp8_quantization_type"]
+        return _mxfp8_impl(**args)
+    act = int(activation_type)
     unsupported(
         fp8_quantization_type=(fp8_quantization_type, int(fp8_quantization_type) in (1, 2)),
         use_shuffled_weight=(use_shuffled_weight, not use_shuffled_weight),
@@ -128,7 +127,7 @@ def _mxfp8_impl(
     local_expert_offset,
     use_shuffled_weight,
     weight_layout,
-    act,
+    activation_type,
     gemm1_alpha,
     gemm1_beta,
     gemm1_clamp_limit,
@@ -137,6 +136,7 @@ def _mxfp8_impl(
     valid_intermediate_size,
     routing_replay_out,
 ):
+    act = int(activation_type)
     unsupported(
         use_shuffled_weight=(use_shuffled_weight, bool(use_shuffled_weight)),
         weight_layout=(weight_layout, int(weight_layout) == WeightLayout.MajorK),
@@ -194,95 +194,6 @@ def _mxfp8_impl(
     return out
 
 
-def trtllm_fp8_block_scale_moe(
-    routing_logits: torch.Tensor,
-    routing_bias: torch.Tensor | None,
-    hidden_states: torch.Tensor,
-    hidden_states_scale: torch.Tensor,
-    gemm1_weights: torch.Tensor,
-    gemm1_weights_scale: torch.Tensor,
-    gemm2_weights: torch.Tensor,
-    gemm2_weights_scale: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None,
-    routing_method_type: int = 0,
-    use_shuffled_weight: bool = False,
-    weight_layout: int = 0,
-    do_finalize: bool = True,
-    enable_pdl: bool | None = None,
-    tune_max_num_tokens: int = 8192,
-    fp8_quantization_type: Fp8QuantizationType = Fp8QuantizationType.DeepSeekFp8,
-    num_fused_shared_experts: int | None = None,
-    activation_type: int = ActivationType.Swiglu.value,
-    norm_topk_prob: bool = True,
-    routing_replay_out: torch.Tensor | None = None,
-    gemm1_alpha: torch.Tensor | None = None,
-    gemm1_beta: torch.Tensor | None = None,
-    gemm1_clamp_limit: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    valid_hidden_size: int | None = None,
-    valid_intermediate_size: int | None = None,
-    *,
-    gemm1_bias: torch.Tensor | None = None,
-    gemm2_bias: torch.Tensor | None = None,
-    workspace_buffer: torch.Tensor | None = None,
-) -> list[torch.Tensor] | torch.Tensor:
-    """Emulates flashinfer `trtllm_fp8_block_scale_moe` (DeepSeekFp8 MajorK/BlockMajorK unshuffled; MxFp8 shuffled)."""
-    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_bias, gemm2_bias)
-    ids, w = routing(
-        routing_logits,
-        routing_bias,
-        top_k,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        routing_method_type,
-        norm_topk_prob,
-    )
-    return call_impl(_fp8_block_impl, ids, w, locals())
-
-
-def trtllm_fp8_block_scale_routed_moe(
-    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    routing_bias: torch.Tensor | None,
-    hidden_states: torch.Tensor,
-    hidden_states_scale: torch.Tensor,
-    gemm1_weights: torch.Tensor,
-    gemm1_weights_scale: torch.Tensor,
-    gemm2_weights: torch.Tensor,
-    gemm2_weights_scale: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None,
-    routing_method_type: int = 0,
-    use_shuffled_weight: bool = False,
-    weight_layout: int = 0,
-    do_finalize: bool = True,
-    enable_pdl: bool | None = None,
-    gemm1_lora_delta: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    tune_max_num_tokens: int = 8192,
-    fp8_quantization_type: Fp8QuantizationType = Fp8QuantizationType.DeepSeekFp8,
-    activation_type: int = ActivationType.Swiglu.value,
-    gemm1_alpha: torch.Tensor | None = None,
-    gemm1_beta: torch.Tensor | None = None,
-    gemm1_clamp_limit: torch.Tensor | None = None,
-    valid_hidden_size: int | None = None,
-    valid_intermediate_size: int | None = None,
-    workspace_buffer: torch.Tensor | None = None,
-) -> list[torch.Tensor] | torch.Tensor:
-    """Emulates flashinfer `trtllm_fp8_block_scale_routed_moe`."""
-    common_unsupported(do_finalize, gemm1_lora_delta=gemm1_lora_delta)
-    ids, w = split_routed_input(topk_ids)
-    return call_impl(_fp8_block_impl, ids, w, locals(), routing_replay_out=None)
+trtllm_fp8_block_scale_moe, trtllm_fp8_block_scale_routed_moe = entry_points(
+    "fp8_block_scale", _fp8_block_impl, "DeepSeekFp8 MajorK/BlockMajorK unshuffled; MxFp8 shuffled"
+)

@@ -6,23 +6,19 @@ from __future__ import annotations
 import torch
 
 from .. import quant
-from ..kernel_api import ActivationType
 from .common import (
     activate,
-    call_impl,
     check_local,
-    common_unsupported,
     gemm1_rows,
     is_gated,
     round_bf16,
-    routing,
     row_inverses,
     run_experts,
     scalar,
     unshuffle_rows,
     unsupported,
 )
-from .routing import split_routed_input
+from .entry_points import entry_points
 
 
 def _fp8_tensor_impl(
@@ -81,79 +77,6 @@ def _fp8_tensor_impl(
     )
 
 
-def trtllm_fp8_per_tensor_scale_moe(
-    routing_logits: torch.Tensor,
-    routing_bias: torch.Tensor | None,
-    hidden_states: torch.Tensor,
-    gemm1_weights: torch.Tensor,
-    output1_scales_scalar: torch.Tensor,
-    output1_scales_gate_scalar: torch.Tensor,
-    gemm2_weights: torch.Tensor,
-    output2_scales_scalar: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None,
-    use_routing_scales_on_input: bool,
-    routing_method_type: int = 0,
-    do_finalize: bool = True,
-    enable_pdl: bool | None = None,
-    tune_max_num_tokens: int = 8192,
-    activation_type: int = ActivationType.Swiglu.value,
-    norm_topk_prob: bool = True,
-    routing_replay_out: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    gemm1_clamp_limit: torch.Tensor | None = None,
-    workspace_buffer: torch.Tensor | None = None,
-) -> list[torch.Tensor] | torch.Tensor:
-    """Emulates flashinfer `trtllm_fp8_per_tensor_scale_moe`; returns the output tensor (do_finalize=True)."""
-    common_unsupported(do_finalize)
-    ids, w = routing(
-        routing_logits,
-        routing_bias,
-        top_k,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        routing_method_type,
-        norm_topk_prob,
-    )
-    return call_impl(_fp8_tensor_impl, ids, w, locals())
-
-
-def trtllm_fp8_per_tensor_scale_routed_moe(
-    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    routing_bias: torch.Tensor | None,
-    hidden_states: torch.Tensor,
-    gemm1_weights: torch.Tensor,
-    output1_scales_scalar: torch.Tensor,
-    output1_scales_gate_scalar: torch.Tensor,
-    gemm2_weights: torch.Tensor,
-    output2_scales_scalar: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None,
-    use_routing_scales_on_input: bool,
-    routing_method_type: int = 0,
-    do_finalize: bool = True,
-    enable_pdl: bool | None = None,
-    tune_max_num_tokens: int = 8192,
-    activation_type: int = ActivationType.Swiglu.value,
-    routing_replay_out: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    gemm1_clamp_limit: torch.Tensor | None = None,
-    workspace_buffer: torch.Tensor | None = None,
-) -> list[torch.Tensor] | torch.Tensor:
-    """Emulates flashinfer `trtllm_fp8_per_tensor_scale_routed_moe`."""
-    common_unsupported(do_finalize)
-    ids, w = split_routed_input(topk_ids)
-    return call_impl(_fp8_tensor_impl, ids, w, locals())
+trtllm_fp8_per_tensor_scale_moe, trtllm_fp8_per_tensor_scale_routed_moe = entry_points(
+    "fp8_per_tensor_scale", _fp8_tensor_impl, "e4m3 weights and activations, per-expert scalars"
+)

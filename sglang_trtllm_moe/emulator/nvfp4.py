@@ -11,23 +11,19 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from .. import quant
-from ..kernel_api import UNSET, ActivationType
+from ..kernel_api import UNSET
 from .common import (
     act_name,
     activate,
-    call_impl,
     check_local,
-    common_unsupported,
     expert_sf,
     gemm1_rows,
     is_gated,
     round_bf16,
-    routing,
     row_inverses,
     run_experts,
     scalar,
@@ -36,7 +32,7 @@ from .common import (
     unshuffle_rows,
     unsupported,
 )
-from .routing import split_routed_input
+from .entry_points import entry_points
 
 
 def _fp4_impl(
@@ -195,108 +191,6 @@ def _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6) -
     )
 
 
-def trtllm_fp4_block_scale_moe(
-    routing_logits: torch.Tensor,
-    routing_bias: torch.Tensor | None,
-    hidden_states: torch.Tensor,
-    hidden_states_scale: torch.Tensor | None,
-    gemm1_weights: torch.Tensor,
-    gemm1_weights_scale: torch.Tensor,
-    gemm1_bias: torch.Tensor | None,
-    gemm1_alpha: torch.Tensor | None,
-    gemm1_beta: torch.Tensor | None,
-    gemm1_clamp_limit: torch.Tensor | None,
-    gemm2_weights: torch.Tensor,
-    gemm2_weights_scale: torch.Tensor,
-    gemm2_bias: torch.Tensor | None,
-    output1_scale_scalar: torch.Tensor | None,
-    output1_scale_gate_scalar: torch.Tensor | None,
-    output2_scale_scalar: torch.Tensor | None,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None,
-    routing_method_type: int = 0,
-    do_finalize: bool = True,
-    enable_pdl: bool | None = None,
-    activation_type: int = ActivationType.Swiglu.value,
-    per_token_scale: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    tune_max_num_tokens: int = 8192,
-    norm_topk_prob: bool = True,
-    routing_replay_out: torch.Tensor | None = None,
-    num_fused_shared_experts: int | None = None,
-    valid_hidden_size: int | None = None,
-    valid_intermediate_size: int | None = None,
-    hidden_states_scale_layout=None,
-    workspace_buffer: torch.Tensor | None = None,
-    nvfp4_4over6: Any = UNSET,
-) -> list[torch.Tensor]:
-    """Emulates flashinfer `trtllm_fp4_block_scale_moe` (NVFP4 x NVFP4, MXFP4 x MXFP8 / BF16, biases); returns
-    [output]."""
-    common_unsupported(do_finalize, num_fused_shared_experts)
-    _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6)
-    ids, w = routing(
-        routing_logits,
-        routing_bias,
-        top_k,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        routing_method_type,
-        norm_topk_prob,
-    )
-    return call_impl(_fp4_impl, ids, w, locals())
-
-
-def trtllm_fp4_block_scale_routed_moe(
-    topk_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    routing_bias: torch.Tensor | None,
-    hidden_states: torch.Tensor,
-    hidden_states_scale: torch.Tensor | None,
-    gemm1_weights: torch.Tensor,
-    gemm1_weights_scale: torch.Tensor,
-    gemm1_bias: torch.Tensor | None,
-    gemm1_alpha: torch.Tensor | None,
-    gemm1_beta: torch.Tensor | None,
-    gemm1_clamp_limit: torch.Tensor | None,
-    gemm2_weights: torch.Tensor,
-    gemm2_weights_scale: torch.Tensor,
-    gemm2_bias: torch.Tensor | None,
-    output1_scale_scalar: torch.Tensor | None,
-    output1_scale_gate_scalar: torch.Tensor | None,
-    output2_scale_scalar: torch.Tensor | None,
-    num_experts: int,
-    top_k: int,
-    n_group: int | None,
-    topk_group: int | None,
-    intermediate_size: int,
-    local_expert_offset: int,
-    local_num_experts: int,
-    routed_scaling_factor: float | None,
-    routing_method_type: int = 0,
-    do_finalize: bool = True,
-    enable_pdl: bool | None = None,
-    activation_type: int = ActivationType.Swiglu.value,
-    per_token_scale: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    tune_max_num_tokens: int = 8192,
-    gemm1_lora_delta: torch.Tensor | None = None,
-    valid_hidden_size: int | None = None,
-    valid_intermediate_size: int | None = None,
-    num_fused_shared_experts: int | None = None,
-    hidden_states_scale_layout=None,
-    workspace_buffer: torch.Tensor | None = None,
-    nvfp4_4over6: Any = UNSET,
-    routing_metadata: Any = None,
-) -> list[torch.Tensor]:
-    """Emulates flashinfer `trtllm_fp4_block_scale_routed_moe` (precomputed top-k, packed or (ids, weights))."""
-    common_unsupported(do_finalize, num_fused_shared_experts, gemm1_lora_delta=gemm1_lora_delta)
-    _fp4unsupported(per_token_scale, hidden_states_scale_layout, nvfp4_4over6)
-    unsupported(routing_metadata=("<routing metadata>", routing_metadata is None))
-    ids, w = split_routed_input(topk_ids)
-    return call_impl(_fp4_impl, ids, w, locals(), routing_replay_out=None)
+trtllm_fp4_block_scale_moe, trtllm_fp4_block_scale_routed_moe = entry_points(
+    "fp4_block_scale", _fp4_impl, "NVFP4 x NVFP4, MXFP4 x MXFP8 / BF16, biases; returns [output]", _fp4unsupported
+)

@@ -101,8 +101,6 @@ class Bf16(WeightFormat):
         view of the same storage. routed_scaling_factor reaches the kernel on the logits path (vllm#43769 lost it for
         BF16); on the routed path SGLang's TopK has already folded it into the weights."""
         qi, cfg = call.quant_info, call.runner_config
-        if routed:
-            routing.pop("routing_bias", None)  # trtllm_bf16_routed_moe takes no bias: the top-k is already chosen
         return dict(
             hidden_states=call.hidden,
             gemm1_weights=_kernel_view(qi.gemm1_weights.data),

@@ -10,7 +10,6 @@ references.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -256,7 +255,7 @@ def routed_kwargs(family: str, args: dict, packed: bool) -> dict:
     """The `*_routed_moe` call of the same case: the fused call's top-k precomputed (packed int32, or the pair), the
     arguments that entry point does not take left out."""
     ids, w = topk_of(args)
-    params = inspect.signature(getattr(emulator, kernel_api.kernel_function(family, True))).parameters
+    params = kernel_api.SIGNATURES[kernel_api.kernel_function(family, True)].parameters
     out = {k: v for k, v in args.items() if k in params}
     out["topk_ids"] = pack_topk(ids, w) if packed else (ids, w)
     return out
