@@ -28,6 +28,7 @@ import pytest
 
 from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
 
+from .support import releases
 from .support.helpers import last_json, run_module
 
 pytestmark = pytest.mark.sglang(
@@ -65,11 +66,10 @@ def _report(reports, key) -> dict:
 def test_redundant_experts_are_served_routed_by_the_layers_their_format_belongs_to(reports, key):
     load = _report(reports, key)["load"]
     assert load["slots"] == [12]
-    assert load["backends"] == ["MoeRunnerBackend.FLASHINFER_TRTLLM_ROUTED"]
+    assert load["backends"] == ["flashinfer_trtllm_routed"]
     assert load["managed"] == [key in PLUGIN_PREPARED]
     if key in PLUGIN_PREPARED:
         assert NVFP4_SCALARS <= set(load["moved_params"]), load["moved_params"]
-    assert load["max_physical_id"] >= 8, "SGLang's router never reached a replica slot"
 
 
 @pytest.mark.parametrize("key", MODELS)
@@ -85,6 +85,13 @@ def test_every_slot_equals_a_fresh_load_under_the_placement_of_the_moment(report
 
 @pytest.mark.parametrize("key", MODELS)
 def test_a_rebalance_does_not_change_what_is_served(reports, key):
-    rep = _report(reports, key)["rebalance"]
-    assert rep["tokens_after"] == rep["tokens_before"]
-    assert rep["max_physical_id"] >= 8
+    rep = _report(reports, key)
+    if not releases.TOPK_REMAPS_OFF_GPU.present():
+        # releases.TOPK_REMAPS_OFF_GPU: SGLang's CPU top-k hands the layers logical ids, so no replica slot is ever
+        # reached and what a CPU box serves after a rebalance is not what a GPU server serves (the bytes, layout
+        # state and updates are checked above on these releases too); proven here, so the flag cannot go stale
+        assert rep["load"]["max_physical_id"] < 8 and rep["rebalance"]["max_physical_id"] < 8
+        return
+    assert rep["load"]["max_physical_id"] >= 8, "SGLang's router never reached a replica slot"
+    assert rep["rebalance"]["max_physical_id"] >= 8
+    assert rep["rebalance"]["tokens_after"] == rep["rebalance"]["tokens_before"]

@@ -117,6 +117,14 @@ def _installed(m, p2l: list[list[int]]) -> bool:
     return all(now[i] == p2l[i] for i in m.model.routed_experts_weights_of_layer.keys())
 
 
+def _backend(layer) -> str:
+    """The runner a layer got: FusedMoE.runner_backend (0.5.23+), before it the process-wide backend it reads."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    b = getattr(layer, "runner_backend", None) or get_moe_runner_backend()
+    return str(getattr(b, "value", b))
+
+
 def _moe_weights(m) -> dict:
     """{layer id: the tensors SGLang's rebalance moves} (the model's dict, or the one its LazyValue holds)."""
     weights = m.model.routed_experts_weights_of_layer
@@ -161,7 +169,7 @@ def run(arch: str, quant: str, workdir: str) -> dict:
     moe = m.moe_layers()
     rep["load"] = {
         "slots": sorted({int(layer.num_local_experts) for layer in moe.values()}),
-        "backends": sorted({str(getattr(layer, "runner_backend", "")) for layer in moe.values()}),
+        "backends": sorted({_backend(layer) for layer in moe.values()}),
         "managed": sorted({layer_state.state_of(layer) is not None for layer in moe.values()}),
         "moved_params": sorted(
             {
