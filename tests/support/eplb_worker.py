@@ -81,7 +81,8 @@ def rebalance(m, p2l: list[list[int]]) -> None:
     meta = ExpertLocationMetadata.init_by_mapping(m.model_config, p2l, moe_ep_rank=0)
     weights = m.model.routed_experts_weights_of_layer  # a dict, or SGLang's LazyValue of one (keys() passes through)
     with cpu_empty_cache():
-        m.runner.expert_location_updater.update(weights, meta, update_layer_ids=sorted(weights.keys()), nnodes=1, rank=0)
+        layer_ids = sorted(weights.keys())
+        m.runner.expert_location_updater.update(weights, meta, update_layer_ids=layer_ids, nnodes=1, rank=0)
 
 
 class Routes:
