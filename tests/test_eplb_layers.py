@@ -173,9 +173,9 @@ def test_rebalance_then_update_equals_a_fresh_load_under_the_new_placement(spec,
     assert torch.equal(after, _forward(fresh, NEW, x, logits, spec.top_k))
 
     new = cpu_layers.random_checkpoint(spec, 1, experts=[0, 5, 7])
-    ok, msg = sglang_runtime.updater(model).update_weights_from_tensor(
-        list(cpu_layers.checkpoint_names(new).items())
-    )[:2]
+    ok, msg = sglang_runtime.updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(new).items()))[
+        :2
+    ]
     assert ok, msg
     fresh = _model(spec, {**ck, **new}).experts
     assert _differs(layer, fresh) == []
