@@ -10,7 +10,9 @@ a tensor update of some experts, a disk update of a whole checkpoint and a secon
 fresh `get_model()` of the intended checkpoint under the placement installed at that moment — every parameter and
 buffer byte (the kernel-layout weights and the plugin's per-expert scalars of every slot), storage kept, every
 layer's layout state clean — and its greedy tokens equal the fresh model's; the rebalance leaves the served tokens
-unchanged, and SGLang's router reaches the replica slots (physical ids above the logical ones).
+unchanged, and SGLang's router reaches the replica slots (physical ids above the logical ones) — where SGLang's
+CPU top-k applies the remap at all (tests/support/releases.py TOPK_REMAPS_OFF_GPU: 0.5.23+; before, a GPU server
+remaps and a CPU box does not, which the test proves instead).
 
 Models: Qwen3-MoE NVFP4 and DeepSeek-V3 NVFP4 (the plugin prepares them; DeepSeek's `get_moe_weights` slices its
 slots), DeepSeek-V3 128x128 block FP8 (SGLang prepares it, the plugin observes it: compat/defer.py).
