@@ -57,12 +57,20 @@ def _modelopt_nvfp4_gelu() -> bool:
     return '"gelu"' in src.split("ACT_STR_TO_TYPE_MAP = {", 1)[1].split("}", 1)[0]
 
 
+def _topk_remaps_off_gpu() -> bool:
+    """The last branch of `_post_process_topk_ids` (neither CUDA nor HIP) applies the logical -> physical remap."""
+    src = _source("sglang.srt.layers.moe.topk:_post_process_topk_ids")
+    tail = src.rsplit("\n    else:", 1)
+    return len(tail) == 2 and "topk_ids_logical_to_physical" in tail[1]
+
+
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 FP4E = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe"
 
 PROBES = {
+    "TOPK_REMAPS_OFF_GPU": _topk_remaps_off_gpu,
     "NVFP4_W13_SCALE_2_UP_GATE": _nvfp4_scales_swapped,
     "FP4_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp4MoeQuantInfo"),
     "FP8_QUANT_INFO_SWIGLU": lambda: "gemm1_alpha" in _fields(TRTLLM, "FlashInferTrtllmFp8MoeQuantInfo"),

@@ -169,6 +169,9 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     # speculative-draft (NextN / MTP) MoE layers: a DeepSeek-V3 target and its draft ModelRunner, updated with
     # SGLang's runner selector (0.5.21+)
     ("draft_moe", "speculative draft MoE", (("tests/test_draft_moe.py", None),)),
+    # EPLB / redundant experts: SGLang's own rebalance moves plugin-prepared experts between slots, then RL updates
+    # land in every replica (one layer on every release, whole models 0.5.21+)
+    ("eplb", "EPLB / redundant experts", (("tests/test_eplb_layers.py", None), ("tests/test_eplb.py", None))),
 )
 
 

@@ -15,6 +15,13 @@ WEIGHT_CHECKER_TAKES_PS = Feature(
     ">=0.5.16,<0.5.21",
     "WeightChecker takes the runner's ParallelState, handle() has no role=, and _snapshot aliases CPU tensors",
 )
+TOPK_REMAPS_OFF_GPU = Feature(
+    ">=0.5.23",
+    "select_experts maps top-k ids from logical to physical experts (EPLB / redundant experts) on every platform; "
+    "before, layers/moe/topk.py `_post_process_topk_ids` remaps only under `if _is_cuda:` / `elif _is_hip:`, so "
+    "on a CPU box the MoE layers get logical ids as slot indices (a GPU server remaps): tests/test_eplb.py checks "
+    "what is served after a rebalance only where the remap runs",
+)
 SPAWN_RANKS = Feature(">=0.5.21", "runtime_context.SpawnRanks carries per-rank placement for multi-process worlds")
 
 
