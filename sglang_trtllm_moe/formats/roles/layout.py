@@ -146,7 +146,10 @@ class Layout:
 
 
 def set_scalar_(layer: Layer, name: str, value: torch.Tensor) -> None:
-    """Create a kernel scalar once, then update it in place forever after (storage-stable for CUDA graphs)."""
+    """Create a kernel scalar once, then update it in place forever after (storage-stable for CUDA graphs). A
+    registered Parameter with an expert dimension, not a buffer or attribute: SGLang's EPLB rebalance moves every
+    per-expert parameter between slots (its `filter_moe_weight_param_global_expert`), so per-expert scalars follow
+    their expert only as Parameters (tests/test_eplb*.py)."""
     value = value.detach()
     cur = getattr(layer, name, None)
     if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype:
