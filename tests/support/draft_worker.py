@@ -135,6 +135,8 @@ class Draft:
         class TargetWorker:  # SGLang's own methods on the fields they read
             weight_update_runners = TpModelWorker.weight_update_runners
             deserialize_own_rank = TpModelWorker.deserialize_own_rank
+            init_weights_update_group = TpModelWorker.init_weights_update_group
+            destroy_weights_update_group = TpModelWorker.destroy_weights_update_group
 
             def __init__(self, runner):
                 self._model_runner = self.model_runner = runner
@@ -428,7 +430,14 @@ CHECKS = {
     "refused": check_refused,
     "unresolved": check_unresolved,
     "checker": check_checker,
+    "distributed": lambda w: _distributed().check_distributed(w),
 }
+
+
+def _distributed():
+    from . import draft_distributed  # it reads this module's helpers
+
+    return draft_distributed
 
 
 def main(argv=None) -> int:
