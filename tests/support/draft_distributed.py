@@ -12,10 +12,10 @@ at the first runner that answers False. So the draft is updated on this path, fr
 runner the selector leaves out keeps its bytes. Before 0.5.21 (no selector, outside MODEL_RUNNER_RELEASES) the
 scheduler's distributed update reached the target alone: a draft stayed stale.
 
-What it means for a bad draft tensor: the draft's own load refuses its part of the bucket whole (the plugin's
-bucket_validation, as on the tensor path), but the fan-out is per runner, so under selector all the target has
-already loaded its part of the same bucket when the draft refuses: the request answers False and the target is
-changed. Only a bucket carrying no target tensor (or selector draft) leaves both runners unchanged.
+What it means for a bad draft tensor: SGLang's fan-out is per runner, so under selector all the target would have
+loaded its part of the bucket before the draft's load refused the rest (the request answering False, the target
+changed); the plugin checks the bucket against every runner the selector names before the first loads
+(builtins/weight_updates.py `selected_runners_around`), so neither runner changes.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def check_distributed(w) -> dict:
     """Sessions with selector all / draft / target, each a whole checkpoint of a new seed in two buckets: each runner
     equals a fresh load of the checkpoint meant for it, a runner left out keeps its bytes, storage kept, layers
     clean. Then three one-bucket sessions with a bad draft expert tensor (module docstring): draft experts only
-    under selector draft and under all (refused, neither runner changed a byte), and target + draft experts under
-    all (refused, the draft unchanged; what the target did is recorded)."""
+    under selector draft and under all, and target + draft experts under all: refused, neither runner changed a
+    byte."""
     from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput, InitWeightsUpdateGroupReqInput
 
     from .draft_worker import _nextn_tensors, _ok, _state_bytes
@@ -154,7 +154,7 @@ def check_distributed(w) -> dict:
         "ok": trainer.exitcode == 0
         and len(steps) == len(plan) + len(refusals)
         and all(s["ok"] for n, s in steps.items() if n.startswith("distributed:"))
-        and all(not s["returned"][0] and not s["draft_changed"] for s in refused),
+        and all(not s["returned"][0] and not s["changed"] for s in refused),
         "steps": steps,
         "bad_name": bad_name,
         "trainer_exit": trainer.exitcode,

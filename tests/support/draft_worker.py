@@ -331,11 +331,30 @@ def check_refused(w: Draft) -> dict:
     after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     update = outs[1]
+    mixed = _refused_beside_target(w)
     return {
         "ok": not update.success and not changed,
         "returned": [update.success, update.message[:300]],
         "changed": changed[:8],
         "n_changed": len(changed),
+        "mixed": mixed,
+    }
+
+
+def _refused_beside_target(w: Draft) -> dict:
+    """Selector all, one bucket: the target's experts of a new seed and the draft's, the draft's expert 3 malformed
+    (SGLang loads the target first)."""
+    layers = (w.spec.moe_layers[0], w.spec.moe_layers[-1])
+    good = [kv for kv in _nextn_tensors(w, 5) if kv[0].startswith(tuple(f"model.layers.{n}.mlp.experts." for n in layers))]
+    name = f"{w.ck.expert_base(w.spec, layers[-1], 3, 'gate')}.weight"
+    bad = dict(good)[name]
+    payload = [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
+    before = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
+    outs = w.tensors(payload, "all")
+    after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
+    return {
+        "returned": [outs[1].success, outs[1].message[:300]],
+        "changed": [n for n in before if not torch.equal(before[n], after[n])][:8],
     }
 
 
