@@ -93,7 +93,7 @@ PARTLY_WRITTEN = (
 
 
 #: the models of every runner the scheduler-side request being served loads into (selected_runners_around)
-_SELECTED = contextvars.ContextVar("sglang_trtllm_moe_selected_runners", default=())
+_SELECTED: contextvars.ContextVar[tuple] = contextvars.ContextVar("sglang_trtllm_moe_selected_runners", default=())
 
 
 def _selected_models(manager, selector) -> tuple:

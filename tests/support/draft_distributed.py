@@ -82,19 +82,7 @@ def _session(w, buckets: list, selector: str) -> list:
 def _whole(named: list) -> list:
     """A whole checkpoint in two buckets: everything outside the experts (SGLang's DeepSeek loader fuses q_a_proj
     with kv_a_proj_with_mqa within one call only), then the experts."""
-    return [_ordered([kv for kv in named if ".experts." not in kv[0]]), _ordered([kv for kv in named if ".experts." in kv[0]])]
-
-
-def _bad_bucket(w, seed: int, layers: tuple) -> tuple:
-    """The expert tensors of `layers` (checkpoint numbering) of `seed`, the draft's expert 3 gate one column too
-    wide; (bucket, the bad name)."""
-    from .draft_worker import _nextn_tensors
-
-    prefixes = tuple(f"model.layers.{n}.mlp.experts." for n in layers)
-    good = [kv for kv in _nextn_tensors(w, seed) if kv[0].startswith(prefixes)]
-    name = f"{w.ck.expert_base(w.spec, w.spec.moe_layers[-1], 3, 'gate')}.weight"
-    bad = dict(good)[name]
-    return _ordered([kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]), name
+    return [_ordered([kv for kv in named if (".experts." in kv[0]) == experts]) for experts in (False, True)]
 
 
 def check_distributed(w) -> dict:
@@ -105,14 +93,12 @@ def check_distributed(w) -> dict:
     byte."""
     from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput, InitWeightsUpdateGroupReqInput
 
-    from .draft_worker import _nextn_tensors, _ok, _state_bytes
+    from .draft_worker import _nextn_tensors, _ok, bad_expert_bucket, changed_by
 
     plan = (("all", 9, (9, 9)), ("draft", 10, (9, 10)), ("target", 11, (11, 10)))
-    draft_layer, target_layer = w.spec.moe_layers[-1], w.spec.moe_layers[0]
-    bad_draft, bad_name = _bad_bucket(w, 12, (draft_layer,))
-    bad_mixed, _ = _bad_bucket(w, 13, (target_layer, draft_layer))
-    refusals = (("draft", bad_draft), ("all", bad_draft), ("all", bad_mixed))
-    buckets = [b for _, seed, _ in plan for b in _whole(_nextn_tensors(w, seed))] + [b for _, b in refusals]
+    bad_draft, bad_mixed = _ordered(bad_expert_bucket(w, 12)), _ordered(bad_expert_bucket(w, 13, target_too=True))
+    refusals = (("draft", "draft", bad_draft), ("all", "draft", bad_draft), ("all", "mixed", bad_mixed))
+    buckets = [b for _, seed, _ in plan for b in _whole(_nextn_tensors(w, seed))] + [b for _, _, b in refusals]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -122,7 +108,12 @@ def check_distributed(w) -> dict:
     try:
         init = w.manager.init_weights_update_group(
             InitWeightsUpdateGroupReqInput(
-                master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=GROUP, backend="gloo"
+                master_address="127.0.0.1",
+                master_port=port,
+                rank_offset=1,
+                world_size=2,
+                group_name=GROUP,
+                backend="gloo",
             )
         )
         if not init.success:
@@ -132,16 +123,11 @@ def check_distributed(w) -> dict:
             res = {"returned": [[o.success, o.message[:200]] for o in outs], **w.state(*intended, ptrs)}
             res["ok"] &= _ok(outs)
             steps[f"distributed:{selector}"] = res
-        for i, (selector, bucket) in enumerate(refusals):
-            before = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-            outs = _session(w, [bucket], selector)
-            after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-            changed = [n for n in before if not torch.equal(before[n], after[n])]
-            steps[f"refused:{selector}:{('draft', 'draft', 'mixed')[i]}"] = {
+        for selector, what, bucket in refusals:
+            outs, changed = changed_by(w, lambda: _session(w, [bucket], selector))  # noqa: B023 - called at once
+            steps[f"refused:{selector}:{what}"] = {
                 "returned": [outs[1].success, outs[1].message[:300]],
                 "changed": changed[:8],
-                "target_changed": any(n.startswith("target:") for n in changed),
-                "draft_changed": any(n.startswith("draft:") for n in changed),
             }
         w.manager.destroy_weights_update_group(DestroyWeightsUpdateGroupReqInput(group_name=GROUP))
     finally:
@@ -156,6 +142,5 @@ def check_distributed(w) -> dict:
         and all(s["ok"] for n, s in steps.items() if n.startswith("distributed:"))
         and all(not s["returned"][0] and not s["changed"] for s in refused),
         "steps": steps,
-        "bad_name": bad_name,
         "trainer_exit": trainer.exitcode,
     }

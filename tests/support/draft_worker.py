@@ -318,43 +318,38 @@ def _nextn_tensors(w: Draft, seed: int) -> list:
     return sorted(load_file(os.path.join(w.write(seed), "model.safetensors")).items())
 
 
+def bad_expert_bucket(w: Draft, seed: int, target_too: bool = False) -> list:
+    """The draft's expert tensors of `seed` (and the target's last MoE layer's, `target_too`), the draft's expert 3
+    gate one column too wide, last: after good tensors of the same layer."""
+    layers = (w.spec.moe_layers[0], w.spec.moe_layers[-1]) if target_too else (w.spec.moe_layers[-1],)
+    prefixes = tuple(f"model.layers.{n}.mlp.experts." for n in layers)
+    good = [kv for kv in _nextn_tensors(w, seed) if kv[0].startswith(prefixes)]
+    name = f"{w.ck.expert_base(w.spec, layers[-1], 3, 'gate')}.weight"
+    bad = dict(good)[name]
+    return [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
+
+
+def changed_by(w: Draft, update) -> tuple:
+    """(what `update()` returned, the names of both runners' parameters whose bytes it changed)."""
+    before = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
+    out = update()
+    after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
+    return out, [n for n in before if not torch.equal(before[n], after[n])]
+
+
 def check_refused(w: Draft) -> dict:
     """A malformed expert tensor of the draft's MoE layer, after good tensors of the same layer, selector draft:
-    refused, and neither runner changed a byte."""
-    layer = w.spec.moe_layers[-1]
-    good = [kv for kv in _nextn_tensors(w, 5) if f"model.layers.{layer}.mlp.experts." in kv[0]]
-    name = f"{w.ck.expert_base(w.spec, layer, 3, 'gate')}.weight"
-    bad = dict(good)[name]
-    payload = [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
-    before = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-    outs = w.tensors(payload, "draft")
-    after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    refused, and neither runner changed a byte. Then `mixed`: selector all, the target's experts in the same bucket
+    (SGLang loads the target first: the plugin checks the bucket against both runners before it does)."""
+    outs, changed = changed_by(w, lambda: w.tensors(bad_expert_bucket(w, 5), "draft"))
+    mixed, mixed_changed = changed_by(w, lambda: w.tensors(bad_expert_bucket(w, 5, target_too=True), "all"))
     update = outs[1]
-    mixed = _refused_beside_target(w)
     return {
         "ok": not update.success and not changed,
         "returned": [update.success, update.message[:300]],
         "changed": changed[:8],
         "n_changed": len(changed),
-        "mixed": mixed,
-    }
-
-
-def _refused_beside_target(w: Draft) -> dict:
-    """Selector all, one bucket: the target's experts of a new seed and the draft's, the draft's expert 3 malformed
-    (SGLang loads the target first)."""
-    layers = (w.spec.moe_layers[0], w.spec.moe_layers[-1])
-    good = [kv for kv in _nextn_tensors(w, 5) if kv[0].startswith(tuple(f"model.layers.{n}.mlp.experts." for n in layers))]
-    name = f"{w.ck.expert_base(w.spec, layers[-1], 3, 'gate')}.weight"
-    bad = dict(good)[name]
-    payload = [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
-    before = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-    outs = w.tensors(payload, "all")
-    after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-    return {
-        "returned": [outs[1].success, outs[1].message[:300]],
-        "changed": [n for n in before if not torch.equal(before[n], after[n])][:8],
+        "mixed": {"returned": [mixed[1].success, mixed[1].message[:300]], "changed": mixed_changed[:8]},
     }
 
 
@@ -365,11 +360,7 @@ def check_unresolved(w: Draft) -> dict:
     update after it gives a fresh load's bytes."""
     from sglang_trtllm_moe.updates import bucket_validation
 
-    layer = w.spec.moe_layers[-1]
-    good = [kv for kv in _nextn_tensors(w, 7) if f"model.layers.{layer}.mlp.experts." in kv[0]]
-    name = f"{w.ck.expert_base(w.spec, layer, 3, 'gate')}.weight"
-    bad = dict(good)[name]
-    payload = [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
+    payload = bad_expert_bucket(w, 7)
     real = bucket_validation._nextn_aliases
     bucket_validation._nextn_aliases = lambda model, found: {}
     bucket_validation._CACHES.clear()
