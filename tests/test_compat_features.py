@@ -135,6 +135,7 @@ PROBES = {
         in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_distributed")
         and "self._select_runners(recv_req.selector)"
         in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_tensor")
+        and "self._select_runners()" in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_disk")
     ),
     "WEIGHT_CHECKER_COMPARATOR": lambda: _has("sglang.srt.utils.weight_checker", "_build_quantized_set"),
     "WEIGHT_CHECKER_LEGACY_COMPARE": lambda: (

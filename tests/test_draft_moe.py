@@ -18,8 +18,8 @@ every runner the selector names, so selector all / draft / target each leave eve
 the checkpoint meant for it (the same code in 0.5.21-0.5.23; before 0.5.21 the draft was never updated on this path).
 A bad draft expert tensor is refused whole with neither runner changed, under selector all too when the bucket also
 carries the target's experts: SGLang loads the runners one after another, and the plugin checks the bucket against
-every selected runner's layers before the first loads (weight_updates.py `selected_runners_around`); the tensor path
-the same.
+every selected runner's layers before the first loads (weight_updates.py `selected_runners_around`); the tensor and
+disk paths the same.
 
 Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), and NVFP4 drafts (SGLang builds a
 ModelOpt FP4 DeepSeek's NextN layer unquantized: deepseek_nextn.py sets its quant_config to None).
@@ -90,6 +90,16 @@ def test_a_bad_draft_expert_beside_target_experts_changes_neither_runner(quant, 
     """Selector all, one bucket with the target's experts and the draft's, the draft's expert 3 malformed: without
     the check against every selected runner, SGLang's target load wrote its part before the draft refused."""
     res = _ok(report(quant), "refused")["mixed"]
+    assert not res["returned"][0] and "model.decoder.mlp.experts" in res["returned"][1], res
+    assert res["changed"] == [], res
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_a_checkpoint_with_a_bad_draft_expert_changes_neither_runner(quant, owner):
+    """A disk update (every runner, target first) of a checkpoint whose draft expert 3 is malformed: refused before
+    the target loads it (without the check against every runner, the target served the new checkpoint and only
+    the draft was refused and put back)."""
+    res = _ok(report(quant), "refused")["disk"]
     assert not res["returned"][0] and "model.decoder.mlp.experts" in res["returned"][1], res
     assert res["changed"] == [], res
 

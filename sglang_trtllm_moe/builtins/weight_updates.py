@@ -13,8 +13,8 @@ model's `load_weights` first validates every tensor of the list that targets a m
 checkpoint's files (headers, sizes, every scale's values: checkpoint_headers.py) before SGLang returns any layer to
 checkpoint layout, and is whole or nothing: if SGLang's load still fails, the served weights are put back
 (rollback.py) and the update answers (False, message) instead of raising out of the scheduler.
-With a speculative draft (0.5.21+), SGLang's scheduler-side manager loads one tensor / distributed request into the
-target, then the draft: while it does, each runner's bucket check covers the layers of every runner the request's
+With a speculative draft (0.5.21+), SGLang's scheduler-side manager loads one disk / tensor / distributed request into
+the target, then the draft: while it does, each runner's check covers the layers of every runner the request's
 `selector` names (`selected_runners_around`), so a bad draft tensor refuses the request before the target loads any
 of it.
 Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
@@ -112,9 +112,10 @@ def _selected_models(manager, selector) -> tuple:
 
 
 def selected_runners_around(original, manager, recv_req, *args, **kwargs):
-    """While SGLang's manager serves one tensor / distributed request, every runner's bucket check also covers the
-    other selected runners' layers: it loads them one after another and stops at the first refusal, so a bad draft
-    tensor found only by the draft's own check would leave the target already written."""
+    """While SGLang's manager serves one disk / tensor / distributed request, every runner's check also covers the
+    other selected runners' layers (a disk update: every runner, as SGLang's takes no selector): it loads them one
+    after another and stops at the first refusal, so a bad draft tensor found only by the draft's own check would
+    leave the target already written."""
     token = _SELECTED.set(_selected_models(manager, getattr(recv_req, "selector", "all")))
     try:
         return original(manager, recv_req, *args, **kwargs)
@@ -188,7 +189,8 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     check_checkpoint). Then a way back is prepared (rollback.py); if SGLang's load still fails, or raises, the
     served weights are put back and the update answers (False, message)."""
     model = _model_of(owner)
-    if model is None or not bucket_validation.managed_modules(model):
+    others = [m for m in _SELECTED.get() if m is not model and bucket_validation.managed_modules(m)]
+    if model is None or not (bucket_validation.managed_modules(model) or others):
         return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
     names = None
     files = checkpoint_headers.files_of(model_path, load_format)
@@ -199,9 +201,12 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     try:
         if files:
             try:
+                what = f"checkpoint {model_path}"
                 headers = bucket_validation.check_checkpoint(
-                    model, files, keep=weight_name_filter, what=f"checkpoint {model_path}", record=record
+                    model, files, keep=weight_name_filter, what=what, record=record
                 )
+                for other in others:  # the runners SGLang loads after this one (selected_runners_around)
+                    bucket_validation.check_checkpoint(other, files, keep=weight_name_filter, what=what)
             except bucket_validation.BucketRefused as e:
                 return False, str(e)
             names = frozenset(n for n, _ in headers.tensors)
@@ -353,7 +358,7 @@ def register_sglang_hooks(register, release):
                 "loads any layer, and put the served weights back if the load still fails",
             )
         )
-    for method in ("update_weights_from_tensor", "update_weights_from_distributed"):
+    for method in ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed"):
         register(
             HookTarget(
                 f"{MANAGER}.{method}",
@@ -361,8 +366,8 @@ def register_sglang_hooks(register, release):
                 "around",
                 releases=features.UPDATE_RUNNER_SELECTOR.releases,
                 capability="rl-update",
-                why="check a request against every runner its selector names before the first loads it (a bad "
-                "draft tensor would otherwise leave the target written)",
+                why="check a request against every runner it loads before the first loads it (a bad draft tensor "
+                "would otherwise leave the target written)",
             )
         )
     register(

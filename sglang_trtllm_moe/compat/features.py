@@ -166,9 +166,10 @@ UPDATE_SESSIONS = Feature(
 )
 UPDATE_RUNNER_SELECTOR = Feature(
     ">=0.5.21",
-    "the scheduler's SchedulerWeightUpdaterManager loads a tensor / distributed update into every runner its "
-    "`selector` names (target, then draft), one after another, stopping at the first that answers False: a bucket "
-    "a draft refuses would already be in the target (before 0.5.21 these paths reach the target alone)",
+    "the scheduler's SchedulerWeightUpdaterManager loads a disk update into every runner and a tensor / distributed "
+    "one into every runner its `selector` names (target, then draft), one after another, stopping at the first that "
+    "answers False: a bucket a draft refuses would already be in the target (before 0.5.21 the tensor / distributed "
+    "paths reach the target alone)",
 )
 WEIGHT_CHECKER_COMPARATOR = Feature(
     ">=0.5.15",

@@ -337,14 +337,28 @@ def changed_by(w: Draft, update) -> tuple:
     return out, [n for n in before if not torch.equal(before[n], after[n])]
 
 
+def _bad_checkpoint(w: Draft, seed: int):
+    """A disk update request: the NextN checkpoint of `seed` with the draft's expert 3 gate one column too wide."""
+    from safetensors.torch import save_file
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    out = os.path.join(w.workdir, f"bad{seed}")
+    shutil.copytree(w.write(seed), out)
+    save_file(dict(_nextn_tensors(w, seed) + bad_expert_bucket(w, seed)[-1:]), os.path.join(out, "model.safetensors"))
+    return UpdateWeightFromDiskReqInput(model_path=out, load_format="auto")
+
+
 def check_refused(w: Draft) -> dict:
     """A malformed expert tensor of the draft's MoE layer, after good tensors of the same layer, selector draft:
     refused, and neither runner changed a byte. Then `mixed`: selector all, the target's experts in the same bucket
-    (SGLang loads the target first: the plugin checks the bucket against both runners before it does)."""
+    (SGLang loads the target first: the plugin checks the bucket against both runners before it does); `disk`: a
+    checkpoint whose draft expert is malformed (a disk update loads every runner, target first)."""
     outs, changed = changed_by(w, lambda: w.tensors(bad_expert_bucket(w, 5), "draft"))
     mixed, mixed_changed = changed_by(w, lambda: w.tensors(bad_expert_bucket(w, 5, target_too=True), "all"))
+    disk, disk_changed = changed_by(w, lambda: w.manager.update_weights_from_disk(_bad_checkpoint(w, 5)))
     update = outs[1]
     return {
+        "disk": {"returned": [disk.success, disk.message[:300]], "changed": disk_changed[:8]},
         "ok": not update.success and not changed,
         "returned": [update.success, update.message[:300]],
         "changed": changed[:8],
