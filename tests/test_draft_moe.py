@@ -21,7 +21,8 @@ carries the target's experts: SGLang loads the runners one after another, and th
 every selected runner's layers before the first loads (weight_updates.py `selected_runners_around`); the tensor and
 disk paths the same.
 
-Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), and NVFP4 drafts (SGLang builds a
+Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), the IPC (checkpoint-engine)
+path with a draft, and NVFP4 drafts (SGLang builds a
 ModelOpt FP4 DeepSeek's NextN layer unquantized: deepseek_nextn.py sets its quant_config to None).
 """
 
