@@ -68,6 +68,7 @@ MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 FP4E = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe"
+MANAGER = "sglang.srt.managers.scheduler_components.weight_updater"
 
 PROBES = {
     "TOPK_REMAPS_OFF_GPU": _topk_remaps_off_gpu,
@@ -135,6 +136,14 @@ PROBES = {
     "UPDATE_SESSIONS": lambda: (
         _has(UPDATER, "WeightUpdater")
         and hasattr(importlib.import_module(UPDATER).WeightUpdater, "begin_weight_update")
+    ),
+    "UPDATE_RUNNER_SELECTOR": lambda: (
+        _has(MANAGER, "SchedulerWeightUpdaterManager")
+        and "self._select_runners(recv_req.selector)"
+        in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_distributed")
+        and "self._select_runners(recv_req.selector)"
+        in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_tensor")
+        and "self._select_runners()" in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_disk")
     ),
     "WEIGHT_CHECKER_COMPARATOR": lambda: _has("sglang.srt.utils.weight_checker", "_build_quantized_set"),
     "WEIGHT_CHECKER_LEGACY_COMPARE": lambda: (

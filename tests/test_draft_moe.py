@@ -12,7 +12,17 @@ changed (the request's names are the checkpoint's `model.layers.{N}.`, the draft
 bucket_validation resolves them as SGLang's NextN loader does); SGLang's weight checker compares and hashes the
 draft's layers too (its checksum under the `draft.` prefix).
 
-Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), and NVFP4 drafts (SGLang builds a
+`update_weights_from_distributed` (tests/support/draft_distributed.py, a gloo trainer process as rank 0): SGLang's
+manager receives each broadcast once, on the target (the only runner in the update group), and loads that list into
+every runner the selector names, so selector all / draft / target each leave every runner equal to a fresh load of
+the checkpoint meant for it (the same code in 0.5.21-0.5.23; before 0.5.21 the draft was never updated on this path).
+A bad draft expert tensor is refused whole with neither runner changed, under selector all too when the bucket also
+carries the target's experts: SGLang loads the runners one after another, and the plugin checks the bucket against
+every selected runner's layers before the first loads (weight_updates.py `selected_runners_around`); the tensor and
+disk paths the same.
+
+Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), the IPC (checkpoint-engine)
+path with a draft, and NVFP4 drafts (SGLang builds a
 ModelOpt FP4 DeepSeek's NextN layer unquantized: deepseek_nextn.py sets its quant_config to None).
 """
 
@@ -74,6 +84,49 @@ def test_a_bad_draft_expert_is_refused_whole(quant, owner):
         "refused the whole weight-update bucket" in res["returned"][1]
         and "model.decoder.mlp.experts" in (res["returned"][1])
     )
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_a_bad_draft_expert_beside_target_experts_changes_neither_runner(quant, owner):
+    """Selector all, one bucket with the target's experts and the draft's, the draft's expert 3 malformed: without
+    the check against every selected runner, SGLang's target load wrote its part before the draft refused."""
+    res = _ok(report(quant), "refused")["mixed"]
+    assert not res["returned"][0] and "model.decoder.mlp.experts" in res["returned"][1], res
+    assert res["changed"] == [], res
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_a_checkpoint_with_a_bad_draft_expert_changes_neither_runner(quant, owner):
+    """A disk update (every runner, target first) of a checkpoint whose draft expert 3 is malformed: refused before
+    the target loads it (without the check against every runner, the target served the new checkpoint and only
+    the draft was refused and put back)."""
+    res = _ok(report(quant), "refused")["disk"]
+    assert not res["returned"][0] and "model.decoder.mlp.experts" in res["returned"][1], res
+    assert res["changed"] == [], res
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_distributed_updates_reach_the_runners_the_selector_names(quant, owner):
+    """update_weights_from_distributed over gloo, through SGLang's manager: sessions with selector all / draft /
+    target, each runner == a fresh load of its checkpoint, the one left out keeps its bytes."""
+    res = report(quant)["distributed"]
+    assert "error" not in res and res["trainer_exit"] == 0, json.dumps(res, default=str)[:4000]
+    for selector in ("all", "draft", "target"):
+        assert res["steps"][f"distributed:{selector}"]["ok"], res["steps"]
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_a_bad_draft_tensor_in_a_distributed_bucket_changes_neither_runner(quant, owner):
+    """One broadcast bucket with a malformed draft expert tensor: under selector draft, under all with the draft's
+    experts only, and under all with the target's experts too: (False, the draft layer named), no byte of either
+    runner changed."""
+    steps = report(quant)["distributed"]["steps"]
+    refused = {n: s for n, s in steps.items() if n.startswith("refused:")}
+    assert set(refused) == {"refused:draft:draft", "refused:all:draft", "refused:all:mixed"}, steps
+    for name, res in refused.items():
+        assert not res["returned"][0] and "refused the whole weight-update bucket" in res["returned"][1], (name, res)
+        assert "model.decoder.mlp.experts" in res["returned"][1], (name, res)
+        assert res["changed"] == [], (name, res)
 
 
 @pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])

@@ -13,6 +13,10 @@ model's `load_weights` first validates every tensor of the list that targets a m
 checkpoint's files (headers, sizes, every scale's values: checkpoint_headers.py) before SGLang returns any layer to
 checkpoint layout, and is whole or nothing: if SGLang's load still fails, the served weights are put back
 (rollback.py) and the update answers (False, message) instead of raising out of the scheduler.
+With a speculative draft (0.5.21+), SGLang's scheduler-side manager loads one disk / tensor / distributed request into
+the target, then the draft: while it does, each runner's check covers the layers of every runner the request's
+`selector` names (`selected_runners_around`), so a bad draft tensor refuses the request before the target loads any
+of it.
 Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
 layout first, so they are exact outside a begin/end session too.
 """
@@ -20,6 +24,7 @@ layout first, so they are exact outside a begin/end session too.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 
 from .. import hookimpl, layer_state
@@ -32,6 +37,7 @@ logger = logging.getLogger("sglang_trtllm_moe")
 
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+MANAGER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 
 
 def drop_caches_before(*args, **kwargs):
@@ -86,14 +92,53 @@ PARTLY_WRITTEN = (
 )
 
 
+#: the models of every runner the scheduler-side request being served loads into (selected_runners_around)
+_SELECTED: contextvars.ContextVar[tuple] = contextvars.ContextVar("sglang_trtllm_moe_selected_runners", default=())
+
+
+def _selected_models(manager, selector) -> tuple:
+    """The models of the runners `selector` names, as SGLang's manager picks them (0.5.21-0.5.23
+    `_parse_runner_selector` / `_select_runners`: "all" is target and draft) through its workers' public
+    `weight_update_runners`; () where a worker does not say (the request is then checked per runner, as before)."""
+    roles = ("target", "draft") if selector == "all" else (selector,)
+    models = []
+    try:
+        for role, worker in (("target", manager.tp_worker), ("draft", manager.draft_worker)):
+            if role in roles and worker is not None:
+                models += [_model_of(runner) for _, runner in worker.weight_update_runners()]
+    except AttributeError:
+        return ()
+    return tuple(m for m in models if m is not None)
+
+
+def selected_runners_around(original, manager, recv_req, *args, **kwargs):
+    """While SGLang's manager serves one disk / tensor / distributed request, every runner's check also covers the
+    other selected runners' layers (a disk update: every runner, as SGLang's takes no selector): it loads them one
+    after another and stops at the first refusal, so a bad draft tensor found only by the draft's own check would
+    leave the target already written."""
+    token = _SELECTED.set(_selected_models(manager, getattr(recv_req, "selector", "all")))
+    try:
+        return original(manager, recv_req, *args, **kwargs)
+    finally:
+        _SELECTED.reset(token)
+
+
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
-    what was validated (checked_writes.Checked) so the loader hooks do not check those writes again."""
+    what was validated (checked_writes.Checked) so the loader hooks do not check those writes again; against the
+    layers of the other runners the same scheduler request loads too (selected_runners_around)."""
     model = _model_of(owner)
     real = _own_load_weights(model)
-    if real is None or not bucket_validation.managed_modules(model):
+    others = [m for m in _SELECTED.get() if m is not model and bucket_validation.managed_modules(m)]
+    if real is None or not (bucket_validation.managed_modules(model) or others):
         # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
         return original(owner, *args, **kwargs)
+
+    def check_bucket(named, skip=frozenset(), record=None):
+        bucket_validation.check_bucket(model, named, skip=skip, record=record)
+        for other in others:  # checked again by its own entry point when its turn comes (its record, its writes)
+            bucket_validation.check_bucket(other, named, skip=skip)
+
     refused = []
     record = checked_writes.Checked()
     named = args[0] if args else kwargs.get("named_tensors")
@@ -104,14 +149,14 @@ def check_buckets_around(original, owner, *args, **kwargs):
             # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice (the
             # record's ids), nor again in the loader hooks (the record)
             try:
-                bucket_validation.check_bucket(model, named, record=record)
+                check_bucket(named, record=record)
             except bucket_validation.BucketRefused as e:
                 return False, str(e)
 
         def load_weights(weights, *a, **k):
             if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
                 try:
-                    bucket_validation.check_bucket(model, weights, skip=record.ids, record=record)
+                    check_bucket(weights, skip=record.ids, record=record)
                 except bucket_validation.BucketRefused as e:
                     refused.append(e)
                     raise
@@ -144,7 +189,8 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     check_checkpoint). Then a way back is prepared (rollback.py); if SGLang's load still fails, or raises, the
     served weights are put back and the update answers (False, message)."""
     model = _model_of(owner)
-    if model is None or not bucket_validation.managed_modules(model):
+    others = [m for m in _SELECTED.get() if m is not model and bucket_validation.managed_modules(m)]
+    if model is None or not (bucket_validation.managed_modules(model) or others):
         return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
     names = None
     files = checkpoint_headers.files_of(model_path, load_format)
@@ -155,9 +201,12 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     try:
         if files:
             try:
+                what = f"checkpoint {model_path}"
                 headers = bucket_validation.check_checkpoint(
-                    model, files, keep=weight_name_filter, what=f"checkpoint {model_path}", record=record
+                    model, files, keep=weight_name_filter, what=what, record=record
                 )
+                for other in others:  # the runners SGLang loads after this one (selected_runners_around)
+                    bucket_validation.check_checkpoint(other, files, keep=weight_name_filter, what=what)
             except bucket_validation.BucketRefused as e:
                 return False, str(e)
             names = frozenset(n for n, _ in headers.tensors)
@@ -307,6 +356,18 @@ def register_sglang_hooks(register, release):
                 capability="rl-update",
                 why="refuse a malformed checkpoint (headers, sizes, every scale's values) before SGLang restores or "
                 "loads any layer, and put the served weights back if the load still fails",
+            )
+        )
+    for method in ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed"):
+        register(
+            HookTarget(
+                f"{MANAGER}.{method}",
+                selected_runners_around,
+                "around",
+                releases=features.UPDATE_RUNNER_SELECTOR.releases,
+                capability="rl-update",
+                why="check a request against every runner it loads before the first loads it (a bad draft tensor "
+                "would otherwise leave the target written)",
             )
         )
     register(

@@ -164,6 +164,13 @@ UPDATE_SESSIONS = Feature(
     ">=0.5.21",
     "WeightUpdater.begin_weight_update / end_weight_update sessions and restore_weights_before_loading exist",
 )
+UPDATE_RUNNER_SELECTOR = Feature(
+    ">=0.5.21",
+    "the scheduler's SchedulerWeightUpdaterManager loads a disk update into every runner and a tensor / distributed "
+    "one into every runner its `selector` names (target, then draft), one after another, stopping at the first that "
+    "answers False: a bucket a draft refuses would already be in the target (before 0.5.21 the tensor / distributed "
+    "paths reach the target alone)",
+)
 WEIGHT_CHECKER_COMPARATOR = Feature(
     ">=0.5.15",
     "utils.weight_checker_comparator (select_comparable_weight / compare_weights) and "

@@ -135,6 +135,8 @@ class Draft:
         class TargetWorker:  # SGLang's own methods on the fields they read
             weight_update_runners = TpModelWorker.weight_update_runners
             deserialize_own_rank = TpModelWorker.deserialize_own_rank
+            init_weights_update_group = TpModelWorker.init_weights_update_group
+            destroy_weights_update_group = TpModelWorker.destroy_weights_update_group
 
             def __init__(self, runner):
                 self._model_runner = self.model_runner = runner
@@ -316,24 +318,52 @@ def _nextn_tensors(w: Draft, seed: int) -> list:
     return sorted(load_file(os.path.join(w.write(seed), "model.safetensors")).items())
 
 
+def bad_expert_bucket(w: Draft, seed: int, target_too: bool = False) -> list:
+    """The draft's expert tensors of `seed` (and the target's last MoE layer's, `target_too`), the draft's expert 3
+    gate one column too wide, last: after good tensors of the same layer."""
+    layers = (w.spec.moe_layers[0], w.spec.moe_layers[-1]) if target_too else (w.spec.moe_layers[-1],)
+    prefixes = tuple(f"model.layers.{n}.mlp.experts." for n in layers)
+    good = [kv for kv in _nextn_tensors(w, seed) if kv[0].startswith(prefixes)]
+    name = f"{w.ck.expert_base(w.spec, layers[-1], 3, 'gate')}.weight"
+    bad = dict(good)[name]
+    return [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
+
+
+def changed_by(w: Draft, update) -> tuple:
+    """(what `update()` returned, the names of both runners' parameters whose bytes it changed)."""
+    before = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
+    out = update()
+    after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
+    return out, [n for n in before if not torch.equal(before[n], after[n])]
+
+
+def _bad_checkpoint(w: Draft, seed: int):
+    """A disk update request: the NextN checkpoint of `seed` with the draft's expert 3 gate one column too wide."""
+    from safetensors.torch import save_file
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    out = os.path.join(w.workdir, f"bad{seed}")
+    shutil.copytree(w.write(seed), out)
+    save_file(dict(_nextn_tensors(w, seed) + bad_expert_bucket(w, seed)[-1:]), os.path.join(out, "model.safetensors"))
+    return UpdateWeightFromDiskReqInput(model_path=out, load_format="auto")
+
+
 def check_refused(w: Draft) -> dict:
     """A malformed expert tensor of the draft's MoE layer, after good tensors of the same layer, selector draft:
-    refused, and neither runner changed a byte."""
-    layer = w.spec.moe_layers[-1]
-    good = [kv for kv in _nextn_tensors(w, 5) if f"model.layers.{layer}.mlp.experts." in kv[0]]
-    name = f"{w.ck.expert_base(w.spec, layer, 3, 'gate')}.weight"
-    bad = dict(good)[name]
-    payload = [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
-    before = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-    outs = w.tensors(payload, "draft")
-    after = {**_state_bytes(w.target.model, "target"), **_state_bytes(w.draft.model, "draft")}
-    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    refused, and neither runner changed a byte. Then `mixed`: selector all, the target's experts in the same bucket
+    (SGLang loads the target first: the plugin checks the bucket against both runners before it does); `disk`: a
+    checkpoint whose draft expert is malformed (a disk update loads every runner, target first)."""
+    outs, changed = changed_by(w, lambda: w.tensors(bad_expert_bucket(w, 5), "draft"))
+    mixed, mixed_changed = changed_by(w, lambda: w.tensors(bad_expert_bucket(w, 5, target_too=True), "all"))
+    disk, disk_changed = changed_by(w, lambda: w.manager.update_weights_from_disk(_bad_checkpoint(w, 5)))
     update = outs[1]
     return {
+        "disk": {"returned": [disk.success, disk.message[:300]], "changed": disk_changed[:8]},
         "ok": not update.success and not changed,
         "returned": [update.success, update.message[:300]],
         "changed": changed[:8],
         "n_changed": len(changed),
+        "mixed": {"returned": [mixed[1].success, mixed[1].message[:300]], "changed": mixed_changed[:8]},
     }
 
 
@@ -344,11 +374,7 @@ def check_unresolved(w: Draft) -> dict:
     update after it gives a fresh load's bytes."""
     from sglang_trtllm_moe.updates import bucket_validation
 
-    layer = w.spec.moe_layers[-1]
-    good = [kv for kv in _nextn_tensors(w, 7) if f"model.layers.{layer}.mlp.experts." in kv[0]]
-    name = f"{w.ck.expert_base(w.spec, layer, 3, 'gate')}.weight"
-    bad = dict(good)[name]
-    payload = [kv for kv in good if kv[0] != name] + [(name, torch.cat([bad, bad[:, :1]], 1))]
+    payload = bad_expert_bucket(w, 7)
     real = bucket_validation._nextn_aliases
     bucket_validation._nextn_aliases = lambda model, found: {}
     bucket_validation._CACHES.clear()
@@ -428,7 +454,14 @@ CHECKS = {
     "refused": check_refused,
     "unresolved": check_unresolved,
     "checker": check_checker,
+    "distributed": lambda w: _distributed().check_distributed(w),
 }
+
+
+def _distributed():
+    from . import draft_distributed  # it reads this module's helpers
+
+    return draft_distributed
 
 
 def main(argv=None) -> int:
