@@ -70,6 +70,7 @@ QUANTIZATION_CONFIGS = {
 }
 #: 8. layer test files of formats that share one (default: tests/test_<name>_layer.py)
 LAYER_TESTS = {
+    "nvfp4_online_tensor": "tests/test_nvfp4_online_layer.py",
     "fp8_tensor": "tests/test_fp8_layer.py",
     "fp8_tensor_modelopt": "tests/test_fp8_layer.py",
     "fp8_block": "tests/test_fp8_layer.py",

@@ -25,6 +25,8 @@ KINDS = {
     "ct_nvfp4": (dict(quantization="compressed-tensors", quant_scheme="nvfp4"), cpu_layers.random_ct_nvfp4_checkpoint),
     # BF16 experts through SGLang's online loader (`--quantization nvfp4_online`)
     "nvfp4_online": (dict(quantization="nvfp4_online"), cpu_layers.random_bf16_checkpoint),
+    # the same through `--quantization modelopt_fp4` on a BF16 checkpoint (per-tensor activations, 0.5.18+)
+    "nvfp4_online_tensor": (dict(quantization="modelopt_fp4", online=True), cpu_layers.random_bf16_checkpoint),
     "fp8_modelopt": (dict(quantization="modelopt_fp8"), cpu_layers.random_fp8_checkpoint),
     "fp8_tensor": (dict(quantization="fp8", activation_scheme="static"), cpu_layers.random_fp8_checkpoint),
     "fp8_block": (dict(quantization="fp8", weight_block_size=(128, 128)), cpu_layers.random_fp8_checkpoint),

@@ -13,6 +13,14 @@ the row maps and the scale swizzle are ModelOpt NVFP4's (formats/nvfp4.py). What
   kernel gives garbage at unaligned hidden sizes); the plugin does not pad hidden, so it serves gated layers only.
 * the weight recipe is release-specific (compat/features.py NVFP4_ONLINE_4OVER6): SGLang 0.5.23 quantizes with
   flashinfer's "4over6" MSE recipe (`quant.nvfp4_quantize_4over6`), earlier releases with the plain one.
+
+Its sibling `NvFp4OnlineTensor` (compat/features.py MODELOPT_FP4_ONLINE, 0.5.18+): `--quantization modelopt_fp4` on a
+checkpoint without serialized NVFP4 metadata (BF16; or FP8, dequantized first) builds `_ModelOptFp4OnlineConfig`,
+the same online method and weight loader with `use_per_token_activation` False. The weights, the RL updates in the
+trainer's dtype and the recipe are nvfp4_online's; the activations are ModelOpt NVFP4's, static per tensor: SGLang's
+`create_weights` fills w13_input_scale / w2_input_scale with 1.0 (a BF16 checkpoint has none; an FP8 one's are
+dropped: they do not describe the requantized input), its prep reads them as ModelOpt's does (a1 / a2 = their max),
+so the kernel gets 1/a1 and SGLang's static quantizer, as for a serialized ModelOpt NVFP4 checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class NvFp4Online(NvFp4):
     #: SGLang's own FP4-leaf layers are read as ModelOpt NVFP4 (static activation scales), not as this format
     sglang_leaf = None
     non_gated_activations = frozenset()
+    #: activations quantized per token (SGLang's QuantInfo.use_per_token_activation); False: static per tensor
+    per_token = True
 
     def supports_activation(self, activation: str, gated: bool) -> Support:
         ok, why = super().supports_activation(activation, gated)
@@ -53,8 +63,9 @@ class NvFp4Online(NvFp4):
         scales are never loaded online; SGLang 0.5.23 allocates them unfilled (torch.empty: whatever the allocator
         held, so two loads of one checkpoint differ there), 0.5.17 fills them with 1.0: the plugin fills 1.0 on
         every release, so the served bytes are a function of the checkpoint (the weight checker, RL bit-exactness)."""
-        for name in ("w13_input_scale", "w2_input_scale"):
-            getattr(layer, name).data.fill_(1.0)
+        if self.per_token:
+            for name in ("w13_input_scale", "w2_input_scale"):
+                getattr(layer, name).data.fill_(1.0)
         return super().compute_scalars(layer)
 
     # ---- RL updates in the trainer's dtype ------------------------------------------------------------------
@@ -100,7 +111,9 @@ class NvFp4Online(NvFp4):
     def activation_args(self, call: KernelCall) -> dict:
         """Per-token NVFP4 activations, as SGLang's trtllm leaf makes them: linear e4m3 block scales and the
         per-token FP32 scales, handed over by keyword (`per_token_scale`; flashinfer#2906 moves
-        `hidden_states_scale` in the positional order)."""
+        `hidden_states_scale` in the positional order). Static per-tensor activations: ModelOpt NVFP4's."""
+        if not self.per_token:
+            return super().activation_args(call)
         if call.on_kernel:
             from flashinfer import SfLayout, nvfp4_quantize
 
@@ -121,3 +134,33 @@ class NvFp4Online(NvFp4):
 
 
 NVFP4_ONLINE = NvFp4Online()
+
+
+class NvFp4OnlineTensor(NvFp4Online):
+    name = "nvfp4_online_tensor"
+    title = "NVFP4 online, per-tensor activations (modelopt_fp4 on a BF16 / FP8 checkpoint)"
+    quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
+    per_token = False
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization == "modelopt_fp4" and checkpoint.online
+
+    def supports_activation(self, activation: str, gated: bool) -> Support:
+        if not gated:
+            return False, (
+                f"non-gated {activation!r}: online per-tensor NVFP4 layers are prepared by the plugin for gated "
+                "activations only (no non-gated layer of this kind is tested against SGLang's own preparation); "
+                "SGLang prepares such a layer itself"
+            )
+        return super().supports_activation(activation, gated)
+
+    def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
+        if self.serves(backend, checkpoint) and not features.MODELOPT_FP4_ONLINE.present():
+            return False, (
+                "no: upstream lacks it (--quantization modelopt_fp4 quantizes a checkpoint without NVFP4 metadata "
+                f"online in SGLang {features.MODELOPT_FP4_ONLINE.releases} only)"
+            )
+        return super().supports_backend(backend, checkpoint)
+
+
+NVFP4_ONLINE_TENSOR = NvFp4OnlineTensor()

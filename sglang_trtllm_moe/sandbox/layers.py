@@ -179,6 +179,14 @@ LAYERS: dict[str, LayerKind] = {
         random_bf16_checkpoint,
         routing=False,
     ),
+    # --quantization modelopt_fp4 on a BF16 checkpoint (0.5.18+): the model loader's for_online_weight_quantization
+    "nvfp4_online_tensor": LayerKind(
+        formats.NVFP4_ONLINE_TENSOR,
+        lambda: importlib.import_module("sglang.srt.layers.quantization.modelopt_quant")
+        .ModelOptFp4Config.for_online_weight_quantization({}),
+        random_bf16_checkpoint,
+        routing=False,
+    ),
     "ct_nvfp4": LayerKind(
         formats.CT_NVFP4,
         _parsed("compressed_tensors.compressed_tensors", "CompressedTensorsConfig", CT_NVFP4_CONFIG),
