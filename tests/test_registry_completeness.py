@@ -92,12 +92,14 @@ def _tiny_formats() -> dict[str, str]:
     return out
 
 
-def _hf_config(fmt) -> dict:
+def _hf_config(fmt) -> tuple[dict, str | None]:
+    """(a checkpoint config holding `fmt`, the `--quantization` it is served with: None = its own config's)."""
     from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
 
     tiny = _tiny_formats().get(fmt.name)
-    if tiny is not None and tiny_spec.TinySpec(quant=tiny).quantization is None:
-        return checkpoint_configs.config(tiny_spec.TinySpec(quant=tiny))
+    if tiny is not None and fmt.name not in QUANTIZATION_CONFIGS:
+        spec = tiny_spec.TinySpec(quant=tiny)  # an online quant: only its --quantization names it
+        return checkpoint_configs.config(spec), spec.quantization
     assert fmt.name in QUANTIZATION_CONFIGS, (
         f"{fmt.name}: no checkpoint config to detect it from: give it a tiny checkpoint (sandbox/tiny_spec.py) or a "
         "quantization_config in QUANTIZATION_CONFIGS"
@@ -110,7 +112,7 @@ def _hf_config(fmt) -> dict:
         "num_experts_per_tok": 2,
         "hidden_act": "silu",
         "quantization_config": QUANTIZATION_CONFIGS[fmt.name],
-    }
+    }, None
 
 
 def test_names_are_unique():
@@ -153,7 +155,8 @@ def test_3_load_rule_for_every_parameter_and_scalar(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_4_detected_from_its_checkpoint_config(fmt):
-    problem = problem_from_hf_config(_hf_config(fmt))
+    config, quantization = _hf_config(fmt)
+    problem = problem_from_hf_config(config, quantization=quantization)
     assert problem is not None, fmt.name
     found, why = problem.weight_format()
     assert found is fmt, f"{fmt.name}: its checkpoint config is held as {found} ({why})"

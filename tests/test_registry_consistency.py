@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import TrtllmLayerError, kernel_api, layer_state
+from sglang_trtllm_moe import TrtllmLayerError, formats, kernel_api, layer_state
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement
 
@@ -60,7 +60,13 @@ def runtime():
 def test_what_selection_accepts_a_real_layer_serves(kind, activation, gated, monkeypatch):
     ck, make = KINDS[kind]
     problem = MoeProblem(
-        hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, activation=activation, gated=gated, **ck
+        hidden_size=256,
+        intermediate_size=128,
+        num_experts=4,
+        top_k=2,
+        activation=activation,
+        gated=gated,
+        checkpoint=formats.Checkpoint(**ck),
     )
     verdict = can_implement("flashinfer_trtllm", problem, SM100)
     spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, activation=activation, gated=gated, fmt=kind)
