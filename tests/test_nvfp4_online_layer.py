@@ -192,8 +192,8 @@ def _reference(x, topk, ck, spec, round_like_kernel):
         for k in range(topk.topk_ids.shape[1]):
             g_, u_, d_ = deq[int(topk.topk_ids[t, k])]
             h = torch.nn.functional.silu(g_ @ xs[t]) * (u_ @ xs[t])
-            if round_like_kernel:
-                h = _act(h.to(torch.bfloat16)[None], per_token)[0]
+            if round_like_kernel:  # per token: GEMM1 writes bf16 and re-quantizes it; static: fp32 straight to FP4
+                h = _act((h.to(torch.bfloat16) if per_token else h)[None], per_token)[0]
             out[t] += float(topk.topk_weights[t, k]) * (d_ @ h)
     return out
 
@@ -234,11 +234,7 @@ def test_forward_with_emulator_matches_reference(spec, monkeypatch):
         rel = (out[t].float() - ref[t]).norm() / ref[t].norm()
         assert rel < 0.35, (t, float(rel))
         rel_tight = (out[t].float() - tight[t]).norm() / tight[t].norm()
-        if spec.fmt == "nvfp4_online":
-            assert rel_tight < 0.02, (t, float(rel_tight))
-    # static per-tensor scales promise no per-token exactness (a quiet token's blocks sit near e4m3's subnormals):
-    # the whole output within ModelOpt NVFP4's bound (tests/test_nvfp4_layer.py)
-    assert (out.float() - tight).norm() / tight.norm() < 0.02
+        assert rel_tight < 0.02, (t, float(rel_tight))
     # the same bound fails when w13 is not in kernel layout
     cpu_layers.LAYERS[spec.fmt].format.unprepare_(layer, "w13", list(range(spec.num_experts)))
     bad, _ = sglang_runtime.forward(layer, x, logits)
