@@ -411,3 +411,54 @@ def test_weight_checker_layout_aware_and_a_changed_bf16_expert_located():
         wc.handle("compare", role="target")
     msg = str(err.value)
     assert "in experts [2]" in msg and "experts.w13_weight:" in msg, msg[-800:]
+
+
+# ---- selection and explain: --quantization modelopt_fp4 on a checkpoint without NVFP4 metadata -------------------
+
+QWEN3 = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "hidden_act": "silu",
+}
+FP8_SOURCE = {**QWEN3, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+SERIALIZED = {**QWEN3, "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}
+
+
+@pytest.mark.parametrize("cfg", [QWEN3, FP8_SOURCE], ids=["bf16-source", "fp8-source"])
+def test_modelopt_fp4_without_nvfp4_metadata_is_selected_as_online_per_tensor(cfg):
+    """A BF16 (or FP8) checkpoint with --quantization modelopt_fp4 is quantized online by SGLang 0.5.18+: held as
+    nvfp4_online_tensor (not as a serialized ModelOpt checkpoint), eligible on flashinfer_trtllm where SGLang builds
+    it; before 0.5.18 explain says upstream lacks it. A serialized ModelOpt NVFP4 checkpoint stays `nvfp4`."""
+    from sglang_trtllm_moe.selection import Code, DeviceInfo, problem_from_hf_config, resolve
+
+    b200 = DeviceInfo(sm=100, flashinfer_version="0.7.2", source="test")
+    p = problem_from_hf_config(cfg, quantization="modelopt_fp4")
+    assert p.online_quantization and p.weight_format()[0] is NVFP4_ONLINE_TENSOR
+    res = resolve(p, b200, upstream="flashinfer_trtllm")
+    trtllm = next(c for c in res.candidates if c.backend == "flashinfer_trtllm")
+    if features.MODELOPT_FP4_ONLINE.present():
+        assert trtllm.eligible and res.winner == "flashinfer_trtllm" and res.code == Code.UPSTREAM_AGREES, res
+    else:
+        assert not trtllm.eligible and "no: upstream lacks it" in trtllm.reason and "0.5.18" in trtllm.reason, res
+    assert problem_from_hf_config(SERIALIZED, quantization="modelopt_fp4").weight_format()[0].name == "nvfp4"
+    plain = problem_from_hf_config({**QWEN3, "hidden_act": "relu2"}, quantization="modelopt_fp4")
+    refused = next(c for c in resolve(plain, b200, upstream="flashinfer_trtllm").candidates if c.backend == "flashinfer_trtllm")
+    assert not refused.eligible and "gated activations only" in refused.reason, refused
+
+
+@pytest.mark.sglang(features.MODELOPT_FP4_ONLINE.releases, reason="no modelopt_fp4 online quantization before 0.5.18")
+def test_per_tensor_checkpoint_with_its_own_input_scales_is_left_to_sglang():
+    """SGLang's online loader loads `*input_scale` tensors a BF16 checkpoint carries and quantizes the activations
+    with them; the plugin serves the default 1.0 only: check_layout names the problem, on which `_prepare.take_over`
+    hands the layer back to SGLang (or, with flashinfer_trtllm forced, raises with the fix)."""
+    spec = cpu_layers.MoeSpec(intermediate=128, fmt="nvfp4_online_tensor")
+    ck = cpu_layers.random_bf16_checkpoint(spec)
+    layer = loaded_layer(spec, tensors=ck)
+    layer.w13_input_scale.data[3].fill_(0.5)  # what a loaded experts.3.{gate,up}_proj.input_scale leaves
+    problem = NVFP4_ONLINE_TENSOR.check_layout(layer)
+    assert problem and "w13_input_scale" in problem and "1.0" in problem, problem
+    clean = loaded_layer(spec, tensors=ck)
+    assert NVFP4_ONLINE_TENSOR.check_layout(clean) is None

@@ -20,7 +20,8 @@ the same online method and weight loader with `use_per_token_activation` False. 
 trainer's dtype and the recipe are nvfp4_online's; the activations are ModelOpt NVFP4's, static per tensor: SGLang's
 `create_weights` fills w13_input_scale / w2_input_scale with 1.0 (a BF16 checkpoint has none; an FP8 one's are
 dropped: they do not describe the requantized input), its prep reads them as ModelOpt's does (a1 / a2 = their max),
-so the kernel gets 1/a1 and SGLang's static quantizer, as for a serialized ModelOpt NVFP4 checkpoint.
+so the kernel gets 1/a1 and SGLang's static quantizer, as for a serialized ModelOpt NVFP4 checkpoint. Gated layers
+only (non-gated ones are left to SGLang: no layer test here against its own prep).
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ class NvFp4Online(NvFp4):
         """ModelOpt NVFP4's scalars with a1 = a2 = 1 (NvFp4 reads `use_per_token_activation`). The static input
         scales are never loaded online; SGLang 0.5.23 allocates them unfilled (torch.empty: whatever the allocator
         held, so two loads of one checkpoint differ there), 0.5.17 fills them with 1.0: the plugin fills 1.0 on
-        every release, so the served bytes are a function of the checkpoint (the weight checker, RL bit-exactness)."""
-        if self.per_token:
-            for name in ("w13_input_scale", "w2_input_scale"):
-                getattr(layer, name).data.fill_(1.0)
+        every release, so the served bytes are a function of the checkpoint (the weight checker, RL bit-exactness).
+        Per tensor, SGLang fills 1.0 itself and reads them (a1 = a2 = 1 too): refilled all the same, since nothing
+        of a BF16 checkpoint rewrites them (SGLang's weight checker's reset_tensors would leave them random), and
+        `check_layout` hands a layer whose checkpoint did load other values back to SGLang."""
+        for name in ("w13_input_scale", "w2_input_scale"):
+            getattr(layer, name).data.fill_(1.0)
         return super().compute_scalars(layer)
 
     # ---- RL updates in the trainer's dtype ------------------------------------------------------------------
@@ -153,6 +156,21 @@ class NvFp4OnlineTensor(NvFp4Online):
                 "SGLang prepares such a layer itself"
             )
         return super().supports_activation(activation, gated)
+
+    def check_layout(self, layer: Layer) -> str | None:
+        """The online loader also loads `*input_scale` tensors a source checkpoint carries (an FP8 source's are
+        dropped); SGLang would quantize the activations with them. The plugin serves the default 1.0 only (what
+        `compute_scalars` refills): a layer loaded with other values is SGLang's. One host read, at first prep."""
+        problem = super().check_layout(layer)
+        if problem:
+            return problem
+        for name in ("w13_input_scale", "w2_input_scale"):
+            if not bool((getattr(layer, name).data == 1.0).all()):
+                return (
+                    f"its checkpoint loaded static activation scales ({name} other than SGLang's default 1.0), "
+                    "which the plugin does not serve for online per-tensor NVFP4"
+                )
+        return None
 
     def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
         if self.serves(backend, checkpoint) and not features.MODELOPT_FP4_ONLINE.present():
