@@ -1,9 +1,10 @@
-"""Online NVFP4 (`--quantization nvfp4_online`, and `modelopt_fp4` on a BF16 checkpoint) FusedMoE layers of the installed SGLang on CPU: BF16 experts through
-SGLang's own online loader (flashinfer's quantizer stood in for by the plugin's pure-torch one, sandbox/layers.py
-`online_quantizer`: flashinfer's is CUDA-only), prepared by the plugin in place, against SGLang's own preparation;
-the per-token forward through the emulator against a reference built from the BF16 checkpoint. Tests parametrized by
-`kind` run both: per-token activations (nvfp4_online) and static per-tensor ones (nvfp4_online_tensor: SGLang 0.5.18+
-builds `_ModelOptFp4OnlineConfig` for `--quantization modelopt_fp4` on a checkpoint without NVFP4 metadata)."""
+"""Online NVFP4 (`--quantization nvfp4_online`, and `modelopt_fp4` on a BF16 checkpoint) FusedMoE layers of the
+installed SGLang on CPU: BF16 experts through SGLang's own online loader (flashinfer's quantizer stood in for by the
+plugin's pure-torch one, sandbox/layers.py `online_quantizer`: flashinfer's is CUDA-only), prepared by the plugin in
+place, against SGLang's own preparation; the forward through the emulator against a reference built from the BF16
+checkpoint. Tests parametrized by kind run both: per-token activations (nvfp4_online) and static per-tensor ones
+(nvfp4_online_tensor: SGLang 0.5.18+ builds `_ModelOptFp4OnlineConfig` for `--quantization modelopt_fp4` on a
+checkpoint without NVFP4 metadata)."""
 
 from __future__ import annotations
 
@@ -198,10 +199,7 @@ def _reference(x, topk, ck, spec, round_like_kernel):
     return out
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [*CASES, pytest.param(cpu_layers.MoeSpec(intermediate=96, fmt="nvfp4_online_tensor"), id="per-tensor-I96", marks=PER_TENSOR)],
-)
+@pytest.mark.parametrize("spec", [*CASES, PREP_CASES[-1]])
 def test_forward_with_emulator_matches_reference(spec, monkeypatch):
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     ck = cpu_layers.random_bf16_checkpoint(spec)
@@ -445,7 +443,8 @@ def test_modelopt_fp4_without_nvfp4_metadata_is_selected_as_online_per_tensor(cf
         assert not trtllm.eligible and "no: upstream lacks it" in trtllm.reason and "0.5.18" in trtllm.reason, res
     assert problem_from_hf_config(SERIALIZED, quantization="modelopt_fp4").weight_format()[0].name == "nvfp4"
     plain = problem_from_hf_config({**QWEN3, "hidden_act": "relu2"}, quantization="modelopt_fp4")
-    refused = next(c for c in resolve(plain, b200, upstream="flashinfer_trtllm").candidates if c.backend == "flashinfer_trtllm")
+    candidates = resolve(plain, b200, upstream="flashinfer_trtllm").candidates
+    refused = next(c for c in candidates if c.backend == "flashinfer_trtllm")
     why = "gated activations only" if features.MODELOPT_FP4_ONLINE.present() else "no: upstream lacks it"
     assert not refused.eligible and why in refused.reason, refused
 

@@ -182,8 +182,9 @@ LAYERS: dict[str, LayerKind] = {
     # --quantization modelopt_fp4 on a BF16 checkpoint (0.5.18+): the model loader's for_online_weight_quantization
     "nvfp4_online_tensor": LayerKind(
         formats.NVFP4_ONLINE_TENSOR,
-        lambda: importlib.import_module("sglang.srt.layers.quantization.modelopt_quant")
-        .ModelOptFp4Config.for_online_weight_quantization({}),
+        lambda: importlib.import_module(
+            "sglang.srt.layers.quantization.modelopt_quant"
+        ).ModelOptFp4Config.for_online_weight_quantization({}),
         random_bf16_checkpoint,
         routing=False,
     ),
