@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant",
         required=True,
         help="nvfp4 | ct_nvfp4 | fp8 | fp8_static | fp8_block | bf16 | nvfp4_online "
-        "(a BF16 checkpoint, to serve with --quantization nvfp4_online)",
+        "(a BF16 checkpoint, to serve with --quantization nvfp4_online) | nvfp4_online_tensor "
+        "(the same, to serve with --quantization modelopt_fp4: SGLang 0.5.18+, per-tensor activations)",
     )
     t.add_argument("--out", required=True, help="model directory to write")
     t.add_argument("--seed", type=int, default=0)

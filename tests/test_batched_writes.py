@@ -184,8 +184,8 @@ def _update(model, buckets, flattened: bool = False, disk: bool = False) -> None
 
 
 #: kinds whose checkpoint tensors SGLang's own loader converts on every write (formats' `converted_by_sglang`: the
-#: BF16 experts of `nvfp4_online`, quantized by SGLang's online loader): batched_writes leaves them to it, per tensor
-CONVERTED_BY_SGLANG = {"nvfp4_online"}
+#: BF16 experts of the online NVFP4 kinds, quantized by SGLang's online loader): batched_writes leaves them to it
+CONVERTED_BY_SGLANG = {"nvfp4_online", "nvfp4_online_tensor"}
 
 
 def _batched(model) -> bool:

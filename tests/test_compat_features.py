@@ -231,6 +231,14 @@ PROBES = {
     ),
     "FP4_EXPERTS_SGLANG_PADS": lambda: _has(FP4E, "_pad_intermediate_size"),
     "NVFP4_ONLINE": lambda: importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None,
+    "MODELOPT_FP4_ONLINE": lambda: (
+        importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None
+        and _has("sglang.srt.layers.quantization.nvfp4_online", "_ModelOptFp4OnlineConfig")
+        and "for_online_weight_quantization"
+        in inspect.getsource(importlib.import_module("sglang.srt.model_loader.weight_utils"))
+        and "input_scale_fill = 1.0 if not is_nvfp4_online"
+        in inspect.getsource(importlib.import_module("sglang.srt.layers.quantization.modelopt_quant"))
+    ),
     "NVFP4_ONLINE_4OVER6": lambda: (
         importlib.util.find_spec("sglang.srt.layers.quantization.nvfp4_online") is not None
         and "nvfp4_4over6="

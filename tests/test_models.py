@@ -67,6 +67,8 @@ FORWARD_BOUND = {
     ("deepseek_v3", "fp8_block"): 0.055,
     # BF16 checkpoint, experts quantized to NVFP4 as they load, activations per token (measured 0.195 on 0.5.23)
     ("qwen3_moe", "nvfp4_online"): 0.3,
+    # the same, served with --quantization modelopt_fp4: static per-tensor activation scales (1.0)
+    ("qwen3_moe", "nvfp4_online_tensor"): 0.3,
 }
 
 FULL_FLOWS = (
@@ -88,7 +90,7 @@ FULL_FLOWS = (
 KNOWN: tuple = (
     (
         str(features.NVFP4_ONLINE_LOADER_4OVER6.releases),
-        ("qwen3_moe:nvfp4_online",),
+        ("qwen3_moe:nvfp4_online", "qwen3_moe:nvfp4_online_tensor"),
         (
             "tensor_buckets",
             "tensor_flattened_bucket",
@@ -98,7 +100,8 @@ KNOWN: tuple = (
             "random_rounds",
             "weight_checker",
         ),
-        "SGLang's model loader quantizes an nvfp4_online load and its disk updates with the 4over6 recipe, its "
+        "SGLang's model loader quantizes an online NVFP4 load (nvfp4_online, modelopt_fp4 on BF16) and its disk "
+        "updates with the 4over6 recipe, its "
         "update_weights_from_tensor / _distributed with the plain one (features.NVFP4_ONLINE_LOADER_4OVER6): a "
         "tensor update is not a fresh load's bytes on these releases (weight_checker replays such a state from disk)",
     ),

@@ -1,7 +1,10 @@
-"""Online NVFP4 (`--quantization nvfp4_online`) FusedMoE layers of the installed SGLang on CPU: BF16 experts through
-SGLang's own online loader (flashinfer's quantizer stood in for by the plugin's pure-torch one, sandbox/layers.py
-`online_quantizer`: flashinfer's is CUDA-only), prepared by the plugin in place, against SGLang's own preparation;
-the per-token forward through the emulator against a reference built from the BF16 checkpoint."""
+"""Online NVFP4 (`--quantization nvfp4_online`, and `modelopt_fp4` on a BF16 checkpoint) FusedMoE layers of the
+installed SGLang on CPU: BF16 experts through SGLang's own online loader (flashinfer's quantizer stood in for by the
+plugin's pure-torch one, sandbox/layers.py `online_quantizer`: flashinfer's is CUDA-only), prepared by the plugin in
+place, against SGLang's own preparation; the forward through the emulator against a reference built from the BF16
+checkpoint. Tests parametrized by kind run both: per-token activations (nvfp4_online) and static per-tensor ones
+(nvfp4_online_tensor: SGLang 0.5.18+ builds `_ModelOptFp4OnlineConfig` for `--quantization modelopt_fp4` on a
+checkpoint without NVFP4 metadata)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, emulator, layer_state, quant
 from sglang_trtllm_moe.compat import features
-from sglang_trtllm_moe.formats import NVFP4_ONLINE
+from sglang_trtllm_moe.formats import NVFP4_ONLINE, NVFP4_ONLINE_TENSOR
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
@@ -21,6 +24,18 @@ pytestmark = pytest.mark.sglang(
 
 WEIGHTS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SCALARS = ("g1_alphas", "g1_alphas_up", "g2_alphas", "w13_input_scale_quant", "w2_input_scale_quant", "g1_scale_c")
+#: the two online kinds of layer (sandbox/layers.py LAYERS); the per-tensor one from the release that builds it
+KINDS = [
+    pytest.param("nvfp4_online", id="per-token"),
+    pytest.param(
+        "nvfp4_online_tensor",
+        id="per-tensor",
+        marks=pytest.mark.sglang(
+            features.MODELOPT_FP4_ONLINE.releases,
+            reason="SGLang quantizes --quantization modelopt_fp4 on a BF16 checkpoint online from 0.5.18 only",
+        ),
+    ),
+]
 CASES = [
     pytest.param(cpu_layers.MoeSpec(intermediate=128, fmt="nvfp4_online"), id="gated-I128"),
     pytest.param(cpu_layers.MoeSpec(intermediate=96, fmt="nvfp4_online"), id="gated-I96-padded"),
@@ -33,6 +48,11 @@ CASES = [
             reason="SGLang's online loader never writes a non-gated layer before 0.5.18 (refused: test below)",
         ),
     ),
+]
+PER_TENSOR = KINDS[1].marks
+PREP_CASES = [
+    *CASES,
+    pytest.param(cpu_layers.MoeSpec(intermediate=96, fmt="nvfp4_online_tensor"), id="per-tensor-I96", marks=PER_TENSOR),
 ]
 
 
@@ -84,13 +104,15 @@ def quantize_like_sglang(w: torch.Tensor):
     return q, sf, s2
 
 
-@pytest.mark.parametrize("spec", CASES)
+@pytest.mark.parametrize("spec", PREP_CASES)
 def test_prepared_bytes_equal_sglang_own_preparation(spec, monkeypatch):
     # in place (same Parameter objects, storage, shapes) and byte-equal to SGLang's own preparation
     ours, upstream = sglang_runtime.prepared_like_sglang(lambda: loaded_layer(spec), WEIGHTS, monkeypatch)
     st = layer_state.state_of(ours)
-    assert st is not None and st.clean and st.fmt is NVFP4_ONLINE, "the plugin did not take the layer over"
-    # per-token activations: SGLang's prep takes a1 = a2 = 1 (the static input scales are never loaded)
+    assert st is not None and st.clean and st.fmt is cpu_layers.LAYERS[spec.fmt].format, "not taken over as its kind"
+    # per-token activations: SGLang's prep takes a1 = a2 = 1 (the static input scales are never loaded); per tensor:
+    # a1 = a2 = the static scales' max, which SGLang's create_weights filled with 1.0 (a BF16 checkpoint has none)
+    assert getattr(ours.quant_config, "use_per_token_activation", None) is (spec.fmt == "nvfp4_online")
     assert torch.equal(ours.w13_input_scale_quant.data.float().reshape(-1)[:1], torch.ones(1))
     expected = {n: getattr(upstream, n).data for n in SCALARS}
     # SGLang reads its [Up, Gate] columns as [Gate, Up]: equal here (gated layers)
@@ -151,12 +173,21 @@ def test_per_token_quantizer():
     assert float(pts[3]) == 0.0 and not bool(q[3].any())
 
 
+def _act(x, per_token):
+    """Activations as the kernel sees them: NVFP4 per token, or per tensor with the static a = 1 (1/a = 1)."""
+    if per_token:
+        q, sf, pts = quant.nvfp4_quantize_per_token(x)
+        return quant.nvfp4_dequantize(q, sf, 1.0) * pts.unsqueeze(-1)
+    q, sf = quant.nvfp4_quantize(x, 1.0)
+    return quant.nvfp4_dequantize(q, sf, 1.0)
+
+
 def _reference(x, topk, ck, spec, round_like_kernel):
     out = torch.zeros(x.shape[0], spec.hidden)
     xs = x.float()
+    per_token = spec.fmt == "nvfp4_online"
     if round_like_kernel:
-        q, sf, pts = quant.nvfp4_quantize_per_token(x)
-        xs = quant.nvfp4_dequantize(q, sf, 1.0) * pts.unsqueeze(-1)
+        xs = _act(x, per_token)
     deq = {}
     for e in range(spec.num_experts):
         up, down = ck[f"experts.{e}.up_proj.weight"], ck[f"experts.{e}.down_proj.weight"]
@@ -175,15 +206,13 @@ def _reference(x, topk, ck, spec, round_like_kernel):
                 h = torch.nn.functional.silu(g_ @ xs[t]) * (u_ @ xs[t])
             else:
                 h = torch.relu(u_ @ xs[t]) ** 2
-            if round_like_kernel:
-                hb = h.to(torch.bfloat16)[None]
-                q, sf, p2 = quant.nvfp4_quantize_per_token(hb)
-                h = (quant.nvfp4_dequantize(q, sf, 1.0) * p2.unsqueeze(-1))[0]
+            if round_like_kernel:  # per token: GEMM1 writes bf16 and re-quantizes it; static: fp32 straight to FP4
+                h = _act((h.to(torch.bfloat16) if per_token else h)[None], per_token)[0]
             out[t] += float(topk.topk_weights[t, k]) * (d_ @ h)
     return out
 
 
-@pytest.mark.parametrize("spec", CASES)
+@pytest.mark.parametrize("spec", [*CASES, PREP_CASES[-1]])
 def test_forward_with_emulator_matches_reference(spec, monkeypatch):
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     ck = cpu_layers.random_bf16_checkpoint(spec)
@@ -204,7 +233,12 @@ def test_forward_with_emulator_matches_reference(spec, monkeypatch):
     out, topk = sglang_runtime.forward(layer, x, logits)
     ((args, kwargs),) = calls
     assert not args, "the kernel is called by keyword only (flashinfer#2906 moves hidden_states_scale)"
-    assert kwargs["per_token_scale"].shape == (6,) and kwargs["hidden_states_scale"].dtype == torch.float8_e4m3fn
+    assert kwargs["hidden_states_scale"].dtype == torch.float8_e4m3fn
+    if spec.fmt == "nvfp4_online":
+        assert kwargs["per_token_scale"].shape == (6,)
+    else:  # static per-tensor activations: no per-token scales, and the kernel's 1/a2 is the static 1
+        assert kwargs.get("per_token_scale") is None
+        assert torch.equal(layer.w2_input_scale_quant.data.float().reshape(-1)[:1], torch.ones(1))
     ref = _reference(x, topk, ck, spec, round_like_kernel=False)
     tight = _reference(x, topk, ck, spec, round_like_kernel=True)
     for t in range(6):  # per token: the quiet tokens are as exact as the loud one
@@ -213,7 +247,7 @@ def test_forward_with_emulator_matches_reference(spec, monkeypatch):
         rel_tight = (out[t].float() - tight[t]).norm() / tight[t].norm()
         assert rel_tight < 0.02, (t, float(rel_tight))
     # the same bound fails when w13 is not in kernel layout
-    NVFP4_ONLINE.unprepare_(layer, "w13", list(range(spec.num_experts)))
+    cpu_layers.LAYERS[spec.fmt].format.unprepare_(layer, "w13", list(range(spec.num_experts)))
     bad, _ = sglang_runtime.forward(layer, x, logits)
     assert (bad.float() - tight).norm() / tight.norm() > 0.5
 
@@ -260,6 +294,21 @@ def test_non_gated_at_a_hidden_size_the_kernel_gets_wrong_is_refused_with_a_reas
     assert "model.layers.0.mlp.experts" in str(e.value) and want in str(e.value) and "Fix:" in str(e.value)
 
 
+@pytest.mark.parametrize("kind", KINDS[1:])
+def test_per_tensor_non_gated_is_refused_with_a_reason(kind):
+    fmt = cpu_layers.LAYERS[kind].format
+    ok, why = fmt.supports_activation("relu2", gated=False)
+    assert not ok and "gated activations only" in why, why
+    spec = cpu_layers.MoeSpec(intermediate=128, activation="relu2", gated=False, fmt=kind)
+    try:
+        layer = loaded_layer(spec)
+    except (ValueError, AssertionError, NotImplementedError) as e:  # SGLang itself may refuse the layer
+        pytest.skip(f"SGLang builds no non-gated nvfp4_online layer here: {e}")
+    with pytest.raises(TrtllmLayerError) as e:
+        layer.quant_method.process_weights_after_loading(layer)
+    assert "model.layers.0.mlp.experts" in str(e.value) and why in str(e.value) and "Fix:" in str(e.value)
+
+
 # ---- RL updates in the trainer's dtype: BF16 experts through SGLang's own update entry points ---------------------
 
 RL_SPEC = cpu_layers.MoeSpec(intermediate=96, fmt="nvfp4_online")  # gated, padded 96 -> 128 per half
@@ -270,17 +319,21 @@ def rl_ckpt(seed, experts=None):
     return cpu_layers.random_bf16_checkpoint(RL_SPEC, seed=seed, experts=experts)
 
 
+def rl_spec(kind):
+    return cpu_layers.MoeSpec(intermediate=96, fmt=kind)
+
+
 def served(model):
     return {n: getattr(model.experts, n).data.clone() for n in SERVED}
 
 
-def prepared(tensors, how="tensor"):
+def prepared(tensors, how="tensor", kind="nvfp4_online"):
     with loader_env(how):  # a disk update's "fresh load" is a server's load, through the model loader
-        return sglang_runtime.prepared_model(RL_SPEC, tensors)
+        return sglang_runtime.prepared_model(rl_spec(kind), tensors)
 
 
 def assert_served_as_fresh(model, intended, how="tensor"):
-    fresh = prepared(intended, how)
+    fresh = prepared(intended, how, model.spec.fmt)
     for n in SERVED:
         assert torch.equal(as_bytes(getattr(model.experts, n).data), as_bytes(getattr(fresh.experts, n).data)), n
 
@@ -294,13 +347,15 @@ def update(model, tensors, how):
                 list(cpu_layers.checkpoint_names(tensors).items())
             )
         d = tempfile.mkdtemp(prefix="trtllm-moe-online-")
-        sglang_runtime.write_safetensors_checkpoint(d, tensors, RL_SPEC)
+        sglang_runtime.write_safetensors_checkpoint(d, tensors, model.spec)
         return sglang_runtime.updater(model, d).update_weights_from_disk(d, "auto")
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("how", ["tensor", "disk"])
-def test_bf16_update_is_quantized_like_a_fresh_load_and_a_b_a_gives_a_back(how):
-    model = prepared(rl_ckpt(0), how)
+def test_bf16_update_is_quantized_like_a_fresh_load_and_a_b_a_gives_a_back(how, kind):
+    model = prepared(rl_ckpt(0), how, kind)
+    assert layer_state.state_of(model.experts).fmt is cpu_layers.LAYERS[kind].format
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     a = served(model)
     ok, msg = update(model, rl_ckpt(1), how)
@@ -314,9 +369,10 @@ def test_bf16_update_is_quantized_like_a_fresh_load_and_a_b_a_gives_a_back(how):
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("how", ["tensor", "disk"])
-def test_partial_bf16_update_of_one_expert(how):
-    model = prepared(rl_ckpt(0), how)
+def test_partial_bf16_update_of_one_expert(how, kind):
+    model = prepared(rl_ckpt(0), how, kind)
     st = layer_state.state_of(model.experts)
     before = st.experts_prepared_total
     ok, msg = update(model, rl_ckpt(3, experts=[5]), how)
@@ -331,9 +387,10 @@ def test_partial_bf16_update_of_one_expert(how):
 BAD = [pytest.param(h, bad, id=f"{h}-{bad}") for h in ("tensor", "disk") for bad in ("nan", "inf", "shape", "odd_k")]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("how,bad", BAD)
-def test_bad_bf16_update_is_refused_and_changes_nothing(how, bad):
-    model = sglang_runtime.prepared_model(RL_SPEC, rl_ckpt(0))
+def test_bad_bf16_update_is_refused_and_changes_nothing(how, bad, kind):
+    model = sglang_runtime.prepared_model(rl_spec(kind), rl_ckpt(0))
     snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
     new = rl_ckpt(1)
     key = "experts.2.gate_proj.weight"
@@ -389,3 +446,56 @@ def test_weight_checker_layout_aware_and_a_changed_bf16_expert_located():
         wc.handle("compare", role="target")
     msg = str(err.value)
     assert "in experts [2]" in msg and "experts.w13_weight:" in msg, msg[-800:]
+
+
+# ---- selection and explain: --quantization modelopt_fp4 on a checkpoint without NVFP4 metadata -------------------
+
+QWEN3 = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "hidden_act": "silu",
+}
+FP8_SOURCE = {**QWEN3, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+SERIALIZED = {**QWEN3, "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}
+
+
+@pytest.mark.parametrize("cfg", [QWEN3, FP8_SOURCE], ids=["bf16-source", "fp8-source"])
+def test_modelopt_fp4_without_nvfp4_metadata_is_selected_as_online_per_tensor(cfg):
+    """A BF16 (or FP8) checkpoint with --quantization modelopt_fp4 is quantized online by SGLang 0.5.18+: held as
+    nvfp4_online_tensor (not as a serialized ModelOpt checkpoint), eligible on flashinfer_trtllm where SGLang builds
+    it; before 0.5.18 explain says upstream lacks it. A serialized ModelOpt NVFP4 checkpoint stays `nvfp4`."""
+    from sglang_trtllm_moe.selection import Code, DeviceInfo, problem_from_hf_config, resolve
+
+    b200 = DeviceInfo(sm=100, flashinfer_version="0.7.2", source="test")
+    p = problem_from_hf_config(cfg, quantization="modelopt_fp4")
+    assert p.online_quantization and p.weight_format()[0] is NVFP4_ONLINE_TENSOR
+    res = resolve(p, b200, upstream="flashinfer_trtllm")
+    trtllm = next(c for c in res.candidates if c.backend == "flashinfer_trtllm")
+    if features.MODELOPT_FP4_ONLINE.present():
+        assert trtllm.eligible and res.winner == "flashinfer_trtllm" and res.code == Code.UPSTREAM_AGREES, res
+    else:
+        assert not trtllm.eligible and "no: upstream lacks it" in trtllm.reason and "0.5.18" in trtllm.reason, res
+    assert problem_from_hf_config(SERIALIZED, quantization="modelopt_fp4").weight_format()[0].name == "nvfp4"
+    plain = problem_from_hf_config({**QWEN3, "hidden_act": "relu2"}, quantization="modelopt_fp4")
+    candidates = resolve(plain, b200, upstream="flashinfer_trtllm").candidates
+    refused = next(c for c in candidates if c.backend == "flashinfer_trtllm")
+    why = "gated activations only" if features.MODELOPT_FP4_ONLINE.present() else "no: upstream lacks it"
+    assert not refused.eligible and why in refused.reason, refused
+
+
+@pytest.mark.sglang(features.MODELOPT_FP4_ONLINE.releases, reason="no modelopt_fp4 online quantization before 0.5.18")
+def test_per_tensor_checkpoint_with_its_own_input_scales_is_left_to_sglang():
+    """SGLang's online loader loads `*input_scale` tensors a BF16 checkpoint carries and quantizes the activations
+    with them; the plugin serves the default 1.0 only: check_layout names the problem, on which `_prepare.take_over`
+    hands the layer back to SGLang (or, with flashinfer_trtllm forced, raises with the fix)."""
+    spec = cpu_layers.MoeSpec(intermediate=128, fmt="nvfp4_online_tensor")
+    ck = cpu_layers.random_bf16_checkpoint(spec)
+    layer = loaded_layer(spec, tensors=ck)
+    layer.w13_input_scale.data[3].fill_(0.5)  # what a loaded experts.3.{gate,up}_proj.input_scale leaves
+    problem = NVFP4_ONLINE_TENSOR.check_layout(layer)
+    assert problem and "w13_input_scale" in problem and "1.0" in problem, problem
+    clean = loaded_layer(spec, tensors=ck)
+    assert NVFP4_ONLINE_TENSOR.check_layout(clean) is None

@@ -60,6 +60,7 @@ NO_TINY_CHECKPOINT = {
 }
 #: 8. layer test files of formats that share one (default: tests/test_<name>_layer.py)
 LAYER_TESTS = {
+    "nvfp4_online_tensor": "tests/test_nvfp4_online_layer.py",
     "fp8_tensor": "tests/test_fp8_layer.py",
     "fp8_tensor_modelopt": "tests/test_fp8_layer.py",
     "fp8_block": "tests/test_fp8_layer.py",
@@ -81,13 +82,15 @@ def _tiny_formats() -> dict[str, str]:
     return out
 
 
-def _hf_config(fmt) -> dict:
+def _hf_config(fmt) -> tuple[dict, str | None]:
+    """(a checkpoint config holding `fmt`, the `--quantization` it is served with: None = its own config's)."""
     from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
 
     tiny = _tiny_formats().get(fmt.name)
-    if tiny is not None and tiny_spec.TinySpec(quant=tiny).quantization is None:
-        return checkpoint_configs.config(tiny_spec.TinySpec(quant=tiny))
-    return format_examples.hf_config(fmt)  # the format's own example config
+    if tiny is not None:
+        spec = tiny_spec.TinySpec(quant=tiny)  # an online quant: only its --quantization names it
+        return checkpoint_configs.config(spec), spec.quantization
+    return format_examples.hf_config(fmt), fmt.example.quantization  # the format's own example
 
 
 def test_names_are_unique():
@@ -164,7 +167,8 @@ def test_3_load_rule_for_every_parameter_and_scalar(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_4_detected_from_its_checkpoint_config(fmt):
-    problem = problem_from_hf_config(_hf_config(fmt))
+    config, quantization = _hf_config(fmt)
+    problem = problem_from_hf_config(config, quantization=quantization)
     assert problem is not None, fmt.name
     found, why = problem.weight_format()
     assert found is fmt, f"{fmt.name}: its checkpoint config is held as {found} ({why})"

@@ -12,7 +12,7 @@ import logging
 from .. import hookimpl, layer_state
 from ..compat import features
 from ..errors import TrtllmLayerError
-from ..formats import CT_NVFP4, NVFP4, NVFP4_ONLINE
+from ..formats import CT_NVFP4, NVFP4, NVFP4_ONLINE, NVFP4_ONLINE_TENSOR
 from ..targets import HookTarget
 from ._prepare import UNREADABLE, kw, take_over
 
@@ -52,15 +52,22 @@ def modelopt_process_weights_after_loading(original, method, layer, *args, **kwa
     ok, _ = _modelopt_serves(method, layer)
     if not ok:
         return original(method, layer, *args, **kwargs)
-    # nvfp4_online's method subclasses ModelOpt's (same parameters, per-token activations): its own format
-    fmt = NVFP4_ONLINE if _quant_name(method) == "nvfp4_online" else NVFP4
-    if not take_over(fmt, method, layer, _modelopt_side_attrs):
+    if not take_over(_modelopt_format(method), method, layer, _modelopt_side_attrs):
         return original(method, layer, *args, **kwargs)
 
 
-def _quant_name(method) -> str | None:
-    get_name = getattr(getattr(method, "quant_config", None), "get_name", None)
-    return get_name() if callable(get_name) else None
+def _modelopt_format(method):
+    """nvfp4_online's method subclasses ModelOpt's (same parameters): per-token activations under
+    `--quantization nvfp4_online`; static per-tensor ones under `modelopt_fp4` on a checkpoint without NVFP4
+    metadata (features.MODELOPT_FP4_ONLINE: not serialized, quantized as it loads). Each is its own format."""
+    config = getattr(method, "quant_config", None)
+    get_name = getattr(config, "get_name", None)
+    name = get_name() if callable(get_name) else None
+    if name == "nvfp4_online":
+        return NVFP4_ONLINE
+    if name == "modelopt_fp4" and getattr(config, "is_checkpoint_nvfp4_serialized", True) is False:
+        return NVFP4_ONLINE_TENSOR
+    return NVFP4
 
 
 def modelopt_create_moe_runner(result, method, *args, **kwargs):

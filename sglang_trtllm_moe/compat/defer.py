@@ -50,6 +50,7 @@ MXFP4_GPTOSS = FormatName("mxfp4_gptoss")
 MXFP8 = FormatName("mxfp8")
 NVFP4 = FormatName("nvfp4")
 NVFP4_ONLINE = FormatName("nvfp4_online")
+NVFP4_ONLINE_TENSOR = FormatName("nvfp4_online_tensor")
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,19 @@ TABLE: tuple[Verdict, ...] = (
     ),
     Verdict(NVFP4_ONLINE, ">=0.5.14,<0.5.16", False, "read: " + _NO_CPU_ORACLE),
     Verdict(NVFP4_ONLINE, "<0.5.14", False, "read: upstream lacks it (no --quantization nvfp4_online before 0.5.14)"),
+    Verdict(
+        NVFP4_ONLINE_TENSOR,
+        ">=0.5.18",
+        False,
+        "read: nvfp4_online's method and ModelOpt NVFP4's prep (measured for nvfp4_online above: a one-expert "
+        "update re-shuffles the experts that were not reloaded); only the activation scales differ",
+    ),
+    Verdict(
+        NVFP4_ONLINE_TENSOR,
+        "<0.5.18",
+        False,
+        "read: upstream lacks it (modelopt_fp4 needs serialized NVFP4 metadata before 0.5.18)",
+    ),
     Verdict(
         CT_NVFP4,
         ">=0.5.16",

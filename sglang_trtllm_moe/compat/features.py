@@ -270,6 +270,13 @@ NVFP4_ONLINE_NON_GATED = Feature(
     "before, it holds every w1 for its w3 partner, which a non-gated (relu2) layer never loads: its experts stay "
     "unwritten (NaN forwards), so the plugin refuses such layers there",
 )
+MODELOPT_FP4_ONLINE = Feature(
+    ">=0.5.18",
+    "`--quantization modelopt_fp4` on a checkpoint without serialized NVFP4 metadata (BF16, or FP8 through "
+    "make_modelopt_fp4_online_config_from_fp8) builds _ModelOptFp4OnlineConfig: experts quantized to NVFP4 as they "
+    "load by nvfp4_online's method, static per-tensor activation scales (create_weights fills them with 1.0); "
+    "before 0.5.18 SGLang refuses such a checkpoint (no config file for modelopt_fp4)",
+)
 NVFP4_ONLINE_4OVER6 = Feature(
     ">=0.5.23",
     "nvfp4_online quantizes expert weights with flashinfer's 4over6 MSE recipe (NVFP44Over6Config(448, MSE)); "

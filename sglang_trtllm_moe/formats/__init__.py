@@ -28,12 +28,13 @@ from .mxfp4_experts import MXFP4_EXPERTS
 from .mxfp4_gptoss import MXFP4_GPTOSS
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
-from .nvfp4_online import NVFP4_ONLINE
+from .nvfp4_online import NVFP4_ONLINE, NVFP4_ONLINE_TENSOR
 
 #: every format the plugin prepares, in the order a checkpoint is matched against them
 FORMATS: tuple[WeightFormat, ...] = (
     NVFP4,
     NVFP4_ONLINE,
+    NVFP4_ONLINE_TENSOR,
     CT_NVFP4,
     FP8_TENSOR_MODELOPT,
     FP8_TENSOR,
@@ -101,6 +102,7 @@ __all__ = [
     "sglang_prepared",
     "NVFP4",
     "NVFP4_ONLINE",
+    "NVFP4_ONLINE_TENSOR",
     "CT_NVFP4",
     "FP8_TENSOR",
     "FP8_TENSOR_MODELOPT",

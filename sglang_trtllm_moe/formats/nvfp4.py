@@ -50,7 +50,9 @@ class NvFp4(WeightFormat):
     scalar_params = ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")
 
     def describes(self, checkpoint: Checkpoint) -> bool:
-        return checkpoint.quantization == "modelopt_fp4"
+        """A serialized ModelOpt NVFP4 checkpoint; `--quantization modelopt_fp4` on one without NVFP4 metadata is
+        quantized online (formats/nvfp4_online.py NvFp4OnlineTensor)."""
+        return checkpoint.quantization == "modelopt_fp4" and not checkpoint.online
 
     def supports_activation(self, activation: str, gated: bool) -> Support:
         if activation == "gelu" and not features.MODELOPT_NVFP4_GELU.present():

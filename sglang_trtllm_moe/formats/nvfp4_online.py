@@ -17,6 +17,15 @@ the row maps and the scale swizzle are ModelOpt NVFP4's (formats/nvfp4.py). What
   never writes a non-gated layer (compat/features.py NVFP4_ONLINE_NON_GATED): refused there.
 * the weight recipe is release-specific (compat/features.py NVFP4_ONLINE_4OVER6): SGLang 0.5.23 quantizes with
   flashinfer's "4over6" MSE recipe (`quant.nvfp4_quantize_4over6`), earlier releases with the plain one.
+
+Its sibling `NvFp4OnlineTensor` (compat/features.py MODELOPT_FP4_ONLINE, 0.5.18+): `--quantization modelopt_fp4` on a
+checkpoint without serialized NVFP4 metadata (BF16; or FP8, dequantized first) builds `_ModelOptFp4OnlineConfig`,
+the same online method and weight loader with `use_per_token_activation` False. The weights, the RL updates in the
+trainer's dtype and the recipe are nvfp4_online's; the activations are ModelOpt NVFP4's, static per tensor: SGLang's
+`create_weights` fills w13_input_scale / w2_input_scale with 1.0 (a BF16 checkpoint has none; an FP8 one's are
+dropped: they do not describe the requantized input), its prep reads them as ModelOpt's does (a1 / a2 = their max),
+so the kernel gets 1/a1 and SGLang's static quantizer, as for a serialized ModelOpt NVFP4 checkpoint. Gated layers
+only (non-gated ones are left to SGLang: no layer test here against its own prep).
 """
 
 from __future__ import annotations
@@ -49,11 +58,14 @@ class NvFp4Online(NvFp4):
         "random_bf16_checkpoint",
         routing=False,
     )
+    #: activations quantized per token (SGLang's QuantInfo.use_per_token_activation); False: static per tensor
+    per_token = True
 
     def supports_activation(self, activation: str, gated: bool) -> Support:
         if not gated and not features.NVFP4_ONLINE_NON_GATED.present():
             return False, (
-                "non-gated nvfp4_online layers are not loaded by this SGLang release: its online loader holds each w1 "
+                f"non-gated {activation!r}: nvfp4_online layers without a gate are not loaded by this SGLang "
+                "release: its online loader holds each w1 "
                 f"for a w3 that a non-gated layer never has, so the experts stay unwritten (fixed in SGLang "
                 f"{features.NVFP4_ONLINE_NON_GATED.releases})"
             )
@@ -81,7 +93,10 @@ class NvFp4Online(NvFp4):
         """ModelOpt NVFP4's scalars with a1 = a2 = 1 (NvFp4 reads `use_per_token_activation`). The static input
         scales are never loaded online; SGLang 0.5.23 allocates them unfilled (torch.empty: whatever the allocator
         held, so two loads of one checkpoint differ there), 0.5.17 fills them with 1.0: the plugin fills 1.0 on
-        every release, so the served bytes are a function of the checkpoint (the weight checker, RL bit-exactness)."""
+        every release, so the served bytes are a function of the checkpoint (the weight checker, RL bit-exactness).
+        Per tensor, SGLang fills 1.0 itself and reads them (a1 = a2 = 1 too): refilled all the same, since nothing
+        of a BF16 checkpoint rewrites them (SGLang's weight checker's reset_tensors would leave them random), and
+        `check_layout` hands a layer whose checkpoint did load other values back to SGLang."""
         for name in ("w13_input_scale", "w2_input_scale"):
             getattr(layer, name).data.fill_(1.0)
         return super().compute_scalars(layer)
@@ -129,7 +144,9 @@ class NvFp4Online(NvFp4):
     def activation_args(self, call: KernelCall) -> dict:
         """Per-token NVFP4 activations, as SGLang's trtllm leaf makes them: linear e4m3 block scales and the
         per-token FP32 scales, handed over by keyword (`per_token_scale`; flashinfer#2906 moves
-        `hidden_states_scale` in the positional order)."""
+        `hidden_states_scale` in the positional order). Static per-tensor activations: ModelOpt NVFP4's."""
+        if not self.per_token:
+            return super().activation_args(call)
         if call.on_kernel:
             from flashinfer import SfLayout, nvfp4_quantize
 
@@ -150,3 +167,59 @@ class NvFp4Online(NvFp4):
 
 
 NVFP4_ONLINE = NvFp4Online()
+
+
+class NvFp4OnlineTensor(NvFp4Online):
+    name = "nvfp4_online_tensor"
+    title = "NVFP4 online, per-tensor activations (modelopt_fp4 on a BF16 / FP8 checkpoint)"
+    quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
+    per_token = False
+    #: a BF16 checkpoint (no quantization_config) served with --quantization modelopt_fp4: SGLang's model loader
+    #: builds its config with ModelOptFp4Config.for_online_weight_quantization
+    example = Example(
+        "nvfp4_online_tensor",
+        {},
+        "modelopt_quant.ModelOptFp4Config",
+        "random_bf16_checkpoint",
+        routing=False,
+        quantization="modelopt_fp4",
+        sglang_factory="for_online_weight_quantization",
+    )
+
+    def describes(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.quantization == "modelopt_fp4" and checkpoint.online
+
+    def supports_activation(self, activation: str, gated: bool) -> Support:
+        if not gated:
+            return False, (
+                f"non-gated {activation!r}: online per-tensor NVFP4 layers are prepared by the plugin for gated "
+                "activations only (no non-gated layer of this kind is tested against SGLang's own preparation); "
+                "SGLang prepares such a layer itself"
+            )
+        return super().supports_activation(activation, gated)
+
+    def check_layout(self, layer: Layer) -> str | None:
+        """The online loader also loads `*input_scale` tensors a source checkpoint carries (an FP8 source's are
+        dropped); SGLang would quantize the activations with them. The plugin serves the default 1.0 only (what
+        `compute_scalars` refills): a layer loaded with other values is SGLang's. One host read, at first prep."""
+        problem = super().check_layout(layer)
+        if problem:
+            return problem
+        for name in ("w13_input_scale", "w2_input_scale"):
+            if not bool((getattr(layer, name).data == 1.0).all()):
+                return (
+                    f"its checkpoint loaded static activation scales ({name} other than SGLang's default 1.0), "
+                    "which the plugin does not serve for online per-tensor NVFP4"
+                )
+        return None
+
+    def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
+        if self.serves(backend, checkpoint) and not features.MODELOPT_FP4_ONLINE.present():
+            return False, (
+                "no: upstream lacks it (--quantization modelopt_fp4 quantizes a checkpoint without NVFP4 metadata "
+                f"online in SGLang {features.MODELOPT_FP4_ONLINE.releases} only)"
+            )
+        return super().supports_backend(backend, checkpoint)
+
+
+NVFP4_ONLINE_TENSOR = NvFp4OnlineTensor()

@@ -103,6 +103,12 @@ class Example:
     sglang_config: str | None
     #: the sandbox/layer_checkpoints function making a random calibrated checkpoint of such a layer
     checkpoint: str
+    #: the `--quantization` a server is started with for such a checkpoint, where the checkpoint's config does not
+    #: name it (SGLang quantizes a checkpoint that has no such config as it loads); None: the config's own
+    quantization: str | None = None
+    #: a classmethod of `sglang_config` that builds the config without a checkpoint's (the model loader's call for
+    #: `--quantization X` on a checkpoint without one), called with no argument; None: `from_config`
+    sglang_factory: str | None = None
     #: attributes SGLang's model loader sets on the parsed config from the model's config (e.g. `is_fp4_experts`,
     #: copied from ModelConfig)
     config_attrs: Mapping[str, Any] = field(default_factory=dict)

@@ -81,9 +81,11 @@ def _sglang_config(example: Example) -> Callable[[], Any] | None:
     module, cls = example.sglang_config.rsplit(".", 1)
 
     def make():
-        qc = getattr(importlib.import_module(f"sglang.srt.layers.quantization.{module}"), cls).from_config(
-            dict(example.quantization_config)
-        )
+        config_class = getattr(importlib.import_module(f"sglang.srt.layers.quantization.{module}"), cls)
+        if example.sglang_factory is not None:
+            qc = getattr(config_class, example.sglang_factory)()
+        else:
+            qc = config_class.from_config(dict(example.quantization_config))
         for name, value in example.config_attrs.items():
             setattr(qc, name, value)
         return qc

@@ -7,18 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")
-QUANTS = ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16", "nvfp4_online")
+QUANTS = ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16", "nvfp4_online", "nvfp4_online_tensor")
 
 #: quants served with a `--quantization` of their own: the checkpoint holds the experts in another quant (its
 #: tensors and config.json are that quant's), the server quantizes them as they load. nvfp4_online: a plain BF16
-#: checkpoint served with `--quantization nvfp4_online` (SGLang 0.5.14+: BF16 experts quantized to NVFP4 online)
-ONLINE = {"nvfp4_online": ("bf16", "nvfp4_online")}
+#: checkpoint served with `--quantization nvfp4_online` (SGLang 0.5.14+: BF16 experts quantized to NVFP4 online);
+#: nvfp4_online_tensor: the same checkpoint served with `--quantization modelopt_fp4` (0.5.18+: per-tensor activations)
+ONLINE = {"nvfp4_online": ("bf16", "nvfp4_online"), "nvfp4_online_tensor": ("bf16", "modelopt_fp4")}
 
 #: (arch, quant) pairs SGLang builds with FusedMoE layers. Quantized Mixtral other than `fp8` / compressed-tensors
 #: is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no FusedMoE).
 #: Nemotron-H's loader has no compressed-tensors expert names; DeepSeek block FP8 is the only block recipe here.
 SUPPORTED = {
-    "qwen3_moe": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16", "nvfp4_online"),
+    "qwen3_moe": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16", "nvfp4_online", "nvfp4_online_tensor"),
     "deepseek_v3": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16"),
     "nemotron_h": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16"),
     "mixtral": ("ct_nvfp4", "fp8_static", "bf16"),

@@ -63,6 +63,11 @@ ROUTING_BY_ARCH: dict[str, RoutingMethodType] = {
 _ACT_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu", "gelu_tanh": "gelu"}
 
 
+#: (the checkpoint's quantization, `--quantization`) pairs SGLang quantizes online although the checkpoint has a
+#: quantization_config: modelopt_fp4 on an FP8 checkpoint (make_modelopt_fp4_online_config_from_fp8, 0.5.18+)
+ONLINE_FROM = frozenset({("fp8", "modelopt_fp4")})
+
+
 def detect_quantization(quant_cfg: Mapping | None) -> tuple[str | None, tuple[int, ...] | None, str | None]:
     """(SGLang quantization name, fp8 weight_block_size, compressed-tensors scheme) from `quantization_config`.
 
@@ -133,7 +138,7 @@ def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **paral
     quant = quantization if quantization is not None else detected
     if quant == "modelopt" and detected and detected.startswith("modelopt_"):
         quant = detected
-    online = quantization is not None and detected is None
+    online = quantization is not None and (detected is None or (detected, quant) in ONLINE_FROM)
     return MoeProblem(
         hidden_size=int(hidden),
         intermediate_size=int(inter),

@@ -26,6 +26,6 @@ def hf_config(fmt: WeightFormat) -> dict:
 
 def checkpoint(fmt: WeightFormat) -> Checkpoint:
     """What selection reads from the example's config (as SGLang names the quantization)."""
-    problem = problem_from_hf_config(hf_config(fmt))
+    problem = problem_from_hf_config(hf_config(fmt), quantization=fmt.example.quantization)
     assert problem is not None, fmt.name
     return problem.checkpoint

@@ -209,6 +209,16 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "--quantization nvfp4_online (layers/quantization/nvfp4_online.py) arrives upstream in 0.5.14",
     ),
     Requirement(
+        "tests/test_batched_writes.py::test_batched_writes_give_the_bytes_of_sglangs_per_tensor_loader[nvfp4_online_tensor",
+        ">=0.5.18",
+        "--quantization modelopt_fp4 on a BF16 checkpoint (_ModelOptFp4OnlineConfig) arrives upstream in 0.5.18",
+    ),
+    Requirement(
+        "tests/test_batched_writes.py::test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader[nvfp4_online_tensor",
+        ">=0.5.18",
+        "--quantization modelopt_fp4 on a BF16 checkpoint (_ModelOptFp4OnlineConfig) arrives upstream in 0.5.18",
+    ),
+    Requirement(
         "tests/test_mxfp4_experts_layer.py",
         ">=0.5.12",
         "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "

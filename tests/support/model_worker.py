@@ -1253,6 +1253,8 @@ JOBS = (
     ("mixtral", "nvfp4", ()),
     # issue #37: a BF16 checkpoint served with --quantization nvfp4_online (experts quantized to NVFP4 as they load)
     ("qwen3_moe", "nvfp4_online", ("disk_a_b_a",)),
+    # the same BF16 checkpoint served with --quantization modelopt_fp4 (0.5.18+: online, per-tensor activations)
+    ("qwen3_moe", "nvfp4_online_tensor", ("disk_a_b_a",)),
     # R3: routed experts through the fused runner, per routing method and format (one check each)
     ("qwen3_moe", "nvfp4@r3", ()),
     ("qwen3_moe", "fp8@r3", ()),
