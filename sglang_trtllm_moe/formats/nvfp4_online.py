@@ -133,12 +133,13 @@ class NvFp4Online(NvFp4):
             return f"{bad} non-finite value(s) (NaN / inf) in the {loaded.dtype} source weight"
         return None
 
+    #: the releases with SGLang's path for this format, and what a refusal elsewhere says that path is
+    upstream = features.NVFP4_ONLINE
+    upstream_path = "--quantization nvfp4_online exists"
+
     def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
-        if self.serves(backend, checkpoint) and not features.NVFP4_ONLINE.present():
-            return False, (
-                "no: upstream lacks it (--quantization nvfp4_online exists in SGLang "
-                f"{features.NVFP4_ONLINE.releases} only)"
-            )
+        if self.serves(backend, checkpoint) and not self.upstream.present():
+            return False, f"no: upstream lacks it ({self.upstream_path} in SGLang {self.upstream.releases} only)"
         return super().supports_backend(backend, checkpoint)
 
     def activation_args(self, call: KernelCall) -> dict:
@@ -174,6 +175,8 @@ class NvFp4OnlineTensor(NvFp4Online):
     title = "NVFP4 online, per-tensor activations (modelopt_fp4 on a BF16 / FP8 checkpoint)"
     quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
     per_token = False
+    upstream = features.MODELOPT_FP4_ONLINE
+    upstream_path = "--quantization modelopt_fp4 quantizes a checkpoint without NVFP4 metadata online"
     #: a BF16 checkpoint (no quantization_config) served with --quantization modelopt_fp4: SGLang's model loader
     #: builds its config with ModelOptFp4Config.for_online_weight_quantization
     example = Example(
@@ -212,14 +215,6 @@ class NvFp4OnlineTensor(NvFp4Online):
                     "which the plugin does not serve for online per-tensor NVFP4"
                 )
         return None
-
-    def supports_backend(self, backend: str, checkpoint: Checkpoint) -> Support:
-        if self.serves(backend, checkpoint) and not features.MODELOPT_FP4_ONLINE.present():
-            return False, (
-                "no: upstream lacks it (--quantization modelopt_fp4 quantizes a checkpoint without NVFP4 metadata "
-                f"online in SGLang {features.MODELOPT_FP4_ONLINE.releases} only)"
-            )
-        return super().supports_backend(backend, checkpoint)
 
 
 NVFP4_ONLINE_TENSOR = NvFp4OnlineTensor()

@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any
 
+from ..formats.ct_nvfp4 import EXAMPLE_CONFIG as CT_NVFP4_EXAMPLE
 from .tiny_spec import Q_LORA, QK_NOPE, QK_ROPE, V_HEAD, TinySpec, layer_prefix, moe_prefix
 
 # ---- config.json and quant configs ---------------------------------------------------------------------------------
@@ -79,31 +80,9 @@ def quantization_config(spec: TinySpec) -> dict | None:
     if q == "ct_nvfp4":
         ignore = _excluded_modules(spec)
         return {
-            "quant_method": "compressed-tensors",
-            "format": "nvfp4-pack-quantized",
+            **CT_NVFP4_EXAMPLE,
             "quantization_status": "compressed",
             "ignore": [("re:.*" + i.replace(".", r"\.").replace("*", ".*") + ".*") for i in ignore],
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "float",
-                        "strategy": "tensor_group",
-                        "group_size": 16,
-                        "symmetric": True,
-                        "dynamic": False,
-                    },
-                    "input_activations": {
-                        "num_bits": 4,
-                        "type": "float",
-                        "strategy": "tensor_group",
-                        "group_size": 16,
-                        "symmetric": True,
-                        "dynamic": "local",
-                    },
-                }
-            },
         }
     if q == "fp8_static":
         return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": _ignored_layers_fp8(spec)}
