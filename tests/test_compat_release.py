@@ -26,9 +26,9 @@ SUPERSEDED = {
     ),
     # Before 0.5.16 a global auto is either kept (< 0.5.13) or resolved with apply falling back to sgl-kernel's
     # cutlass_moe_fp4 for a CUTLASS-laid-out layer (0.5.13-0.5.15): no runner/layout mismatch to repair there.
-    # The scheduler's update manager exists from 0.5.18; from 0.5.21 it fans tensor / distributed requests out to the
+    # The scheduler's update manager exists from 0.5.13; from 0.5.21 it fans tensor / distributed requests out to the
     # runners its `selector` names. Before, those reach the target alone (its WeightUpdater hooks check them); a disk
-    # update there loads the target, then a draft: not hooked on 0.5.18-0.5.20 (the sandbox stands draft runners up
+    # update there loads the target, then a draft: not hooked before 0.5.21 (the sandbox stands draft runners up
     # from 0.5.21 only, so that case is untested there).
     **{
         f"sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}": (
