@@ -104,8 +104,8 @@ def test_experts_cross_ranks_through_sglangs_p2p_ops(results, name, step, old, n
         log = res[step]["p2p"]
         slot = res["moved"]["slot_bytes"]
         n = len(res["moved"]["names"])
-        recv = _crossing(old, new, r, 6)
-        sent = _crossing(old, new, other, 6)
+        recv = _crossing(old, new, r, res["meta"]["local"])
+        sent = _crossing(old, new, other, res["meta"]["local"])
         assert recv and sent, "the placement must move experts both ways"
         assert {peer for _, peer, _ in log} == {other}, log
         for kind, experts in (("irecv", recv), ("isend", sent)):

@@ -43,9 +43,9 @@ INIT = list(range(E)) + list(range(R))
 FIRST = [7, 6, 2, 3, 6, 0, 5, 4, 1, 5, 5, 0]
 #: after the update: rank 0 gets 4, 5, 1 from rank 1, rank 1 gets 3, 6, 7 from rank 0
 SECOND = [4, 5, 1, 1, 0, 2, 3, 6, 7, 7, 0, 1]
-UPDATED = [0, 5, 7]  # experts the RL step changes: replicated (0, 5) and moved ones among them
-#: parameters SGLang allocates from a placeholder and no loader writes (ModelOpt NVFP4 before 0.5.16)
-UNWRITTEN = ("w13_blockscale_swizzled", "w2_blockscale_swizzled")
+#: experts the RL step changes after the first rebalance: 0 (on both ranks), 5 (three slots, arrived on rank 1),
+#: 7 (arrived on rank 0)
+UPDATED = [0, 5, 7]
 
 
 def _bytes(t):
@@ -88,11 +88,7 @@ def _compare(layer, spec, tensors, p2l, x, logits) -> dict:
     fresh = _model(spec, tensors).experts
     theirs = dict(fresh.named_parameters())
     return dict(
-        differs=[
-            n
-            for n, p in layer.named_parameters()
-            if not n.endswith(UNWRITTEN) and not torch.equal(_bytes(p), _bytes(theirs[n]))
-        ],
+        differs=[n for n, p in layer.named_parameters() if not torch.equal(_bytes(p), _bytes(theirs[n]))],
         clean=_clean(layer),
         out=_forward(layer, spec, p2l, x, logits),
         fresh_out=_forward(fresh, spec, p2l, x, logits),
@@ -116,8 +112,9 @@ def _p2p_log(log: list):
         dist.batch_isend_irecv = own
 
 
-def _slot_logical(layer, p2l, rank) -> dict:
-    """Which local slots hold identical w13 bytes: a slot's bytes must match the slots of the same logical expert."""
+def _slots_hold_their_experts(layer, p2l, rank) -> dict:
+    """This rank's slots of one logical expert hold the same w13 bytes, slots of different experts differ (so the
+    fresh-load compare cannot pass on slots that all hold the same thing)."""
     w = _bytes(layer.w13_weight).reshape(layer.num_local_experts, -1)
     mine = p2l[rank * layer.num_local_experts : (rank + 1) * layer.num_local_experts]
     return {
@@ -148,7 +145,7 @@ def run_spec(spec_kw: dict, rank: int, x, logits) -> dict:
         ptrs = {n: p.data_ptr() for n, p in layer.named_parameters()}
         moved = moe_weights(layer)
         res["moved"] = {"names": sorted(moved), "slot_bytes": sum(t[0].nbytes for t in moved.values())}
-        res["load"] = {**_compare(layer, spec, ck, INIT, x, logits), **_slot_logical(layer, INIT, rank)}
+        res["load"] = {**_compare(layer, spec, ck, INIT, x, logits), **_slots_hold_their_experts(layer, INIT, rank)}
 
         for step, p2l in (("rebalance", FIRST), ("tensor_update", FIRST), ("second_rebalance", SECOND)):
             log: list = []
@@ -165,7 +162,7 @@ def run_spec(spec_kw: dict, rank: int, x, logits) -> dict:
                 "placement_installed": current[0].physical_to_logical_map_cpu.tolist() == [p2l],
                 "p2p": log,
                 "ptrs_same": ptrs == {n: p.data_ptr() for n, p in layer.named_parameters()},
-                **_slot_logical(layer, p2l, rank),
+                **_slots_hold_their_experts(layer, p2l, rank),
                 **_compare(layer, spec, ck, p2l, x, logits),
             }
     return res
