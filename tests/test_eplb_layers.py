@@ -28,7 +28,7 @@ import torch
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-from .support import sglang_runtime
+from .support import eplb_placement, sglang_runtime
 
 E, R = 8, 4
 INIT = list(range(E)) + list(range(R))
@@ -45,42 +45,12 @@ SPECS = [
 ]
 
 
-def _metadata(p2l: list[int]):
-    """SGLang's ExpertLocationMetadata of one layer with placement `p2l` (physical slot -> logical expert), one EP
-    rank: the fields `init_by_mapping` computes (logical -> all its slots, padded with -1; no static dispatch)."""
-    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
-
-    p = torch.tensor([p2l])
-    l2a = torch.full((1, E, len(p2l)), -1)
-    for logical in range(E):
-        slots = [i for i, x in enumerate(p2l) if x == logical]
-        l2a[0, logical, : len(slots)] = torch.tensor(slots)
-    kw = dict(
-        physical_to_logical_map=p,
-        physical_to_logical_map_cpu=p.clone(),
-        logical_to_all_physical_map=l2a,
-        logical_to_all_physical_map_cpu=l2a.clone(),
-        logical_to_all_physical_map_num_valid=(l2a != -1).sum(-1),
-        ep_size=1,
-        logical_to_rank_dispatch_physical_map=None,
-    )
-    names = {f.name for f in dataclasses.fields(ExpertLocationMetadata)}
-    return ExpertLocationMetadata(**{k: v for k, v in kw.items() if k in names})
-
-
 @pytest.fixture
-def placement(monkeypatch):
-    """The placement SGLang's loader and rebalance see (what the model runner installs process-wide at start-up):
-    the two names they call `get_global_expert_location_metadata` by answer one metadata object, whatever the
-    release stores it in; SGLang's updater changes that object in place (`ExpertLocationMetadata.update`).
-    Undone after the test, so other layers of the process are built without a placement."""
-    from sglang.srt.eplb import expert_location_updater
-    from sglang.srt.layers.moe.fused_moe_triton import layer as fused_moe
-
-    current = [_metadata(INIT)]
-    for module in (fused_moe, expert_location_updater):
-        monkeypatch.setattr(module, "get_global_expert_location_metadata", lambda: current[0])
-    return current
+def placement():
+    """The placement SGLang's loader and rebalance see (what the model runner installs process-wide at start-up),
+    undone after the test, so other layers of the process are built without a placement."""
+    with eplb_placement.installed([eplb_placement.metadata(INIT, E)]) as current:
+        yield current
 
 
 def _model(spec, tensors):
@@ -91,28 +61,8 @@ def _model(spec, tensors):
     return model
 
 
-def _moe_weights(layer) -> list[torch.Tensor]:
-    """What a model's get_moe_weights() hands SGLang's rebalance (qwen3_moe.py / nemotron_h.py)."""
-    from sglang.srt.layers.moe.utils import filter_moe_weight_param_global_expert
-
-    return [
-        x.data
-        for name, x in layer.named_parameters()
-        if name != "correction_bias" and filter_moe_weight_param_global_expert(name, x, layer.num_local_experts)
-    ]
-
-
 def _rebalance(layer, new):
-    from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
-
-    had = hasattr(torch.cpu, "empty_cache")  # the updater's first call frees CUDA's cache (docs/TESTING.md)
-    if not had:
-        torch.cpu.empty_cache = lambda: None
-    try:
-        ExpertLocationUpdater().update({0: _moe_weights(layer)}, _metadata(new), update_layer_ids=[0], nnodes=1, rank=0)
-    finally:
-        if not had:
-            del torch.cpu.empty_cache
+    eplb_placement.rebalance(layer, eplb_placement.metadata(new, E))
 
 
 def _clean(layer) -> bool:
@@ -185,9 +135,10 @@ def test_rebalance_then_update_equals_a_fresh_load_under_the_new_placement(spec,
 
 
 def test_the_placement_helper_fills_every_field_sglang_declares():
-    """`_metadata` builds SGLang's own dataclass from the fields it declares on this release: none left unset."""
+    """`eplb_placement.metadata` builds SGLang's own dataclass from the fields it declares on this release: none
+    left unset."""
     from sglang.srt.eplb.expert_location import ExpertLocationMetadata
 
-    m = _metadata(NEW)
+    m = eplb_placement.metadata(NEW, E)
     assert m.logical_to_all_physical(0, 5) == [2, 8, 9]
     assert {f.name for f in dataclasses.fields(ExpertLocationMetadata)} <= set(vars(m))

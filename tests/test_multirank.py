@@ -11,9 +11,6 @@ SGLang is what costs time here.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,8 +18,7 @@ import torch
 from sglang_trtllm_moe import selection
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-from .support import sglang_runtime
-from .support.helpers import REPO
+from .support import ranks, sglang_runtime
 from .support.multirank_worker import checkpoint, forward
 
 E, H = 8, 128
@@ -62,45 +58,6 @@ WORLD2 = [
 SCENARIOS = {sc["name"]: sc for sc in WORLD2}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(world: int, scenarios: list, tmp) -> list[subprocess.Popen]:
-    job = tmp / "job.pt"
-    torch.save({"scenarios": scenarios}, job)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_TRTLLM_MOE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    port = _free_port()
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.support.multirank_worker", str(job), str(r), str(world), str(port), str(tmp)],
-            cwd=str(REPO),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-
-
-def _collect(procs, tmp, timeout=240) -> list[dict]:
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed (rc {p.returncode}):\n{logs[r][-4000:] if r < len(logs) else ''}"
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(len(procs))]
-
-
 def _single_rank(sc, seed=None, tensors=None):
     """The same layer at TP=1/EP=1 in this process: SGLang's loader + the plugin + the emulator."""
     spec = cpu_layers.MoeSpec(**sc["spec"])
@@ -116,7 +73,7 @@ def _single_rank(sc, seed=None, tensors=None):
 def world2(tmp_path_factory):
     """Start the 2-rank group first, compute the TP=1 oracles here while it runs."""
     tmp = tmp_path_factory.mktemp("world2")
-    procs = _launch(2, WORLD2, tmp)
+    procs = ranks.launch("tests.support.multirank_worker", 2, {"scenarios": WORLD2}, tmp)
     try:
         sglang_runtime.ensure("flashinfer_trtllm")
         old = os.environ.get("SGLANG_TRTLLM_MOE_EMULATE")
@@ -138,10 +95,9 @@ def world2(tmp_path_factory):
             else:
                 os.environ["SGLANG_TRTLLM_MOE_EMULATE"] = old
     except BaseException:
-        for p in procs:
-            p.kill()
+        ranks.kill(procs)
         raise
-    return _collect(procs, tmp), refs
+    return ranks.collect(procs, tmp), refs
 
 
 def rel(a, b):

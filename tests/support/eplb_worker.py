@@ -24,7 +24,7 @@ tokens unchanged (the same logical experts serve every token), and the router mu
 
 One stand-in, for a CUDA-only call: `ExpertLocationUpdater.update` starts with `torch.get_device_module()
 .empty_cache()`, which on a CPU box is `torch.cpu.empty_cache`, absent from CPU torch; a no-op there (it only
-returns cached CUDA blocks to the driver). docs/TESTING.md lists it.
+returns cached CUDA blocks to the driver; tests/support/eplb_placement.py). docs/TESTING.md lists it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SGLANG_TRTLLM_MOE_TEST_
 import torch  # noqa: E402
 
 from .. import conftest  # noqa: E402,F401  (torchvision shim before SGLang is imported)
+from .eplb_placement import cpu_empty_cache  # noqa: E402
 
 #: redundant slots: E + R physical experts per layer (R logical experts served twice)
 REDUNDANT = 4
@@ -59,19 +60,6 @@ def placements(num_experts: int, num_layers: int) -> dict[str, list[list[int]]]:
     ]
     second = [[(i + 1 + layer) % e for i in range(e)] + [e - 1] * r for layer in range(num_layers)]
     return {"init": init, "first": first, "second": second}
-
-
-@contextlib.contextmanager
-def cpu_empty_cache():
-    """`torch.cpu.empty_cache` as a no-op where CPU torch lacks it (module doc)."""
-    missing = not hasattr(torch.cpu, "empty_cache")
-    if missing:
-        torch.cpu.empty_cache = lambda: None
-    try:
-        yield
-    finally:
-        if missing:
-            del torch.cpu.empty_cache
 
 
 def rebalance(m, p2l: list[list[int]]) -> None:

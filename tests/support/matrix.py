@@ -170,8 +170,13 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     # SGLang's runner selector (0.5.21+)
     ("draft_moe", "speculative draft MoE", (("tests/test_draft_moe.py", None),)),
     # EPLB / redundant experts: SGLang's own rebalance moves plugin-prepared experts between slots, then RL updates
-    # land in every replica (one layer on every release, whole models 0.5.21+)
-    ("eplb", "EPLB / redundant experts", (("tests/test_eplb_layers.py", None), ("tests/test_eplb.py", None))),
+    # land in every replica (one layer on every release, whole models 0.5.21+), and between two EP ranks with its
+    # P2P ops (gloo; 0.5.21+)
+    (
+        "eplb",
+        "EPLB / redundant experts",
+        (("tests/test_eplb_layers.py", None), ("tests/test_eplb.py", None), ("tests/test_eplb_p2p.py", None)),
+    ),
 )
 
 
