@@ -2,7 +2,12 @@
 
 * NVFP4 weights and activations (e2m1 + e4m3 scales per 16, global scales through the output scalars); with
   `per_token_scale` (online NVFP4) GEMM1 is scaled per token and its bf16 output re-quantized per row with per-row
-  FP32 scales that scale GEMM2 (trtllm_fused_moe_runner.cu, usePerTokenScalingGemm1/2).
+  FP32 scales that scale GEMM2 (trtllm_fused_moe_runner.cu, usePerTokenScalingGemm1/2). The same steps as
+  flashinfer's own per-token test reference (tests/moe/utils.py `compute_reference_moe_fp4(use_per_token_activation=
+  True)`, read at fb28d72; it is not in the wheels): input = dequant * per-token scale, the activation rounded to
+  bf16 and quantized per row with global inverse 1 / (448 * 6), GEMM2 on the dequant without the row scale, the
+  output times the row scale; the per-row quantizer is byte-compared with flashinfer's on a GPU
+  (tests/gpu/test_nvfp4_quantizers.py).
 * MXFP4 weights (e2m1 + UE8M0 scales per 32; gpt-oss, DeepSeek-V4 experts) with MXFP8 activations (the
   intermediate re-quantized bf16 -> MXFP8, flashinfer's test reference) or BF16 activations (intermediate bf16),
   optional fp32 GEMM1/GEMM2 biases in the kernel's row layout, SwiGLU with alpha/beta/clamp (gpt-oss: 1.702, 1, 7).
