@@ -5,8 +5,8 @@
   FP32 scales that scale GEMM2 (trtllm_fused_moe_runner.cu, usePerTokenScalingGemm1/2). The same steps as
   flashinfer's own per-token test reference (tests/moe/utils.py `compute_reference_moe_fp4(use_per_token_activation=
   True)`, read at fb28d72; it is not in the wheels): input = dequant * per-token scale, the activation rounded to
-  bf16 and quantized per row with global inverse 1 / (448 * 6), GEMM2 on the dequant without the row scale, the
-  output times the row scale; the per-row quantizer is byte-compared with flashinfer's on a GPU
+  bf16 and quantized per row with global inverse 1 / (448 * 6), the row scale applied to GEMM2 (before it here,
+  after it there: linear, equal up to fp32 rounding); the per-row quantizer is byte-compared with flashinfer's on a GPU
   (tests/gpu/test_nvfp4_quantizers.py).
 * MXFP4 weights (e2m1 + UE8M0 scales per 32; gpt-oss, DeepSeek-V4 experts) with MXFP8 activations (the
   intermediate re-quantized bf16 -> MXFP8, flashinfer's test reference) or BF16 activations (intermediate bf16),
