@@ -52,9 +52,9 @@ NO_TRTLLM_LAYER = {
         "builds them there and tests/test_mx_selection.py checks selection's refusal on flashinfer_trtllm"
     ),
 }
-#: 8. layer test files of formats that share one (default: tests/test_<name>_layer.py)
+#: 8. layer test files of formats that share one named after neither (default: tests/test_<name>_layer.py, else
+#: the one of the format's module, tests/test_<module>_layer.py: a variant in its parent's module shares its test)
 LAYER_TESTS = {
-    "nvfp4_online_tensor": "tests/test_nvfp4_online_layer.py",
     "fp8_tensor": "tests/test_fp8_layer.py",
     "fp8_tensor_modelopt": "tests/test_fp8_layer.py",
     "fp8_block": "tests/test_fp8_layer.py",
@@ -226,7 +226,10 @@ def test_7_a_layer_kind_in_the_harness(fmt):
 def test_8_a_layer_test_in_a_matrix_column(fmt):
     from tests.support.matrix import CAPABILITIES
 
+    module = type(fmt).__module__.rsplit(".", 1)[-1]
     path = LAYER_TESTS.get(fmt.name, f"tests/test_{fmt.name}_layer.py")
+    if fmt.name not in LAYER_TESTS and not (REPO / path).is_file():
+        path = f"tests/test_{module}_layer.py"
     assert (REPO / path).is_file(), f"{fmt.name}: no layer test {path}"
     columns = [key for key, _title, selectors in CAPABILITIES if any(sel == path for sel, _ in selectors)]
     assert columns, f"{fmt.name}: no column of tests/support/matrix.py CAPABILITIES runs {path}"

@@ -194,6 +194,8 @@ class NvFp4OnlineTensor(NvFp4Online):
     per_token = False
     upstream = features.MODELOPT_FP4_ONLINE
     upstream_path = "--quantization modelopt_fp4 quantizes a checkpoint without NVFP4 metadata online"
+    #: an FP8 checkpoint too (SGLang's make_modelopt_fp4_online_config_from_fp8, 0.5.18+): dequantized, then quantized
+    online_sources = frozenset({"fp8"})
     #: a BF16 checkpoint (no quantization_config) served with --quantization modelopt_fp4: SGLang's model loader
     #: builds its config with ModelOptFp4Config.for_online_weight_quantization
     example = Example(
