@@ -1,8 +1,10 @@
 """Every registered weight format has every entry a format needs: the registry completeness check (issue #30).
 
-A format is one module of formats/, but registering it is not enough: the plugin and its tests read it from several
-tables. For every format in `formats.FORMATS` this checks each of them (a new format fails here, naming what is
-missing, before a checklist is followed or forgotten); docs/ARCHITECTURE.md's "add a weight format" follows this list:
+A format is one module of formats/ and one unit of change (issue #37): what the plugin and its tests read of it is
+declared there (its `example`, `tiny` checkpoint, `upstream_verdicts`, ...) or derived from the registry, so adding
+one touches its module, `FORMATS`, what its family hook must tell apart, and its tests. For every format in
+`formats.FORMATS` this checks each entry (a new format fails here, naming what is missing, before a checklist is
+followed or forgotten); docs/ARCHITECTURE.md's "add a weight format" follows this list:
 
  1. the registry: a unique name and a title, `quantizations` per runner backend (the TRT-LLM-Gen backends, or its
     `own_backend`), activations the kernels name (kernel_api.GATED / NON_GATED), an intermediate alignment that is a
@@ -13,14 +15,18 @@ missing, before a checklist is followed or forgotten); docs/ARCHITECTURE.md's "a
     in this format and serves on one of its backends (the tiny checkpoint's, else the format's `example`);
  5. its built-in hook module (`hook_module`, registered by plugin.builtin_modules()) takes such layers over
     (`_prepare.take_over`);
- 6. a defer verdict on every tested release: the format's own `upstream_verdicts` (compat/defer.py's `Verdict`);
+ 6. a defer verdict on every tested release: the format's own `upstream_verdicts` (compat/defer.py's `Verdict`),
+    declared by its own class, never two on one release;
  7. a layer kind in the CPU harness: the format's `example` (formats/records.py), from which sandbox/layers.py's
     LAYERS and tests/test_registry_consistency.py's KINDS derive;
- 8. a layer test file, selected by a capability column of the compat matrix (tests/support/matrix.py CAPABILITIES);
+ 8. a layer test file (tests/test_<name>_layer.py, else its module's tests/test_<module>_layer.py, else LAYER_TESTS),
+    selected by a capability column of the compat matrix (tests/support/matrix.py CAPABILITIES);
  9. docs/RELIABILITY.md's table of write kinds names each of its parameters;
-10. a tiny checkpoint (sandbox/tiny_spec.py QUANTS, sandbox/checkpoint_configs.py) for the whole-model tests.
+10. a tiny checkpoint for the whole-model tests: the format's own `tiny` (formats/records.py `TinyCheckpoint`, from
+    which sandbox/tiny_spec.py derives QUANTS / ONLINE / SUPPORTED; a new stored encoding adds its writers to
+    sandbox/checkpoints.py and checkpoint_configs.py), or `NoTinyCheckpoint` saying why not.
 
-Where a format has no entry on purpose, the exception is written below with why.
+Where a format has no entry on purpose, the exception is written with why: in the format (`NoTinyCheckpoint`) or below.
 """
 
 from __future__ import annotations
