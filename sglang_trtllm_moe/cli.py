@@ -89,6 +89,23 @@ def _cmd_tiny_checkpoint(args) -> int:
     return checkpoints.main(args)
 
 
+_TINY_ARCHS, _TINY_QUANTS = "{tiny archs}", "{tiny quants}"
+
+
+class _TinyCheckpointHelp(argparse.HelpFormatter):
+    """`tiny-checkpoint --help` lists the architectures and quants the sandbox derives from the format registry
+    (sandbox/tiny_spec.py): read when that help is printed, since the registry imports torch and every other command
+    starts without it."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action) or ""
+        if text in (_TINY_ARCHS, _TINY_QUANTS):
+            from .sandbox import tiny_spec
+
+            text = " | ".join(tiny_spec.ARCHS) if text == _TINY_ARCHS else tiny_spec.quants_help()
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglang-trtllm-moe", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -141,15 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         "tiny-checkpoint",
         help="write a tiny random, calibrated checkpoint of an SGLang MoE model "
         "(config.json, safetensors, quant config, tokenizer)",
+        formatter_class=_TinyCheckpointHelp,
     )
-    t.add_argument("--arch", required=True, help="qwen3_moe | deepseek_v3 | nemotron_h | mixtral")
-    t.add_argument(
-        "--quant",
-        required=True,
-        help="nvfp4 | ct_nvfp4 | fp8 | fp8_static | fp8_block | bf16 | nvfp4_online "
-        "(a BF16 checkpoint, to serve with --quantization nvfp4_online) | nvfp4_online_tensor "
-        "(the same, to serve with --quantization modelopt_fp4: SGLang 0.5.18+, per-tensor activations)",
-    )
+    t.add_argument("--arch", required=True, help=_TINY_ARCHS)
+    t.add_argument("--quant", required=True, help=_TINY_QUANTS)
     t.add_argument("--out", required=True, help="model directory to write")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--layers", default=None, help="only these MoE layers' experts, e.g. 1,2 (partial checkpoint)")

@@ -1,10 +1,11 @@
-"""The defer table (compat/defer.py) against SGLang itself, and what the plugin does where upstream is right.
+"""The defer verdicts (each format's `upstream_verdicts`, compat/defer.py) against SGLang itself, and what the
+plugin does where upstream is right.
 
 * Each verdict is re-measured on the installed release: SGLang alone (plugin switched off) prepares a layer of
   each format and goes through the updates its public API allows (tests/support/upstream_rl.py); "upstream
-  correct" must be exactly what the table says. Where SGLang's own trtllm path cannot run on CPU at this release's
-  flashinfer pin, the check says so instead of passing.
-* Where the table says upstream is right, a layer is left to SGLang's own preparation with the plugin loaded
+  correct" must be exactly what the format's verdict says. Where SGLang's own trtllm path cannot run on CPU at this
+  release's flashinfer pin, the check says so instead of passing.
+* Where a verdict says upstream is right, a layer is left to SGLang's own preparation with the plugin loaded
   (SGLang's shapes and bytes, SGLang's own reload), and the plugin still watches it: the emulator runs SGLang's
   bytes (a forward matches a reference) and the flows stay exact.
 """
@@ -18,13 +19,14 @@ import torch
 
 from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.compat import defer, installed_version
+from sglang_trtllm_moe.formats import FORMATS as REGISTRY
 from sglang_trtllm_moe.formats import by_name
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import probes, sglang_runtime
 
-#: the registry's names of the formats the table has verdicts on (test ids); `by_name` gives the entry
-FORMATS = sorted({v.fmt.name for v in defer.TABLE})
+#: the registry's names (test ids): every format declares its verdicts (`upstream_verdicts`); `by_name` gives the entry
+FORMATS = sorted(f.name for f in REGISTRY)
 
 
 #: tests/support/upstream_rl.py in a fresh process with the plugin disabled (the session's shared SGLang-alone process,
@@ -48,11 +50,11 @@ def measured():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_verdict_matches_what_sglang_does_on_this_release(measured, fmt):
     v = defer.verdict(by_name(fmt))
-    assert v is not None, f"compat/defer.py has no verdict for {fmt} on sglang {installed_version()}"
+    assert v is not None, f"{fmt} declares no upstream verdict on sglang {installed_version()}"
     got = measured[fmt]
     if got.get("upstream_correct") is None:
         assert v.evidence.startswith("read:"), (
-            f"{fmt}: SGLang's own path cannot run here ({got.get('cannot_run')}) but the table claims a measurement"
+            f"{fmt}: SGLang's own path cannot run here ({got.get('cannot_run')}) but its verdict claims a measurement"
         )
         pytest.skip(
             f"sglang {installed_version()}: SGLang's own {fmt} trtllm preparation cannot run on CPU here "
@@ -63,8 +65,6 @@ def test_verdict_matches_what_sglang_does_on_this_release(measured, fmt):
 
 
 def test_every_format_of_the_registry_has_a_verdict_on_every_supported_release():
-    from sglang_trtllm_moe.formats import FORMATS as REGISTRY
-
     for fmt in REGISTRY:
         for minor in range(11, 24):
             assert defer.verdict(fmt, f"0.5.{minor}") is not None, (fmt.name, minor)

@@ -1,8 +1,10 @@
 """Every registered weight format has every entry a format needs: the registry completeness check (issue #30).
 
-A format is one module of formats/, but registering it is not enough: the plugin and its tests read it from several
-tables. For every format in `formats.FORMATS` this checks each of them (a new format fails here, naming what is
-missing, before a checklist is followed or forgotten); docs/ARCHITECTURE.md's "add a weight format" follows this list:
+A format is one module of formats/ and one unit of change (issue #37): what the plugin and its tests read of it is
+declared there (its `example`, `tiny` checkpoint, `upstream_verdicts`, ...) or derived from the registry, so adding
+one touches its module, `FORMATS`, what its family hook must tell apart, and its tests. For every format in
+`formats.FORMATS` this checks each entry (a new format fails here, naming what is missing, before a checklist is
+followed or forgotten); docs/ARCHITECTURE.md's "add a weight format" follows this list:
 
  1. the registry: a unique name and a title, `quantizations` per runner backend (the TRT-LLM-Gen backends, or its
     `own_backend`), activations the kernels name (kernel_api.GATED / NON_GATED), an intermediate alignment that is a
@@ -13,14 +15,18 @@ missing, before a checklist is followed or forgotten); docs/ARCHITECTURE.md's "a
     in this format and serves on one of its backends (the tiny checkpoint's, else the format's `example`);
  5. its built-in hook module (`hook_module`, registered by plugin.builtin_modules()) takes such layers over
     (`_prepare.take_over`);
- 6. a defer verdict (compat/defer.py) on every tested release;
+ 6. a defer verdict on every tested release: the format's own `upstream_verdicts` (compat/defer.py's `Verdict`),
+    declared by its own class, never two on one release;
  7. a layer kind in the CPU harness: the format's `example` (formats/records.py), from which sandbox/layers.py's
     LAYERS and tests/test_registry_consistency.py's KINDS derive;
- 8. a layer test file, selected by a capability column of the compat matrix (tests/support/matrix.py CAPABILITIES);
+ 8. a layer test file (tests/test_<name>_layer.py, else its module's tests/test_<module>_layer.py, else LAYER_TESTS),
+    selected by a capability column of the compat matrix (tests/support/matrix.py CAPABILITIES);
  9. docs/RELIABILITY.md's table of write kinds names each of its parameters;
-10. a tiny checkpoint (sandbox/tiny_spec.py QUANTS, sandbox/checkpoint_configs.py) for the whole-model tests.
+10. a tiny checkpoint for the whole-model tests: the format's own `tiny` (formats/records.py `TinyCheckpoint`, from
+    which sandbox/tiny_spec.py derives QUANTS / ONLINE / SUPPORTED; a new stored encoding adds its writers to
+    sandbox/checkpoints.py and checkpoint_configs.py), or `NoTinyCheckpoint` saying why not.
 
-Where a format has no entry on purpose, the exception is written below with why.
+Where a format has no entry on purpose, the exception is written with why: in the format (`NoTinyCheckpoint`) or below.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import pytest
 from sglang_trtllm_moe import emulator, formats, kernel_api, layouts
 from sglang_trtllm_moe.compat import defer
 from sglang_trtllm_moe.compat.releases import TESTED
-from sglang_trtllm_moe.formats import BACKENDS, FORMATS
+from sglang_trtllm_moe.formats import BACKENDS, FORMATS, NoTinyCheckpoint, TinyCheckpoint
 from sglang_trtllm_moe.formats.load_rules import BYTE_CODES, KINDS, VALUE_RULES
 from sglang_trtllm_moe.plugin import builtin_modules
 from sglang_trtllm_moe.selection import problem_from_hf_config
@@ -52,15 +58,9 @@ NO_TRTLLM_LAYER = {
         "builds them there and tests/test_mx_selection.py checks selection's refusal on flashinfer_trtllm"
     ),
 }
-#: 10. formats without a tiny checkpoint: why (their layer tests build layers directly)
-NO_TINY_CHECKPOINT = {
-    "mxfp8": "no tiny MXFP8 model yet: tests/test_mxfp8_layer.py builds its layers directly",
-    "mxfp4_experts": "no tiny DeepSeek-V4 / MiMo-V2 model yet: tests/test_mxfp4_experts_layer.py builds its layers",
-    "mxfp4_gptoss": "no tiny gpt-oss model yet: tests/test_mxfp4_gptoss_layer.py builds its layers directly",
-}
-#: 8. layer test files of formats that share one (default: tests/test_<name>_layer.py)
+#: 8. layer test files of formats that share one named after neither (default: tests/test_<name>_layer.py, else
+#: the one of the format's module, tests/test_<module>_layer.py: a variant in its parent's module shares its test)
 LAYER_TESTS = {
-    "nvfp4_online_tensor": "tests/test_nvfp4_online_layer.py",
     "fp8_tensor": "tests/test_fp8_layer.py",
     "fp8_tensor_modelopt": "tests/test_fp8_layer.py",
     "fp8_block": "tests/test_fp8_layer.py",
@@ -86,9 +86,8 @@ def _hf_config(fmt) -> tuple[dict, str | None]:
     """(a checkpoint config holding `fmt`, the `--quantization` it is served with: None = its own config's)."""
     from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
 
-    tiny = _tiny_formats().get(fmt.name)
-    if tiny is not None:
-        spec = tiny_spec.TinySpec(quant=tiny)  # an online quant: only its --quantization names it
+    if isinstance(fmt.tiny, TinyCheckpoint):
+        spec = tiny_spec.TinySpec(quant=fmt.tiny.quant)  # an online quant: only its --quantization names it
         return checkpoint_configs.config(spec), spec.quantization
     return format_examples.hf_config(fmt), fmt.example.quantization  # the format's own example
 
@@ -116,6 +115,7 @@ def test_0_required_members_are_declared_by_role():
 
     assert roles.required_members(base.WeightFormat) == (
         "example",
+        "tiny",
         "name",
         "title",
         "quantizations",
@@ -123,6 +123,7 @@ def test_0_required_members_are_declared_by_role():
         "intermediate_align",
         "hook_module",
         "params",
+        "upstream_verdicts",
         "kernel",
     )
     assert base.WeightFormat.__abstractmethods__ == {"describes", "kernel_args"}
@@ -186,8 +187,28 @@ def test_5_a_builtin_hook_takes_such_layers_over(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_6_defer_verdict_on_every_tested_release(fmt):
+    """The format's own verdicts (`upstream_verdicts`): one on every tested release, never two (the registry refuses
+    overlapping ones at import), declared by its own class — a variant inheriting its parent's would claim a
+    measurement nobody made of it."""
     missing = [r for r in TESTED if defer.verdict(fmt, r) is None]
-    assert not missing, f"{fmt.name}: compat/defer.py has no verdict on {missing}"
+    assert not missing, f"{fmt.name}: its upstream_verdicts have no verdict on {missing}"
+    assert defer.overlap(fmt) is None, fmt.name
+    assert "upstream_verdicts" in vars(type(fmt)) or "upstream_verdicts" in vars(fmt), (
+        f"{fmt.name}: upstream_verdicts inherited from {type(fmt).__mro__[1].__name__}; declare its own"
+    )
+
+
+def test_6_overlapping_verdicts_are_refused():
+    from sglang_trtllm_moe.formats import base
+
+    class Twice(type(formats.BF16)):
+        upstream_verdicts = (
+            defer.Verdict(defer.CPU_ORACLE.releases, False, "read: a"),
+            defer.Verdict(defer.EVERY_RELEASE.releases, False, "read: b"),
+        )
+
+    with pytest.raises(TypeError, match=r"bf16: two of its upstream_verdicts hold on SGLang 0\.5\.16$"):
+        base.check_complete(Twice())
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
@@ -211,7 +232,10 @@ def test_7_a_layer_kind_in_the_harness(fmt):
 def test_8_a_layer_test_in_a_matrix_column(fmt):
     from tests.support.matrix import CAPABILITIES
 
+    module = type(fmt).__module__.rsplit(".", 1)[-1]
     path = LAYER_TESTS.get(fmt.name, f"tests/test_{fmt.name}_layer.py")
+    if fmt.name not in LAYER_TESTS and not (REPO / path).is_file():
+        path = f"tests/test_{module}_layer.py"
     assert (REPO / path).is_file(), f"{fmt.name}: no layer test {path}"
     columns = [key for key, _title, selectors in CAPABILITIES if any(sel == path for sel, _ in selectors)]
     assert columns, f"{fmt.name}: no column of tests/support/matrix.py CAPABILITIES runs {path}"
@@ -234,13 +258,26 @@ def test_9_reliability_table_names_every_parameter(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_10_a_tiny_checkpoint(fmt):
+    """The format's own `tiny` names its quant (which sandbox/tiny_spec.py derives) and the checkpoint of that quant
+    is held in this format; or it says why it has none, and no tiny checkpoint holds it."""
+    from sglang_trtllm_moe.sandbox import tiny_spec
+
     tiny = _tiny_formats()
-    if fmt.name in NO_TINY_CHECKPOINT:
-        assert fmt.name not in tiny, f"{fmt.name} has a tiny checkpoint now: drop its exception"
+    if isinstance(fmt.tiny, NoTinyCheckpoint):
+        assert fmt.tiny.why, fmt.name
+        assert fmt.name not in tiny, f"{fmt.name} has a tiny checkpoint ({tiny[fmt.name]}) now: declare it"
         return
-    assert fmt.name in tiny, f"{fmt.name}: no tiny checkpoint quant in sandbox/tiny_spec.py QUANTS holds it"
+    assert isinstance(fmt.tiny, TinyCheckpoint), (fmt.name, fmt.tiny)
+    assert fmt.tiny.quant in tiny_spec.QUANTS, (fmt.name, tiny_spec.QUANTS)
+    assert tiny.get(fmt.name) == fmt.tiny.quant, f"{fmt.name}: the tiny {fmt.tiny.quant} checkpoint is not held in it"
+    for arch in fmt.tiny.archs:
+        assert fmt.tiny.quant in tiny_spec.SUPPORTED[arch], (fmt.name, arch)
+    if fmt.tiny.stored is not None:
+        spec = tiny_spec.TinySpec(quant=fmt.tiny.quant)
+        assert spec.stored == fmt.tiny.stored and spec.server_args() == {"quantization": spec.quantization}, spec
+        assert spec.quantization in {q for qs in fmt.quantizations.values() for q in qs}, (fmt.name, spec)
 
 
 def test_exceptions_name_registered_formats():
-    for table in (NO_TRTLLM_LAYER, NO_TINY_CHECKPOINT, LAYER_TESTS):
+    for table in (NO_TRTLLM_LAYER, LAYER_TESTS):
         assert set(table) <= set(IDS), set(table) - set(IDS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..compat import defer
 from .records import (
     BACKENDS,
     SUPPORTED,
@@ -25,8 +26,10 @@ from .records import (
     Example,
     KernelCall,
     Layer,
+    NoTinyCheckpoint,
     ParamLayout,
     Support,
+    TinyCheckpoint,
 )
 from .roles import MUST, Checking, Kernel, Layout, Loading, Serving, missing, set_scalar_
 
@@ -34,20 +37,26 @@ from .roles import MUST, Checking, Kernel, Layout, Loading, Serving, missing, se
 class WeightFormat(Serving, Layout, Loading, Kernel, Checking):
     """Base of every format: all five roles (see each role's docstring for its MUST / MAY members), and MUST
     define `example`: a layer of the format as SGLang builds it from a checkpoint (`records.Example`), from which
-    the CPU harness and the tests derive their kinds."""
+    the CPU harness and the tests derive their kinds; and `tiny`: its tiny whole-model checkpoint in the CPU sandbox
+    (`records.TinyCheckpoint`), or why it has none (`records.NoTinyCheckpoint`)."""
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("example",)
+    REQUIRED: ClassVar[tuple[str, ...]] = ("example", "tiny")
     example: Example = MUST
+    tiny: TinyCheckpoint | NoTinyCheckpoint = MUST
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"
 
 
 def check_complete(fmt: WeightFormat) -> None:
-    """Refuse a registered format that leaves a required member of a role unset (see `roles.missing`)."""
+    """Refuse a registered format that leaves a required member of a role unset (see `roles.missing`), or whose
+    defer verdicts disagree with themselves (two on one release: which one holds would depend on their order)."""
     unset = missing(fmt)
     if unset:
         raise TypeError(f"weight format {type(fmt).__name__} ({fmt.name}) does not define: {', '.join(unset)}")
+    both = defer.overlap(fmt)
+    if both is not None:
+        raise TypeError(f"weight format {fmt.name}: two of its upstream_verdicts hold on SGLang {both}")
 
 
 __all__ = [
@@ -59,8 +68,10 @@ __all__ = [
     "Example",
     "KernelCall",
     "Layer",
+    "NoTinyCheckpoint",
     "ParamLayout",
     "Support",
+    "TinyCheckpoint",
     "WeightFormat",
     "check_complete",
     "set_scalar_",

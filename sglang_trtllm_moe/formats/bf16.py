@@ -18,7 +18,18 @@ from __future__ import annotations
 import torch
 
 from .. import layouts
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, ParamLayout, WeightFormat
+from ..compat import defer, features
+from .base import (
+    TRTLLM,
+    TRTLLM_ROUTED,
+    Checkpoint,
+    Example,
+    KernelCall,
+    Layer,
+    ParamLayout,
+    TinyCheckpoint,
+    WeightFormat,
+)
 
 BLOCK_K_BYTES = 128
 
@@ -29,6 +40,23 @@ class Bf16(WeightFormat):
     kernel = "bf16"
     hook_module = "sglang_trtllm_moe.builtins.bf16_hooks"
     example = Example("bf16", {}, None, "random_bf16_checkpoint", routing=False)
+    tiny = TinyCheckpoint("bf16", ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral"))
+    upstream_verdicts = (
+        defer.Verdict(
+            features.BF16_LOAD_RESTORES_LAYOUT.releases,
+            True,
+            "measured: every flow exact, storage, Parameters and weight_loaders kept (SGLang packs only canonical "
+            "weights and restores whole layers before loads and at begin_weight_update, in place)",
+        ),
+        defer.Verdict(
+            defer.between(defer.CPU_ORACLE, features.BF16_LOAD_RESTORES_LAYOUT),
+            False,
+            "measured: a one-expert disk update fails (RuntimeError: the loader writes 3-D shards into the 4-D "
+            "block-layout Parameter; the routed backend's shape-only restore leaves the bytes blocked and the "
+            "next prep re-packs every expert)",
+        ),
+        defer.read_before_cpu_oracle(),
+    )
     quantizations = {TRTLLM: frozenset({None}), TRTLLM_ROUTED: frozenset({None})}
     #: SGLang's own trtllm BF16 prep produces this layout (its BF16 leaf's layers, emulated as BF16)
     sglang_leaf = "bf16"

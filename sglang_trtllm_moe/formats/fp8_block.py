@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..compat import features
+from ..compat import defer, features
 from .base import (
     SUPPORTED,
     TRTLLM,
@@ -28,6 +28,7 @@ from .base import (
     Layer,
     ParamLayout,
     Support,
+    TinyCheckpoint,
     WeightFormat,
 )
 
@@ -62,6 +63,16 @@ class Fp8Block(WeightFormat):
         {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]},
         "fp8.Fp8Config",
         "random_fp8_checkpoint",
+    )
+    #: DeepSeek-V3's recipe (the sandbox's only block-FP8 architecture)
+    tiny = TinyCheckpoint("fp8_block", ("deepseek_v3",))
+    upstream_verdicts = (
+        defer.Verdict(
+            defer.EVERY_RELEASE.releases,
+            True,
+            "measured: every flow exact, storage, Parameters and weight_loaders kept (the kernel layout is the "
+            "loaded layout: FusedMoE loads w13 as [up; gate] on trtllm and nothing is permuted)",
+        ),
     )
     quantizations = {TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})}
     gated_activations = frozenset({"silu"})

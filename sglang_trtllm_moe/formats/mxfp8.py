@@ -19,8 +19,19 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, ParamLayout, Support, WeightFormat
+from ..compat import defer, features
+from .base import (
+    TRTLLM,
+    TRTLLM_ROUTED,
+    Checkpoint,
+    Example,
+    KernelCall,
+    Layer,
+    NoTinyCheckpoint,
+    ParamLayout,
+    Support,
+    WeightFormat,
+)
 from .fp8_block import block_scaled_intermediate, swiglu_limits
 from .load_rules import UE8M0_BYTES
 
@@ -49,6 +60,17 @@ class Mxfp8(WeightFormat):
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
     example = Example(
         "mxfp8", {"quant_method": "mxfp8", "activation_scheme": "dynamic"}, "fp8.Fp8Config", "random_mxfp8_checkpoint"
+    )
+    tiny = NoTinyCheckpoint("no tiny MXFP8 model yet: tests/test_mxfp8_layer.py builds its layers directly")
+    upstream_verdicts = (
+        defer.Verdict(
+            defer.CPU_ORACLE.releases,
+            False,
+            "measured: a one-expert update re-shuffles every expert that was not reloaded (SGLang's "
+            "align_mxfp8_moe_weights_for_flashinfer_trtllm lays the whole layer out again at each prep; storage and "
+            "loaders are kept)",
+        ),
+        defer.read_before_cpu_oracle(),
     )
     quantizations = {TRTLLM: frozenset({"mxfp8"}), TRTLLM_ROUTED: frozenset({"mxfp8"})}
     #: SGLang's FP8 leaf (`_SUPPORTED_FP8_ACTIVATIONS`) and flashinfer's MxFp8 launcher: SwiGLU (with optional

@@ -15,8 +15,19 @@ from typing import ClassVar
 
 import torch
 
-from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, ParamLayout, Support, WeightFormat
+from ..compat import defer, features
+from .base import (
+    TRTLLM,
+    TRTLLM_ROUTED,
+    Checkpoint,
+    Example,
+    KernelCall,
+    Layer,
+    ParamLayout,
+    Support,
+    TinyCheckpoint,
+    WeightFormat,
+)
 
 
 class NvFp4(WeightFormat):
@@ -30,6 +41,16 @@ class NvFp4(WeightFormat):
         "modelopt_quant.ModelOptFp4Config",
         "random_nvfp4_checkpoint",
         routing=False,
+    )
+    #: quantized Mixtral other than SGLang `fp8` / compressed-tensors is QuantMixtralForCausalLM (no FusedMoE)
+    tiny = TinyCheckpoint("nvfp4", ("qwen3_moe", "deepseek_v3", "nemotron_h"))
+    upstream_verdicts: tuple[defer.Verdict, ...] = (
+        defer.Verdict(
+            defer.EVERY_RELEASE.releases,
+            False,
+            "measured: a one-expert update re-shuffles the experts that were not reloaded (w13/w2 weights and "
+            "block scales differ from a fresh load); a tensor update is never prepared (kernel scalars stale)",
+        ),
     )
     quantizations = {TRTLLM: frozenset({"modelopt_fp4"}), TRTLLM_ROUTED: frozenset({"modelopt_fp4"})}
     #: SGLang's own trtllm NVFP4 prep produces this layout (its FP4 leaf's layers, emulated as NVFP4)

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, Support
+from ..compat import defer, features
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, Support, TinyCheckpoint
 from .load_rules import FINITE
 from .nvfp4 import NvFp4
 
@@ -57,6 +57,23 @@ class NvFp4Online(NvFp4):
         "nvfp4_online.NvFp4OnlineConfig",
         "random_bf16_checkpoint",
         routing=False,
+    )
+    #: a plain BF16 checkpoint served with `--quantization nvfp4_online`
+    tiny = TinyCheckpoint("nvfp4_online", ("qwen3_moe",), stored="bf16")
+    upstream_verdicts: tuple[defer.Verdict, ...] = (
+        defer.Verdict(
+            defer.CPU_ORACLE.releases,
+            False,
+            "measured: ModelOpt NVFP4's prep (the online method inherits it): a one-expert update re-shuffles the "
+            "experts that were not reloaded; the unused static input scales are unfilled memory on 0.5.23 (every "
+            "flow differs there)",
+        ),
+        defer.Verdict(defer.between(features.NVFP4_ONLINE, defer.CPU_ORACLE), False, "read: " + defer.NO_CPU_ORACLE),
+        defer.Verdict(
+            features.NVFP4_ONLINE.before,
+            False,
+            "read: upstream lacks it (no --quantization nvfp4_online before 0.5.14)",
+        ),
     )
     #: activations quantized per token (SGLang's QuantInfo.use_per_token_activation); False: static per tensor
     per_token = True
@@ -177,6 +194,8 @@ class NvFp4OnlineTensor(NvFp4Online):
     per_token = False
     upstream = features.MODELOPT_FP4_ONLINE
     upstream_path = "--quantization modelopt_fp4 quantizes a checkpoint without NVFP4 metadata online"
+    #: an FP8 checkpoint too (SGLang's make_modelopt_fp4_online_config_from_fp8, 0.5.18+): dequantized, then quantized
+    online_sources = frozenset({"fp8"})
     #: a BF16 checkpoint (no quantization_config) served with --quantization modelopt_fp4: SGLang's model loader
     #: builds its config with ModelOptFp4Config.for_online_weight_quantization
     example = Example(
@@ -187,6 +206,21 @@ class NvFp4OnlineTensor(NvFp4Online):
         routing=False,
         quantization="modelopt_fp4",
         sglang_factory="for_online_weight_quantization",
+    )
+    #: the same BF16 checkpoint served with `--quantization modelopt_fp4`
+    tiny = TinyCheckpoint("nvfp4_online_tensor", ("qwen3_moe",), stored="bf16")
+    upstream_verdicts = (
+        defer.Verdict(
+            features.MODELOPT_FP4_ONLINE.releases,
+            False,
+            "read: nvfp4_online's method and ModelOpt NVFP4's prep (measured for nvfp4_online above: a one-expert "
+            "update re-shuffles the experts that were not reloaded); only the activation scales differ",
+        ),
+        defer.Verdict(
+            features.MODELOPT_FP4_ONLINE.before,
+            False,
+            "read: upstream lacks it (modelopt_fp4 needs serialized NVFP4 metadata before 0.5.18)",
+        ),
     )
 
     def describes(self, checkpoint: Checkpoint) -> bool:

@@ -123,3 +123,28 @@ class Example:
     #: SGLang's config probes torch.cuda's capability while the layer is built (compressed-tensors): the harness
     #: answers "SM100" for the build on a box without CUDA
     capability_probe: bool = False
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    """The format's tiny whole-model checkpoint in the CPU sandbox, declared by the format: sandbox/tiny_spec.py
+    derives its quants (`QUANTS`), the architectures each is built for (`SUPPORTED`) and how an online one is served
+    (`ONLINE`) from the registry, and the CLI's `tiny-checkpoint --quant` lists them, so a format whose checkpoint is
+    written in an encoding the sandbox already writes (BF16 for an online format) edits nothing there. A new stored
+    encoding also needs its writers: sandbox/checkpoints.py (the tensors) and checkpoint_configs.py (config.json)."""
+
+    #: the sandbox's name of the quant (`TinySpec.quant`, `tiny-checkpoint --quant`, test ids)
+    quant: str
+    #: the sandbox's architectures (sandbox/tiny_spec.py ARCHS) SGLang builds with FusedMoE layers in this quant
+    archs: tuple[str, ...]
+    #: a format SGLang quantizes as it loads: the quant the checkpoint's tensors and config.json are written in (one
+    #: the sandbox writes, e.g. "bf16"); a server is started with the format's one SGLang quantization
+    #: (`--quantization`, `quantizations`). None: the checkpoint is written in `quant` itself
+    stored: str | None = None
+
+
+@dataclass(frozen=True)
+class NoTinyCheckpoint:
+    """Why a format has no tiny whole-model checkpoint (its layer tests build its layers directly)."""
+
+    why: str

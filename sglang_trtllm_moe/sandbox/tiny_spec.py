@@ -1,29 +1,71 @@
 """What a tiny checkpoint holds: its architecture, its layer kinds, and the names and shapes of its tensors as the
 released checkpoints spell them. One place for them: the weights (checkpoints.py) and the configs
-(checkpoint_configs.py) both read them from here."""
+(checkpoint_configs.py) both read them from here.
+
+Which quants there are, the architectures each is built for and how an online one is served are the formats'
+(`WeightFormat.tiny`, formats/records.py `TinyCheckpoint`), derived here: a format whose checkpoint is stored in a
+quant the sandbox already writes edits nothing in the sandbox; a new stored encoding adds its writers to
+checkpoints.py (the tensors) and checkpoint_configs.py (config.json)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..formats import FORMATS, TinyCheckpoint, WeightFormat
+
 ARCHS = ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")
-QUANTS = ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16", "nvfp4_online", "nvfp4_online_tensor")
+
+
+def _served_as(fmt: WeightFormat) -> str:
+    """The `--quantization` an online format's checkpoint is served with: the one SGLang quantization it serves."""
+    names = {q for qs in fmt.quantizations.values() for q in qs}
+    if len(names) != 1 or None in names:
+        raise AssertionError(f"{fmt.name}: an online tiny checkpoint needs one --quantization, it serves {names}")
+    return str(names.pop())
+
+
+#: every format's tiny checkpoint (`WeightFormat.tiny`, formats/): the registry is the one list of them
+_TINY: tuple[tuple[WeightFormat, TinyCheckpoint], ...] = tuple(
+    (f, f.tiny) for f in FORMATS if isinstance(f.tiny, TinyCheckpoint)
+)
+
+#: the quants: those written in their own encoding (the writers of checkpoints.py / checkpoint_configs.py), then those
+#: served online, each in registry order
+QUANTS = tuple(t.quant for _, t in _TINY if t.stored is None) + tuple(t.quant for _, t in _TINY if t.stored)
 
 #: quants served with a `--quantization` of their own: the checkpoint holds the experts in another quant (its
-#: tensors and config.json are that quant's), the server quantizes them as they load. nvfp4_online: a plain BF16
-#: checkpoint served with `--quantization nvfp4_online` (SGLang 0.5.14+: BF16 experts quantized to NVFP4 online);
-#: nvfp4_online_tensor: the same checkpoint served with `--quantization modelopt_fp4` (0.5.18+: per-tensor activations)
-ONLINE = {"nvfp4_online": ("bf16", "nvfp4_online"), "nvfp4_online_tensor": ("bf16", "modelopt_fp4")}
+#: tensors and config.json are that quant's), the server quantizes them as they load (the format's `tiny.stored`
+#: and its one SGLang quantization). E.g. nvfp4_online: a plain BF16 checkpoint served with `--quantization
+#: nvfp4_online`; nvfp4_online_tensor: the same checkpoint served with `--quantization modelopt_fp4`
+ONLINE = {t.quant: (t.stored, _served_as(f)) for f, t in _TINY if t.stored}
 
-#: (arch, quant) pairs SGLang builds with FusedMoE layers. Quantized Mixtral other than `fp8` / compressed-tensors
-#: is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no FusedMoE).
-#: Nemotron-H's loader has no compressed-tensors expert names; DeepSeek block FP8 is the only block recipe here.
-SUPPORTED = {
-    "qwen3_moe": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16", "nvfp4_online", "nvfp4_online_tensor"),
-    "deepseek_v3": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "fp8_block", "bf16"),
-    "nemotron_h": ("nvfp4", "ct_nvfp4", "fp8", "fp8_static", "bf16"),
-    "mixtral": ("ct_nvfp4", "fp8_static", "bf16"),
-}
+#: (arch, quant) pairs SGLang builds with FusedMoE layers (each format's `tiny.archs`). Quantized Mixtral other than
+#: `fp8` / compressed-tensors is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no
+#: FusedMoE); DeepSeek block FP8 is the only block recipe here.
+SUPPORTED = {arch: tuple(q for q in QUANTS for _, t in _TINY if t.quant == q and arch in t.archs) for arch in ARCHS}
+
+
+def _check() -> None:
+    """One quant per name; an online one stored in a quant the sandbox writes; architectures the sandbox has."""
+    if len(set(QUANTS)) != len(QUANTS):
+        raise AssertionError(f"two formats declare one tiny quant: {QUANTS}")
+    for f, t in _TINY:
+        if t.stored is not None and (t.stored in ONLINE or t.stored not in QUANTS):
+            raise AssertionError(f"{f.name}: tiny checkpoint stored as {t.stored!r}, not a quant the sandbox writes")
+        if not t.archs or not set(t.archs) <= set(ARCHS):
+            raise AssertionError(f"{f.name}: tiny checkpoint architectures {t.archs}: a non-empty subset of {ARCHS}")
+
+
+_check()
+
+
+def quants_help() -> str:
+    """`tiny-checkpoint --quant`'s help: every quant, an online one with what it is stored as and served with."""
+    return " | ".join(
+        f"{q} (a {ONLINE[q][0]} checkpoint, to serve with --quantization {ONLINE[q][1]})" if q in ONLINE else q
+        for q in QUANTS
+    )
+
 
 GATE, UP, DOWN = "gate", "up", "down"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from ..formats import Checkpoint
+from ..formats import FORMATS, Checkpoint
 from ..kernel_api import RoutingMethodType
 from .problem import MoeProblem
 
@@ -64,8 +64,11 @@ _ACT_ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"
 
 
 #: (the checkpoint's quantization, `--quantization`) pairs SGLang quantizes online although the checkpoint has a
-#: quantization_config: modelopt_fp4 on an FP8 checkpoint (make_modelopt_fp4_online_config_from_fp8, 0.5.18+)
-ONLINE_FROM = frozenset({("fp8", "modelopt_fp4")})
+#: quantization_config: each format's `online_sources` with the quantizations it serves (nvfp4_online_tensor:
+#: modelopt_fp4 on an FP8 checkpoint)
+ONLINE_FROM = frozenset(
+    (source, q) for f in FORMATS for source in f.online_sources for qs in f.quantizations.values() for q in qs
+)
 
 
 def detect_quantization(quant_cfg: Mapping | None) -> tuple[str | None, tuple[int, ...] | None, str | None]:

@@ -728,8 +728,9 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 
 
 def defer_markdown() -> str:
-    """compat/defer.py as a table: where SGLang's own preparation is right and the plugin defers, with evidence."""
-    from sglang_trtllm_moe.compat import defer
+    """The formats' defer verdicts (`upstream_verdicts`, compat/defer.py) as a table: where SGLang's own preparation
+    is right and the plugin defers, with evidence."""
+    from sglang_trtllm_moe.formats import FORMATS
 
     lines = [
         "## Where SGLang is right: the defer table (compat/defer.py)",
@@ -744,8 +745,10 @@ def defer_markdown() -> str:
         "| format | releases | who prepares | evidence |",
         "|---|---|---|---|",
     ]
-    for v in defer.TABLE:
-        lines.append(f"| {v.fmt.name} | {v.releases} | {'SGLang' if v.upstream_correct else 'plugin'} | {v.evidence} |")
+    for fmt in FORMATS:
+        for v in fmt.upstream_verdicts:
+            who = "SGLang" if v.upstream_correct else "plugin"
+            lines.append(f"| {fmt.name} | {v.releases} | {who} | {v.evidence} |")
     return "\n".join(lines) + "\n"
 
 

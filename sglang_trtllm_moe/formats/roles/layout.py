@@ -15,20 +15,27 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ... import layouts
+from ...compat.defer import Verdict
 from ..records import Layer, ParamLayout, Support
 from .required import MUST
 
 
 class Layout:
-    """MUST define: `params` (a ParamLayout per laid-out parameter).
+    """MUST define: `params` (a ParamLayout per laid-out parameter) and `upstream_verdicts` (who prepares it on each
+    release: compat/defer.py).
 
     MAY define: `scalar_params` + `compute_scalars` (kernel scalars recomputed at every flush), `check_layout`
     (extra shape rules; call super), `row_map` (a format-specific half order), `tensor` / `on_layout` (a release
     that shows a prepared parameter in another shape), `prepared_at_attach`, `sglang_leaf`."""
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("params",)
+    REQUIRED: ClassVar[tuple[str, ...]] = ("params", "upstream_verdicts")
 
     params: ClassVar[tuple[ParamLayout, ...]] = MUST
+    #: whether SGLang's own preparation and reload are right for this format, one verdict per release range (ranges
+    #: drawn at compat/'s named boundaries, no two holding on one release; measured by tests/support/upstream_rl.py
+    #: and re-measured per release by tests/test_defer.py); where one says so the plugin leaves the layer to SGLang
+    #: and watches it (builtins/_prepare.take_over). Declared by each format's own class: a variant measures its own
+    upstream_verdicts: tuple[Verdict, ...] = MUST
     #: parameters whose writes only change scalars (recomputed at every flush)
     scalar_params: ClassVar[tuple[str, ...]] = ()
     #: SGLang's fused-MoE leaf ("fp4" | "fp8" | "bf16") on which a layer SGLang prepared itself holds exactly this

@@ -24,8 +24,8 @@ class Serving(ABC):
     per-rank intermediate alignment as SGLang allocates the layer).
 
     MAY define: `non_gated_activations` (default none), `hidden_align` (default 128), `activation_note`,
-    `own_backend`, `refusal`, and any `supports_*` predicate whose rule differs. Each predicate answers
-    `(ok, reason)` (`Support`); selection asks them all, each under its reason code."""
+    `online_sources`, `own_backend`, `refusal`, and any `supports_*` predicate whose rule differs. Each predicate
+    answers `(ok, reason)` (`Support`); selection asks them all, each under its reason code."""
 
     REQUIRED: ClassVar[tuple[str, ...]] = (
         "name",
@@ -48,6 +48,10 @@ class Serving(ABC):
     hidden_align: ClassVar[int] = 128
     #: why the activation sets are what they are, added to a refusal (e.g. a kernel that only implements SwiGLU)
     activation_note: ClassVar[str] = ""
+    #: the checkpoint quantizations (as SGLang names them) that a server started with one of this format's
+    #: quantizations quantizes online although the checkpoint has a quantization_config of its own
+    #: (`Checkpoint.online`; selection/hf_config.py ONLINE_FROM)
+    online_sources: ClassVar[frozenset[str]] = frozenset()
     #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None
