@@ -8,7 +8,10 @@ the 4over6 recipe (MSE or MAE, e4m3 max 448, exact math under FLASHINFER_DISABLE
 anything else raises NotImplementedError instead of computing something else. One function, used two ways: the
 layer harness patches it in around a load (`sandbox/layers.py` `online_quantizer`), and the CPU sandbox installs it
 process-wide (`cpu_sandbox.flashinfer_nvfp4_quantize_on_cpu`) so whole models, `sglang.Engine` and the HTTP server
-serve `nvfp4_online` on a CPU.
+serve `nvfp4_online` on a CPU. The test-only sandbox on a real GPU below SM100 (the lent H200, faking an SM100) routes
+CUDA tensors here too (`route_flashinfer_quantizer(cuda=True)`): flashinfer's FP4 quantization kernels are compiled
+for SM100+ only (quantization.cuh: their bodies under `__CUDA_ARCH__ >= 1000`; on SM90 they return unwritten
+buffers, docs/measurements/gpu-h200-0.5.17-nvfp4-quantizers.json) and its cute-dsl backend needs the CuTe DSL.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _recipe_from_env():
 
 
 def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec_size=16, *args, **kwargs):
-    """flashinfer.nvfp4_quantize for a CPU tensor (module doc). Returns what flashinfer returns: (uint8 [M, K/2],
+    """flashinfer.nvfp4_quantize by the plugin's pure-torch quantizers, on the input's device (module doc). Returns what flashinfer returns: (uint8 [M, K/2],
     uint8 [M, K/16]) [, per-token float32 [M]]."""
     import torch
     from flashinfer import SfLayout
@@ -45,7 +48,7 @@ def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec
     kwargs.pop("backend", None)
     kwargs.pop("enable_pdl", None)
     extra = {k: v for k, v in kwargs.items() if v is not None}
-    if a.is_cuda or args or extra or do_shuffle or sf_vec_size != 16 or sfLayout != SfLayout.layout_linear:
+    if args or extra or do_shuffle or sf_vec_size != 16 or sfLayout != SfLayout.layout_linear:
         raise NotImplementedError(f"the CPU nvfp4_quantize stand-in: {sfLayout}, shuffle {do_shuffle}, {extra}")
     if recipe == "env":
         recipe = _recipe_from_env()
@@ -65,4 +68,30 @@ def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec
     return q, sf.view(torch.uint8)
 
 
-__all__ = ["torch_nvfp4_quantize"]
+def route_flashinfer_quantizer(cuda: bool) -> bool:
+    """Make `flashinfer.nvfp4_quantize` (read by SGLang's online loader at each call) use `torch_nvfp4_quantize` for
+    CPU tensors and, with `cuda`, for CUDA tensors as well; flashinfer's own serves the rest. Idempotent; False
+    where flashinfer is not importable (nothing to stand in for) or has no nvfp4_quantize."""
+    try:
+        import flashinfer
+    except Exception:  # noqa: BLE001 - flashinfer's import fails on CPU for some pins
+        return False
+    real = getattr(flashinfer, "nvfp4_quantize", None)
+    if real is None:
+        return False
+    if getattr(real, "_trtllm_moe_standin", False):
+        if not cuda or real._trtllm_moe_cuda:
+            return True
+        real = real.__wrapped__
+
+    def nvfp4_quantize(a, *args, **kwargs):
+        if a.is_cuda and not cuda:
+            return real(a, *args, **kwargs)
+        return torch_nvfp4_quantize(a, *args, **kwargs)
+
+    vars(nvfp4_quantize).update(_trtllm_moe_standin=True, _trtllm_moe_cuda=cuda, __wrapped__=real)
+    flashinfer.nvfp4_quantize = nvfp4_quantize
+    return True
+
+
+__all__ = ["route_flashinfer_quantizer", "torch_nvfp4_quantize"]

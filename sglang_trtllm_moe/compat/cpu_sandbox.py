@@ -308,22 +308,9 @@ def flashinfer_nvfp4_quantize_on_cpu() -> None:
     of which moves the input to CUDA. The stand-in (`compat/cpu_nvfp4.py`) computes the same bytes with the plugin's
     pure-torch quantizers for what SGLang asks of it, and raises NotImplementedError for anything else; a flashinfer
     that is not importable here leaves nothing to stand in for."""
-    try:
-        import flashinfer
-    except Exception:  # noqa: BLE001 - flashinfer's import fails on CPU for some pins: nothing to stand in for
-        return
-    real = getattr(flashinfer, "nvfp4_quantize", None)
-    if real is None or getattr(real, "_trtllm_moe_standin", False):
-        return
-    from .cpu_nvfp4 import torch_nvfp4_quantize
+    from .cpu_nvfp4 import route_flashinfer_quantizer
 
-    def nvfp4_quantize(a, *args, **kwargs):
-        if a.is_cuda:
-            return real(a, *args, **kwargs)
-        return torch_nvfp4_quantize(a, *args, **kwargs)
-
-    vars(nvfp4_quantize).update(_trtllm_moe_standin=True, __wrapped__=real)
-    flashinfer.nvfp4_quantize = nvfp4_quantize
+    route_flashinfer_quantizer(cuda=False)
 
 
 def _source_of(module) -> str:
@@ -422,9 +409,20 @@ def activate(sm: int = 100) -> list[str]:
 
     if sm // 10 != 10:
         raise ValueError(f"the CPU sandbox fakes an SM100 (B200) only, not SM{sm}")
-    done = apply()
+    done = apply() or _below_sm100()
     fake_blackwell()
     return done
+
+
+def _below_sm100() -> list[str]:
+    """On a real GPU below SM100 faking one: flashinfer's FP4 quantizer does not run there (cpu_nvfp4.py)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (10, 0):
+        return []
+    from .cpu_nvfp4 import route_flashinfer_quantizer
+
+    return ["flashinfer.nvfp4_quantize below SM100"] if route_flashinfer_quantizer(cuda=True) else []
 
 
 def activate_from_env() -> str | None:

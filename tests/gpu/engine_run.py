@@ -184,6 +184,7 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
     work = workdir or tempfile.mkdtemp(prefix=f"gpu-{arch}-{quant}-")
     spec = ck.TinySpec(arch, quant, seed=0, **({} if cpu else SPEC.get(arch, {})))
     moe = spec.moe_layers
+    srv = spec.server_args()  # an online quant's --quantization (nvfp4_online: a BF16 checkpoint quantized as it loads)
     full = {s: ck.checkpoint(spec.with_seed(s)) for s in (0, 1)}
     part = ck.quantized_experts(spec.with_seed(2), layers=[moe[-1]], experts=[1, 6])
     dirs = {
@@ -201,7 +202,7 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
     def on_device(items):
         return [(n, t.to(device)) for n, t in items]
 
-    g = Engine(dirs["A"], os.path.join(work, "G"), **_engine_args(cpu, graphs=True, arch=arch))
+    g = Engine(dirs["A"], os.path.join(work, "G"), **_engine_args(cpu, graphs=True, arch=arch, **srv))
     try:
         step("engine G up", True, graphs=not cpu)
         t_a = g.generate(PROMPTS)
@@ -275,7 +276,7 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
     finally:
         g.shutdown()
 
-    e = Engine(dirs["B+P"], os.path.join(work, "E"), **_engine_args(cpu, graphs=False, arch=arch))
+    e = Engine(dirs["B+P"], os.path.join(work, "E"), **_engine_args(cpu, graphs=False, arch=arch, **srv))
     try:
         t_e, r_e = e.generate(PROMPTS, routed=True)
         d = differs(s_bp, e.state())
@@ -287,7 +288,7 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
         e.shutdown()
 
     if (arch, quant) == ("qwen3_moe", "nvfp4") and not cpu:
-        saver = _engine_args(cpu, graphs=True, arch=arch, enable_memory_saver=True)
+        saver = _engine_args(cpu, graphs=True, arch=arch, enable_memory_saver=True, **srv)
         s = Engine(dirs["A"], os.path.join(work, "S"), **saver)
         try:
             t_sa = s.generate(PROMPTS)
