@@ -38,8 +38,8 @@ def _recipe_from_env():
 
 
 def torch_nvfp4_quantize(a, a_global_sf, sfLayout=None, do_shuffle=False, sf_vec_size=16, *args, **kwargs):
-    """flashinfer.nvfp4_quantize by the plugin's pure-torch quantizers, on the input's device (module doc). Returns what flashinfer returns: (uint8 [M, K/2],
-    uint8 [M, K/16]) [, per-token float32 [M]]."""
+    """flashinfer.nvfp4_quantize by the plugin's pure-torch quantizers, on the input's device (module doc).
+    Returns what flashinfer returns: (uint8 [M, K/2], uint8 [M, K/16]) [, per-token float32 [M]]."""
     import torch
     from flashinfer import SfLayout
 

@@ -405,24 +405,14 @@ def requested_sm() -> int | None:
 def activate(sm: int = 100) -> list[str]:
     """This process as the CPU sandbox needs it: the stand-ins, and SGLang seeing an SM `sm` GPU for the rest of
     the process (the same platform the launcher resolved its ServerArgs for). Returns the stand-ins applied."""
+    from . import gpu_sandbox
     from .fake_platform import fake_blackwell
 
     if sm // 10 != 10:
         raise ValueError(f"the CPU sandbox fakes an SM100 (B200) only, not SM{sm}")
-    done = apply() or _below_sm100()
+    done = apply() or gpu_sandbox.below_sm100()
     fake_blackwell()
     return done
-
-
-def _below_sm100() -> list[str]:
-    """On a real GPU below SM100 faking one: flashinfer's FP4 quantizer does not run there (cpu_nvfp4.py)."""
-    import torch
-
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (10, 0):
-        return []
-    from .cpu_nvfp4 import route_flashinfer_quantizer
-
-    return ["flashinfer.nvfp4_quantize below SM100"] if route_flashinfer_quantizer(cuda=True) else []
 
 
 def activate_from_env() -> str | None:
