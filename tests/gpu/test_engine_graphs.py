@@ -1,7 +1,7 @@
 """A real sglang.Engine on a GPU with CUDA graphs on, serving through the plugin (emulated TRT-LLM-Gen kernels on a
 faked SM100), every RL step: updates land in the graphs captured at start-up, exactly (tests/gpu/engine_run.py has
 the flow). One process per model (each Engine needs a fresh CUDA context for its memory pools), the models of
-SGLANG_TRTLLM_MOE_GPU_MODELS (default: NVFP4, FP8 block, FP8 per-tensor, BF16, and relu2 NVFP4).
+SGLANG_TRTLLM_MOE_GPU_MODELS (default: NVFP4, FP8 block, FP8 per-tensor, BF16, relu2 NVFP4, and online NVFP4 from a BF16 checkpoint).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from ..support.helpers import REPO, last_json
 
-DEFAULT = "qwen3_moe:nvfp4,deepseek_v3:fp8_block,qwen3_moe:fp8,qwen3_moe:bf16,nemotron_h:nvfp4"
+DEFAULT = "qwen3_moe:nvfp4,deepseek_v3:fp8_block,qwen3_moe:fp8,qwen3_moe:bf16,nemotron_h:nvfp4,qwen3_moe:nvfp4_online"
 MODELS = os.environ.get("SGLANG_TRTLLM_MOE_GPU_MODELS", DEFAULT).split(",")
 STEPS = (
     "engine G up",
