@@ -1,7 +1,8 @@
 """A real sglang.Engine on a GPU with CUDA graphs on, serving through the plugin (emulated TRT-LLM-Gen kernels on a
 faked SM100), every RL step: updates land in the graphs captured at start-up, exactly (tests/gpu/engine_run.py has
 the flow). One process per model (each Engine needs a fresh CUDA context for its memory pools), the models of
-SGLANG_TRTLLM_MOE_GPU_MODELS (default: NVFP4, FP8 block, FP8 per-tensor, BF16, relu2 NVFP4, and online NVFP4 from a BF16 checkpoint).
+SGLANG_TRTLLM_MOE_GPU_MODELS (default: NVFP4, FP8 block, FP8 per-tensor, BF16, relu2 NVFP4, and online NVFP4 from a
+BF16 checkpoint); and DeepSeek-V3 with its NextN draft under EAGLE (tests/gpu/draft_engine_run.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,22 @@ STEPS = (
 _REPORTS: dict = {}
 
 
+#: tests/gpu/draft_engine_run.py: DeepSeek-V3 FP8 block with its NextN draft, EAGLE, graphs on
+DRAFT = "deepseek_v3:fp8_block-nextn"
+DRAFT_STEPS = (
+    "engine G up (EAGLE, graphs)",
+    "disk A->B",
+    "tokens after the update == a fresh load of B",
+    "draft counters after the update == a fresh load of B",
+    "control: a stale draft (target B, draft A) changes the counters",
+)
+
+
 def report(model: str) -> dict:
     if model not in _REPORTS:
+        argv = ["tests.gpu.draft_engine_run"] if model == DRAFT else ["tests.gpu.engine_run", model]
         proc = subprocess.run(
-            [sys.executable, "-m", "tests.gpu.engine_run", model],
+            [sys.executable, "-m", *argv],
             cwd=str(REPO),
             capture_output=True,
             text=True,
@@ -59,10 +72,18 @@ def report(model: str) -> dict:
 @pytest.mark.parametrize("step", STEPS)
 def test_engine_with_cuda_graphs(model, step):
     rep = report(model)
+    steps = DRAFT_STEPS if model == DRAFT else STEPS
+    assert step in steps
     assert "error" not in rep, f"{rep['error']}\n{rep.get('traceback', '')}\n{rep['_stderr_tail']}"
     assert step in rep, f"step {step!r} did not run: {sorted(rep)}\n{rep['_stderr_tail']}"
     res = rep[step]
     assert res["ok"], json.dumps(res, default=str)[:3000]
+
+
+@pytest.mark.parametrize("step", DRAFT_STEPS)
+def test_engine_with_a_speculative_draft_updates_the_draft(step):
+    """An RL disk update reaches the NextN draft's MoE layers: the accepted-draft counters equal a fresh load's."""
+    test_engine_with_cuda_graphs(DRAFT, step)
 
 
 def test_sleep_wake_with_the_memory_saver_then_a_full_update_is_exact():
