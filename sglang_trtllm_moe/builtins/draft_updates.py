@@ -12,13 +12,14 @@ tensors are meant for the draft at all (a separately trained EAGLE draft is not 
 added the request's `selector` for exactly that), and the broadcast is consumed by the target's receive; a hook
 serves a call as the release does or hands it back unchanged. So after a distributed update SGLang answered as a
 success, with a draft in the scheduler, the plugin logs a warning naming the draft and what to do (once per
-scheduler: an RL step sends many buckets), and `explain` / the start-up log say the same (updates/stale_draft.py).
+draft worker, i.e. per scheduler: an RL step sends many buckets), and `explain` / the start-up log say the same (updates/stale_draft.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 from .. import hookimpl
 from ..compat import features
@@ -30,7 +31,7 @@ logger = logging.getLogger("sglang_trtllm_moe")
 
 MIXIN = "sglang.srt.managers.scheduler_update_weights_mixin.SchedulerUpdateWeightsMixin"
 
-_WARNED: set[int] = set()  # id() of each scheduler / manager already told (a slots dataclass takes no attribute)
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # the draft workers already named (a scheduler's: once per scheduler)
 _LOCK = threading.Lock()
 
 
@@ -41,9 +42,12 @@ def warn_stale_draft_after(result, scheduler, *args, **kwargs):
     if draft is None or not getattr(result, "success", False):
         return None
     with _LOCK:
-        if id(scheduler) in _WARNED:
-            return None
-        _WARNED.add(id(scheduler))
+        try:
+            if draft in _WARNED:
+                return None
+            _WARNED.add(draft)
+        except TypeError:  # a draft worker without weak references: told every time
+            pass
     text = stale_draft.note(stale_draft.draft_name(draft))
     if text is not None:
         logger.warning("sglang-trtllm-moe: %s (said once per scheduler)", text)
