@@ -11,8 +11,9 @@ The plugin does not load the broadcast into the draft itself: SGLang of those re
 tensors are meant for the draft at all (a separately trained EAGLE draft is not the target's NextN layer: 0.5.21
 added the request's `selector` for exactly that), and the broadcast is consumed by the target's receive; a hook
 serves a call as the release does or hands it back unchanged. So after a distributed update SGLang answered as a
-success, with a draft in the scheduler, the plugin logs a warning naming the draft and what to do (once per
-draft worker, i.e. per scheduler: an RL step sends many buckets), and `explain` / the start-up log say the same (updates/stale_draft.py).
+success, with a draft in the scheduler, the plugin logs a warning naming the draft and what to do (once per draft
+worker, i.e. per scheduler: an RL step sends many buckets), and `explain` / the start-up log say the same
+(updates/stale_draft.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ logger = logging.getLogger("sglang_trtllm_moe")
 
 MIXIN = "sglang.srt.managers.scheduler_update_weights_mixin.SchedulerUpdateWeightsMixin"
 
-_WARNED: weakref.WeakSet = weakref.WeakSet()  # the draft workers already named (a scheduler's: once per scheduler)
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # the draft workers already named (one per scheduler)
 _LOCK = threading.Lock()
 
 
