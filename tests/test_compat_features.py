@@ -66,6 +66,8 @@ def _topk_remaps_off_gpu() -> bool:
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
+
+
 def _distributed_update_skips_draft() -> bool:
     """The scheduler's distributed entry point of this release names no draft (the disk one does: the check reads
     the right method)."""
