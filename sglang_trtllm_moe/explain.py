@@ -137,6 +137,8 @@ def _draft_updates(algorithm: str) -> dict:
     from .compat.releases import installed_version
     from .updates import stale_draft
 
+    if not stale_draft.has_draft_model(algorithm):
+        return {"stale_after": [], "reason": f"--speculative-algorithm {algorithm} runs no draft model"}
     text = stale_draft.note(f"the speculative draft ({algorithm})") if installed_version() is not None else None
     if text is not None:
         return {"stale_after": ["update_weights_from_distributed"], "reason": text}

@@ -176,7 +176,7 @@ def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said
     assert trainer.exitcode == 0
 
 
-def test_the_start_up_log_and_explain_say_it_too(tmp_path, monkeypatch):
+def test_the_start_up_log_and_explain_say_it_too(tmp_path, monkeypatch, said):
     """The same note where a user looks before the first update: `explain --speculative-algorithm` and the
     selection hook's start-up warning (builtins/selection_hooks.say_stale_draft)."""
     from types import SimpleNamespace
@@ -198,3 +198,13 @@ def test_the_start_up_log_and_explain_say_it_too(tmp_path, monkeypatch):
     text = say_stale_draft(args)
     assert text is not None and spec_worker.DRAFT_PATH in text and "(EAGLE)" in text, text
     assert say_stale_draft(SimpleNamespace(speculative_algorithm=None, speculative_draft_model_path=None)) is None
+    # n-gram speculation has no draft model: nothing goes stale, nothing is said
+    assert say_stale_draft(SimpleNamespace(speculative_algorithm="NGRAM", speculative_draft_model_path=None)) is None
+    ngram = explain_model(model, sm=100, run_sglang=False, speculative_algorithm="NGRAM")["draft_updates"]
+    assert ngram["stale_after"] == [], ngram
+    from sglang_trtllm_moe.builtins.draft_updates import warn_stale_draft_after
+
+    worker = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="NGRAM"))
+    before = len(said)  # the EAGLE start-up warning above
+    assert warn_stale_draft_after(SimpleNamespace(success=True), SimpleNamespace(draft_worker=worker)) is None
+    assert said[before:] == [] and before == 1, said

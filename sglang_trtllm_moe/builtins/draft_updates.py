@@ -42,6 +42,8 @@ def warn_stale_draft_after(result, scheduler, *args, **kwargs):
     draft = getattr(scheduler, "draft_worker", None)
     if draft is None or not getattr(result, "success", False):
         return None
+    if not stale_draft.has_draft_model(stale_draft.algorithm_of(draft)):
+        return None  # an n-gram worker: no draft weights
     with _LOCK:
         try:
             if draft in _WARNED:

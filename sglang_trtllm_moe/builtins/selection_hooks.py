@@ -130,7 +130,7 @@ def say_stale_draft(server_args) -> str | None:
     from ..updates import stale_draft
 
     view = resolved_view(server_args)
-    if view.speculative_algorithm is None:
+    if view.speculative_algorithm is None or not stale_draft.has_draft_model(view.speculative_algorithm):
         return None
     text = stale_draft.note(stale_draft.draft_name(view))
     if text is not None:

@@ -19,6 +19,20 @@ WHAT_TO_DO = (
 )
 
 
+#: speculative algorithms without a draft model (n-gram lookup: nothing to update, nothing to go stale)
+NO_DRAFT_MODEL = ("NGRAM", "NONE")
+
+
+def has_draft_model(algorithm) -> bool:
+    """Whether `algorithm` (as --speculative-algorithm spells it; None: unknown) runs a draft model."""
+    return algorithm is None or str(getattr(algorithm, "name", algorithm)).upper() not in NO_DRAFT_MODEL
+
+
+def algorithm_of(draft_worker):
+    """The --speculative-algorithm of the spec worker's ServerArgs (or of ServerArgs themselves); None: unknown."""
+    return getattr(getattr(draft_worker, "server_args", draft_worker), "speculative_algorithm", None)
+
+
 def note(draft: str = "the speculative draft model", release=None) -> str | None:
     """Why `draft` goes stale on `release` (default: the installed SGLang) and what to do; None where no entry point
     leaves it stale (features.DISTRIBUTED_UPDATE_SKIPS_DRAFT)."""
