@@ -32,6 +32,7 @@ def _cmd_explain(args) -> int:
         run_sglang=not args.no_sglang,
         return_routed_experts=args.return_routed_experts,
         weight_cache_mode=args.weight_cache_mode,
+        speculative_algorithm=args.speculative_algorithm,
     )
     if args.json:
         print(json.dumps(r, indent=2, default=str))
@@ -55,6 +56,8 @@ def _cmd_explain(args) -> int:
         r3 = r.get("routed_experts") or {}
         if r3:
             print(f"routed experts (R3{'' if p['return_routed_experts'] else ', if asked for'}): {r3['reason']}")
+    if r.get("draft_updates"):
+        print(f"speculative draft under RL updates: {r['draft_updates']['reason']}")
     if r.get("note"):
         print(f"note: {r['note']}")
     sg = r.get("sglang") or {}
@@ -136,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="off",
         choices=("off", "daemon", "client"),
         help="as --weight-cache-mode (SGLang 0.5.17+; weights from the weight-cache daemon: the plugin stands down)",
+    )
+    e.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        help="as --speculative-algorithm: also say which RL update entry points leave the draft stale",
     )
     e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
     e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")

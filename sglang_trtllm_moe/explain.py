@@ -59,11 +59,14 @@ def explain_model(
     server_args: dict | None = None,
     return_routed_experts: bool = False,
     weight_cache_mode: str = "off",
+    speculative_algorithm: str | None = None,
 ) -> dict:
     """The resolution report for a model directory (config.json only), without a GPU.
 
     `server_args`: further ServerArgs fields for SGLang's own resolution (e.g. `disable_radix_cache=True` for a
-    hybrid Mamba model on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform)."""
+    hybrid Mamba model on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform).
+    `speculative_algorithm`: as --speculative-algorithm; the report then says which update entry points of the
+    installed SGLang leave the draft stale (`draft_updates`)."""
     import json
     import os
 
@@ -124,7 +127,32 @@ def explain_model(
     }
     if device.sm is None:
         out["note"] = NO_GPU_NOTE
+    if speculative_algorithm is not None:
+        out["draft_updates"] = _draft_updates(speculative_algorithm)
     return out
+
+
+def _draft_updates(algorithm: str) -> dict:
+    """Whether every RL update entry point of the installed SGLang reaches the speculative draft."""
+    from .compat.releases import installed_version
+    from .updates import stale_draft
+
+    if not stale_draft.has_draft_model(algorithm):
+        return {"stale_after": [], "reason": f"--speculative-algorithm {algorithm} runs no draft model"}
+    text = stale_draft.note(f"the speculative draft ({algorithm})") if installed_version() is not None else None
+    if text is not None:
+        return {"stale_after": ["update_weights_from_distributed"], "reason": text}
+    if installed_version() is None:
+        return {
+            "stale_after": None,
+            "reason": "SGLang is not installed here: which entry points reach the draft "
+            "depends on its release (update_weights_from_distributed leaves it stale before 0.5.21)",
+        }
+    return {
+        "stale_after": [],
+        "reason": f"SGLang {installed_version()} loads disk and IPC updates into the target and the draft, tensor "
+        "and distributed updates into the runners the request's `selector` names (default all)",
+    }
 
 
 #: what `explain` adds when it was asked about this machine and this machine has no CUDA GPU

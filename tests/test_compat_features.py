@@ -66,6 +66,21 @@ def _topk_remaps_off_gpu() -> bool:
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 TRTLLM = "sglang.srt.layers.moe.moe_runner.flashinfer_trtllm"
+
+
+def _distributed_update_skips_draft() -> bool:
+    """The scheduler's distributed entry point of this release names no draft (the disk one does: the check reads
+    the right method)."""
+    if _has(MANAGER, "SchedulerWeightUpdaterManager"):
+        where = f"{MANAGER}:SchedulerWeightUpdaterManager"
+    else:
+        where = "sglang.srt.managers.scheduler_update_weights_mixin:SchedulerUpdateWeightsMixin"
+    disk = _source(f"{where}.update_weights_from_disk")
+    assert "draft" in disk or "_select_runners" in disk, "the disk entry point reaches no draft: the probe is wrong"
+    src = _source(f"{where}.update_weights_from_distributed")
+    return "draft" not in src and "_select_runners" not in src
+
+
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 FP4E = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe"
 MANAGER = "sglang.srt.managers.scheduler_components.weight_updater"
@@ -145,6 +160,8 @@ PROBES = {
         in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_tensor")
         and "self._select_runners()" in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.update_weights_from_disk")
     ),
+    "SCHEDULER_UPDATE_MANAGER": lambda: _has(MANAGER, "SchedulerWeightUpdaterManager"),
+    "DISTRIBUTED_UPDATE_SKIPS_DRAFT": _distributed_update_skips_draft,
     "WEIGHT_CHECKER_COMPARATOR": lambda: _has("sglang.srt.utils.weight_checker", "_build_quantized_set"),
     "WEIGHT_CHECKER_LEGACY_COMPARE": lambda: (
         "_check_tensors(" in _source("sglang.srt.utils.weight_checker:WeightChecker._compare")

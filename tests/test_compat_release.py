@@ -26,15 +26,20 @@ SUPERSEDED = {
     ),
     # Before 0.5.16 a global auto is either kept (< 0.5.13) or resolved with apply falling back to sgl-kernel's
     # cutlass_moe_fp4 for a CUTLASS-laid-out layer (0.5.13-0.5.15): no runner/layout mismatch to repair there.
-    # The scheduler's update manager exists from 0.5.13; from 0.5.21 it fans tensor / distributed requests out to the
-    # runners its `selector` names. Before, those reach the target alone (its WeightUpdater hooks check them); a disk
-    # update there loads the target, then a draft: not hooked before 0.5.21 (the sandbox stands draft runners up
-    # from 0.5.21 only, so that case is untested there).
+    # The scheduler's update manager exists from 0.5.13; from 0.5.21 it fans requests out to the runners its
+    # `selector` names (disk / IPC: every runner). Before, the spec worker's own methods reach the draft (disk / IPC
+    # target then draft, tensor draft then target; each runner's WeightUpdater hooks check its own load) and the
+    # distributed request reaches the target alone (builtins/draft_updates.py says so: its own target, landed).
     **{
         f"sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{m}": (
             "< 0.5.21: no runner selector (features.UPDATE_RUNNER_SELECTOR); the WeightUpdater hooks check each load"
         )
-        for m in ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed")
+        for m in (
+            "update_weights_from_disk",
+            "update_weights_from_tensor",
+            "update_weights_from_distributed",
+            "update_weights_from_ipc",
+        )
     },
     "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod.create_moe_runner": (
         "< 0.5.16: no runner/layout mismatch on a global auto (features.NVFP4_AUTO_RUNNER_MISMATCH)"

@@ -23,9 +23,10 @@ from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 from .support.bad_updates import compared
+from .support.gloo_trainer import GROUP, ordered, request_fields
+from .support.gloo_trainer import trainer as trainer_main
 
 SPEC = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128)
-GROUP = "rl"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,42 +34,9 @@ def runtime():
     sglang_runtime.ensure("flashinfer_trtllm")
 
 
-def _ordered(tensors: dict) -> list[str]:
-    """Names by element size, so every tensor starts aligned in the flattened bytes."""
-    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-
-
-def _trainer(port: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
-    """Rank 0 of SGLang's init_custom_process_group; one flattened-bucket broadcast per bucket (a forked process:
-    SGLang is imported already)."""
-    import os
-
-    code = 1
-    try:
-        import torch.distributed as dist
-        from sglang.srt.utils.common import init_custom_process_group
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        torch.set_num_threads(1)
-        pg = init_custom_process_group(
-            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=GROUP
-        )
-        for bucket in buckets:
-            dist.broadcast(FlattenedTensorBucket(named_tensors=bucket).get_flattened_tensor(), src=0, group=pg)
-        code = 0
-    finally:
-        os._exit(code)
-
-
 def _update(u, bucket: list[tuple[str, torch.Tensor]]):
     """One update_weights_from_distributed as this release's scheduler / runner calls it: (success, message)."""
-    kw = dict(
-        names=[n for n, _ in bucket],
-        dtypes=[str(t.dtype).replace("torch.", "") for _, t in bucket],
-        shapes=[list(t.shape) for _, t in bucket],
-        group_name=GROUP,
-        load_format="flattened_bucket",
-    )
+    kw = request_fields(bucket)
     if hasattr(u, "receive_weights_from_distributed"):  # 0.5.21+: the scheduler receives, the runner loads
         return u.load_weights_from_distributed(u.receive_weights_from_distributed(**kw))
     return u.update_weights_from_distributed(**kw)
@@ -86,12 +54,12 @@ def test_update_from_distributed_over_gloo_is_bit_exact_and_a_bad_bucket_is_refu
     model = sglang_runtime.prepared_model(SPEC, cpu_layers.random_nvfp4_checkpoint(SPEC, seed=0))
     ptrs = {n: p.data_ptr() for n, p in model.experts.named_parameters(recurse=False)}
     new = cpu_layers.checkpoint_names(cpu_layers.random_nvfp4_checkpoint(SPEC, seed=5))
-    names = _ordered(new)
+    names = ordered(new)
     buckets = [[(n, new[n]) for n in names[0::2]], [(n, new[n]) for n in names[1::2]]]
     bad = dict(cpu_layers.checkpoint_names(cpu_layers.random_nvfp4_checkpoint(SPEC, seed=6)))
     key = next(n for n in bad if n.endswith("experts.3.down_proj.weight"))
     bad[key] = bad[key].float()
-    bad_bucket = [(n, bad[n]) for n in _ordered(bad)]
+    bad_bucket = [(n, bad[n]) for n in ordered(bad)]
 
     u = sglang_runtime.updater(model)
     if not hasattr(u, "_model_update_group"):  # the ModelRunner shell of releases before 0.5.16 (its __init__ sets it)
@@ -99,7 +67,7 @@ def test_update_from_distributed_over_gloo_is_bit_exact_and_a_bad_bucket_is_refu
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    trainer = multiprocessing.get_context("fork").Process(target=_trainer, args=(port, [*buckets, bad_bucket]))
+    trainer = multiprocessing.get_context("fork").Process(target=trainer_main, args=(port, [*buckets, bad_bucket]))
     trainer.start()
     try:
         ok, msg = u.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")

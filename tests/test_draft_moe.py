@@ -21,8 +21,15 @@ carries the target's experts: SGLang loads the runners one after another, and th
 every selected runner's layers before the first loads (weight_updates.py `selected_runners_around`); the tensor and
 disk paths the same.
 
-Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), the IPC (checkpoint-engine)
-path with a draft, and NVFP4 drafts (SGLang builds a
+`update_weights_from_ipc` (checkpoint-engine, tests/support/draft_ipc.py): SGLang's manager runs it on every runner,
+target then draft; a good run leaves both equal to a fresh load, and a bucket whose draft expert is malformed beside
+the target's experts is refused with neither runner changed (without the check against every runner, the target
+wrote its experts before the draft refused).
+
+Before 0.5.21 (no selector; the distributed update leaves the draft stale, which the plugin says):
+tests/test_draft_before_selector.py.
+
+Not covered here: the Engine / HTTP speculative path (SGLang's EAGLE worker on CPU), and NVFP4 drafts (SGLang builds a
 ModelOpt FP4 DeepSeek's NextN layer unquantized: deepseek_nextn.py sets its quant_config to None).
 """
 
@@ -145,3 +152,13 @@ def test_a_write_refused_mid_load_is_answered_not_raised(quant, owner):
     exit); every managed layer laid out, and a good update after it equals a fresh load."""
     res = _ok(report(quant), "unresolved")
     assert not res["returned"][0] and "may be written" in res["returned"][1], res
+
+
+@pytest.mark.parametrize("quant,owner", FORMATS, ids=[q for q, _ in FORMATS])
+def test_ipc_updates_reach_both_runners_and_a_bad_draft_bucket_changes_neither(quant, owner):
+    """checkpoint-engine's flow through SGLang's manager (every runner, target first): a good run equals a fresh load
+    on both; a bucket with the target's experts and a malformed draft expert: (False, the draft layer named), no byte
+    of either runner changed, no post hook."""
+    res = _ok(report(quant), "ipc")
+    assert res["good"]["post_hook_ran"] and res["refused"]["changed"] == [], res
+    assert "model.decoder.mlp.experts" in res["refused"]["returned"][1], res

@@ -30,3 +30,17 @@ def test_explain_without_sm_on_a_machine_without_a_gpu(tmp_path):
     assert "[NOT_SM100]" in out and "no CUDA GPU on this machine (the TRT-LLM-Gen kernels need SM 10.x)" in out, out
     assert "is not SM 10.x" not in out.replace("need SM 10.x", ""), out
     assert "note: this machine has no CUDA GPU" in out and "pass --sm 100" in out, out
+
+
+def test_explain_says_which_update_entry_points_leave_a_speculative_draft_stale(tmp_path):
+    """`--speculative-algorithm`: before 0.5.21 the distributed update reaches the target only (features.
+    DISTRIBUTED_UPDATE_SKIPS_DRAFT, probed against the release's scheduler); from 0.5.21 no entry point leaves the
+    draft out unless the request's selector does."""
+    from sglang_trtllm_moe.compat import features
+    from sglang_trtllm_moe.explain import explain_model
+
+    model = ck.write(str(tmp_path / "tiny"), ck.TinySpec(arch="deepseek_v3", quant="fp8_block"))
+    rep = explain_model(model, sm=100, run_sglang=False, speculative_algorithm="EAGLE")["draft_updates"]
+    stale = features.DISTRIBUTED_UPDATE_SKIPS_DRAFT.present()
+    assert rep["stale_after"] == (["update_weights_from_distributed"] if stale else []), rep
+    assert ("keeps serving its old weights" in rep["reason"]) == stale, rep

@@ -116,7 +116,26 @@ def before_handle_moe_kernel_config(server_args, *args, **kwargs):
             e,
             exc_info=True,
         )
+    try:
+        say_stale_draft(server_args)
+    except Exception as e:  # noqa: BLE001 - a note, never a reason to break resolution
+        logger.debug("sglang-trtllm-moe: stale-draft note skipped: %s: %s", type(e).__name__, e)
     return None
+
+
+def say_stale_draft(server_args) -> str | None:
+    """At start-up, with a speculative draft on a release whose distributed update leaves it stale: the warning
+    the update itself logs later (updates/stale_draft.py), before the first RL step."""
+    from ..compat.platform import resolved_view
+    from ..updates import stale_draft
+
+    view = resolved_view(server_args)
+    if view.speculative_algorithm is None or not stale_draft.has_draft_model(view.speculative_algorithm):
+        return None
+    text = stale_draft.note(stale_draft.draft_name(view))
+    if text is not None:
+        logger.warning("sglang-trtllm-moe: %s", text)
+    return text
 
 
 def before_model_rules(server_args, *args, **kwargs):

@@ -13,8 +13,8 @@ model's `load_weights` first validates every tensor of the list that targets a m
 checkpoint's files (headers, sizes, every scale's values: checkpoint_headers.py) before SGLang returns any layer to
 checkpoint layout, and is whole or nothing: if SGLang's load still fails, the served weights are put back
 (rollback.py) and the update answers (False, message) instead of raising out of the scheduler.
-With a speculative draft (0.5.21+), SGLang's scheduler-side manager loads one disk / tensor / distributed request into
-the target, then the draft: while it does, each runner's check covers the layers of every runner the request's
+With a speculative draft (0.5.21+), SGLang's scheduler-side manager loads one disk / tensor / distributed / IPC request
+into the target, then the draft: while it does, each runner's check covers the layers of every runner the request's
 `selector` names (`selected_runners_around`), so a bad draft tensor refuses the request before the target loads any
 of it.
 Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
@@ -112,8 +112,8 @@ def _selected_models(manager, selector) -> tuple:
 
 
 def selected_runners_around(original, manager, recv_req, *args, **kwargs):
-    """While SGLang's manager serves one disk / tensor / distributed request, every runner's check also covers the
-    other selected runners' layers (a disk update: every runner, as SGLang's takes no selector): it loads them one
+    """While SGLang's manager serves one disk / tensor / distributed / IPC request, every runner's check also covers
+    the other selected runners' layers (disk and IPC: every runner, as SGLang's take no selector): it loads them one
     after another and stops at the first refusal, so a bad draft tensor found only by the draft's own check would
     leave the target already written."""
     token = _SELECTED.set(_selected_models(manager, getattr(recv_req, "selector", "all")))
@@ -358,7 +358,12 @@ def register_sglang_hooks(register, release):
                 "loads any layer, and put the served weights back if the load still fails",
             )
         )
-    for method in ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed"):
+    for method in (
+        "update_weights_from_disk",
+        "update_weights_from_tensor",
+        "update_weights_from_distributed",
+        "update_weights_from_ipc",
+    ):
         register(
             HookTarget(
                 f"{MANAGER}.{method}",

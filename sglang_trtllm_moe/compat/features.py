@@ -168,8 +168,21 @@ UPDATE_RUNNER_SELECTOR = Feature(
     ">=0.5.21",
     "the scheduler's SchedulerWeightUpdaterManager loads a disk update into every runner and a tensor / distributed "
     "one into every runner its `selector` names (target, then draft), one after another, stopping at the first that "
-    "answers False: a bucket a draft refuses would already be in the target (before 0.5.21 the tensor / distributed "
-    "paths reach the target alone)",
+    "answers False: a bucket a draft refuses would already be in the target (before 0.5.21 no selector: disk / IPC "
+    "load the target then the draft, tensor the draft then the target, distributed the target alone: "
+    "DISTRIBUTED_UPDATE_SKIPS_DRAFT)",
+)
+SCHEDULER_UPDATE_MANAGER = Feature(
+    ">=0.5.13",
+    "the scheduler's update_weights_from_* requests are served by scheduler_components.weight_updater."
+    "SchedulerWeightUpdaterManager; before, by the Scheduler's own SchedulerUpdateWeightsMixin methods",
+)
+DISTRIBUTED_UPDATE_SKIPS_DRAFT = Feature(
+    "<0.5.21",
+    "the scheduler loads update_weights_from_distributed into the target's runner only (tp_worker), while disk / IPC "
+    "/ tensor requests reach a speculative draft too (its spec worker's own update methods): after a distributed "
+    "update the draft silently serves its old weights (0.5.21 loads it into every runner the request's selector "
+    "names)",
 )
 WEIGHT_CHECKER_COMPARATOR = Feature(
     ">=0.5.15",

@@ -455,7 +455,14 @@ CHECKS = {
     "unresolved": check_unresolved,
     "checker": check_checker,
     "distributed": lambda w: _distributed().check_distributed(w),
+    "ipc": lambda w: _ipc().check_ipc(w),
 }
+
+
+def _ipc():
+    from . import draft_ipc  # it reads this module's helpers
+
+    return draft_ipc
 
 
 def _distributed():

@@ -1,0 +1,45 @@
+"""The trainer's side of `update_weights_from_distributed` on a CPU: rank 0 of SGLang's `init_custom_process_group`
+over gloo, one flattened-bucket broadcast per bucket (gloo cannot broadcast float8_e4m3fn, which NVFP4 block
+scales are, so the verl / slime `flattened_bucket` load format), in a forked process (SGLang is imported already)."""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = "rl"
+
+
+def ordered(tensors: dict) -> list[str]:
+    """Names by element size, so every tensor starts aligned in the flattened bytes."""
+    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+
+
+def trainer(port: int, buckets: list[list[tuple[str, torch.Tensor]]], group: str = GROUP) -> None:
+    import os
+
+    code = 1
+    try:
+        import torch.distributed as dist
+        from sglang.srt.utils.common import init_custom_process_group
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        torch.set_num_threads(1)
+        pg = init_custom_process_group(
+            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=group
+        )
+        for bucket in buckets:
+            dist.broadcast(FlattenedTensorBucket(named_tensors=bucket).get_flattened_tensor(), src=0, group=pg)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def request_fields(bucket: list[tuple[str, torch.Tensor]], group: str = GROUP) -> dict:
+    """What an update_weights_from_distributed request says about `bucket`."""
+    return dict(
+        names=[n for n, _ in bucket],
+        dtypes=[str(t.dtype).replace("torch.", "") for _, t in bucket],
+        shapes=[list(t.shape) for _, t in bucket],
+        group_name=group,
+        load_format="flattened_bucket",
+    )

@@ -1,0 +1,99 @@
+"""A speculative target + draft behind SGLang's own scheduler and spec worker of releases before 0.5.21, at the layer.
+
+The sandbox stands a whole draft ModelRunner up from 0.5.21 only (compat/sandbox_releases.MODEL_RUNNER_RELEASES);
+what decides which runner an update reaches before 0.5.21 is SGLang's scheduler entry points and spec worker, and
+those run here as the release has them:
+
+* the scheduler: 0.5.13+ `SchedulerWeightUpdaterManager` (constructed with its own dataclass fields), before a
+  `Scheduler` (no __init__: it would start ZMQ sockets, a tokenizer and a model) whose `SchedulerUpdateWeightsMixin`
+  methods read `tp_worker`, `draft_worker`, `flush_cache`, `tp_cpu_group`;
+* the target's `TpModelWorker` and the draft's `EAGLEWorkerV2` (with its `EagleDraftWorker`), no __init__ (both
+  build a ModelRunner, KV pools and CUDA graphs): the fields their update methods read — `model_runner` /
+  `tp_rank` / `ps`, `target_worker` / `_draft_worker.draft_runner` / `server_args`;
+* each runner: the object that owns SGLang's update entry points on the release (tests/support/sglang_runtime.py
+  `weight_updater`: the ModelRunner shell before 0.5.16, a ModelRunner shell over a real WeightUpdater after)
+  around a TinyMoeModel whose FusedMoE layer the plugin prepares.
+
+Stand-ins, each for a CUDA-only or process-level piece an update never reads: the __init__s above, `flush_cache`
+(the KV cache), the metrics collector (None), the scheduler's weight-version record, and before 0.5.13 an
+import-only `sgl_kernel.kvcacheio` (compat/cpu_sandbox.py: the scheduler module imports it; no CPU build exists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+from sglang_trtllm_moe.compat import cpu_sandbox, features
+
+from . import sglang_runtime
+
+DRAFT_PATH = "/models/tiny-draft-nextn"
+
+
+def runner(model):
+    """SGLang's ModelRunner as the spec worker and TpModelWorker of this release reach a model's update entry points."""
+    owner = sglang_runtime.updater(model)
+    if not features.WEIGHT_UPDATER.present():
+        return owner  # the ModelRunner shell, whose own methods are the entry points
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    shell = object.__new__(ModelRunner)
+    shell.__dict__.update(model=model, weight_updater=owner, tp_rank=0)
+    return shell
+
+
+def tp_worker(model_runner):
+    # before 0.5.13 the managers import sgl_kernel.kvcacheio at module level (no CPU build): compat/cpu_sandbox.py
+    cpu_sandbox.sgl_kernel_kvcacheio_import_stub()
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    w = object.__new__(TpModelWorker)
+    # `model_runner`: an attribute on some releases, a property over `_model_runner` on others
+    w.__dict__.update(model_runner=model_runner, _model_runner=model_runner, tp_rank=0, ps=SimpleNamespace(tp_rank=0))
+    return w
+
+
+def spec_worker(target_worker, draft_runner):
+    """SGLang's EAGLEWorkerV2 (DeepSeek MTP / NextN's worker with the overlap scheduler) over the two runners."""
+    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
+
+    inner = object.__new__(EagleDraftWorker)
+    inner.__dict__.update(draft_runner=draft_runner, _draft_runner=draft_runner)
+    w = object.__new__(EAGLEWorkerV2)
+    w.__dict__.update(
+        _draft_worker=inner,
+        target_worker=target_worker,  # an attribute before 0.5.17, a property over _target_worker after
+        _target_worker=target_worker,
+        tp_rank=0,
+        ps=SimpleNamespace(tp_rank=0),
+        server_args=SimpleNamespace(speculative_draft_model_path=DRAFT_PATH, speculative_algorithm="EAGLE"),
+    )
+    return w
+
+
+def scheduler(target_worker, draft_worker):
+    """The object whose update_weights_from_* methods serve the scheduler's requests on this release."""
+    from sglang.srt.distributed import get_tp_group
+
+    fields = dict(
+        tp_worker=target_worker,
+        draft_worker=draft_worker,
+        tp_cpu_group=get_tp_group().cpu_group,
+        flush_cache=lambda empty_cache=False: True,
+    )
+    if not features.SCHEDULER_UPDATE_MANAGER.present():
+        from sglang.srt.managers.scheduler import Scheduler
+
+        s = object.__new__(Scheduler)
+        s.__dict__.update(fields)
+        return s
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+
+    class Versions:  # the scheduler's record of weight versions (0.5.14+ asks it after a successful update)
+        def record_weight_version_change(self, new_version=None):
+            return None
+
+    have = {f.name for f in dataclasses.fields(SchedulerWeightUpdaterManager) if f.init}
+    extra = dict(memory_saver_adapter=None, is_fully_idle=lambda **kw: True, scheduler=Versions())
+    return SchedulerWeightUpdaterManager(**{k: v for k, v in {**fields, **extra}.items() if k in have})

@@ -1,0 +1,210 @@
+"""A speculative draft under RL updates before 0.5.21 (issue #39), through SGLang's own scheduler entry points and
+spec worker of the release (tests/support/spec_worker.py says what runs and what stands in).
+
+What each release does, read from its code and checked here: a tensor request reaches the draft, then the target
+(`EAGLEWorkerV2.update_weights_from_tensor`); a disk request the target, then the draft (the spec worker's
+`update_weights_from_disk`); after each, both runners equal a fresh load of the new checkpoint, byte for byte.
+`update_weights_from_distributed` reaches the target alone (features.DISTRIBUTED_UPDATE_SKIPS_DRAFT): the target
+equals a fresh load of the broadcast, the draft keeps its old bytes — and the plugin says so once per scheduler,
+naming the draft and what to do; a scheduler without a draft hears nothing.
+
+Not covered here: the v1 `EAGLEWorker` (0.5.11-0.5.12 without the overlap scheduler: a TpModelWorker whose own
+update methods load the draft runner), `MultiLayerEagleWorkerV2`, and real NextN draft models (0.5.21+:
+tests/test_draft_moe.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import tempfile
+
+import pytest
+import torch
+
+from sglang_trtllm_moe.compat import features
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
+
+from .support import gloo_trainer, sglang_runtime, spec_worker
+from .support.bad_updates import compared
+
+pytestmark = pytest.mark.sglang(
+    features.DISTRIBUTED_UPDATE_SKIPS_DRAFT.releases,
+    reason="the releases whose distributed update leaves the draft stale (from 0.5.21 the manager loads every "
+    "selected runner: tests/test_draft_moe.py)",
+)
+
+SPEC = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    sglang_runtime.ensure("flashinfer_trtllm")
+
+
+def ckpt(seed):
+    return cpu_layers.random_nvfp4_checkpoint(SPEC, seed=seed)
+
+
+def _bytes(model) -> dict:
+    names = compared(model.experts)
+    return {n: p.data.reshape(-1).view(torch.uint8).clone() for n, p in model.experts.named_parameters() if n in names}
+
+
+def differs_from_fresh(model, seed) -> list[str]:
+    got, want = _bytes(model), _bytes(sglang_runtime.prepared_model(SPEC, ckpt(seed)))
+    return [n for n in want if not torch.equal(got[n], want[n])]
+
+
+class Pair:
+    """Target and draft (both loaded from seed 0) behind the release's scheduler, spec worker and workers."""
+
+    def __init__(self, with_draft: bool = True):
+        self.target = sglang_runtime.prepared_model(SPEC, ckpt(0))
+        self.draft = sglang_runtime.prepared_model(SPEC, ckpt(0))
+        self.tp = spec_worker.tp_worker(spec_worker.runner(self.target))
+        self.spec = spec_worker.spec_worker(self.tp, spec_worker.runner(self.draft)) if with_draft else None
+        self.scheduler = spec_worker.scheduler(self.tp, self.spec)
+
+
+class Said(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def said():
+    h = Said()
+    log = logging.getLogger("sglang_trtllm_moe")
+    log.addHandler(h)
+    try:
+        yield h.lines
+    finally:
+        log.removeHandler(h)
+
+
+def _ok(out):
+    success = out.success if hasattr(out, "success") else out[0]
+    message = out.message if hasattr(out, "message") else out[1]
+    assert success, message
+
+
+def test_a_tensor_update_reaches_the_draft_then_the_target_exactly(said):
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    p = Pair()
+    named = list(cpu_layers.checkpoint_names(ckpt(2)).items())
+    req = UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(named)], load_format=None, flush_cache=False
+    )
+    _ok(p.scheduler.update_weights_from_tensor(req))
+    assert differs_from_fresh(p.target, 2) == [] and differs_from_fresh(p.draft, 2) == []
+    assert not [s for s in said if "draft" in s], said
+
+
+def test_a_disk_update_reaches_the_target_then_the_draft_exactly(said):
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    p = Pair()
+    d = tempfile.mkdtemp(prefix="trtllm-moe-draft-")
+    sglang_runtime.write_safetensors_checkpoint(d, ckpt(1), SPEC)
+    _ok(p.scheduler.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path=d, load_format="auto")))
+    assert differs_from_fresh(p.target, 1) == [] and differs_from_fresh(p.draft, 1) == []
+    assert not [s for s in said if "draft" in s], said
+
+
+def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said):
+    """Two broadcasts through the release's scheduler: with a draft (target updated, draft's bytes kept, one
+    warning naming the draft and what to do), then through a scheduler without one (updated, nothing said)."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+    p = Pair()
+    plain = Pair(with_draft=False)
+    draft_before = _bytes(p.draft)
+    buckets = []
+    for seed in (5, 6):
+        new = cpu_layers.checkpoint_names(ckpt(seed))
+        buckets.append([(n, new[n]) for n in gloo_trainer.ordered(new)])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = multiprocessing.get_context("fork").Process(
+        target=gloo_trainer.trainer, args=(port, [buckets[0], buckets[0], buckets[1]])
+    )
+    trainer.start()
+    try:
+        # one update group, received by both targets' owners in turn (each receive is one broadcast)
+        owner = p.tp.model_runner
+        owner = getattr(owner, "weight_updater", owner)
+        if not hasattr(owner, "_model_update_group"):  # the ModelRunner shell before 0.5.16 (its __init__ sets it)
+            owner._model_update_group = {}
+        ok, msg = owner.init_weights_update_group("127.0.0.1", port, 1, 2, gloo_trainer.GROUP, backend="gloo")
+        assert ok, msg
+        plain_owner = plain.tp.model_runner
+        plain_owner = getattr(plain_owner, "weight_updater", plain_owner)
+        if not hasattr(plain_owner, "_model_update_group"):
+            plain_owner._model_update_group = {}
+        plain_owner._model_update_group.update(owner._model_update_group)
+
+        for _ in range(2):  # a step's buckets: said once
+            req = UpdateWeightsFromDistributedReqInput(**gloo_trainer.request_fields(buckets[0]), flush_cache=False)
+            _ok(p.scheduler.update_weights_from_distributed(req))
+        assert differs_from_fresh(p.target, 5) == []
+        after = _bytes(p.draft)
+        assert [n for n in draft_before if not torch.equal(after[n], draft_before[n])] == []  # as the release does
+        told = [s for s in said if "update_weights_from_distributed into the target model only" in s]
+        assert len(told) == 1, said
+        assert spec_worker.DRAFT_PATH in told[0] and "update_weights_from_tensor" in told[0], told[0]
+        assert "0.5.21" in told[0], told[0]
+
+        req = UpdateWeightsFromDistributedReqInput(**gloo_trainer.request_fields(buckets[1]), flush_cache=False)
+        _ok(plain.scheduler.update_weights_from_distributed(req))
+        assert differs_from_fresh(plain.target, 6) == []
+        assert len([s for s in said if "draft" in s]) == 1, said
+        owner.destroy_weights_update_group(gloo_trainer.GROUP)
+    finally:
+        trainer.join(120)
+        if trainer.exitcode is None:
+            trainer.kill()
+            trainer.join()
+    assert trainer.exitcode == 0
+
+
+def test_the_start_up_log_and_explain_say_it_too(tmp_path, monkeypatch, said):
+    """The same note where a user looks before the first update: `explain --speculative-algorithm` and the
+    selection hook's start-up warning (builtins/selection_hooks.say_stale_draft)."""
+    from types import SimpleNamespace
+
+    from sglang_trtllm_moe.builtins.selection_hooks import say_stale_draft
+    from sglang_trtllm_moe.compat import platform
+    from sglang_trtllm_moe.explain import explain_model
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
+
+    model = ck.write(str(tmp_path / "tiny"), ck.TinySpec(arch="deepseek_v3", quant="fp8_block"))
+    rep = explain_model(model, sm=100, run_sglang=False, speculative_algorithm="EAGLE")["draft_updates"]
+    assert rep["stale_after"] == ["update_weights_from_distributed"], rep
+    assert "keeps serving its old weights" in rep["reason"] and "update_weights_from_disk" in rep["reason"], rep
+    assert "draft_updates" not in explain_model(model, sm=100, run_sglang=False)
+    # what ServerArgs say of the draft, read as compat/platform reads a half-resolved ServerArgs (its view: tested
+    # with real ServerArgs by tests/test_selection.py); here, what is said
+    monkeypatch.setattr(platform, "resolved_view", lambda server_args: server_args)
+    args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_draft_model_path=spec_worker.DRAFT_PATH)
+    text = say_stale_draft(args)
+    assert text is not None and spec_worker.DRAFT_PATH in text and "(EAGLE)" in text, text
+    assert say_stale_draft(SimpleNamespace(speculative_algorithm=None, speculative_draft_model_path=None)) is None
+    # n-gram speculation has no draft model: nothing goes stale, nothing is said
+    assert say_stale_draft(SimpleNamespace(speculative_algorithm="NGRAM", speculative_draft_model_path=None)) is None
+    ngram = explain_model(model, sm=100, run_sglang=False, speculative_algorithm="NGRAM")["draft_updates"]
+    assert ngram["stale_after"] == [], ngram
+    from sglang_trtllm_moe.builtins.draft_updates import warn_stale_draft_after
+
+    worker = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="NGRAM"))
+    before = len(said)  # the EAGLE start-up warning above
+    assert warn_stale_draft_after(SimpleNamespace(success=True), SimpleNamespace(draft_worker=worker)) is None
+    assert said[before:] == [] and before == 1, said
