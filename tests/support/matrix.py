@@ -167,8 +167,13 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         (("tests/test_models.py::test_checkpoint_engine_buckets_then_finish_equal_a_fresh_load", None),),
     ),
     # speculative-draft (NextN / MTP) MoE layers: a DeepSeek-V3 target and its draft ModelRunner, updated with
-    # SGLang's runner selector (0.5.21+)
-    ("draft_moe", "speculative draft MoE", (("tests/test_draft_moe.py", None),)),
+    # SGLang's runner selector (0.5.21+); before, the release's own scheduler and EAGLE worker over two plugin-prepared
+    # layers (tensor / disk reach the draft exactly, a distributed update leaves it stale and the plugin says so)
+    (
+        "draft_moe",
+        "speculative draft MoE",
+        (("tests/test_draft_moe.py", None), ("tests/test_draft_before_selector.py", None)),
+    ),
     # EPLB / redundant experts: SGLang's own rebalance moves plugin-prepared experts between slots, then RL updates
     # land in every replica (one layer on every release, whole models 0.5.21+), and between two EP ranks with its
     # P2P ops (gloo; 0.5.21+)
