@@ -21,36 +21,15 @@ changed); the plugin checks the bucket against every runner the selector names b
 from __future__ import annotations
 
 import multiprocessing
-import os
 import socket
 
-import torch
-
-GROUP = "rl"
+from .gloo_trainer import GROUP, request_fields
+from .gloo_trainer import trainer as run_trainer
 
 
 def _ordered(named: list) -> list:
-    """By element size, so every tensor starts aligned in the flattened bytes."""
+    """By element size, so every tensor starts aligned in the flattened bytes (gloo_trainer.ordered's rule)."""
     return sorted(named, key=lambda kv: (-kv[1].element_size(), kv[0]))
-
-
-def _trainer(port: int, buckets: list) -> None:
-    """Rank 0 of SGLang's init_custom_process_group; one flattened-bucket broadcast per bucket."""
-    code = 1
-    try:
-        import torch.distributed as dist
-        from sglang.srt.utils.common import init_custom_process_group
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        torch.set_num_threads(1)
-        pg = init_custom_process_group(
-            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=GROUP
-        )
-        for bucket in buckets:
-            dist.broadcast(FlattenedTensorBucket(named_tensors=bucket).get_flattened_tensor(), src=0, group=pg)
-        code = 0
-    finally:
-        os._exit(code)
 
 
 def _session(w, buckets: list, selector: str) -> list:
@@ -65,14 +44,7 @@ def _session(w, buckets: list, selector: str) -> list:
     outs = [w.manager.begin_weight_update(BeginWeightUpdateReqInput(selector=selector))]
     try:
         for bucket in buckets:
-            req = UpdateWeightsFromDistributedReqInput(
-                names=[n for n, _ in bucket],
-                dtypes=[str(t.dtype).replace("torch.", "") for _, t in bucket],
-                shapes=[list(t.shape) for _, t in bucket],
-                group_name=GROUP,
-                load_format="flattened_bucket",
-                selector=selector,
-            )
+            req = UpdateWeightsFromDistributedReqInput(**request_fields(bucket), selector=selector)
             outs.append(w.manager.update_weights_from_distributed(req))
     finally:
         outs.append(w.manager.end_weight_update(EndWeightUpdateReqInput()))
@@ -102,7 +74,7 @@ def check_distributed(w) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    trainer = multiprocessing.get_context("fork").Process(target=_trainer, args=(port, buckets))
+    trainer = multiprocessing.get_context("fork").Process(target=run_trainer, args=(port, buckets))
     trainer.start()
     steps, ptrs = {}, w.pointers()
     try:
