@@ -66,15 +66,49 @@ def differs_from_fresh(model, seed) -> list[str]:
     return [n for n in want if not torch.equal(got[n], want[n])]
 
 
+#: the draft's layer is loaded from seed + DRAFT_SEED (a NextN layer's weights are not the target's)
+DRAFT_SEED = 100
+
+
+def both(seed) -> dict:
+    """One request's tensors for both runners: the target's layer of `seed`, the draft's of seed + DRAFT_SEED."""
+    target = spec_worker.named(spec_worker.Target, ckpt(seed))
+    return {**target, **spec_worker.named(spec_worker.Draft, ckpt(seed + DRAFT_SEED))}
+
+
+def malformed(named: dict, cls) -> tuple[dict, str]:
+    """`named` with `cls`'s expert 3 gate weight one column too wide, last (after good tensors of its layer); and
+    how a refusal names it (the layer, the expert)."""
+    name = f"{cls.prefix}experts.3.gate_proj.weight"
+    bad = named[name]
+    bad_named = {**{k: v for k, v in named.items() if k != name}, name: torch.cat([bad, bad[:, :1]], 1)}
+    return bad_named, f"{cls.prefix}experts: refused weight update of w13_weight (shard 'w1', expert 3)"
+
+
 class Pair:
-    """Target and draft (both loaded from seed 0) behind the release's scheduler, spec worker and workers."""
+    """Target and draft (loaded from seed 0 and 0 + DRAFT_SEED) behind the release's scheduler, spec worker and
+    workers."""
 
     def __init__(self, with_draft: bool = True):
-        self.target = sglang_runtime.prepared_model(SPEC, ckpt(0))
-        self.draft = sglang_runtime.prepared_model(SPEC, ckpt(0))
+        self.target = sglang_runtime.prepared_model(SPEC, ckpt(0), spec_worker.Target)
+        self.draft = sglang_runtime.prepared_model(SPEC, ckpt(DRAFT_SEED), spec_worker.Draft)
         self.tp = spec_worker.tp_worker(spec_worker.runner(self.target))
         self.spec = spec_worker.spec_worker(self.tp, spec_worker.runner(self.draft)) if with_draft else None
         self.scheduler = spec_worker.scheduler(self.tp, self.spec)
+
+    def exact(self, seed) -> list[str]:
+        """What differs from a fresh load of `both(seed)`, per runner."""
+        return [f"target.{n}" for n in differs_from_fresh(self.target, seed)] + [
+            f"draft.{n}" for n in differs_from_fresh(self.draft, seed + DRAFT_SEED)
+        ]
+
+    def state(self) -> dict:
+        target, draft = _bytes(self.target), _bytes(self.draft)
+        return {**{f"target.{k}": v for k, v in target.items()}, **{f"draft.{k}": v for k, v in draft.items()}}
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    return [n for n in before if not torch.equal(before[n], after[n])]
 
 
 class Said(logging.Handler):
@@ -103,29 +137,96 @@ def _ok(out):
     assert success, message
 
 
-def test_a_tensor_update_reaches_the_draft_then_the_target_exactly(said):
+def tensor_request(named: dict):
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
 
-    p = Pair()
-    named = list(cpu_layers.checkpoint_names(ckpt(2)).items())
-    req = UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[MultiprocessingSerializer.serialize(named)], load_format=None, flush_cache=False
+    return UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(list(named.items()))],
+        load_format=None,
+        flush_cache=False,
     )
-    _ok(p.scheduler.update_weights_from_tensor(req))
-    assert differs_from_fresh(p.target, 2) == [] and differs_from_fresh(p.draft, 2) == []
+
+
+def disk_request(named: dict):
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    d = tempfile.mkdtemp(prefix="trtllm-moe-draft-")
+    sglang_runtime.write_safetensors_checkpoint(d, {}, SPEC, named=named)
+    return UpdateWeightFromDiskReqInput(model_path=d, load_format="auto")
+
+
+def test_a_tensor_update_reaches_the_draft_then_the_target_exactly(said):
+    p = Pair()
+    _ok(p.scheduler.update_weights_from_tensor(tensor_request(both(2))))
+    assert p.exact(2) == []
     assert not [s for s in said if "draft" in s], said
 
 
 def test_a_disk_update_reaches_the_target_then_the_draft_exactly(said):
-    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+    p = Pair()
+    _ok(p.scheduler.update_weights_from_disk(disk_request(both(1))))
+    assert p.exact(1) == []
+    assert not [s for s in said if "draft" in s], said
+
+
+def _refused(out) -> str:
+    success = out.success if hasattr(out, "success") else out[0]
+    message = out.message if hasattr(out, "message") else out[1]
+    assert not success, message
+    return message
+
+
+def test_a_disk_checkpoint_with_a_bad_draft_expert_changes_neither_runner():
+    """SGLang loads the target, then the draft, and stops at the draft's refusal: the target would already serve the
+    new checkpoint. The plugin checks the checkpoint against both runners before the target loads any of it."""
+    p = Pair()
+    before = p.state()
+    named, name = malformed(both(3), spec_worker.Draft)
+    message = _refused(p.scheduler.update_weights_from_disk(disk_request(named)))
+    assert name in message and "refused" in message, message
+    assert changed(before, p.state()) == []
+    _ok(p.scheduler.update_weights_from_disk(disk_request(both(4))))  # and a good one still lands in both
+    assert p.exact(4) == []
+
+
+def test_a_tensor_bucket_with_a_bad_target_expert_changes_neither_runner():
+    """The tensor path loads the draft first: without the whole-request check the draft would serve the bucket's
+    draft tensors while the target refused its own."""
+    p = Pair()
+    before = p.state()
+    named, name = malformed(both(5), spec_worker.Target)
+    message = _refused(p.scheduler.update_weights_from_tensor(tensor_request(named)))
+    assert name in message and "refused" in message, message
+    assert changed(before, p.state()) == []
+    named, name = malformed(both(5), spec_worker.Draft)  # and the draft's own tensor: refused by the draft first
+    message = _refused(p.scheduler.update_weights_from_tensor(tensor_request(named)))
+    assert name in message and changed(before, p.state()) == [], message
+
+
+def test_checkpoint_engine_buckets_reach_both_runners_and_a_bad_draft_expert_changes_neither():
+    """checkpoint-engine's flow (tests/support/checkpoint_engine.py: its worker loop, SGLang's extension and post hook
+    of the release) through the scheduler's update_weights_from_ipc: the target, then the draft, each running every
+    bucket. Good buckets: both equal a fresh load. A bucket with the draft's expert malformed after the target's
+    experts: (False, the draft's tensor named), neither runner changed, no post hook ran."""
+    from sglang_trtllm_moe.sandbox import models
+
+    from .support import checkpoint_engine as ce
 
     p = Pair()
-    d = tempfile.mkdtemp(prefix="trtllm-moe-draft-")
-    sglang_runtime.write_safetensors_checkpoint(d, ckpt(1), SPEC)
-    _ok(p.scheduler.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path=d, load_format="auto")))
-    assert differs_from_fresh(p.target, 1) == [] and differs_from_fresh(p.draft, 1) == []
-    assert not [s for s in said if "draft" in s], said
+    server = ce.ParameterServer(models.buckets(sorted(both(6).items()), 4))
+    with ce.installed(server):
+        _ok(p.scheduler.update_weights_from_ipc(ce.request()))
+    assert server.post_hook_ran and server.replies == [""] * 8, server.replies
+    assert p.exact(6) == []
+
+    before = p.state()
+    named, name = malformed(both(7), spec_worker.Draft)
+    server = ce.ParameterServer([list(named.items())])
+    with ce.installed(server):
+        message = _refused(p.scheduler.update_weights_from_ipc(ce.request()))
+    assert name in message and "refused" in message, message
+    assert not server.post_hook_ran and changed(before, p.state()) == []
 
 
 def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said):

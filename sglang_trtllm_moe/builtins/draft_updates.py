@@ -26,11 +26,9 @@ from .. import hookimpl
 from ..compat import features
 from ..targets import HookTarget
 from ..updates import stale_draft
-from .weight_updates import MANAGER
+from .weight_updates import MANAGER, MIXIN
 
 logger = logging.getLogger("sglang_trtllm_moe")
-
-MIXIN = "sglang.srt.managers.scheduler_update_weights_mixin.SchedulerUpdateWeightsMixin"
 
 _WARNED: weakref.WeakSet = weakref.WeakSet()  # the draft workers already named (one per scheduler)
 _LOCK = threading.Lock()

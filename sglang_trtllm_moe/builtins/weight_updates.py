@@ -13,10 +13,10 @@ model's `load_weights` first validates every tensor of the list that targets a m
 checkpoint's files (headers, sizes, every scale's values: checkpoint_headers.py) before SGLang returns any layer to
 checkpoint layout, and is whole or nothing: if SGLang's load still fails, the served weights are put back
 (rollback.py) and the update answers (False, message) instead of raising out of the scheduler.
-With a speculative draft (0.5.21+), SGLang's scheduler-side manager loads one disk / tensor / distributed / IPC request
-into the target, then the draft: while it does, each runner's check covers the layers of every runner the request's
-`selector` names (`selected_runners_around`), so a bad draft tensor refuses the request before the target loads any
-of it.
+With a speculative draft, SGLang's scheduler loads one disk / tensor / IPC request (from 0.5.21 distributed too) into
+the target and the draft one after another: while it does, each runner's check covers the layers of every runner the
+request reaches (`selected_runners_around`; which runners: compat/update_runners.py), so a bad draft tensor refuses
+the request before the target loads any of it, on every release.
 Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
 layout first, so they are exact outside a begin/end session too.
 """
@@ -28,7 +28,7 @@ import contextvars
 import logging
 
 from .. import hookimpl, layer_state
-from ..compat import features
+from ..compat import features, update_runners
 from ..errors import WeightUpdateRefused
 from ..targets import HookTarget
 from ..updates import batched_writes, bucket_validation, checked_writes, checkpoint_headers, rollback
@@ -38,6 +38,7 @@ logger = logging.getLogger("sglang_trtllm_moe")
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 MANAGER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+MIXIN = "sglang.srt.managers.scheduler_update_weights_mixin.SchedulerUpdateWeightsMixin"
 
 
 def drop_caches_before(*args, **kwargs):
@@ -96,31 +97,28 @@ PARTLY_WRITTEN = (
 _SELECTED: contextvars.ContextVar[tuple] = contextvars.ContextVar("sglang_trtllm_moe_selected_runners", default=())
 
 
-def _selected_models(manager, selector) -> tuple:
-    """The models of the runners `selector` names, as SGLang's manager picks them (0.5.21-0.5.23
-    `_parse_runner_selector` / `_select_runners`: "all" is target and draft) through its workers' public
-    `weight_update_runners`; () where a worker does not say (the request is then checked per runner, as before)."""
-    roles = ("target", "draft") if selector == "all" else (selector,)
-    models = []
-    try:
-        for role, worker in (("target", manager.tp_worker), ("draft", manager.draft_worker)):
-            if role in roles and worker is not None:
-                models += [_model_of(runner) for _, runner in worker.weight_update_runners()]
-    except AttributeError:
-        return ()
-    return tuple(m for m in models if m is not None)
+def _selected_models(manager, recv_req, method: str) -> tuple:
+    """The models of the runners SGLang's scheduler loads the request into (compat/update_runners.py); () where a
+    worker does not say (the request is then checked per runner, as SGLang loads it)."""
+    runners = update_runners.selected_runners(manager, recv_req, method)
+    models = [] if runners is None else [_model_of(r) for r in runners]
+    return tuple({id(m): m for m in models if m is not None}.values())
 
 
-def selected_runners_around(original, manager, recv_req, *args, **kwargs):
-    """While SGLang's manager serves one disk / tensor / distributed / IPC request, every runner's check also covers
-    the other selected runners' layers (disk and IPC: every runner, as SGLang's take no selector): it loads them one
-    after another and stops at the first refusal, so a bad draft tensor found only by the draft's own check would
-    leave the target already written."""
-    token = _SELECTED.set(_selected_models(manager, getattr(recv_req, "selector", "all")))
-    try:
-        return original(manager, recv_req, *args, **kwargs)
-    finally:
-        _SELECTED.reset(token)
+def _selected_runners_around(method: str):
+    def selected_runners_around(original, manager, recv_req, *args, **kwargs):
+        """While SGLang's scheduler serves one disk / tensor / IPC (and from 0.5.21 distributed) request, every
+        runner's check also covers the other selected runners' layers: SGLang loads them one after another and stops
+        at the first refusal, so a bad draft tensor found only by the draft's own check would leave the target
+        already written (and, on the tensor path before 0.5.21, which loads the draft first, the reverse)."""
+        token = _SELECTED.set(_selected_models(manager, recv_req, method))
+        try:
+            return original(manager, recv_req, *args, **kwargs)
+        finally:
+            _SELECTED.reset(token)
+
+    selected_runners_around.__qualname__ = f"selected_runners_around[{method}]"
+    return selected_runners_around
 
 
 def check_buckets_around(original, owner, *args, **kwargs):
@@ -318,12 +316,23 @@ LOAD_ONLY_ENTRY_POINTS = (
     (f"{UPDATER}.update_weights_from_ipc", _UPDATER),
     (f"{MODEL_RUNNER}.update_weights_from_tensor", _RUNNER),
     (f"{MODEL_RUNNER}.update_weights_from_distributed", _RUNNER),
+    (f"{MODEL_RUNNER}.update_weights_from_ipc", _RUNNER),
 )
 RELOAD_START = (
     (f"{UPDATER}.update_weights_from_disk", _UPDATER),
     (f"{MODEL_RUNNER}.update_weights_from_disk", _RUNNER),
 )
 
+
+# (class, method, releases): where the scheduler serves a request that loads into more than one runner (target and
+# speculative draft): the Scheduler's mixin before 0.5.13, the manager after; distributed only from 0.5.21 (before, it
+# loads the target alone: features.DISTRIBUTED_UPDATE_SKIPS_DRAFT)
+_TO_EVERY_RUNNER = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_ipc")
+SCHEDULER_ENTRY_POINTS = (
+    *((MIXIN, m, features.SCHEDULER_UPDATE_MANAGER.before) for m in _TO_EVERY_RUNNER),
+    *((MANAGER, m, features.SCHEDULER_UPDATE_MANAGER.releases) for m in _TO_EVERY_RUNNER),
+    (MANAGER, "update_weights_from_distributed", features.UPDATE_RUNNER_SELECTOR.releases),
+)
 
 DEFAULT_LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader.load_model"
 
@@ -358,21 +367,16 @@ def register_sglang_hooks(register, release):
                 "loads any layer, and put the served weights back if the load still fails",
             )
         )
-    for method in (
-        "update_weights_from_disk",
-        "update_weights_from_tensor",
-        "update_weights_from_distributed",
-        "update_weights_from_ipc",
-    ):
+    for target, method, rel in SCHEDULER_ENTRY_POINTS:
         register(
             HookTarget(
-                f"{MANAGER}.{method}",
-                selected_runners_around,
+                f"{target}.{method}",
+                _selected_runners_around(method),
                 "around",
-                releases=features.UPDATE_RUNNER_SELECTOR.releases,
+                releases=rel,
                 capability="rl-update",
                 why="check a request against every runner it loads before the first loads it (a bad draft tensor "
-                "would otherwise leave the target written)",
+                "would otherwise leave the target written, or a bad target tensor the draft)",
             )
         )
     register(

@@ -16,7 +16,10 @@ socket and the CUDA buffer, and SGLang's extension gets the answers a GPU proces
 the ZMQ handle by it) and the device its post hook prepares on. A CPU-only process without SGLang's CPU engine has
 neither: `DeviceMixin.get_device_uuid` raises NotImplementedError, and `utils.get_device()` raises "No accelerator",
 which the post hook catches and logs as a warning, skipping every `process_weights_after_loading`; here it is told
-"cpu" (device 0), where SGLang's `device_loading_context` moves nothing, as on a GPU whose weights are on it.
+"cpu" (device 0), where SGLang's `device_loading_context` moves nothing, as on a GPU whose weights are on it. Before
+0.5.20 the extension asks `torch.cuda` itself (`current_device()`, `get_device_properties(i).uuid`, and
+`torch.device("cuda", i)` for its post hook): the module's own `torch` is then a view of torch that answers those the
+same way (`_CudaAnswers`), the rest of torch unchanged.
 Everything from SGLang's entry point down (its worker extension, the model's `load_weights`, its post hook, the
 plugin's hooks) is the real code of the installed release.
 """
@@ -88,6 +91,27 @@ class _Device:
         return 0
 
 
+class _CudaAnswers:
+    """torch, as the checkpoint-engine extension of releases before 0.5.20 sees it: device 0 of uuid DEVICE_UUID,
+    and "cuda" devices meaning where the weights are (the CPU); everything else is torch's own."""
+
+    class cuda:
+        @staticmethod
+        def current_device() -> int:
+            return 0
+
+        @staticmethod
+        def get_device_properties(device_id=0):
+            return types.SimpleNamespace(uuid=DEVICE_UUID)
+
+    @staticmethod
+    def device(kind, index=None):
+        return torch.device("cpu") if str(kind).startswith("cuda") else torch.device(kind, index)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 _SERVERS: list = []  # the server of the innermost `installed` block
 
 
@@ -111,7 +135,10 @@ def installed(server: ParameterServer):
     saved = {k: sys.modules.get(k) for k in ("checkpoint_engine", "checkpoint_engine.worker")}
     sys.modules.update({"checkpoint_engine": pkg, "checkpoint_engine.worker": worker})
     sgl = importlib.import_module("sglang.srt.checkpoint_engine.checkpoint_engine_worker")
-    answers = {"get_device": lambda device_id=None: "cpu", "get_device_module": lambda: _Device}
+    if hasattr(sgl, "get_device"):  # 0.5.20+: SGLang's device helpers
+        answers = {"get_device": lambda device_id=None: "cpu", "get_device_module": lambda: _Device}
+    else:  # before: torch.cuda, spelled out
+        answers = {"torch": _CudaAnswers()}
     real = {k: getattr(sgl, k) for k in answers}
     vars(sgl).update(answers)
     vars(current_platform)["get_device_uuid"] = lambda device_id=0: DEVICE_UUID

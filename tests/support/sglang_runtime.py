@@ -73,9 +73,10 @@ def upstream_process_weights_after_loading(method, layer, monkeypatch) -> None:
 _CONFIG_DIRS: dict = {}
 
 
-def write_safetensors_checkpoint(path, tensors, spec) -> None:
+def write_safetensors_checkpoint(path, tensors, spec, named=None) -> None:
     """A model directory SGLang's update_weights_from_disk can read: config.json + model.safetensors of a
-    TinyMoeModel (`tensors` below the MoE block, as sandbox.layers' random checkpoints name them)."""
+    TinyMoeModel (`tensors` below the MoE block, as sandbox.layers' random checkpoints name them; or `named`, full
+    checkpoint names, as they are)."""
     import json
     import os
 
@@ -85,7 +86,7 @@ def write_safetensors_checkpoint(path, tensors, spec) -> None:
 
     os.makedirs(path, exist_ok=True)
     save_file(
-        {k: v.contiguous() for k, v in cpu_layers.checkpoint_names(tensors).items()},
+        {k: v.contiguous() for k, v in (named if named is not None else cpu_layers.checkpoint_names(tensors)).items()},
         os.path.join(path, "model.safetensors"),
     )
     cfg = {
@@ -107,10 +108,11 @@ def write_safetensors_checkpoint(path, tensors, spec) -> None:
         json.dump(cfg, f)
 
 
-def updater(model, path=None):
+def updater(model, path=None, runner=None):
     """The object that owns SGLang's weight-update entry points on this release (WeightUpdater, or ModelRunner
     before 0.5.16) around `model`. ModelConfig needs a config.json and must not reach a hub; update_weights_from_tensor
-    never reads the directory, so one per format is written once."""
+    never reads the directory, so one per format is written once. `runner`: what a WeightUpdater's get_model_runner
+    answers (a ModelRunner shell over it: tests/support/spec_worker.py)."""
     import tempfile
 
     from sglang.srt.configs.model_config import ModelConfig
@@ -121,15 +123,17 @@ def updater(model, path=None):
             _CONFIG_DIRS[fmt] = tempfile.mkdtemp(prefix=f"trtllm-moe-cfg-{fmt}-")
             write_safetensors_checkpoint(_CONFIG_DIRS[fmt], {}, model.spec)
         path = _CONFIG_DIRS[fmt]
-    return weight_updater(model, ModelConfig(model_path=path))
+    return weight_updater(model, ModelConfig(model_path=path), runner)
 
 
-def prepared_model(spec, tensors):
-    """A TinyMoeModel loaded with `tensors` through SGLang's loader and prepared, as after a server's model load."""
+def prepared_model(spec, tensors, cls=None):
+    """A TinyMoeModel (or a subclass `cls`, under its own prefix) loaded with `tensors` through SGLang's loader and
+    prepared, as after a server's model load."""
     from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
-    model = cpu_layers.TinyMoeModel(spec)
-    model.load_weights(cpu_layers.checkpoint_names(tensors).items())
+    cls = cls or cpu_layers.TinyMoeModel
+    model = cls(spec)
+    model.load_weights({cls.prefix + k: v for k, v in cpu_layers.below_block(tensors).items()}.items())
     model.experts.quant_method.process_weights_after_loading(model.experts)
     return model
 
@@ -163,7 +167,7 @@ def plugin_prepares(monkeypatch, *formats: str) -> None:
     monkeypatch.setattr(defer, "verdict", lambda fmt, release=None: None if fmt.name in formats else real(fmt, release))
 
 
-def weight_updater(model, model_config):
+def weight_updater(model, model_config, runner=None):
     """The object that owns `update_weights_from_disk` / `update_weights_from_tensor` in this release, around
     `model`, as a server's scheduler would call it (SGLang's own code, with the plugin's hooks on it).
 
@@ -175,9 +179,10 @@ def weight_updater(model, model_config):
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
         # 0.5.17-0.5.20 refuse updates unless the runner's --weight-cache-mode is "off"; later releases do not ask
-        runner = None
         if releases.WEIGHT_CACHE_CHECK.present():
-            runner = SimpleNamespace(server_args=SimpleNamespace(weight_cache_mode="off"))
+            runner = runner if runner is not None else SimpleNamespace()
+            if getattr(runner, "server_args", None) is None:
+                runner.server_args = SimpleNamespace(weight_cache_mode="off")
         return WeightUpdater(
             tp_rank=0,
             device="cpu",

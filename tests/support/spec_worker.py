@@ -12,7 +12,10 @@ those run here as the release has them:
   `tp_rank` / `ps`, `target_worker` / `_draft_worker.draft_runner` / `server_args`;
 * each runner: the object that owns SGLang's update entry points on the release (tests/support/sglang_runtime.py
   `weight_updater`: the ModelRunner shell before 0.5.16, a ModelRunner shell over a real WeightUpdater after)
-  around a TinyMoeModel whose FusedMoE layer the plugin prepares.
+  around a TinyMoeModel whose FusedMoE layer the plugin prepares: the target's at layer 0, the draft's at layer 1
+  (`Target` / `Draft`), each loading its own layer's names and skipping the other's, as SGLang's DeepSeek target
+  skips its NextN layer's names and the NextN draft loads that layer alone. So one request carries both runners'
+  tensors, and a tensor can be malformed for one runner only.
 
 Stand-ins, each for a CUDA-only or process-level piece an update never reads: the __init__s above, `flush_cache`
 (the KV cache), the metrics collector (None), the scheduler's weight-version record, and before 0.5.13 an
@@ -25,21 +28,41 @@ import dataclasses
 from types import SimpleNamespace
 
 from sglang_trtllm_moe.compat import cpu_sandbox, features
+from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from . import sglang_runtime
 
 DRAFT_PATH = "/models/tiny-draft-nextn"
 
 
+class Target(cpu_layers.TinyMoeModel):
+    """The target: its MoE layer at layer 0; names below other layers skipped (the draft's)."""
+
+    def load_weights(self, weights):
+        return super().load_weights((n, t) for n, t in weights if n.startswith(self.prefix))
+
+
+class Draft(Target):
+    """The draft: its MoE layer at layer 1 (a NextN layer's place: the layer after the target's last)."""
+
+    prefix = "model.layers.1.mlp."
+
+
+def named(cls, tensors) -> dict:
+    """`tensors` (below the MoE block) under `cls`'s layer, by their full checkpoint names."""
+    return {cls.prefix + k: v for k, v in cpu_layers.below_block(tensors).items()}
+
+
 def runner(model):
     """SGLang's ModelRunner as the spec worker and TpModelWorker of this release reach a model's update entry points."""
-    owner = sglang_runtime.updater(model)
     if not features.WEIGHT_UPDATER.present():
-        return owner  # the ModelRunner shell, whose own methods are the entry points
+        return sglang_runtime.updater(model)  # the ModelRunner shell, whose own methods are the entry points
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     shell = object.__new__(ModelRunner)
-    shell.__dict__.update(model=model, weight_updater=owner, tp_rank=0)
+    # the runner SGLang's WeightUpdater asks for (get_model_runner): the checkpoint-engine extension reads its model
+    shell.__dict__.update(model=model, tp_rank=0, device="cpu", gpu_id=0)
+    shell.weight_updater = sglang_runtime.updater(model, runner=shell)
     return shell
 
 
