@@ -54,12 +54,12 @@ def test_update_from_distributed_over_gloo_is_bit_exact_and_a_bad_bucket_is_refu
     model = sglang_runtime.prepared_model(SPEC, cpu_layers.random_nvfp4_checkpoint(SPEC, seed=0))
     ptrs = {n: p.data_ptr() for n, p in model.experts.named_parameters(recurse=False)}
     new = cpu_layers.checkpoint_names(cpu_layers.random_nvfp4_checkpoint(SPEC, seed=5))
-    names = ordered(new)
-    buckets = [[(n, new[n]) for n in names[0::2]], [(n, new[n]) for n in names[1::2]]]
+    pairs = ordered(new)
+    buckets = [pairs[0::2], pairs[1::2]]
     bad = dict(cpu_layers.checkpoint_names(cpu_layers.random_nvfp4_checkpoint(SPEC, seed=6)))
     key = next(n for n in bad if n.endswith("experts.3.down_proj.weight"))
     bad[key] = bad[key].float()
-    bad_bucket = [(n, bad[n]) for n in ordered(bad)]
+    bad_bucket = ordered(bad)
 
     u = sglang_runtime.updater(model)
     if not hasattr(u, "_model_update_group"):  # the ModelRunner shell of releases before 0.5.16 (its __init__ sets it)

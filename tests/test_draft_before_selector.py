@@ -240,7 +240,7 @@ def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said
     buckets = []
     for seed in (5, 6):
         new = cpu_layers.checkpoint_names(ckpt(seed))
-        buckets.append([(n, new[n]) for n in gloo_trainer.ordered(new)])
+        buckets.append(gloo_trainer.ordered(new))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

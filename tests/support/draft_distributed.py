@@ -23,13 +23,8 @@ from __future__ import annotations
 import multiprocessing
 import socket
 
-from .gloo_trainer import GROUP, request_fields
+from .gloo_trainer import GROUP, ordered, request_fields
 from .gloo_trainer import trainer as run_trainer
-
-
-def _ordered(named: list) -> list:
-    """By element size, so every tensor starts aligned in the flattened bytes (gloo_trainer.ordered's rule)."""
-    return sorted(named, key=lambda kv: (-kv[1].element_size(), kv[0]))
 
 
 def _session(w, buckets: list, selector: str) -> list:
@@ -54,7 +49,7 @@ def _session(w, buckets: list, selector: str) -> list:
 def _whole(named: list) -> list:
     """A whole checkpoint in two buckets: everything outside the experts (SGLang's DeepSeek loader fuses q_a_proj
     with kv_a_proj_with_mqa within one call only), then the experts."""
-    return [_ordered([kv for kv in named if (".experts." in kv[0]) == experts]) for experts in (False, True)]
+    return [ordered([kv for kv in named if (".experts." in kv[0]) == experts]) for experts in (False, True)]
 
 
 def check_distributed(w) -> dict:
@@ -68,7 +63,7 @@ def check_distributed(w) -> dict:
     from .draft_worker import _nextn_tensors, _ok, bad_expert_bucket, changed_by
 
     plan = (("all", 9, (9, 9)), ("draft", 10, (9, 10)), ("target", 11, (11, 10)))
-    bad_draft, bad_mixed = _ordered(bad_expert_bucket(w, 12)), _ordered(bad_expert_bucket(w, 13, target_too=True))
+    bad_draft, bad_mixed = ordered(bad_expert_bucket(w, 12)), ordered(bad_expert_bucket(w, 13, target_too=True))
     refusals = (("draft", "draft", bad_draft), ("all", "draft", bad_draft), ("all", "mixed", bad_mixed))
     buckets = [b for _, seed, _ in plan for b in _whole(_nextn_tensors(w, seed))] + [b for _, _, b in refusals]
     with socket.socket() as s:

@@ -9,9 +9,11 @@ import torch
 GROUP = "rl"
 
 
-def ordered(tensors: dict) -> list[str]:
-    """Names by element size, so every tensor starts aligned in the flattened bytes."""
-    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+def ordered(named) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a dict or a list of pairs, by element size (then name), so every tensor starts aligned
+    in the flattened bytes."""
+    pairs = named.items() if isinstance(named, dict) else named
+    return sorted(pairs, key=lambda kv: (-kv[1].element_size(), kv[0]))
 
 
 def trainer(port: int, buckets: list[list[tuple[str, torch.Tensor]]], group: str = GROUP) -> None:
