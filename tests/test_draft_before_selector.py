@@ -1,16 +1,19 @@
 """A speculative draft under RL updates before 0.5.21 (issue #39), through SGLang's own scheduler entry points and
-spec worker of the release (tests/support/spec_worker.py says what runs and what stands in).
+spec workers of the release (tests/support/spec_worker.py says what runs and what stands in): `EAGLEWorkerV2`,
+`MultiLayerEagleWorkerV2` (two draft steps) and, on 0.5.11-0.5.12, the v1 `EAGLEWorker`.
 
 What each release does, read from its code and checked here: a tensor request reaches the draft, then the target
-(`EAGLEWorkerV2.update_weights_from_tensor`); a disk request the target, then the draft (the spec worker's
-`update_weights_from_disk`); after each, both runners equal a fresh load of the new checkpoint, byte for byte.
-`update_weights_from_distributed` reaches the target alone (features.DISTRIBUTED_UPDATE_SKIPS_DRAFT): the target
-equals a fresh load of the broadcast, the draft keeps its old bytes — and the plugin says so once per scheduler,
-naming the draft and what to do; a scheduler without a draft hears nothing.
+(`EAGLEWorkerV2` / v1 `EAGLEWorker.update_weights_from_tensor`; `MultiLayerEagleWorkerV2` has none); a disk or
+checkpoint-engine (IPC) request the target, then every draft runner (the spec worker's `update_weights_from_disk` /
+`_ipc`); after each, every runner equals a fresh load of the new checkpoint, byte for byte. SGLang stops at the first
+runner that answers False, so a tensor only the later runner refuses would be in the earlier one: the plugin checks
+the whole request against every runner it reaches first (builtins/weight_updates.py `selected_runners_around`,
+compat/update_runners.py), and a bad draft expert on disk / IPC or a bad target expert in a tensor bucket changes
+neither runner. `update_weights_from_distributed` reaches the target alone (features.DISTRIBUTED_UPDATE_SKIPS_DRAFT):
+the target equals a fresh load of the broadcast, the draft keeps its old bytes — and the plugin says so once per
+scheduler, naming the draft and what to do; a scheduler without a draft hears nothing.
 
-Not covered here: the v1 `EAGLEWorker` (0.5.11-0.5.12 without the overlap scheduler: a TpModelWorker whose own
-update methods load the draft runner), `MultiLayerEagleWorkerV2`, and real NextN draft models (0.5.21+:
-tests/test_draft_moe.py).
+Not covered here: real NextN draft models (0.5.21+: tests/test_draft_moe.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import tempfile
 import pytest
 import torch
 
-from sglang_trtllm_moe.compat import features
+from sglang_trtllm_moe.compat import features, update_runners
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import gloo_trainer, sglang_runtime, spec_worker
@@ -86,25 +89,48 @@ def malformed(named: dict, cls) -> tuple[dict, str]:
 
 
 class Pair:
-    """Target and draft (loaded from seed 0 and 0 + DRAFT_SEED) behind the release's scheduler, spec worker and
-    workers."""
+    """Target and draft (loaded from seed 0 and 0 + DRAFT_SEED) behind the release's scheduler, a spec worker of
+    `kind` (spec_worker.WORKERS; MultiLayerEagleWorkerV2: two draft steps, each its own runner and model) and the
+    target's worker."""
 
-    def __init__(self, with_draft: bool = True):
+    def __init__(self, with_draft: bool = True, kind: str = "eagle_v2"):
         self.target = sglang_runtime.prepared_model(SPEC, ckpt(0), spec_worker.Target)
-        self.draft = sglang_runtime.prepared_model(SPEC, ckpt(DRAFT_SEED), spec_worker.Draft)
+        steps = 2 if kind == "multi_layer_v2" else 1
+        self.drafts = [sglang_runtime.prepared_model(SPEC, ckpt(DRAFT_SEED), spec_worker.Draft) for _ in range(steps)]
+        self.draft = self.drafts[0]
         self.tp = spec_worker.tp_worker(spec_worker.runner(self.target))
-        self.spec = spec_worker.spec_worker(self.tp, spec_worker.runner(self.draft)) if with_draft else None
+        runners = [spec_worker.runner(d) for d in self.drafts]
+        self.spec = spec_worker.spec_worker(self.tp, runners, kind) if with_draft else None
         self.scheduler = spec_worker.scheduler(self.tp, self.spec)
 
     def exact(self, seed) -> list[str]:
         """What differs from a fresh load of `both(seed)`, per runner."""
-        return [f"target.{n}" for n in differs_from_fresh(self.target, seed)] + [
-            f"draft.{n}" for n in differs_from_fresh(self.draft, seed + DRAFT_SEED)
-        ]
+        out = [f"target.{n}" for n in differs_from_fresh(self.target, seed)]
+        for i, d in enumerate(self.drafts):
+            out += [f"draft{i}.{n}" for n in differs_from_fresh(d, seed + DRAFT_SEED)]
+        return out
 
     def state(self) -> dict:
-        target, draft = _bytes(self.target), _bytes(self.draft)
-        return {**{f"target.{k}": v for k, v in target.items()}, **{f"draft.{k}": v for k, v in draft.items()}}
+        out = {f"target.{k}": v for k, v in _bytes(self.target).items()}
+        for i, d in enumerate(self.drafts):
+            out.update({f"draft{i}.{k}": v for k, v in _bytes(d).items()})
+        return out
+
+
+#: the spec workers each test runs with (spec_worker.WORKERS); MultiLayerEagleWorkerV2 has no update_weights_from_tensor
+#: before 0.5.21 (a tensor request to it is an AttributeError in SGLang itself), so the tensor tests leave it out
+KINDS = list(spec_worker.WORKERS)
+TENSOR_KINDS = [k for k in KINDS if k != "multi_layer_v2"]
+
+
+def pair(kind: str) -> Pair:
+    """A Pair with a spec worker of `kind`; skipped, with the release named, where this release has no such worker."""
+    if spec_worker.worker_class(kind) is None:
+        from sglang_trtllm_moe.compat import installed_version
+
+        name = spec_worker.WORKERS[kind][1]
+        pytest.skip(f"SGLang {installed_version()} has no {name} (the v1 worker left in 0.5.13)")
+    return Pair(kind=kind)
 
 
 def changed(before: dict, after: dict) -> list[str]:
@@ -156,15 +182,25 @@ def disk_request(named: dict):
     return UpdateWeightFromDiskReqInput(model_path=d, load_format="auto")
 
 
-def test_a_tensor_update_reaches_the_draft_then_the_target_exactly(said):
-    p = Pair()
+@pytest.mark.parametrize("kind", TENSOR_KINDS)
+def test_a_tensor_update_reaches_the_draft_then_the_target_exactly(said, kind):
+    p = pair(kind)
+    target_only = tensor_request(both(2))
+    target_only.disable_draft_model = True
+    for req, want in ((tensor_request(both(2)), [p.target, *p.drafts]), (target_only, [p.target])):
+        runners = update_runners.selected_runners(p.scheduler, req, "update_weights_from_tensor")
+        assert [r.model for r in runners] == want
     _ok(p.scheduler.update_weights_from_tensor(tensor_request(both(2))))
     assert p.exact(2) == []
     assert not [s for s in said if "draft" in s], said
 
 
-def test_a_disk_update_reaches_the_target_then_the_draft_exactly(said):
-    p = Pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_disk_update_reaches_the_target_then_the_draft_exactly(said, kind):
+    p = pair(kind)
+    # the runners the plugin checks a request against (compat/update_runners.py): exactly those SGLang loads
+    runners = update_runners.selected_runners(p.scheduler, disk_request(both(1)), "update_weights_from_disk")
+    assert [r.model for r in runners] == [p.target, *p.drafts]
     _ok(p.scheduler.update_weights_from_disk(disk_request(both(1))))
     assert p.exact(1) == []
     assert not [s for s in said if "draft" in s], said
@@ -177,10 +213,11 @@ def _refused(out) -> str:
     return message
 
 
-def test_a_disk_checkpoint_with_a_bad_draft_expert_changes_neither_runner():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_disk_checkpoint_with_a_bad_draft_expert_changes_neither_runner(kind):
     """SGLang loads the target, then the draft, and stops at the draft's refusal: the target would already serve the
     new checkpoint. The plugin checks the checkpoint against both runners before the target loads any of it."""
-    p = Pair()
+    p = pair(kind)
     before = p.state()
     named, name = malformed(both(3), spec_worker.Draft)
     message = _refused(p.scheduler.update_weights_from_disk(disk_request(named)))
@@ -190,10 +227,11 @@ def test_a_disk_checkpoint_with_a_bad_draft_expert_changes_neither_runner():
     assert p.exact(4) == []
 
 
-def test_a_tensor_bucket_with_a_bad_target_expert_changes_neither_runner():
+@pytest.mark.parametrize("kind", TENSOR_KINDS)
+def test_a_tensor_bucket_with_a_bad_target_expert_changes_neither_runner(kind):
     """The tensor path loads the draft first: without the whole-request check the draft would serve the bucket's
     draft tensors while the target refused its own."""
-    p = Pair()
+    p = pair(kind)
     before = p.state()
     named, name = malformed(both(5), spec_worker.Target)
     message = _refused(p.scheduler.update_weights_from_tensor(tensor_request(named)))
@@ -204,7 +242,8 @@ def test_a_tensor_bucket_with_a_bad_target_expert_changes_neither_runner():
     assert name in message and changed(before, p.state()) == [], message
 
 
-def test_checkpoint_engine_buckets_reach_both_runners_and_a_bad_draft_expert_changes_neither():
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_engine_buckets_reach_both_runners_and_a_bad_draft_expert_changes_neither(kind):
     """checkpoint-engine's flow (tests/support/checkpoint_engine.py: its worker loop, SGLang's extension and post hook
     of the release) through the scheduler's update_weights_from_ipc: the target, then the draft, each running every
     bucket. Good buckets: both equal a fresh load. A bucket with the draft's expert malformed after the target's
@@ -213,11 +252,11 @@ def test_checkpoint_engine_buckets_reach_both_runners_and_a_bad_draft_expert_cha
 
     from .support import checkpoint_engine as ce
 
-    p = Pair()
+    p = pair(kind)
     server = ce.ParameterServer(models.buckets(sorted(both(6).items()), 4))
     with ce.installed(server):
         _ok(p.scheduler.update_weights_from_ipc(ce.request()))
-    assert server.post_hook_ran and server.replies == [""] * 8, server.replies
+    assert server.post_hook_ran and server.replies == [""] * 4 * (1 + len(p.drafts)), server.replies
     assert p.exact(6) == []
 
     before = p.state()

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
-#: (attribute path, which draft workers spell their runners so, before `weight_update_runners()` (0.5.21)), tried in
-#: order; the first found answers
+#: (attribute path on the scheduler's `draft_worker`, which spec workers spell their draft runners so, before
+#: `weight_update_runners()` (0.5.21); read from each worker's own update_weights_from_disk), tried in order: the first
+#: found answers
 DRAFT_RUNNER_SPELLINGS: tuple[tuple[str, str], ...] = (
-    ("draft_runners", "BaseSpecWorker 0.5.16-0.5.20 (EAGLEWorkerV2, FrozenKVMTP; MultiLayerEagleWorkerV2's list)"),
+    ("draft_worker.draft_runners", "BaseSpecWorker 0.5.16-0.5.20: EAGLEWorkerV2, MultiLayerEagleWorkerV2 (a list)"),
+    ("_draft_worker.draft_runner_list", "MultiLayerEagleWorkerV2 0.5.11-0.5.15, one runner per draft step"),
     ("_draft_worker.draft_runner", "EAGLEWorkerV2 0.5.11-0.5.15 (SGLang's own _get_draft_model_runner reads it)"),
-    ("draft_runner_list", "MultiLayerEagleWorkerV2 0.5.11-0.5.15, one runner per draft step"),
     ("draft_model_runner", "the DFlash / FrozenKVMTP workers"),
-    ("model_runner", "the v1 EAGLEWorker: a TpModelWorker over the draft's runner"),
+    ("model_runner", "the v1 EAGLEWorker (0.5.11-0.5.12): a TpModelWorker over the draft's runner"),
 )
 
 

@@ -7,9 +7,11 @@ those run here as the release has them:
 * the scheduler: 0.5.13+ `SchedulerWeightUpdaterManager` (constructed with its own dataclass fields), before a
   `Scheduler` (no __init__: it would start ZMQ sockets, a tokenizer and a model) whose `SchedulerUpdateWeightsMixin`
   methods read `tp_worker`, `draft_worker`, `flush_cache`, `tp_cpu_group`;
-* the target's `TpModelWorker` and the draft's `EAGLEWorkerV2` (with its `EagleDraftWorker`), no __init__ (both
-  build a ModelRunner, KV pools and CUDA graphs): the fields their update methods read — `model_runner` /
-  `tp_rank` / `ps`, `target_worker` / `_draft_worker.draft_runner` / `server_args`;
+* the target's `TpModelWorker` and the draft's spec worker, no __init__ (each builds a ModelRunner, KV pools and CUDA
+  graphs): `EAGLEWorkerV2` (with its `EagleDraftWorker`), `MultiLayerEagleWorkerV2` (with its
+  `MultiLayerEagleDraftWorker`, one runner per draft step) or, where the release has it, the v1 `EAGLEWorker` (a
+  TpModelWorker over the draft's runner) — the fields their update methods read: `model_runner` / `tp_rank` / `ps`,
+  `target_worker` / `_draft_worker.draft_runner(_list)` / `speculative_num_steps` / `server_args`;
 * each runner: the object that owns SGLang's update entry points on the release (tests/support/sglang_runtime.py
   `weight_updater`: the ModelRunner shell before 0.5.16, a ModelRunner shell over a real WeightUpdater after)
   around a TinyMoeModel whose FusedMoE layer the plugin prepares: the target's at layer 0, the draft's at layer 1
@@ -77,21 +79,54 @@ def tp_worker(model_runner):
     return w
 
 
-def spec_worker(target_worker, draft_runner):
-    """SGLang's EAGLEWorkerV2 (DeepSeek MTP / NextN's worker with the overlap scheduler) over the two runners."""
-    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
+#: the spec workers a scheduler of these releases may hold (`spec_worker`'s `kind`): SGLang's class, what it serves
+WORKERS = {
+    "eagle_v2": ("eagle_worker_v2", "EAGLEWorkerV2", "DeepSeek MTP / NextN's worker with the overlap scheduler"),
+    "multi_layer_v2": ("multi_layer_eagle_worker_v2", "MultiLayerEagleWorkerV2", "one draft runner per step"),
+    "eagle_v1": ("eagle_worker", "EAGLEWorker", "without the overlap scheduler: a TpModelWorker over the draft"),
+}
 
-    inner = object.__new__(EagleDraftWorker)
-    inner.__dict__.update(draft_runner=draft_runner, _draft_runner=draft_runner)
-    w = object.__new__(EAGLEWorkerV2)
-    w.__dict__.update(
-        _draft_worker=inner,
+
+def worker_class(kind: str):
+    """SGLang's class for `kind`, or None where this release has none (the v1 EAGLEWorker is gone from 0.5.13)."""
+    import importlib
+
+    cpu_sandbox.sgl_kernel_kvcacheio_import_stub()  # the speculative modules import the managers (tp_worker above)
+    module, name, _ = WORKERS[kind]
+    try:
+        found = importlib.import_module(f"sglang.srt.speculative.{module}")
+    except ModuleNotFoundError as e:
+        if e.name != f"sglang.srt.speculative.{module}":
+            raise
+        return None
+    return getattr(found, name, None)
+
+
+def spec_worker(target_worker, draft_runners: list, kind: str = "eagle_v2"):
+    """SGLang's spec worker of `kind` over the target's worker and the draft's runners (one, except per-step
+    MultiLayerEagleWorkerV2), with the fields its update methods read."""
+    import importlib
+
+    cls = worker_class(kind)
+    w = object.__new__(cls)
+    fields = dict(
         target_worker=target_worker,  # an attribute before 0.5.17, a property over _target_worker after
         _target_worker=target_worker,
         tp_rank=0,
         ps=SimpleNamespace(tp_rank=0),
         server_args=SimpleNamespace(speculative_draft_model_path=DRAFT_PATH, speculative_algorithm="EAGLE"),
     )
+    if kind == "eagle_v1":  # the TpModelWorker's own update methods, on the draft's runner
+        fields.update(model_runner=draft_runners[0], _model_runner=draft_runners[0])
+    else:
+        module = importlib.import_module(f"sglang.srt.speculative.{WORKERS[kind][0]}")
+        inner_cls = module.EagleDraftWorker if kind == "eagle_v2" else module.MultiLayerEagleDraftWorker
+        inner = object.__new__(inner_cls)
+        inner.__dict__.update(
+            draft_runner=draft_runners[0], _draft_runner=draft_runners[0], draft_runner_list=list(draft_runners)
+        )
+        fields.update(_draft_worker=inner, speculative_num_steps=len(draft_runners))
+    w.__dict__.update(fields)
     return w
 
 
