@@ -6,7 +6,10 @@ EAGLE speculative decoding, the plugin's path (emulated kernels on a faked SM100
 A stale draft changes no token (the target verifies every draft token) — only how many drafts are accepted, which
 is how RL users meet it (vllm-ascend#13209: MTP acceptance fell to 0 % with the draft left unsynced). So the checks
 compare the speculative counters of each request (`spec_verify_ct`, the accepted drafts), not just tokens:
-* engine G on checkpoint A (target and draft), graphs on: tokens and counters; `update_weights_from_disk(B)`;
+* engine G on checkpoint A (target and draft), graphs on: tokens and counters; `update_weights_from_disk(C)`, B
+  with one expert of the draft's MoE layer malformed: refused, G's tokens and counters still A's (SGLang loads the
+  target, then the draft, and stops at the draft's refusal: without the plugin's whole-request check the target would
+  already serve B; B's tokens differ from A's, so the check can see that); then `update_weights_from_disk(B)`;
 * engine F, a fresh load of B (target and draft from B): G's tokens and counters after its update must equal F's;
 * engine S, the control: target B with the draft of A (what a stale draft serves): its counters must differ from
   F's, else the comparison above could not see a stale draft at all.
@@ -84,6 +87,25 @@ def sign_heads(path: str) -> str:
     return path
 
 
+def bad_draft_copy(src: str, dst: str, layer: int) -> str:
+    """`src` with the NextN layer's (`layer`) expert 3 gate weight one column too wide: a tensor only the draft
+    reads."""
+    import glob
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (f,) = glob.glob(os.path.join(dst, "*.safetensors"))
+    t = load_file(f)
+    name = f"model.layers.{layer}.mlp.experts.3.gate_proj.weight"
+    raw = t[name].view(torch.uint8)
+    t[name] = torch.cat([raw, raw[:, :1]], 1).view(t[name].dtype)
+    save_file(t, f, metadata={"format": "pt"})
+    return dst
+
+
 def generate(e: Engine) -> tuple[list, list]:
     out = e.engine.generate(
         input_ids=[list(p) for p in PROMPTS], sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS}
@@ -107,6 +129,7 @@ def run(workdir: str | None = None) -> dict:
     )
     a = sign_heads(write_nextn(os.path.join(work, "A"), spec))
     b = sign_heads(write_nextn(os.path.join(work, "B"), spec.with_seed(1)))
+    c = bad_draft_copy(b, os.path.join(work, "C"), len(spec.layers) - 1)
     rep: dict = {"deep_gemm_import_stub": deep_gemm_import_stub(work)}
     rep["release"] = __import__("sglang").__version__
     t0 = time.perf_counter()
@@ -125,6 +148,8 @@ def run(workdir: str | None = None) -> dict:
     try:
         t_a, c_a = generate(g)
         step("engine G up (EAGLE, graphs)", bool(c_a and c_a[0]), tokens=t_a, counters=c_a)
+        ok_c, msg_c = g.update_from_disk(c)
+        t_gc, c_gc = generate(g)
         ok, msg = g.update_from_disk(b)
         t_gb, c_gb = generate(g)
         step("disk A->B", ok, message=str(msg)[:200])
@@ -140,6 +165,14 @@ def run(workdir: str | None = None) -> dict:
         t_sb, c_sb = generate(s)
     finally:
         s.shutdown()
+    step(
+        "a bad draft expert on disk: refused, target and draft unchanged",
+        not ok_c and "refused" in str(msg_c) and t_gc == t_a and c_gc == c_a and t_fb != t_a,
+        returned=[ok_c, str(msg_c)[:300]],
+        same_tokens=t_gc == t_a,
+        same_counters=c_gc == c_a,
+        b_differs_from_a=t_fb != t_a,
+    )
     step("tokens after the update == a fresh load of B", t_gb == t_fb, updated=t_gb, fresh=t_fb)
     step("draft counters after the update == a fresh load of B", c_gb == c_fb, updated=c_gb, fresh=c_fb)
     step(

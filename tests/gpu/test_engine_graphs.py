@@ -39,6 +39,7 @@ DRAFT = "deepseek_v3:fp8_block-nextn"
 DRAFT_STEPS = (
     "engine G up (EAGLE, graphs)",
     "disk A->B",
+    "a bad draft expert on disk: refused, target and draft unchanged",
     "tokens after the update == a fresh load of B",
     "draft counters after the update == a fresh load of B",
     "control: a stale draft (target B, draft A) changes the counters",
