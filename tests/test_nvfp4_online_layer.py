@@ -415,6 +415,10 @@ def test_bad_bf16_update_is_refused_and_changes_nothing(how, bad, kind):
             assert "source weight finite" in msg and "nothing of it was written" in msg, msg
     else:
         assert "does not fit" in msg and "nothing of it was written" in msg, msg
+        if how == "tensor":  # the stored shape where SGLang would pack it; none for an odd K it cannot pack
+            rows = tuple(t.shape)[0]
+            packed = f"would store it as ({rows}, 64) torch.uint8" if bad == "shape" else "cannot convert it"
+            assert packed in msg, msg
     for n, p in model.named_parameters():
         assert torch.equal(as_bytes(p.data), as_bytes(snapshot[n])), f"{n} changed by a refused update"
 

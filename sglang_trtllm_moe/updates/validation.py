@@ -118,9 +118,16 @@ def _check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope, 
         if shape is not None:
             # the stored tensor is of the parameter's own dtype on no device: only its shape can be wrong
             if ShapeRule(layer, fmt, rule, view, gated).problem(tuple(shape)) is not None:
+                # the format answers the source's own shape where it cannot be converted (an odd K cannot be packed
+                # two codes per byte): no stored shape to name then
+                stored = (
+                    f"SGLang cannot convert it to this parameter's {param.dtype} storage at that shape"
+                    if tuple(shape) == tuple(loaded.shape) and loaded.dtype != param.dtype
+                    else f"SGLang would store it as {tuple(shape)} {param.dtype}"
+                )
                 refuse(
                     f"a {loaded.dtype} source tensor of shape {tuple(loaded.shape)} does not fit this parameter "
-                    f"(SGLang would store it as {tuple(shape)} {param.dtype})",
+                    f"({stored})",
                     f"the checkpoint's shape of this expert's {name} shard",
                 )
         problem = fmt.source_problem(layer, name, loaded) if loaded.device.type != "meta" else None
