@@ -7,7 +7,7 @@ What each release does, read from its code and checked here: a tensor request re
 checkpoint-engine (IPC) request the target, then every draft runner (the spec worker's `update_weights_from_disk` /
 `_ipc`); after each, every runner equals a fresh load of the new checkpoint, byte for byte. SGLang stops at the first
 runner that answers False, so a tensor only the later runner refuses would be in the earlier one: the plugin checks
-the whole request against every runner it reaches first (builtins/weight_updates.py `selected_runners_around`,
+the whole request against every runner it reaches first (builtins/runner_requests.py `selected_runners_around`,
 compat/update_runners.py), and a bad draft expert on disk / IPC or a bad target expert in a tensor bucket changes
 neither runner. `update_weights_from_distributed` reaches the target alone (features.DISTRIBUTED_UPDATE_SKIPS_DRAFT):
 the target equals a fresh load of the broadcast, the draft keeps its old bytes — and the plugin says so once per
@@ -266,6 +266,51 @@ def test_checkpoint_engine_buckets_reach_both_runners_and_a_bad_draft_expert_cha
         message = _refused(p.scheduler.update_weights_from_ipc(ce.request()))
     assert name in message and "refused" in message, message
     assert not server.post_hook_ran and changed(before, p.state()) == []
+
+
+@pytest.mark.parametrize("how", ["disk", "tensor", "ipc"])
+def test_each_tensor_is_checked_once_for_its_runner_per_request(monkeypatch, how):
+    """Each runner's entry point checks the request against the layers of every runner still to load, and the
+    request remembers what was checked for which runner (updates/request_checks.py): each expert tensor is checked
+    once, for the runner whose layer it targets (not once per runner's entry point; checkpoint-engine hands each
+    runner's loop new views of its buffer, so the draft's are checked again in its turn), and a checkpoint's values
+    are read from the files once per runner. Counted through the plugin's own per-tensor check and file reads
+    (spies around the real functions); both runners still equal a fresh load."""
+    from sglang_trtllm_moe.updates import bucket_validation, checkpoint_headers
+
+    from .support import checkpoint_engine as ce
+
+    checked, reads = [], []
+    real_check, real_read = bucket_validation.check_planned, checkpoint_headers.read_tensors
+
+    def check_planned(plan, layer, param, tensor, name, *a, **k):
+        checked.append(name)
+        return real_check(plan, layer, param, tensor, name, *a, **k)
+
+    def read_tensors(headers, names):
+        reads.append(len(names))
+        return real_read(headers, names)
+
+    monkeypatch.setattr(bucket_validation, "check_planned", check_planned)
+    monkeypatch.setattr(checkpoint_headers, "read_tensors", read_tensors)
+    p = Pair()
+    named = both(8)
+    if how == "disk":
+        req = disk_request(named)  # written before counting starts
+        checked.clear()
+        _ok(p.scheduler.update_weights_from_disk(req))
+        assert len(reads) == 2, reads  # the target's scales, the draft's: each once
+    elif how == "tensor":
+        _ok(p.scheduler.update_weights_from_tensor(tensor_request(named)))
+    else:
+        server = ce.ParameterServer([list(named.items())])
+        with ce.installed(server):
+            _ok(p.scheduler.update_weights_from_ipc(ce.request()))
+    want = list(named)
+    if how == "ipc":  # each runner's loop gets new views of the buffer: the draft's tensors again in its own turn
+        want += [n for n in named if n.startswith(spec_worker.Draft.prefix)]
+    assert sorted(checked) == sorted(want), (len(checked), len(want))
+    assert p.exact(8) == []
 
 
 def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said):

@@ -18,7 +18,7 @@ every runner the selector names, so selector all / draft / target each leave eve
 the checkpoint meant for it (the same code in 0.5.21-0.5.23; before 0.5.21 the draft was never updated on this path).
 A bad draft expert tensor is refused whole with neither runner changed, under selector all too when the bucket also
 carries the target's experts: SGLang loads the runners one after another, and the plugin checks the bucket against
-every selected runner's layers before the first loads (weight_updates.py `selected_runners_around`); the tensor and
+every selected runner's layers before the first loads (runner_requests.py `selected_runners_around`); the tensor and
 disk paths the same.
 
 `update_weights_from_ipc` (checkpoint-engine, tests/support/draft_ipc.py): SGLang's manager runs it on every runner,

@@ -14,9 +14,9 @@ checkpoint's files (headers, sizes, every scale's values: checkpoint_headers.py)
 checkpoint layout, and is whole or nothing: if SGLang's load still fails, the served weights are put back
 (rollback.py) and the update answers (False, message) instead of raising out of the scheduler.
 With a speculative draft, SGLang's scheduler loads one disk / tensor / IPC request (from 0.5.21 distributed too) into
-the target and the draft one after another: while it does, each runner's check covers the layers of every runner the
-request reaches (`selected_runners_around`; which runners: compat/update_runners.py), so a bad draft tensor refuses
-the request before the target loads any of it, on every release.
+the target and the draft one after another: while it does, each runner's check covers the layers of every runner
+still to load (builtins/runner_requests.py; what was checked for which: updates/request_checks.py), so a bad draft
+tensor refuses the request before the target loads any of it, on every release.
 Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
 layout first, so they are exact outside a begin/end session too.
 """
@@ -24,14 +24,20 @@ layout first, so they are exact outside a begin/end session too.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 
 from .. import hookimpl, layer_state
-from ..compat import features, update_runners
+from ..compat import features
 from ..errors import WeightUpdateRefused
 from ..targets import HookTarget
-from ..updates import batched_writes, bucket_validation, checked_writes, checkpoint_headers, rollback
+from ..updates import (
+    batched_writes,
+    bucket_validation,
+    checked_writes,
+    checkpoint_headers,
+    request_checks,
+    rollback,
+)
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -62,7 +68,7 @@ def end_session_after(result, *args, **kwargs):
     return None
 
 
-def _model_of(owner):
+def model_of(owner):
     get = getattr(owner, "get_model", None)
     return get() if callable(get) else getattr(owner, "model", None)
 
@@ -93,52 +99,29 @@ PARTLY_WRITTEN = (
 )
 
 
-#: the models of every runner the scheduler-side request being served loads into (selected_runners_around)
-_SELECTED: contextvars.ContextVar[tuple] = contextvars.ContextVar("sglang_trtllm_moe_selected_runners", default=())
-
-
-def _selected_models(manager, recv_req, method: str) -> tuple:
-    """The models of the runners SGLang's scheduler loads the request into (compat/update_runners.py); () where a
-    worker does not say (the request is then checked per runner, as SGLang loads it)."""
-    runners = update_runners.selected_runners(manager, recv_req, method)
-    models = [] if runners is None else [_model_of(r) for r in runners]
-    return tuple({id(m): m for m in models if m is not None}.values())
-
-
-def _selected_runners_around(method: str):
-    def selected_runners_around(original, manager, recv_req, *args, **kwargs):
-        """While SGLang's scheduler serves one disk / tensor / IPC (and from 0.5.21 distributed) request, every
-        runner's check also covers the other selected runners' layers: SGLang loads them one after another and stops
-        at the first refusal, so a bad draft tensor found only by the draft's own check would leave the target
-        already written (and, on the tensor path before 0.5.21, which loads the draft first, the reverse)."""
-        token = _SELECTED.set(_selected_models(manager, recv_req, method))
-        try:
-            return original(manager, recv_req, *args, **kwargs)
-        finally:
-            _SELECTED.reset(token)
-
-    selected_runners_around.__qualname__ = f"selected_runners_around[{method}]"
-    return selected_runners_around
-
-
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
     what was validated (checked_writes.Checked) so the loader hooks do not check those writes again; against the
-    layers of the other runners the same scheduler request loads too (selected_runners_around)."""
-    model = _model_of(owner)
+    layers of the other runners the same scheduler request loads after it (builtins/runner_requests.py)."""
+    model = model_of(owner)
     real = _own_load_weights(model)
-    others = [m for m in _SELECTED.get() if m is not model and bucket_validation.managed_modules(m)]
+    req = request_checks.current()
+    others = req.others(model) if req is not None else []
     if real is None or not (bucket_validation.managed_modules(model) or others):
         # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
         return original(owner, *args, **kwargs)
+    # the request's record of this model, where an earlier runner's entry point may have checked tensors for it
+    record = req.record(model) if req is not None else checked_writes.Checked()
 
-    def check_bucket(named, skip=frozenset(), record=None):
-        bucket_validation.check_bucket(model, named, skip=skip, record=record)
-        for other in others:  # checked again by its own entry point when its turn comes (its record, its writes)
-            bucket_validation.check_bucket(other, named, skip=skip)
+    def check_bucket(named):
+        """Against this model's layers, then the request's other runners' (each into its own record: its entry
+        point, when its turn comes, skips what was checked here and its loader hooks find the writes validated)."""
+        bucket_validation.check_bucket(model, named, skip=record.ids, record=record)
+        if req is not None:
+            for other in others:
+                req.check_bucket(other, named)
 
     refused = []
-    record = checked_writes.Checked()
     named = args[0] if args else kwargs.get("named_tensors")
     load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
     try:
@@ -147,14 +130,14 @@ def check_buckets_around(original, owner, *args, **kwargs):
             # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice (the
             # record's ids), nor again in the loader hooks (the record)
             try:
-                check_bucket(named, record=record)
+                check_bucket(named)
             except bucket_validation.BucketRefused as e:
                 return False, str(e)
 
         def load_weights(weights, *a, **k):
             if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
                 try:
-                    check_bucket(weights, skip=record.ids, record=record)
+                    check_bucket(weights)
                 except bucket_validation.BucketRefused as e:
                     refused.append(e)
                     raise
@@ -174,10 +157,18 @@ def check_buckets_around(original, owner, *args, **kwargs):
             logger.warning("sglang-trtllm-moe: a write refused while SGLang loaded the request: %s", e)
             return False, f"{e}\n{PARTLY_WRITTEN}"
     finally:
-        record.close()
+        _release(req, model, record)
     if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written
         return False, str(refused[0])
     return result
+
+
+def _release(req, model, record) -> None:
+    """The entry point of `model` is over: its record closed (the request's, where it runs inside one)."""
+    if req is not None:
+        req.release(model)
+    else:
+        record.close()
 
 
 def check_disk_around(original, owner, model_path, load_format=None, weight_name_filter=None, *args, **kwargs):
@@ -186,8 +177,9 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     names, dtypes and shapes from the headers, every scale's values from the files (bucket_validation.
     check_checkpoint). Then a way back is prepared (rollback.py); if SGLang's load still fails, or raises, the
     served weights are put back and the update answers (False, message)."""
-    model = _model_of(owner)
-    others = [m for m in _SELECTED.get() if m is not model and bucket_validation.managed_modules(m)]
+    model = model_of(owner)
+    req = request_checks.current()
+    others = req.others(model) if req is not None else []
     if model is None or not (bucket_validation.managed_modules(model) or others):
         return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
     names = None
@@ -195,16 +187,12 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     checked = rollback.fingerprint(model_path) if files else None  # the files as the pre-check is about to read them
     # what the pre-check read from the files: while SGLang loads them, the loader hooks check the structure of each
     # write, not its values again (if a file changes meanwhile, the fingerprint below puts the served weights back)
-    record = checked_writes.Checked()
+    record = req.record(model) if req is not None else checked_writes.Checked()
     try:
         if files:
             try:
-                what = f"checkpoint {model_path}"
-                headers = bucket_validation.check_checkpoint(
-                    model, files, keep=weight_name_filter, what=what, record=record
-                )
-                for other in others:  # the runners SGLang loads after this one (selected_runners_around)
-                    bucket_validation.check_checkpoint(other, files, keep=weight_name_filter, what=what)
+                read = (model_path, load_format, weight_name_filter)
+                headers = _check_checkpoint(req, model, record, files, read, checked)
             except bucket_validation.BucketRefused as e:
                 return False, str(e)
             names = frozenset(n for n, _ in headers.tensors)
@@ -214,10 +202,10 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
                 result = original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - SGLang's load or its rollback raised: the scheduler must live
             logger.exception("sglang-trtllm-moe: update_weights_from_disk(%r) raised", model_path)
-            record.close()
+            _release(req, model, record)
             return _put_back(net, original, owner, f"Failed to update weights: {type(e).__name__}: {e}", ())
     finally:
-        record.close()
+        _release(req, model, record)
     ok, message = result[0], str(result[1])
     if ok and checked is not None and rollback.fingerprint(model_path) != checked:
         # a file removed, added or rewritten while SGLang loaded: what it loaded is not what was checked (SGLang
@@ -239,6 +227,26 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     if rollback.SGLANG_ROLLED_BACK in message:  # SGLang had started writing, then re-read the path it failed on
         return _put_back(net, original, owner, message, tuple(result[2:]))
     return result
+
+
+def _check_checkpoint(req, model, record, files, read: tuple, fingerprint):
+    """The checkpoint `read` (model_path, load_format, weight_name_filter) against `model`'s layers, then the
+    request's other runners' (those SGLang loads after this one, or loaded before it); a runner the request already
+    checked these files for (unchanged since) is not read again. Raises BucketRefused; returns `model`'s headers."""
+    model_path, _, weight_name_filter = read
+    key = request_checks.checkpoint_key(*read)
+    what = f"checkpoint {model_path}"
+    headers = None
+    for m in (model, *(req.others(model) if req is not None else ())):
+        seen = req.checkpoint(m, key, fingerprint) if req is not None else None
+        if seen is None:
+            rec = record if m is model else req.record(m)
+            seen = bucket_validation.check_checkpoint(m, files, keep=weight_name_filter, what=what, record=rec)
+            if req is not None:
+                req.checked_checkpoint(m, key, fingerprint, seen)
+        if m is model:
+            headers = seen
+    return headers
 
 
 @contextlib.contextmanager
@@ -324,16 +332,6 @@ RELOAD_START = (
 )
 
 
-# (class, method, releases): where the scheduler serves a request that loads into more than one runner (target and
-# speculative draft): the Scheduler's mixin before 0.5.13, the manager after; distributed only from 0.5.21 (before, it
-# loads the target alone: features.DISTRIBUTED_UPDATE_SKIPS_DRAFT)
-_TO_EVERY_RUNNER = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_ipc")
-SCHEDULER_ENTRY_POINTS = (
-    *((MIXIN, m, features.SCHEDULER_UPDATE_MANAGER.before) for m in _TO_EVERY_RUNNER),
-    *((MANAGER, m, features.SCHEDULER_UPDATE_MANAGER.releases) for m in _TO_EVERY_RUNNER),
-    (MANAGER, "update_weights_from_distributed", features.UPDATE_RUNNER_SELECTOR.releases),
-)
-
 DEFAULT_LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader.load_model"
 
 DIRECT = (
@@ -365,18 +363,6 @@ def register_sglang_hooks(register, release):
                 capability="rl-update",
                 why="refuse a malformed checkpoint (headers, sizes, every scale's values) before SGLang restores or "
                 "loads any layer, and put the served weights back if the load still fails",
-            )
-        )
-    for target, method, rel in SCHEDULER_ENTRY_POINTS:
-        register(
-            HookTarget(
-                f"{target}.{method}",
-                _selected_runners_around(method),
-                "around",
-                releases=rel,
-                capability="rl-update",
-                why="check a request against every runner it loads before the first loads it (a bad draft tensor "
-                "would otherwise leave the target written, or a bad target tensor the draft)",
             )
         )
     register(

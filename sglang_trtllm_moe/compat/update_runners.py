@@ -4,7 +4,7 @@ Why the plugin needs it: SGLang loads one request into the target's runner and t
 after another, and stops at the first that answers False. A tensor the draft refuses would already be in the target
 (or, on the tensor path before 0.5.21, which loads the draft first, a tensor the target refuses would already be in
 the draft). The plugin checks the request against every runner before the first loads it
-(builtins/weight_updates.py `selected_runners_around`); this module says which runners those are.
+(builtins/runner_requests.py `selected_runners_around`); this module says which runners those are.
 
 Which runners, read from each release's scheduler (`SchedulerUpdateWeightsMixin` before 0.5.13,
 `SchedulerWeightUpdaterManager` after) and spec workers:

@@ -15,7 +15,7 @@ scheduler's distributed update reached the target alone: a draft stayed stale.
 What it means for a bad draft tensor: SGLang's fan-out is per runner, so under selector all the target would have
 loaded its part of the bucket before the draft's load refused the rest (the request answering False, the target
 changed); the plugin checks the bucket against every runner the selector names before the first loads
-(builtins/weight_updates.py `selected_runners_around`), so neither runner changes.
+(builtins/runner_requests.py `selected_runners_around`), so neither runner changes.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ What SGLang does (0.5.21-0.5.23 `update_weights_from_ipc`): every runner, no sel
 through its own WeightUpdater (SGLang's checkpoint-engine extension around that runner: the buckets to its model's
 `load_weights`, then its post hook), stopping at the first that answers False. So a bucket whose draft expert is
 malformed, beside the target's experts, would be in the target before the draft's load refused it; the plugin
-checks each bucket against every runner before the first loads it (builtins/weight_updates.py
+checks each bucket against every runner before the first loads it (builtins/runner_requests.py
 `selected_runners_around`, on the IPC entry point too).
 """
 
