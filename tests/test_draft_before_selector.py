@@ -93,14 +93,16 @@ class Pair:
     `kind` (spec_worker.WORKERS; MultiLayerEagleWorkerV2: two draft steps, each its own runner and model) and the
     target's worker."""
 
-    def __init__(self, with_draft: bool = True, kind: str = "eagle_v2"):
-        self.target = sglang_runtime.prepared_model(SPEC, ckpt(0), spec_worker.Target)
+    def __init__(self, with_draft: bool = True, kind: str = "eagle_v2", seed: int = 0):
+        self.target = sglang_runtime.prepared_model(SPEC, ckpt(seed), spec_worker.Target)
         steps = 2 if kind == "multi_layer_v2" else 1
-        self.drafts = [sglang_runtime.prepared_model(SPEC, ckpt(DRAFT_SEED), spec_worker.Draft) for _ in range(steps)]
+        self.drafts = [
+            sglang_runtime.prepared_model(SPEC, ckpt(seed + DRAFT_SEED), spec_worker.Draft) for _ in range(steps)
+        ]
         self.draft = self.drafts[0]
         self.tp = spec_worker.tp_worker(spec_worker.runner(self.target))
-        runners = [spec_worker.runner(d) for d in self.drafts]
-        self.spec = spec_worker.spec_worker(self.tp, runners, kind) if with_draft else None
+        self.draft_runners = [spec_worker.runner(d) for d in self.drafts]
+        self.spec = spec_worker.spec_worker(self.tp, self.draft_runners, kind) if with_draft else None
         self.scheduler = spec_worker.scheduler(self.tp, self.spec)
 
     def exact(self, seed) -> list[str]:
@@ -311,6 +313,62 @@ def test_each_tensor_is_checked_once_for_its_runner_per_request(monkeypatch, how
         want += [n for n in named if n.startswith(spec_worker.Draft.prefix)]
     assert sorted(checked) == sorted(want), (len(checked), len(want))
     assert p.exact(8) == []
+
+
+def test_the_weight_checker_covers_the_draft_through_the_scheduler():
+    """SGLang's weight checker through the release's scheduler (`check_weights`: from the 0.5.13 manager it also
+    asks the draft's runner, `_get_draft_model_runner`, and merges its checksums under `draft.`), each runner's
+    WeightChecker as its ModelRunner builds it (sglang_runtime.weight_checker) over plugin-prepared layers:
+    snapshot, reset_tensors, a disk update of the same checkpoint, compare passes on both runners; a flipped byte of
+    the draft's expert weight is caught; the checksum lists the draft's expert tensors under `draft.`, equal to a
+    fresh pair's."""
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    if not features.SCHEDULER_UPDATE_MANAGER.present():
+        from sglang_trtllm_moe.compat import installed_version
+
+        pytest.skip(
+            f"SGLang {installed_version()}'s scheduler checks the target's weights only (its mixin's check_weights; "
+            "the draft joins with the 0.5.13 manager)"
+        )
+
+    def checked(p):
+        for runner in (p.tp.model_runner, *p.draft_runners):
+            runner._weight_checker = sglang_runtime.weight_checker(runner.model)
+        return p
+
+    def check(p, action):
+        with sglang_runtime.cpu_checksum(action):
+            out = p.scheduler.check_weights(CheckWeightsReqInput(action=action))
+        return out.success, str(out.message)[:400], out.payload
+
+    def checksums(p) -> dict:
+        ok, msg, payload = check(p, "checksum")
+        assert ok, msg
+        first = payload[0] if isinstance(payload, list) else payload
+        return dict(first.checksums if hasattr(first, "checksums") else first["checksums"])
+
+    p = checked(Pair())
+    _ok(p.scheduler.update_weights_from_disk(disk_request(both(9))))
+    for action in ("snapshot", "reset_tensors"):
+        ok, msg, _ = check(p, action)
+        assert ok, (action, msg)
+    assert p.exact(9) != []  # reset_tensors changed the served bytes
+    _ok(p.scheduler.update_weights_from_disk(disk_request(both(9))))
+    ok, msg, _ = check(p, "compare")
+    assert ok, msg
+    check(p, "snapshot")
+    flat = p.draft.experts.w2_weight.data.view(torch.uint8).reshape(-1)
+    flat[flat.numel() // 3] ^= 0x10
+    try:
+        ok, msg, _ = check(p, "compare")
+        assert not ok and "w2_weight" in msg, msg
+    finally:
+        flat[flat.numel() // 3] ^= 0x10
+    sums = checksums(p)
+    draft_experts = sorted(k for k in sums if k.startswith("draft.") and "experts.w" in k)
+    assert draft_experts and any(not k.startswith("draft.") and "experts.w" in k for k in sums), sorted(sums)
+    assert checksums(checked(Pair(seed=9))) == sums  # a fresh load of the same checkpoint
 
 
 def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said):
