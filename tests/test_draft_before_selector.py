@@ -215,16 +215,23 @@ def _refused(out) -> str:
     return message
 
 
+def refused_unchanged(p: Pair, send, bad: tuple) -> None:
+    """`send(named)` of a request with one malformed tensor (`malformed`'s (named, how it is named)) answers False
+    naming it, and no byte of any runner changed."""
+    before = p.state()
+    named, name = bad
+    message = _refused(send(named))
+    assert name in message and "refused" in message, message
+    assert changed(before, p.state()) == []
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_disk_checkpoint_with_a_bad_draft_expert_changes_neither_runner(kind):
     """SGLang loads the target, then the draft, and stops at the draft's refusal: the target would already serve the
     new checkpoint. The plugin checks the checkpoint against both runners before the target loads any of it."""
     p = pair(kind)
-    before = p.state()
-    named, name = malformed(both(3), spec_worker.Draft)
-    message = _refused(p.scheduler.update_weights_from_disk(disk_request(named)))
-    assert name in message and "refused" in message, message
-    assert changed(before, p.state()) == []
+    send = lambda named: p.scheduler.update_weights_from_disk(disk_request(named))  # noqa: E731
+    refused_unchanged(p, send, malformed(both(3), spec_worker.Draft))
     _ok(p.scheduler.update_weights_from_disk(disk_request(both(4))))  # and a good one still lands in both
     assert p.exact(4) == []
 
@@ -234,14 +241,9 @@ def test_a_tensor_bucket_with_a_bad_target_expert_changes_neither_runner(kind):
     """The tensor path loads the draft first: without the whole-request check the draft would serve the bucket's
     draft tensors while the target refused its own."""
     p = pair(kind)
-    before = p.state()
-    named, name = malformed(both(5), spec_worker.Target)
-    message = _refused(p.scheduler.update_weights_from_tensor(tensor_request(named)))
-    assert name in message and "refused" in message, message
-    assert changed(before, p.state()) == []
-    named, name = malformed(both(5), spec_worker.Draft)  # and the draft's own tensor: refused by the draft first
-    message = _refused(p.scheduler.update_weights_from_tensor(tensor_request(named)))
-    assert name in message and changed(before, p.state()) == [], message
+    send = lambda named: p.scheduler.update_weights_from_tensor(tensor_request(named))  # noqa: E731
+    refused_unchanged(p, send, malformed(both(5), spec_worker.Target))
+    refused_unchanged(p, send, malformed(both(5), spec_worker.Draft))  # the draft's own: refused by the draft first
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -261,13 +263,15 @@ def test_checkpoint_engine_buckets_reach_both_runners_and_a_bad_draft_expert_cha
     assert server.post_hook_ran and server.replies == [""] * 4 * (1 + len(p.drafts)), server.replies
     assert p.exact(6) == []
 
-    before = p.state()
-    named, name = malformed(both(7), spec_worker.Draft)
-    server = ce.ParameterServer([list(named.items())])
-    with ce.installed(server):
-        message = _refused(p.scheduler.update_weights_from_ipc(ce.request()))
-    assert name in message and "refused" in message, message
-    assert not server.post_hook_ran and changed(before, p.state()) == []
+    servers = []
+
+    def send(named):
+        servers.append(ce.ParameterServer([list(named.items())]))
+        with ce.installed(servers[-1]):
+            return p.scheduler.update_weights_from_ipc(ce.request())
+
+    refused_unchanged(p, send, malformed(both(7), spec_worker.Draft))
+    assert not servers[0].post_hook_ran
 
 
 @pytest.mark.parametrize("how", ["disk", "tensor", "ipc"])
