@@ -375,6 +375,27 @@ def test_the_weight_checker_covers_the_draft_through_the_scheduler():
     assert checksums(checked(Pair(seed=9))) == sums  # a fresh load of the same checkpoint
 
 
+def test_a_worker_that_cannot_say_its_runners_leaves_the_request_to_each_runner():
+    """A spec worker this release's spellings do not fit, or one that fails when asked for its runners: the request
+    is checked per runner, as SGLang loads it (compat/update_runners.py answers None; an error is never the
+    scheduler's)."""
+    from types import SimpleNamespace
+
+    from sglang_trtllm_moe.builtins import runner_requests
+
+    class Unbuilt:
+        def weight_update_runners(self):
+            raise RuntimeError("runners not built yet")
+
+    p = Pair()
+    req = disk_request(both(1))
+    assert runner_requests.selected_models(p.scheduler, req, "update_weights_from_disk") == (p.target, p.draft)
+    odd = SimpleNamespace(tp_worker=p.tp, draft_worker=SimpleNamespace(server_args=None))  # no runner spelling
+    assert runner_requests.selected_models(odd, req, "update_weights_from_disk") == ()
+    failing = SimpleNamespace(tp_worker=Unbuilt(), draft_worker=None)
+    assert runner_requests.selected_models(failing, req, "update_weights_from_disk") == ()
+
+
 def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said):
     """Two broadcasts through the release's scheduler: with a draft (target updated, draft's bytes kept, one
     warning naming the draft and what to do), then through a scheduler without one (updated, nothing said)."""

@@ -10,17 +10,26 @@ still to load, and the request remembers what was checked for which runner so no
 
 from __future__ import annotations
 
+import logging
+
 from .. import hookimpl
 from ..compat import features, update_runners
 from ..targets import HookTarget
 from ..updates import request_checks
 from .weight_updates import MANAGER, MIXIN, model_of
 
+logger = logging.getLogger("sglang_trtllm_moe")
+
 
 def selected_models(manager, recv_req, method: str) -> tuple:
     """The models of the runners SGLang's scheduler loads the request into, once each; () where a worker does not
-    say (the request is then checked per runner, as SGLang loads it)."""
-    runners = update_runners.selected_runners(manager, recv_req, method)
+    say, or asking it fails (the request is then checked per runner, as SGLang loads it: never an error of ours in
+    the scheduler's update)."""
+    try:
+        runners = update_runners.selected_runners(manager, recv_req, method)
+    except Exception:  # noqa: BLE001 - a worker of a release or kind not read here: SGLang's own behaviour
+        logger.debug("sglang-trtllm-moe: the runners of %s not told; checked per runner", method, exc_info=True)
+        return ()
     models = [] if runners is None else [model_of(r) for r in runners]
     return tuple({id(m): m for m in models if m is not None}.values())
 
