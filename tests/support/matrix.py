@@ -160,13 +160,14 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         ),
     ),
     # checkpoint-engine (Moonshot): many update_weights_from_ipc buckets, then SGLang's post hook (whole DeepSeek-V3
-    # models, 0.5.21+; before, a target and its draft's plugin-prepared layers behind the release's own scheduler;
-    # its worker loop stood in on CPU: tests/support/checkpoint_engine.py)
+    # models and a NextN draft, 0.5.21+; before, a target and its draft's plugin-prepared layers behind the release's
+    # own scheduler; its worker loop stood in on CPU: tests/support/checkpoint_engine.py)
     (
         "rl_ipc",
         "RL update: checkpoint-engine",
         (
             ("tests/test_models.py::test_checkpoint_engine_buckets_then_finish_equal_a_fresh_load", None),
+            ("tests/test_draft_moe.py::test_ipc_updates", None),
             ("tests/test_draft_before_selector.py::test_checkpoint_engine", None),
         ),
     ),
