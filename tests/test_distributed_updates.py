@@ -13,9 +13,6 @@ endpoints, checksums against a fresh server load) is tests/test_http_server.py o
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
-
 import pytest
 import torch
 
@@ -23,8 +20,7 @@ from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
 from .support.bad_updates import compared
-from .support.gloo_trainer import GROUP, ordered, request_fields
-from .support.gloo_trainer import trainer as trainer_main
+from .support.gloo_trainer import GROUP, ordered, request_fields, running
 
 SPEC = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128)
 
@@ -64,12 +60,7 @@ def test_update_from_distributed_over_gloo_is_bit_exact_and_a_bad_bucket_is_refu
     u = sglang_runtime.updater(model)
     if not hasattr(u, "_model_update_group"):  # the ModelRunner shell of releases before 0.5.16 (its __init__ sets it)
         u._model_update_group = {}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    trainer = multiprocessing.get_context("fork").Process(target=trainer_main, args=(port, [*buckets, bad_bucket]))
-    trainer.start()
-    try:
+    with running([*buckets, bad_bucket]) as (port, trainer):
         ok, msg = u.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")
         assert ok, msg
         for bucket in buckets:
@@ -86,9 +77,4 @@ def test_update_from_distributed_over_gloo_is_bit_exact_and_a_bad_bucket_is_refu
         after = _bytes(model.experts)
         assert [n for n in want if not torch.equal(after[n], want[n])] == []  # nothing of it was written
         u.destroy_weights_update_group(GROUP)
-    finally:
-        trainer.join(120)
-        if trainer.exitcode is None:
-            trainer.kill()
-            trainer.join()
     assert trainer.exitcode == 0

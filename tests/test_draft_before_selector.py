@@ -19,8 +19,6 @@ Not covered here: real NextN draft models (0.5.21+: tests/test_draft_moe.py).
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import socket
 import tempfile
 
 import pytest
@@ -408,14 +406,7 @@ def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said
     for seed in (5, 6):
         new = cpu_layers.checkpoint_names(ckpt(seed))
         buckets.append(gloo_trainer.ordered(new))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    trainer = multiprocessing.get_context("fork").Process(
-        target=gloo_trainer.trainer, args=(port, [buckets[0], buckets[0], buckets[1]])
-    )
-    trainer.start()
-    try:
+    with gloo_trainer.running([buckets[0], buckets[0], buckets[1]]) as (port, trainer):
         # one update group, received by both targets' owners in turn (each receive is one broadcast)
         owner = p.tp.model_runner
         owner = getattr(owner, "weight_updater", owner)
@@ -445,11 +436,6 @@ def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said
         assert differs_from_fresh(plain.target, 6) == []
         assert len([s for s in said if "draft" in s]) == 1, said
         owner.destroy_weights_update_group(gloo_trainer.GROUP)
-    finally:
-        trainer.join(120)
-        if trainer.exitcode is None:
-            trainer.kill()
-            trainer.join()
     assert trainer.exitcode == 0
 
 

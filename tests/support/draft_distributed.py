@@ -20,11 +20,7 @@ changed); the plugin checks the bucket against every runner the selector names b
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
-
-from .gloo_trainer import GROUP, ordered, request_fields
-from .gloo_trainer import trainer as run_trainer
+from .gloo_trainer import GROUP, ordered, request_fields, running
 
 
 def _session(w, buckets: list, selector: str) -> list:
@@ -66,13 +62,8 @@ def check_distributed(w) -> dict:
     bad_draft, bad_mixed = ordered(bad_expert_bucket(w, 12)), ordered(bad_expert_bucket(w, 13, target_too=True))
     refusals = (("draft", "draft", bad_draft), ("all", "draft", bad_draft), ("all", "mixed", bad_mixed))
     buckets = [b for _, seed, _ in plan for b in _whole(_nextn_tensors(w, seed))] + [b for _, _, b in refusals]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    trainer = multiprocessing.get_context("fork").Process(target=run_trainer, args=(port, buckets))
-    trainer.start()
     steps, ptrs = {}, w.pointers()
-    try:
+    with running(buckets) as (port, trainer):
         init = w.manager.init_weights_update_group(
             InitWeightsUpdateGroupReqInput(
                 master_address="127.0.0.1",
@@ -97,11 +88,6 @@ def check_distributed(w) -> dict:
                 "changed": changed[:8],
             }
         w.manager.destroy_weights_update_group(DestroyWeightsUpdateGroupReqInput(group_name=GROUP))
-    finally:
-        trainer.join(120)
-        if trainer.exitcode is None:
-            trainer.kill()
-            trainer.join()
     refused = [s for n, s in steps.items() if n.startswith("refused:")]
     return {
         "ok": trainer.exitcode == 0

@@ -4,6 +4,10 @@ scales are, so the verl / slime `flattened_bucket` load format), in a forked pro
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import socket
+
 import torch
 
 GROUP = "rl"
@@ -45,3 +49,21 @@ def request_fields(bucket: list[tuple[str, torch.Tensor]], group: str = GROUP) -
         group_name=group,
         load_format="flattened_bucket",
     )
+
+
+@contextlib.contextmanager
+def running(buckets: list[list[tuple[str, torch.Tensor]]], group: str = GROUP):
+    """`trainer` in a forked process on a free local port, for the block: yields (port, the process). At the end it
+    is joined (killed if it has not finished in 120 s); the caller asserts its exit code."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = multiprocessing.get_context("fork").Process(target=trainer, args=(port, buckets, group))
+    proc.start()
+    try:
+        yield port, proc
+    finally:
+        proc.join(120)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
