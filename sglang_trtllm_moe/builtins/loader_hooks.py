@@ -24,7 +24,7 @@ import logging
 from .. import PROJECT_NAME, hookimpl, layer_attrs, layer_state
 from ..compat import features
 from ..targets import HookTarget
-from ..updates import checked_writes, layer_params, validation
+from ..updates import checked_writes, layer_params, undo, validation
 
 logger = logging.getLogger(PROJECT_NAME)
 
@@ -40,6 +40,7 @@ def _state(layer):
 
 
 def weight_loader_impl(original, layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):
+    undo.before_write(layer)  # a request the plugin could not check first (a custom loader's): copied once, first
     st = _state(layer)
     if st is None:
         if not checked_writes.was_validated(param, loaded_weight):
@@ -84,6 +85,7 @@ def weight_loader(original, layer, param, loaded_weight, weight_name, shard_id, 
         name = layer_params.param_name(layer, param, st.fmt) or weight_name
         with st.lock:
             validation.validate_fused(layer, name, param, loaded_weight)
+            undo.before_write(layer)
             layer_state.before_write(layer, name, None)
             return original(layer, param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
     # validated whole by the running request's entry-point check (the same tensor into the same slot), or now

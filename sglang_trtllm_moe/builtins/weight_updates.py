@@ -37,6 +37,7 @@ from ..updates import (
     checkpoint_headers,
     request_checks,
     rollback,
+    undo,
 )
 
 logger = logging.getLogger("sglang_trtllm_moe")
@@ -124,6 +125,10 @@ def check_buckets_around(original, owner, *args, **kwargs):
     refused = []
     named = args[0] if args else kwargs.get("named_tensors")
     load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
+    # a loader of the user's (--custom-weight-loader): its tensors are not the model's, so nothing is checked up front;
+    # every list it hands `load_weights` is, the layers it writes are copied first (undo.py), and SGLang's own loader
+    # writes them, one `copy_` per destination as the loader may expect (batched_writes.py)
+    custom = isinstance(load_format, str) and load_format not in ("direct", "flattened_bucket")
     try:
         if isinstance(named, (list, tuple)) and load_format is None:  # "direct": checked by check_direct_before
             # tensors handed in directly are checked before SGLang touches them (it moves them to its device first,
@@ -135,32 +140,45 @@ def check_buckets_around(original, owner, *args, **kwargs):
                 return False, str(e)
 
         def load_weights(weights, *a, **k):
+            if guard is not None:  # a custom loader's first chunk: the parameters outside the MoE layers copied
+                guard.save_rest()
             if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
                 try:
                     check_bucket(weights)
                 except bucket_validation.BucketRefused as e:
                     refused.append(e)
                     raise
-                if batched_writes.enabled():  # the experts of managed layers, batched; the rest to SGLang's loader
+                if batched_writes.enabled() and not custom:  # managed layers' experts batched; the rest: SGLang
                     weights = batched_writes.write(list(weights), bucket_validation.expert_targets(model, weights))
             return real(weights, *a, **k)
 
         rollback.forget(model)  # served weights from tensors: no longer reproducible from disk loads
-        try:
-            with _load_weights_as(model, load_weights):
-                result = original(owner, *args, **kwargs)
-        except bucket_validation.BucketRefused as e:
-            return False, str(e)
-        except WeightUpdateRefused as e:
-            # a write the request's check could not place (no managed layer under its name) refused by the loader
-            # hook: answered, never raised (SGLang's tensor entry point does not catch it: the scheduler would exit)
-            logger.warning("sglang-trtllm-moe: a write refused while SGLang loaded the request: %s", e)
-            return False, f"{e}\n{PARTLY_WRITTEN}"
+        with undo.guarded(model, bucket_validation.managed_modules(model).values(), on=custom) as guard:
+            try:
+                with _load_weights_as(model, load_weights):
+                    result = original(owner, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - answered, never raised: SGLang's tensor entry point does not catch
+                return False, _failed(e, guard)
+            if guard is not None and (refused or not result[0]):  # SGLang caught it: the copies put back
+                return False, f"{refused[0] if refused else result[1]}\n{guard.restore()}"
     finally:
         _release(req, model, record)
     if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written
         return False, str(refused[0])
     return result
+
+
+def _failed(e: Exception, guard) -> str:
+    """The answer to an entry point that raised; `guard`: the MoE layers the request wrote are put back first."""
+    if isinstance(e, bucket_validation.BucketRefused):  # the request's check: nothing of that bucket written
+        what, partly = str(e), ""
+    elif isinstance(e, WeightUpdateRefused):  # a write the request's check could not place, refused by the loader hook
+        logger.warning("sglang-trtllm-moe: a write refused while SGLang loaded the request: %s", e)
+        what, partly = str(e), PARTLY_WRITTEN
+    else:  # anything else: a custom loader's own error (verl's checksum), SGLang's loader, a bug
+        logger.exception("sglang-trtllm-moe: a weight update raised")
+        what, partly = f"Failed to update weights: {type(e).__name__}: {e}", PARTLY_WRITTEN.replace(" refused", "", 1)
+    return f"{what}\n{guard.restore() if guard is not None else partly}".rstrip()
 
 
 def _release(req, model, record) -> None:

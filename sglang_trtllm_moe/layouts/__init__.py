@@ -33,7 +33,7 @@ from .blocks import (
     to_block_major_k_,
 )
 from .fastpath import FAST_PATH, fast_path_for, set_fast_path, triton_layouts
-from .inplace import permute_rows_, reset_scratch_peak, scratch_peak_bytes, unpermute_rows_
+from .inplace import copy_bytes_, permute_rows_, reset_scratch_peak, scratch_peak_bytes, unpermute_rows_
 from .maps import (
     GATED_ALIGN,
     NON_GATED_ALIGN,
@@ -87,6 +87,7 @@ __all__ = [
     "permute_rows_to_block_major_k_",
     "scratch_peak_bytes",
     "reset_scratch_peak",
+    "copy_bytes_",
     "unswizzle_sf_and_unpermute_rows_",
     "closed_block",
     "composed_sf_map",

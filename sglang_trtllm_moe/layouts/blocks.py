@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .inplace import bytes3d, plan
+from .inplace import bytes3d, copy_bytes_, plan
 from .maps import Experts, round_up
 
 
@@ -60,9 +60,9 @@ def _block_inplace(
         k = stop - s
         tmp = scratch.load(s, stop)
         if inverse:  # block-major [k, nb, M, bk] -> [k, M, nb, bk]
-            u8[s:stop].view(k, m, nb, bk).copy_(tmp.view(k, nb, m, bk).permute(0, 2, 1, 3))
+            copy_bytes_(u8[s:stop].view(k, m, nb, bk), tmp.view(k, nb, m, bk).permute(0, 2, 1, 3))
         else:
-            u8[s:stop].view(k, nb, m, bk).copy_(tmp.view(k, m, nb, bk).permute(0, 2, 1, 3))
+            copy_bytes_(u8[s:stop].view(k, nb, m, bk), tmp.view(k, m, nb, bk).permute(0, 2, 1, 3))
     return t
 
 

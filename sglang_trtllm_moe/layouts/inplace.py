@@ -12,6 +12,12 @@ from .maps import Experts, closed_block, expert_ids, expert_ids_tensor, invert_m
 
 _SCRATCH_PEAK = [0]
 
+#: every byte move of the plugin's own (layouts, kernel scalars): `Tensor.copy_` as torch defines it, never a
+#: replacement of `torch.Tensor.copy_` someone installed for the writes of a load (verl's delta loader masks NaN
+#: sources in one and records every destination in another): a custom loader sees SGLang's writes, not the plugin's
+#: layout moves (tests/test_custom_loaders.py)
+copy_bytes_ = torch._C.TensorBase.copy_
+
 
 def _note_scratch(*tensors: torch.Tensor) -> None:
     n = sum(t.numel() * t.element_size() for t in tensors)
@@ -115,7 +121,7 @@ class _Scratch:
         k, m, c = t - s, self.m, self.c
         out = self.buf[:k]
         if self.row_map is None:
-            out.copy_(self.u8[s:t])
+            copy_bytes_(out, self.u8[s:t])
         elif self.flat:
             src = torch.add(self.base[:k], s * m, out=self.src[:k])
             torch.index_select(self.u8.view(-1, c), 0, src.view(-1), out=out.view(k * m, c))
@@ -151,7 +157,7 @@ def permute_rows_(
             return t
     runs, scratch = plan(u8, t, row_map, experts, chunk)
     for start, stop in runs:
-        u8[start:stop].copy_(scratch.load(start, stop))
+        copy_bytes_(u8[start:stop], scratch.load(start, stop))
     return t
 
 

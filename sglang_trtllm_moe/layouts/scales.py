@@ -8,7 +8,7 @@ import math
 import torch
 
 from .fastpath import fast_path_for
-from .inplace import bytes3d, check_row_map, plan, unpermute_rows_
+from .inplace import bytes3d, check_row_map, copy_bytes_, plan, unpermute_rows_
 from .maps import SF_COL_TILE, SF_ROW_TILE, Experts, closed_block, expert_ids_tensor, map_i32, round_up
 
 
@@ -106,9 +106,10 @@ def _sf_inplace(
         tmp = scratch.load(s, t).view(torch.int32).view(k, r // 128, 4, 32, c // 4)
         dst = u8[s:t].view(torch.int32)
         if swizzle:  # write the linear scratch straight into swizzled order: no second temporary
-            dst.view(k, r // 128, c // 4, 32, 4).copy_(tmp.permute(0, 1, 4, 3, 2))
+            copy_bytes_(dst.view(k, r // 128, c // 4, 32, 4), tmp.permute(0, 1, 4, 3, 2))
         else:
-            dst.view(k, r // 128, 4, 32, c // 4).copy_(tmp.view(k, r // 128, c // 4, 32, 4).permute(0, 1, 4, 3, 2))
+            back = tmp.view(k, r // 128, c // 4, 32, 4).permute(0, 1, 4, 3, 2)
+            copy_bytes_(dst.view(k, r // 128, 4, 32, c // 4), back)
     return sf
 
 

@@ -27,6 +27,12 @@ plan) group is written with one `torch._foreach_copy_` / `_foreach_zero_` per re
 the bucket's order; the last write of a slot wins, as in SGLang's loop). The entry point's flush lays the dirty
 experts out as before. A bucket is validated whole before any of this runs; nothing here converts a tensor to a
 Python value.
+
+A load that replaced `torch.Tensor.copy_` sees every write as SGLang's loader makes it: while `torch.Tensor.copy_`
+is not torch's own (`copy_replaced`; verl's delta loader masks NaN sources with one and records every destination
+with another), `write` leaves the whole list to SGLang's per-tensor loader — one `copy_` per destination, through
+the replacement — and traces nothing (a trace runs SGLang's loader on meta tensors, which a replacement would see).
+The entry points also leave a request naming a custom loader (`load_format`) to it (builtins/weight_updates.py).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 
 from .. import layer_attrs, layer_state
 from ..formats.base import WeightFormat
+from . import undo
 from .slot_plans import SlotPlan, StandIn, slot_plan, unwrapped
 
 #: switched off: every tensor goes through SGLang's per-tensor loader (set_enabled)
@@ -61,6 +68,15 @@ def enabled() -> bool:
     return _ON[0]
 
 
+#: torch's own `Tensor.copy_` (a method of TensorBase; `torch.Tensor` defines none of its own)
+_TORCH_COPY = torch._C.TensorBase.copy_
+
+
+def copy_replaced() -> bool:
+    """Something replaced `torch.Tensor.copy_` (a loader that masks or records writes): batched writes step aside."""
+    return torch.Tensor.copy_ is not _TORCH_COPY
+
+
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Every tensor through SGLang's per-tensor loader for the block (what the plugin did before batched writes)."""
@@ -74,7 +90,8 @@ def disabled() -> Iterator[None]:
 def counts() -> dict[str, int]:
     """Totals since the process started: `tensors` written batched, `dropped` (experts of other EP ranks, as SGLang
     drops them), `left` (expert tensors of managed layers left to SGLang's loader), `groups` (parameter groups
-    written), `traces` (plans traced)."""
+    written), `traces` (plans traced), `stepped_aside` (tensors of lists left whole to SGLang's loader because
+    `torch.Tensor.copy_` was replaced)."""
     with _COUNTS_LOCK:
         return dict(_COUNTS)
 
@@ -152,8 +169,11 @@ def _routed(layer) -> int | None:
 def write(items: list, targets: list) -> list:
     """Write the expert tensors of managed layers among `items` (a validated bucket: (name, tensor) pairs) batched;
     `targets[i]`: (layer, parameter name, shard id, checkpoint expert id) of items[i], or None. Returns the items
-    left for the model's own `load_weights`, in order."""
+    left for the model's own `load_weights`, in order (all of them while `copy_replaced()`)."""
     if not _ON[0]:
+        return items
+    if torch.Tensor.copy_ is not _TORCH_COPY:
+        _count(stepped_aside=len(items))
         return items
     by_layer: dict[int, tuple] = {}
     for i, target in enumerate(targets):
@@ -170,6 +190,7 @@ def write(items: list, targets: list) -> list:
         if fmt is None:
             continue
         with layer_state.locked(layer):
+            undo.before_write(layer)  # a guarded request: the layer copied before its first write
             done = _write_layer(layer, st, fmt, items, targets, indices)
         taken |= done
         _count(left=len(indices) - len(done))

@@ -39,13 +39,12 @@ import torch
 
 from .. import layer_state
 from . import checkpoint_headers
+from .undo import host_budget, storages_of
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
 #: SGLang's answer when a disk update failed after it started writing (every release 0.5.11 - 0.5.23)
 SGLANG_ROLLED_BACK = "Rolling back to original weights"
-#: the share of the host's available memory a snapshot may take
-SNAPSHOT_MEMORY_SHARE = 0.8
 
 
 def fingerprint(path: str) -> frozenset:
@@ -175,30 +174,15 @@ class Net:
         return self.how
 
 
-def _storages(model) -> list:
-    seen: dict = {}
-    for t in (*model.parameters(), *model.buffers()):
-        st = t.untyped_storage()
-        key = (t.device, st.data_ptr())
-        if key not in seen or seen[key].nbytes() < st.nbytes():
-            seen[key] = st
-    return list(seen.values())
-
-
 def _snapshot(net: Net) -> None:
-    storages = _storages(net.model)
+    storages = storages_of((*net.model.parameters(), *net.model.buffers()))
     need = sum(st.nbytes() for st in storages)
-    try:
-        import psutil  # type: ignore[import-untyped]  # SGLang depends on it; no stubs in the env
-
-        available = psutil.virtual_memory().available
-    except Exception:  # noqa: BLE001 - no way to tell: assume it fits
-        available = None
-    if available is not None and need > SNAPSHOT_MEMORY_SHARE * available:
+    budget = host_budget()  # None: no way to tell, assume it fits
+    if budget is not None and need > budget:
         net.missing = (
             f"the served weights are not reproducible from disk (an update that did not come from disk, or files "
             f"changed since) and a host snapshot of the model ({need / 2**30:.1f} GiB) does not fit the host's "
-            f"available memory ({available / 2**30:.1f} GiB)"
+            f"available memory (a share of it: {budget / 2**30:.1f} GiB)"
         )
         return
     for st in storages:

@@ -160,7 +160,7 @@ def set_scalar_(layer: Layer, name: str, value: torch.Tensor) -> None:
     value = value.detach()
     cur = getattr(layer, name, None)
     if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype:
-        cur.data.copy_(value)
+        layouts.copy_bytes_(cur.data, value)
         return
     if cur is not None and isinstance(cur, torch.Tensor):
         raise RuntimeError(
