@@ -122,7 +122,7 @@ def check_buckets_around(original, owner, *args, **kwargs):
             for other in others:
                 req.check_bucket(other, named)
 
-    refused = []
+    refused: list[Exception] = []
     named = args[0] if args else kwargs.get("named_tensors")
     load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
     # a loader of the user's (--custom-weight-loader): its tensors are not the model's, so nothing is checked up front;
