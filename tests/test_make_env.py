@@ -110,3 +110,44 @@ def test_make_env_lists_the_releases_and_lanes_the_matrix_reads():
         assert lane["release"] == f"{base['release']}+flashinfer-{lane['flashinfer']}"
         assert lane["flashinfer"] not in ("-", base["flashinfer"])
         assert all(lane[k] == base[k] for k in ("transformers", "tvm_ffi", "openai", "extra"))
+
+
+FAKE_PIP_DOWNLOAD = """#!/bin/sh
+echo "$@" >> "{log}"
+# python -m pip download -q --no-deps --only-binary :all: -d DIR SPEC
+while [ $# -gt 0 ]; do
+  if [ "$1" = "-d" ]; then dir=$2; shift; fi
+  spec=$1; shift
+done
+printf 'wheel of %s' "$spec" > "$dir/verl-${{spec#*==}}-py3-none-any.whl"
+"""
+
+
+def test_ensure_verl_downloads_the_wheel_once_and_checks_its_digest(tmp_path):
+    """`ensure_verl`: verl's wheel (tests/test_verl_delta.py's real client) downloaded once per env root into
+    verl-<version>/, its sha256 checked (a wheel with another digest fails and is not marked complete), the path
+    printed; a second call downloads nothing."""
+    import hashlib
+
+    log = tmp_path / "pip.log"
+    (tmp_path / "pip").write_text(FAKE_PIP_DOWNLOAD.format(log=log))
+    (tmp_path / "pip").chmod(0o755)
+    version = next(
+        line.split("=", 1)[1] for line in _post_block().splitlines() if line.startswith("VERL_VERSION=")
+    )
+    good = hashlib.sha256(f"wheel of verl=={version}".encode()).hexdigest()
+
+    def ensure(root, digest):
+        script = tmp_path / "run.sh"
+        script.write_text(_post_block() + f'\nVERL_SHA256={digest}\nensure_verl "{tmp_path}/pip" "{root}"\n')
+        return subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+
+    bad = ensure(tmp_path / "bad", "0" * 64)
+    assert bad.returncode != 0 and not (tmp_path / "bad" / f"verl-{version}" / ".complete").exists()
+    for _ in range(2):
+        r = ensure(tmp_path / "root", good)
+        assert r.returncode == 0, r.stderr
+        wheel = tmp_path / "root" / f"verl-{version}" / f"verl-{version}-py3-none-any.whl"
+        assert r.stdout.strip() == str(wheel) and wheel.is_file()
+    downloads = [line for line in log.read_text().splitlines() if str(tmp_path / "root") in line]
+    assert downloads == [f"-m pip download -q --no-deps --only-binary :all: -d {wheel.parent} verl=={version}"]
