@@ -132,9 +132,7 @@ def test_ensure_verl_downloads_the_wheel_once_and_checks_its_digest(tmp_path):
     log = tmp_path / "pip.log"
     (tmp_path / "pip").write_text(FAKE_PIP_DOWNLOAD.format(log=log))
     (tmp_path / "pip").chmod(0o755)
-    version = next(
-        line.split("=", 1)[1] for line in _post_block().splitlines() if line.startswith("VERL_VERSION=")
-    )
+    version = next(line.split("=", 1)[1] for line in _post_block().splitlines() if line.startswith("VERL_VERSION="))
     good = hashlib.sha256(f"wheel of verl=={version}".encode()).hexdigest()
 
     def ensure(root, digest):
