@@ -108,11 +108,12 @@ def write_safetensors_checkpoint(path, tensors, spec, named=None) -> None:
         json.dump(cfg, f)
 
 
-def updater(model, path=None, runner=None):
+def updater(model, path=None, runner=None, loaders=()):
     """The object that owns SGLang's weight-update entry points on this release (WeightUpdater, or ModelRunner
     before 0.5.16) around `model`. ModelConfig needs a config.json and must not reach a hub; update_weights_from_tensor
     never reads the directory, so one per format is written once. `runner`: what a WeightUpdater's get_model_runner
-    answers (a ModelRunner shell over it: tests/support/spec_worker.py)."""
+    answers (a ModelRunner shell over it: tests/support/spec_worker.py). `loaders`: the import paths of
+    --custom-weight-loader (tests/test_custom_loaders.py)."""
     import tempfile
 
     from sglang.srt.configs.model_config import ModelConfig
@@ -123,7 +124,7 @@ def updater(model, path=None, runner=None):
             _CONFIG_DIRS[fmt] = tempfile.mkdtemp(prefix=f"trtllm-moe-cfg-{fmt}-")
             write_safetensors_checkpoint(_CONFIG_DIRS[fmt], {}, model.spec)
         path = _CONFIG_DIRS[fmt]
-    return weight_updater(model, ModelConfig(model_path=path), runner)
+    return weight_updater(model, ModelConfig(model_path=path), runner, loaders)
 
 
 def prepared_model(spec, tensors, cls=None):
@@ -167,7 +168,7 @@ def plugin_prepares(monkeypatch, *formats: str) -> None:
     monkeypatch.setattr(defer, "verdict", lambda fmt, release=None: None if fmt.name in formats else real(fmt, release))
 
 
-def weight_updater(model, model_config, runner=None):
+def weight_updater(model, model_config, runner=None, loaders=()):
     """The object that owns `update_weights_from_disk` / `update_weights_from_tensor` in this release, around
     `model`, as a server's scheduler would call it (SGLang's own code, with the plugin's hooks on it).
 
@@ -188,7 +189,7 @@ def weight_updater(model, model_config, runner=None):
             device="cpu",
             gpu_id=0,
             model_config=model_config,
-            custom_weight_loaders={},
+            custom_weight_loaders=list(loaders),  # what ModelRunner hands it: ServerArgs.custom_weight_loader
             get_model=lambda: model,
             update_model_fields=lambda *a, **k: None,
             recapture_cuda_graph=lambda: None,
@@ -203,7 +204,9 @@ def weight_updater(model, model_config, runner=None):
         tp_rank=0,
         model=model,
         model_config=model_config,
-        server_args=SimpleNamespace(model_path=model_config.model_path, load_format="auto", custom_weight_loader=[]),
+        server_args=SimpleNamespace(
+            model_path=model_config.model_path, load_format="auto", custom_weight_loader=list(loaders)
+        ),
     )
     return runner
 
