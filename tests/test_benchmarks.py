@@ -89,6 +89,11 @@ def _check_model_update(out):
         assert set(e["modes"]) >= {"plugin", "per_tensor", "bypassed"}
 
 
+def _check_custom_loader(out):
+    assert all(out["equal_to_a_fresh_load"].values()) and len(out["equal_to_a_fresh_load"]) == 3, out
+    assert out["layer_mib"] > 0
+
+
 #: script -> (arguments, SGLang releases it needs or None, check of its JSON)
 SCRIPTS = {
     "h200_layouts.py": (["--tiny"], None, _check_h200_layouts),
@@ -98,6 +103,7 @@ SCRIPTS = {
     "validation_overhead.py": (["--tiny"], ">=0.5.11", _check_validation_overhead),
     "model_update.py": (["--tiny"], ">=0.5.21", _check_model_update),
     "value_checks.py": (["--tiny", "--disk"], ">=0.5.11", _check_value_checks),
+    "custom_loader.py": (["--tiny"], ">=0.5.11", _check_custom_loader),
 }
 
 _RESULTS: dict = {}

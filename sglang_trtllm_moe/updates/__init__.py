@@ -23,5 +23,7 @@ Writing and undoing:
 
 * `batched_writes.py` — a validated bucket's expert tensors written per (layer, parameter), where
   `slot_plans.py` traced SGLang's own loader once to say where the bytes go;
-* `rollback.py` — a failed disk update changes nothing (replay of unchanged checkpoints, or a host snapshot).
+* `rollback.py` — a failed disk update changes nothing (replay of unchanged checkpoints, or a host snapshot);
+* `undo.py` — a failed request of a custom weight loader (`--custom-weight-loader`: verl's sparse delta) changes
+  nothing (host copies of what it writes, taken before the first write).
 """

@@ -171,6 +171,14 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_draft_before_selector.py::test_checkpoint_engine", None),
         ),
     ),
+    # custom weight loaders (--custom-weight-loader): verl 0.9.1's sparse delta sync with its own loader and sender code,
+    # on sglang.Engine (before 0.5.23) and the CPU HTTP recipe (0.5.23); masked writes, NaN scales refused, a raising
+    # loader answered with the weights put back, at the layer level on every release
+    (
+        "rl_custom_loader",
+        "RL update: custom loader (verl delta)",
+        (("tests/test_custom_loaders.py", None), ("tests/test_verl_delta.py", None)),
+    ),
     # speculative-draft (NextN / MTP) MoE layers: a DeepSeek-V3 target and its draft ModelRunner, updated with
     # SGLang's runner selector (0.5.21+); before, the release's own scheduler and EAGLE worker over two plugin-prepared
     # layers (tensor / disk reach the draft exactly, a distributed update leaves it stale and the plugin says so)

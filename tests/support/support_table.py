@@ -38,6 +38,11 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("RL update over NCCL (update_weights_from_distributed)", ("rl_distributed",)),
     ("RL update by checkpoint-engine (update_weights_from_ipc buckets, then its post hook)", ("rl_ipc",)),
     (
+        "RL update by a custom weight loader (verl's sparse delta sync: NaN-masked writes, verify sweep, failures "
+        "answered and put back)",
+        ("rl_custom_loader",),
+    ),
+    (
         "speculative-draft (NextN / MTP) MoE layers: prepared like the target's, RL updates per runner selector",
         ("draft_moe",),
     ),
