@@ -171,8 +171,8 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_draft_before_selector.py::test_checkpoint_engine", None),
         ),
     ),
-    # custom weight loaders (--custom-weight-loader): verl 0.9.1's sparse delta sync with its own loader and sender code,
-    # on sglang.Engine (before 0.5.23) and the CPU HTTP recipe (0.5.23); masked writes, NaN scales refused, a raising
+    # custom weight loaders (--custom-weight-loader): verl 0.9.1's sparse delta sync with its own loader and sender
+    # code, on sglang.Engine (before 0.5.23) and the CPU HTTP recipe (0.5.23); masked writes, NaN scales refused, a raising
     # loader answered with the weights put back, at the layer level on every release
     (
         "rl_custom_loader",
