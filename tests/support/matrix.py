@@ -172,8 +172,8 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         ),
     ),
     # custom weight loaders (--custom-weight-loader): verl 0.9.1's sparse delta sync with its own loader and sender
-    # code, on sglang.Engine (before 0.5.23) and the CPU HTTP recipe (0.5.23); masked writes, NaN scales refused, a raising
-    # loader answered with the weights put back, at the layer level on every release
+    # code, on sglang.Engine (before 0.5.23) and the CPU HTTP recipe (0.5.23); masked writes, NaN scales refused, a
+    # raising loader answered with the weights put back, at the layer level on every release
     (
         "rl_custom_loader",
         "RL update: custom loader (verl delta)",
