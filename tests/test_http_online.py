@@ -30,6 +30,7 @@ import pytest
 
 from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
 
+from .support import http_client
 from .support import http_server as hs
 from .support.helpers import REPO
 
@@ -93,22 +94,9 @@ class Run:
 
     def client(self, steps: list[dict], name: str) -> dict:
         """A slime-style tensor client in its own process (tests/support/http_client.py): answers by label."""
-        job, out, log = (self.work / f"{name}{x}" for x in (".json", ".out.json", ".log"))
-        job.write_text(json.dumps({"url": self.srv.url, "spec": {"arch": ARCH, "quant": QUANT}, "steps": steps}))
-        self.client_logs.append(log)
-        with open(log, "w") as f:
-            proc = subprocess.run(
-                [sys.executable, "-m", "tests.support.http_client", str(job), str(out)],
-                cwd=str(REPO),
-                env=hs.recipe_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=600,
-                check=False,
-            )
-        assert proc.returncode == 0, log.read_text()[-4000:]
-        return {x["label"] or f"{i}:{x['path']}": x for i, x in enumerate(json.loads(out.read_text()))}
+        spec = {"arch": ARCH, "quant": QUANT}
+        answers = http_client.run(self.srv.url, spec, steps, self.work, name, self.client_logs)
+        return {x["label"] or f"{i}:{x['path']}": x for i, x in enumerate(answers)}
 
 
 def _start_reference(run: Run) -> tuple[subprocess.Popen, Path, Path]:

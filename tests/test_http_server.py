@@ -43,6 +43,7 @@ import pytest
 
 from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
 
+from .support import http_client
 from .support import http_server as hs
 from .support.helpers import REPO
 
@@ -147,24 +148,8 @@ class Run:
     def client(self, steps: list[dict], name: str, timeout=600) -> list[dict]:
         """A slime-style tensor client in its own process (tests/support/http_client.py); its output goes to a
         file: the torch_shm_manager it starts inherits it and lives as long as the server holds the tensors."""
-        job = self.work / f"{name}.json"
-        out = self.work / f"{name}.out.json"
-        log = self.work / f"{name}.log"
-        job.write_text(json.dumps({"url": self.srv.url, "spec": {"arch": ARCH, "quant": QUANT}, "steps": steps}))
-        self.client_logs.append(log)
-        with open(log, "w") as f:
-            proc = subprocess.run(
-                [sys.executable, "-m", "tests.support.http_client", str(job), str(out)],
-                cwd=str(REPO),
-                env=hs.recipe_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-                check=False,
-            )
-        assert proc.returncode == 0, log.read_text()[-4000:]
-        return json.loads(out.read_text())
+        spec = {"arch": ARCH, "quant": QUANT}
+        return http_client.run(self.srv.url, spec, steps, self.work, name, self.client_logs, timeout=timeout)
 
 
 def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:

@@ -19,7 +19,6 @@ plugin prepares itself before 0.5.23, where SGLang does on 0.5.23.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from packaging.specifiers import SpecifierSet
 
 from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES, RL_LOOP_RELEASES
 
+from .support import http_client
 from .support import http_server as hs
 from .support import verl_delta as vd
 from .support.helpers import REPO, last_json
@@ -158,22 +158,9 @@ def http(site, tmp_path_factory):
         tokens = server.post("/generate", hs.gen_body(PROMPTS, 4), timeout=300)
         assert fresh.ok and tokens.ok, (fresh, tokens, server.log_tail())
         steps = [s for label, flushes in syncs.items() for s in _sync(work, label, flushes)]
-        job, out, log = work / "client.json", work / "client.out.json", work / "client.log"
-        job.write_text(json.dumps({"url": server.url, "spec": {"arch": "qwen3_moe", "quant": "bf16"}, "steps": steps}))
-        logs.append(log)
-        with open(log, "w") as f:
-            proc = subprocess.run(
-                [sys.executable, "-m", "tests.support.http_client", str(job), str(out)],
-                cwd=str(REPO),
-                env=hs.recipe_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=900,
-                check=False,
-            )
-        assert proc.returncode == 0, log.read_text()[-4000:]
-        answers = {r["label"]: r for r in json.loads(out.read_text())}
+        spec = {"arch": "qwen3_moe", "quant": "bf16"}
+        answers = {r["label"]: r for r in http_client.run(server.url, spec, steps, work, "client", logs, timeout=900)}
+
         yield {
             "fresh": dict(fresh.body["ranks"][0]["checksums"]),
             "tokens": [o["output_ids"] for o in tokens.body],

@@ -72,6 +72,38 @@ def _while_posting(url: str, body: dict, collective, timeout: float = 300):
         return out, answer.result(timeout=timeout)
 
 
+def run(url: str, spec: dict, steps: list[dict], work, name: str, logs: list, timeout: float = 600) -> list[dict]:
+    """This client in its own process against the server at `url` (the tests' way to run it): the job written as
+    `work`/`name`.json, its output to `name`.log — appended to `logs` first: the torch_shm_manager it starts
+    inherits that file and outlives it (the caller ends it, tests/support/http_server.py `shm_managers`). Returns
+    its answers in order."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from .helpers import REPO
+    from .http_server import recipe_env
+
+    work = Path(work)
+    job, out, log = (work / f"{name}{x}" for x in (".json", ".out.json", ".log"))
+    job.write_text(json.dumps({"url": url, "spec": spec, "steps": steps}))
+    logs.append(log)
+    with open(log, "w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.http_client", str(job), str(out)],
+            cwd=str(REPO),
+            env=recipe_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
+        )
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    assert os.path.exists(out), log.read_text()[-4000:]
+    return json.loads(out.read_text())
+
+
 def main(argv=None) -> int:
     import torch.distributed as dist
     import torch.multiprocessing

@@ -210,6 +210,27 @@ class Requirement:
 
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(
+        "tests/test_custom_loaders.py::test_the_plugins_layout_moves_never_go_through_a_replaced_copy[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
+        "tests/test_custom_loaders.py::test_the_plugins_layout_moves_never_go_through_a_replaced_copy[nvfp4_online",
+        ">=0.5.14",
+        "--quantization nvfp4_online (layers/quantization/nvfp4_online.py) arrives upstream in 0.5.14",
+    ),
+    Requirement(
+        "tests/test_custom_loaders.py::test_the_plugins_layout_moves_never_go_through_a_replaced_copy[nvfp4_online_tensor",
+        ">=0.5.18",
+        "--quantization modelopt_fp4 on a BF16 checkpoint (_ModelOptFp4OnlineConfig) arrives upstream in 0.5.18",
+    ),
+    Requirement(
+        "tests/test_custom_loaders.py::test_nan_in_a_scale_or_an_online_source_is_refused_under_a_masking_loader[nvfp4_online",
+        ">=0.5.14",
+        "--quantization nvfp4_online (layers/quantization/nvfp4_online.py) arrives upstream in 0.5.14",
+    ),
+    Requirement(
         "tests/test_batched_writes.py::test_batched_writes_give_the_bytes_of_sglangs_per_tensor_loader[mxfp4_experts",
         ">=0.5.12",
         "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
