@@ -103,7 +103,9 @@ PARTLY_WRITTEN = (
 def check_buckets_around(original, owner, *args, **kwargs):
     """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
     what was validated (checked_writes.Checked) so the loader hooks do not check those writes again; against the
-    layers of the other runners the same scheduler request loads after it (builtins/runner_requests.py)."""
+    layers of the other runners the same scheduler request loads after it (builtins/runner_requests.py). Whatever
+    raises inside is answered (False, message), never raised into the scheduler; a custom loader's request is put
+    back first (updates/undo.py)."""
     model = model_of(owner)
     real = _own_load_weights(model)
     req = request_checks.current()
@@ -177,7 +179,7 @@ def _failed(e: Exception, guard) -> str:
         what, partly = str(e), PARTLY_WRITTEN
     else:  # anything else: a custom loader's own error (verl's checksum), SGLang's loader, a bug
         logger.exception("sglang-trtllm-moe: a weight update raised")
-        what, partly = f"Failed to update weights: {type(e).__name__}: {e}", PARTLY_WRITTEN.replace(" refused", "", 1)
+        what, partly = f"Failed to update weights: {type(e).__name__}: {e}", PARTLY_WRITTEN.replace("refused", "failed", 1)
     return f"{what}\n{guard.restore() if guard is not None else partly}".rstrip()
 
 
