@@ -179,7 +179,8 @@ def _failed(e: Exception, guard) -> str:
         what, partly = str(e), PARTLY_WRITTEN
     else:  # anything else: a custom loader's own error (verl's checksum), SGLang's loader, a bug
         logger.exception("sglang-trtllm-moe: a weight update raised")
-        what, partly = f"Failed to update weights: {type(e).__name__}: {e}", PARTLY_WRITTEN.replace("refused", "failed", 1)
+        what = f"Failed to update weights: {type(e).__name__}: {e}"
+        partly = PARTLY_WRITTEN.replace("refused", "failed", 1)
     return f"{what}\n{guard.restore() if guard is not None else partly}".rstrip()
 
 
