@@ -127,9 +127,8 @@ def check_buckets_around(original, owner, *args, **kwargs):
     refused: list[Exception] = []
     named = args[0] if args else kwargs.get("named_tensors")
     load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
-    # a loader of the user's (--custom-weight-loader): its tensors are not the model's, so nothing is checked up front;
-    # every list it hands `load_weights` is, the layers it writes are copied first (undo.py), and SGLang's own loader
-    # writes them, one `copy_` per destination as the loader may expect (batched_writes.py)
+    # a loader of the user's (--custom-weight-loader): nothing checked up front (its lists to load_weights are), what
+    # it writes copied first (undo.py), written by SGLang's loader: one `copy_` per destination, as it may expect
     custom = isinstance(load_format, str) and load_format not in ("direct", "flattened_bucket")
     try:
         if isinstance(named, (list, tuple)) and load_format is None:  # "direct": checked by check_direct_before
@@ -179,8 +178,7 @@ def _failed(e: Exception, guard) -> str:
         what, partly = str(e), PARTLY_WRITTEN
     else:  # anything else: a custom loader's own error (verl's checksum), SGLang's loader, a bug
         logger.exception("sglang-trtllm-moe: a weight update raised")
-        what = f"Failed to update weights: {type(e).__name__}: {e}"
-        partly = PARTLY_WRITTEN.replace("refused", "failed", 1)
+        what, partly = f"Failed to update weights: {type(e).__name__}: {e}", PARTLY_WRITTEN.replace("refused", "failed")
     return f"{what}\n{guard.restore() if guard is not None else partly}".rstrip()
 
 
