@@ -124,14 +124,15 @@ CANNOT = {
 
 @pytest.mark.parametrize("case", sorted(CANNOT))
 def test_a_routing_the_kernel_cannot_do_gets_sglangs_own_topk(case):
-    from sglang.srt.layers.moe import topk as sglang_topk
-
-    if CANNOT[case]["scoring_func"] == "sqrtsoftplus" and "sqrtsoftplus" not in inspect.getsource(sglang_topk):
-        pytest.skip("this SGLang release has no sqrtsoftplus routing (DeepSeek-V4, 0.5.15+) to serve")
     layer = _layer(RoutingMethodType.DeepSeekV3)
     topk = _topk(top_k=2, layer_id=0, renormalize=True, **CANNOT[case])
     assert kernel_api.kernel_routing_problem(int(RoutingMethodType.DeepSeekV3), topk.topk_config)
-    materialized, bypassed = _both(layer, topk)
+    try:
+        materialized, bypassed = _both(layer, topk)
+    except ValueError as e:
+        if "scoring function" not in str(e):
+            raise
+        pytest.skip(f"this SGLang release's own top-k does not compute this routing ({e}): nothing to serve")
     assert torch.equal(bypassed, materialized)
 
 
