@@ -32,7 +32,7 @@ import contextvars
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from . import PROJECT_NAME, installer
@@ -176,7 +176,7 @@ def _tag(t: HookTarget) -> str:
     return t.group or t.capability
 
 
-def all_groups(targets: list[HookTarget] = ()) -> list[Group]:
+def all_groups(targets: Sequence[HookTarget] = ()) -> list[Group]:
     """GROUPS, one group per registered format, and one per tag of `targets` no group declares (an extension's)."""
     from .formats import FORMATS
 

@@ -7,7 +7,6 @@ import json
 import sys
 
 
-
 def _capability_lines(rows: list[dict]) -> list[str]:
     """`explain`'s capability lines: the groups this model's path needs, and for a stepped-aside one why and what
     that leaves (doctor lists every group)."""
@@ -19,6 +18,7 @@ def _capability_lines(rows: list[dict]) -> list[str]:
     return [
         f"plugin stepped aside for {c['capability']}: {'; '.join(c['why'])}. {c.get('consequence', '')}" for c in aside
     ]
+
 
 def _cmd_doctor(args) -> int:
     from . import doctor

@@ -235,9 +235,8 @@ def kernel_routing_problem(method: int | None, topk_config: Any) -> str | None:
     if want_scoring is not None and scoring != want_scoring:
         return f"{m.name} routing scores with {want_scoring}; this layer's top-k scores with {scoring}"
     if want_renorm is not None and renorm != want_renorm:
-        return f"{m.name} routing {'re' if want_renorm else 'does not re'}normalize the top-k weights; this layer's " + (
-            "top-k does" if renorm else "top-k does not"
-        )
+        verb = "renormalizes" if want_renorm else "does not renormalize"
+        return f"{m.name} routing {verb} the top-k weights; this layer's top-k " + ("does" if renorm else "does not")
     return None
 
 

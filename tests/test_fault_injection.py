@@ -56,7 +56,11 @@ def _groups_of(path: str) -> list:
     from sglang_trtllm_moe import plugin
 
     st = plugin.state()
-    return [g for g in capabilities.all_groups(st.targets) if any(t.target == path for t in capabilities.members(g, st.targets))]
+    return [
+        g
+        for g in capabilities.all_groups(st.targets)
+        if any(t.target == path for t in capabilities.members(g, st.targets))
+    ]
 
 
 def _prep_closure() -> set[str]:
@@ -183,8 +187,11 @@ def test_a_moved_module_is_missing_not_waiting():
     from sglang_trtllm_moe import plugin
 
     with faults.moved_module(MODELOPT_PWAL):
-        moved = [r for r in plugin.state().target_report() if r["target"].endswith(".process_weights_after_loading")
-                 and "_moved" in r["target"]]
+        moved = [
+            r
+            for r in plugin.state().target_report()
+            if r["target"].endswith(".process_weights_after_loading") and "_moved" in r["target"]
+        ]
         assert moved and {r["state"] for r in moved} == {"missing"}, moved
         assert "cannot be imported under that name" in moved[0]["reason"]
         assert _doctor_row("nvfp4")["status"] == capabilities.STEPPED_ASIDE

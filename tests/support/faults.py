@@ -130,7 +130,9 @@ def moved_module(path: str):
 
     st = plugin.state()
     real = [t for t in st.targets if t.target == path]
-    moved_targets = [dataclasses.replace(t, target=t.target.replace(t.module, t.module + "_moved"), module="") for t in real]
+    moved_targets = [
+        dataclasses.replace(t, target=t.target.replace(t.module, t.module + "_moved"), module="") for t in real
+    ]
     with not_applied(path):
         st.targets = [t for t in st.targets if t.target != path] + moved_targets
         installer.install(moved_targets)
