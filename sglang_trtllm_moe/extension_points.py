@@ -68,4 +68,47 @@ def summary(target_rows: list[dict]) -> dict:
     }
 
 
-__all__ = ["EXTENSION_POINTS", "ExtensionPoint", "OFFICIAL", "summary"]
+#: why the targets of each capability group are patches (capabilities.py's group names; a format's group: "format")
+WHY_PATCH = {
+    "runner": "SGLang registers the flashinfer_trtllm(_routed) fused funcs itself (register_fused_func refuses a "
+    "second) and runs them before any registered runner core (register_moe_runner_core, 0.5.19+)",
+    "core": "FusedMoE's constructor: SGLang offers no hook or registry for it",
+    "loader": "FusedMoE's weight loader: SGLang offers no hook or registry for it",
+    "format": "a quant method's own step: SGLang's quant methods offer no hook or registry for it",
+    "update-entry": "a weight-update entry point: SGLang offers no hook or registry for it",
+    "update-session": "a weight-update session's begin / end: SGLang offers no hook or registry for it",
+    "rollback": "the model loader: SGLang offers no hook or registry for it",
+    "request-checks": "the scheduler's update manager: SGLang offers no hook or registry for it",
+    "draft-note": "the scheduler's update manager: SGLang offers no hook or registry for it",
+    "auto-select": "--moe-runner-backend resolution: SGLang's rules run in ServerArgs, no registry",
+    "weight-check": "the weight checker's comparison: SGLang has no comparator registry",
+}
+
+
+def _group(t) -> str:
+    return "format: " + ", ".join(t.formats) if t.formats else (t.group or t.capability)
+
+
+def patch_table(targets) -> list[str]:
+    """docs/ARCHITECTURE.md's table: every built-in hook target (all releases), its hooks, capability group,
+    releases, and why it is a patch and not an official registration."""
+    rows: dict[str, dict] = {}
+    for t in targets:
+        if t.source.startswith("ext:"):
+            continue
+        r = rows.setdefault(t.target, {"hooks": [], "groups": [], "releases": []})
+        for key, value in (("hooks", t.hook_type), ("groups", _group(t)), ("releases", t.releases or "every")):
+            if value not in r[key]:
+                r[key].append(value)
+    out = ["| target (below `sglang.srt.`) | hooks | capability group | releases | why a patch |", "|---" * 5 + "|"]
+    for path in sorted(rows):
+        r = rows[path]
+        why = "; ".join(dict.fromkeys(WHY_PATCH["format" if g.startswith("format") else g] for g in r["groups"]))
+        out.append(
+            f"| `{path.removeprefix('sglang.srt.')}` | {', '.join(r['hooks'])} | {'; '.join(r['groups'])} | "
+            f"{'; '.join(r['releases'])} | {why} |"
+        )
+    return out
+
+
+__all__ = ["EXTENSION_POINTS", "ExtensionPoint", "OFFICIAL", "WHY_PATCH", "patch_table", "summary"]
