@@ -164,6 +164,17 @@ def import_all(modules: list[str] | None = None) -> list[str]:
     return failed
 
 
+def forget(targets: list[HookTarget]) -> None:
+    """Stop waiting for the modules of `targets` (tests that registered targets of a module that never comes)."""
+    with _LOCK:
+        for t in targets:
+            waiting = [(w, src) for w, src in _PENDING.get(t.module, ()) if w is not t]
+            if waiting:
+                _PENDING[t.module] = waiting
+            else:
+                _PENDING.pop(t.module, None)
+
+
 def reset_for_tests() -> None:
     """Forget every pending target and remove the import finder (tests only; `plugin.reset_for_tests` calls it)."""
     with _LOCK:

@@ -76,3 +76,24 @@ def test_doctor_counts_patches_and_official_registrations():
     text = doctor.format_text(r)
     assert f"{ep['patches']} patched targets" in text and "0 official registrations" in text, text
     assert {c["status"] for c in r["capabilities"]} <= {"active", "not_applicable"}, r["capabilities"]
+
+
+def test_every_built_in_target_of_every_release_is_in_a_capability_group():
+    """Nothing outside the table: each target (this release's and the others') belongs to a capability group, and
+    each group a format needs exists."""
+    from sglang_trtllm_moe import capabilities, plugin
+
+    st = plugin.state()
+    targets = [t for t in st.targets + st.not_applicable if not t.source.startswith("ext:")]
+    groups = capabilities.all_groups(targets)
+    names = {g.name for g in groups}
+    assert set(capabilities.PREP_NEEDS) <= names
+    assert all(set(g.needs) <= names for g in groups), [(g.name, g.needs) for g in groups]
+    lost = [t.target for t in targets if not any(t in capabilities.members(g, targets) for g in groups)]
+    assert lost == []
+    from sglang_trtllm_moe.formats import FORMATS
+
+    declared = {g.name for g in capabilities.GROUPS}
+    hook_modules = {f.hook_module for f in FORMATS}
+    shared = [t for t in targets if not t.formats and t.source not in hook_modules]
+    assert {t.group or t.capability for t in shared} <= declared, {t.target: t.group or t.capability for t in shared}

@@ -207,3 +207,24 @@ def test_a_request_whose_runners_cannot_be_told_is_refused_before_any_runner_loa
     assert out["refused"] and out["unchanged"], out
     assert "cannot be checked against the target and the speculative draft" in out["message"], out
     capabilities.reset_for_tests()
+
+
+def test_doctor_and_explain_say_what_stepped_aside_and_why(tmp_path):
+    """The NVFP4 capability without its post-load hook: `doctor` (text and JSON) and `explain` for an NVFP4 model
+    name the capability, the missing target and what that leaves; with every target landed, explain says all the
+    capabilities its path needs are active."""
+    from sglang_trtllm_moe import doctor, explain
+
+    sglang_runtime.write_safetensors_checkpoint(str(tmp_path), {}, faults.SPECS["nvfp4"])
+    with faults.not_applied(MODELOPT_PWAL):
+        r = doctor.report(load=False, import_targets=False)
+        row = next(c for c in r["capabilities"] if c["capability"] == "nvfp4")
+        assert row["status"] == "stepped_aside" and MODELOPT_PWAL in row["why"][0] and row["consequence"], row
+        text = doctor.format_text(r)
+        assert "[ stepped_aside] nvfp4:" in text and "stops at model load" in text, text
+        rep = explain.explain_model(str(tmp_path), sm=100)
+        caps = {c["capability"]: c for c in rep["capabilities"]}
+        assert caps["nvfp4"]["status"] == "stepped_aside" and MODELOPT_PWAL in caps["nvfp4"]["why"][0], caps
+        assert set(capabilities.PREP_NEEDS) <= set(caps), sorted(caps)
+    rep = explain.explain_model(str(tmp_path), sm=100)
+    assert {c["status"] for c in rep["capabilities"]} <= {"active", "not_applicable"}, rep["capabilities"]

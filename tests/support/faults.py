@@ -141,9 +141,7 @@ def moved_module(path: str):
             yield
         finally:
             st.targets = [t for t in st.targets if t not in moved_targets] + real
-            with installer._LOCK:
-                for t in moved_targets:
-                    installer._PENDING.pop(t.module, None)
+            installer.forget(moved_targets)
             capabilities.refresh()
 
 
