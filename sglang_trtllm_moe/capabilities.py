@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from . import PROJECT_NAME, installer
+from .compat import features
+from .compat.features import Feature
 from .targets import MISSING, NOT_IMPORTED, HookTarget
 
 logger = logging.getLogger(PROJECT_NAME)
@@ -95,6 +97,8 @@ class Probe:
     #: None when found; else what is missing
     find: Callable[[], str | None]
     why: str
+    #: the releases it is reached on (None: every release)
+    feature: Feature | None = None
 
 
 def _slot_trace() -> str | None:
@@ -112,6 +116,28 @@ def _slot_trace() -> str | None:
     return None
 
 
+def _has(path: str) -> Callable[[], str | None]:
+    """A probe of the attribute `path` ("module:Class.attr"), looked up on the class without running anything."""
+
+    def find() -> str | None:
+        import importlib
+        import inspect
+
+        module, _, qual = path.partition(":")
+        obj: object = importlib.import_module(module)
+        for part in qual.split("."):
+            try:
+                obj = inspect.getattr_static(obj, part)
+            except AttributeError:
+                return f"{qual} is not there"
+        return None
+
+    return find
+
+
+HOOK_REGISTRY = "sglang.srt.plugins.hook_registry"
+FP8 = "sglang.srt.layers.quantization.fp8"
+
 PROBES: tuple[Probe, ...] = (
     Probe(
         "batched-writes",
@@ -120,6 +146,31 @@ PROBES: tuple[Probe, ...] = (
         _slot_trace,
         "the slot trace catches SGLang's write under this name: under another it would record no slot and drop every "
         "expert write as another rank's",
+    ),
+    *(
+        Probe(
+            "core",
+            f"HookRegistry.{name}",
+            HOOK_REGISTRY,
+            _has(f"{HOOK_REGISTRY}:HookRegistry.{name}"),
+            "installer.py applies a target whose module loads after SGLang's apply_hooks through it",
+        )
+        for name in ("_hooks", "_patched", "_apply_target")
+    ),
+    *(
+        Probe(
+            group,
+            "Fp8MoEMethod._prepare_flashinfer_trtllm_activation_params",
+            FP8,
+            _has(f"{FP8}:Fp8MoEMethod._prepare_flashinfer_trtllm_activation_params"),
+            "the prepared layer gets the SwiGLU tensors SGLang's FP8 apply reads through it",
+            flag,
+        )
+        for group, flag in (
+            ("fp8_tensor", features.FP8_TRTLLM_ACTIVATION_PARAMS),
+            ("fp8_block", features.FP8_TRTLLM_ACTIVATION_PARAMS),
+            ("mxfp8", features.MXFP8_ACTIVATION_PARAMS),
+        )
     ),
 )
 
@@ -181,7 +232,14 @@ def all_groups(targets: Sequence[HookTarget] = ()) -> list[Group]:
     from .formats import FORMATS
 
     groups = list(GROUPS) + [
-        Group(f.name, f"{f.title or f.name}: prepared in place by the plugin", PREP_NEEDS, f.name) for f in FORMATS
+        Group(
+            f.name,
+            f"{f.title or f.name} layers on {'/'.join(f.quantizations)}: prepared in place by the plugin (watched where "
+            "SGLang's own preparation is right on this release)",
+            PREP_NEEDS,
+            f.name,
+        )
+        for f in FORMATS
     ]
     hook_modules = {f.hook_module for f in FORMATS}
     known = {g.name for g in groups}
@@ -204,7 +262,7 @@ def members(group: Group, targets: list[HookTarget]) -> list[HookTarget]:
 
 def _own(group: Group, st, load: bool) -> Decision:
     targets = members(group, st.targets)
-    probes = [p for p in PROBES if p.group == group.name]
+    probes = [p for p in PROBES if p.group == group.name and (p.feature is None or p.feature.present())]
     if load:
         modules = sorted({t.module for t in targets} | {p.module for p in probes})
         installer.import_all(modules)

@@ -62,7 +62,14 @@ def _on_imported(module: str) -> None:
     with _LOCK:
         targets = _PENDING.pop(module, None)
     if targets:
-        _register_and_apply(targets)
+        try:
+            _register_and_apply(targets)
+        except Exception:  # noqa: BLE001 - HookRegistry itself changed: never break the import that called us
+            logger.exception(
+                "sglang-trtllm-moe: could not hand the hooks of %s to SGLang's HookRegistry; doctor reports them "
+                "missing",
+                module,
+            )
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -266,6 +266,9 @@ def reset_for_tests() -> None:
     global _STATE
     _STATE = PluginState()
     installer.reset_for_tests()
+    from . import capabilities
+
+    capabilities.reset_for_tests()
 
 
 __all__ = ["register", "state", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]

@@ -156,25 +156,33 @@ def test_a_renamed_weight_loader_impl_steps_aside_never_drops_writes():
     assert not bad, results
 
 
-def test_the_slot_trace_probe_alone_steps_the_batched_writer_aside(monkeypatch):
-    """SGLang's weight_loader stops reaching the write under `_weight_loader_impl` (the method itself stays): only the
-    batched writer steps aside, and every update goes through SGLang's per-tensor loader, exact."""
+PROBES = [p for p in capabilities.PROBES if p.feature is None or p.feature.present()]
+
+
+@pytest.mark.parametrize("probe", PROBES, ids=[f"{p.group}:{p.name.split(' ')[0]}" for p in PROBES])
+def test_a_name_the_plugin_reaches_that_is_gone_steps_its_capability_aside(probe, monkeypatch):
+    """Each name the plugin reaches outside the hook table, found missing: its capability steps aside (doctor names
+    it), and the formats it concerns end every flow exact or refused, or stop at start-up. The batched writer's slot
+    trace alone: only the batched writer steps aside, every update goes through SGLang's per-tensor loader, exact."""
+    from sglang_trtllm_moe.formats import by_name
     from sglang_trtllm_moe.updates import batched_writes
 
-    probe = capabilities.PROBES[0]
-    monkeypatch.setattr(
-        capabilities,
-        "PROBES",
-        (capabilities.Probe(probe.group, probe.name, probe.module, lambda: "renamed in this test", probe.why),),
-    )
+    gone = capabilities.Probe(probe.group, probe.name, probe.module, lambda: "renamed in this test", probe.why)
+    monkeypatch.setattr(capabilities, "PROBES", tuple(gone if p is probe else p for p in capabilities.PROBES))
     capabilities.refresh()
     try:
-        assert _doctor_row("batched-writes")["status"] == capabilities.STEPPED_ASIDE
-        assert _doctor_row("nvfp4")["status"] == capabilities.ACTIVE
+        row = _doctor_row(probe.group)
+        assert row["status"] == capabilities.STEPPED_ASIDE and probe.name in row["why"][0], row
+        group = next(g for g in capabilities.all_groups() if g.name == probe.group)
+        kinds = [by_name(group.fmt).example.kind] if group.fmt else ["nvfp4", "bf16"]
         before = batched_writes.counts().get("tensors", 0)
-        out = faults.run("nvfp4")
-        assert not faults.failures(out) and out["tensor"] == faults.EXACT, out
-        assert batched_writes.counts().get("tensors", 0) == before  # nothing written batched
+        results = {kind: faults.run(kind) for kind in kinds}
+        bad = {k: faults.failures(v) for k, v in results.items() if faults.failures(v)}
+        assert not bad, results
+        if probe.group == "batched-writes":
+            assert _doctor_row("nvfp4")["status"] == capabilities.ACTIVE
+            assert results["nvfp4"]["tensor"] == faults.EXACT, results
+            assert batched_writes.counts().get("tensors", 0) == before  # nothing written batched
     finally:
         monkeypatch.undo()
         capabilities.refresh()
