@@ -234,8 +234,8 @@ def all_groups(targets: Sequence[HookTarget] = ()) -> list[Group]:
     groups = list(GROUPS) + [
         Group(
             f.name,
-            f"{f.title or f.name} layers on {'/'.join(f.quantizations)}: prepared in place by the plugin (watched where "
-            "SGLang's own preparation is right on this release)",
+            f"{f.title or f.name} layers on {'/'.join(f.quantizations)}: prepared in place by the plugin "
+            "(watched where SGLang's own preparation is right on this release)",
             PREP_NEEDS,
             f.name,
         )
