@@ -224,7 +224,10 @@ def probe_missing(group: str, name: str, why: str) -> None:
 
 
 def _tag(t: HookTarget) -> str:
-    return t.group or t.capability
+    """The group a target joins by its tag: its `group`, else its `capability`; an extension's targets form groups of
+    their own (a broken extension never takes a built-in capability down with it)."""
+    tag = t.group or t.capability
+    return f"{t.source[4:]}: {tag}" if t.source.startswith("ext:") else tag
 
 
 def all_groups(targets: Sequence[HookTarget] = ()) -> list[Group]:

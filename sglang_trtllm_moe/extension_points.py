@@ -102,7 +102,7 @@ def patch_table(targets) -> list[str]:
                 r[key].append(value)
     out = ["| target (below `sglang.srt.`) | hooks | capability group | releases | why a patch |", "|---" * 5 + "|"]
     for path in sorted(rows):
-        r = rows[path]
+        r = {k: sorted(v) for k, v in rows[path].items()}  # the same table whichever release lists the targets
         why = "; ".join(dict.fromkeys(WHY_PATCH["format" if g.startswith("format") else g] for g in r["groups"]))
         out.append(
             f"| `{path.removeprefix('sglang.srt.')}` | {', '.join(r['hooks'])} | {'; '.join(r['groups'])} | "

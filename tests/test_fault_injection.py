@@ -143,15 +143,19 @@ def test_the_issues_garbage_cases_now_stop_at_start_up_with_the_reason(path):
 def test_a_renamed_weight_loader_impl_steps_aside_never_drops_writes():
     """SGLang renames FusedMoE._weight_loader_impl: the loader capability (its un-prepare hook) and the batched
     writer's slot trace (which reached the old name) step aside; NVFP4 stops at start-up, BF16 and DeepSeek FP8
-    block stay on SGLang's own path, every update of them exact or refused — no write dropped as another rank's."""
+    block (SGLang's own path is right for them on 0.5.23) stay on it, every update of them exact or refused — no
+    write dropped as another rank's."""
     with faults.renamed_weight_loader_impl():
         for name in ("loader", "batched-writes"):
             row = _doctor_row(name)
             assert row["status"] == capabilities.STEPPED_ASIDE, row
         assert any("_weight_loader_impl" in w for w in _doctor_row("batched-writes")["why"])
         results = {kind: faults.run(kind) for kind in ("nvfp4", "bf16", "fp8_block")}
-    assert results["nvfp4"]["start"].startswith(faults.START), results["nvfp4"]
-    assert results["bf16"]["start"] == "ok" and results["fp8_block"]["start"] == "ok", results
+    from sglang_trtllm_moe import aside
+
+    for kind, out in results.items():  # a format only the plugin keeps exact stops; SGLang's own path runs the others
+        fmt = faults.SPECS[kind].kind.format
+        assert out["start"].startswith(faults.START) if aside.must_serve(fmt) else out["start"] == "ok", (kind, out)
     bad = {k: faults.failures(v) for k, v in results.items() if faults.failures(v)}
     assert not bad, results
 
