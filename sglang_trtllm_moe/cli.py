@@ -7,6 +7,19 @@ import json
 import sys
 
 
+def _capability_lines(rows: list[dict]) -> list[str]:
+    """`explain`'s capability lines: the groups this model's path needs, and for a stepped-aside one why and what
+    that leaves (doctor lists every group)."""
+    aside = [c for c in rows if c.get("status") == "stepped_aside"]
+    if not rows:
+        return []
+    if not aside:
+        return [f"plugin capabilities for this model: all active ({', '.join(c['capability'] for c in rows)})"]
+    return [
+        f"plugin stepped aside for {c['capability']}: {'; '.join(c['why'])}. {c.get('consequence', '')}" for c in aside
+    ]
+
+
 def _cmd_doctor(args) -> int:
     from . import doctor
 
@@ -58,6 +71,8 @@ def _cmd_explain(args) -> int:
             print(f"routed experts (R3{'' if p['return_routed_experts'] else ', if asked for'}): {r3['reason']}")
     if r.get("draft_updates"):
         print(f"speculative draft under RL updates: {r['draft_updates']['reason']}")
+    for line in _capability_lines(r.get("capabilities") or []):
+        print(line)
     if r.get("note"):
         print(f"note: {r['note']}")
     sg = r.get("sglang") or {}

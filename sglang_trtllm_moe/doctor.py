@@ -5,7 +5,9 @@ The JSON form is a stable contract (tests and CI read it): keys `enabled` (bool)
 (tested | untested | missing: whether the CI matrix runs this SGLang release with this flashinfer),
 `flashinfer_message`, `versions`, `device`, `targets` (list of
 {target, state in landed|missing|not_applicable|not_imported, reason, capability, hook_type, source, module}),
-`extensions`, `errors`.
+`extensions`, `errors`, `capabilities` (per capability group: {capability, status in active|stepped_aside|
+not_applicable|undecided|off, serves, why, needs, targets, format, consequence}: capabilities.py) and
+`extension_points` ({patches, official, points}: extension_points.py).
 
 Hooks are applied when their module is imported (installer.py), so a fresh process holds most of them as
 `not_imported`; `doctor` imports every hooked module first (as a scheduler building a MoE model would), so its
@@ -84,7 +86,8 @@ def report(load: bool = True, import_targets: bool | None = None) -> dict:
         "flashinfer_message": fi.message,
         "versions": {d: _version(d) for d in ("sglang", "flashinfer-python", "torch", "pluggy", "sglang-trtllm-moe")},
         "device": _device(),
-        "targets": st.target_report() if st.enabled else [],
+        "targets": (rows := st.target_report() if st.enabled else []),
+        **_capability_report(st.enabled, rows),
         "extensions": [e.__dict__ for e in st.extensions],
         "errors": list(st.errors) + [f"could not import hooked module {e}" for e in import_errors],
     }
@@ -106,7 +109,37 @@ def format_text(r: dict) -> str:
         for t in r["targets"]:
             extra = f" — {t['reason']}" if t["reason"] else ""
             lines.append(f"  [{t['state']:>14}] {t['target']} ({t['capability']}, {t['hook_type']}){extra}")
+    lines += capability_lines(r)
     lines.append("extensions: " + (", ".join(f"{e['name']} [{e['state']}]" for e in r["extensions"]) or "none"))
     for e in r["errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)
+
+
+def _capability_report(enabled: bool, rows: list[dict]) -> dict:
+    """Per capability group: active / stepped aside / why (capabilities.py), and patches vs official registrations."""
+    from . import capabilities, extension_points
+
+    return {
+        "capabilities": capabilities.report() if enabled else [],
+        "extension_points": extension_points.summary(rows),
+    }
+
+
+def capability_lines(r: dict) -> list[str]:
+    """The text form of `capabilities` and `extension_points`."""
+    lines = []
+    if r.get("capabilities"):
+        lines.append("capabilities (hooks that only work together land together, or the plugin steps aside):")
+        for c in r["capabilities"]:
+            why = f" — {'; '.join(c['why'])}. {c['consequence']}" if c["status"] == "stepped_aside" else ""
+            lines.append(f"  [{c['status']:>14}] {c['capability']}: {c['serves']}{why}")
+    ep = r.get("extension_points")
+    if ep:
+        lines.append(
+            f"hooks: {ep['patches']} patched targets (SGLang's HookRegistry), {ep['official']} official registrations"
+        )
+        for p in ep["points"]:
+            if p["present"]:
+                lines.append(f"  official point {p['name']} not used: {p['why_not']}")
+    return lines

@@ -125,11 +125,30 @@ def explain_model(
         "plugin_prepares": _prepares(problem),
         "routed_experts": _routed_experts(res.winner, problem, device),
     }
+    if run_sglang:
+        out["capabilities"] = _capabilities(problem)
     if device.sm is None:
         out["note"] = NO_GPU_NOTE
     if speculative_algorithm is not None:
         out["draft_updates"] = _draft_updates(speculative_algorithm)
     return out
+
+
+def _capabilities(problem) -> list[dict]:
+    """The capability groups the plugin's path for this model needs, as this process decides them (`doctor` lists
+    every group): active, or stepped aside with why — the model's layers then stay on SGLang's own path, or an
+    explicit flashinfer_trtllm stops at model load (capabilities.py)."""
+    try:
+        from . import capabilities
+        from .plugin import state
+
+        if not state().enabled:
+            return []
+        fmt, _ = problem.weight_format()
+        names = {*capabilities.PREP_NEEDS, "batched-writes", "auto-select", *([fmt.name] if fmt is not None else [])}
+        return [row for row in capabilities.report(load=True) if row["capability"] in names]
+    except Exception as e:  # noqa: BLE001 - the report answers without it
+        return [{"capability": "?", "status": "undecided", "why": [f"{type(e).__name__}: {e}"]}]
 
 
 def _draft_updates(algorithm: str) -> dict:

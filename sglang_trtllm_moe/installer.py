@@ -29,6 +29,12 @@ logger = logging.getLogger("sglang_trtllm_moe")
 _LOCK = threading.RLock()
 #: module name -> targets waiting for it, with the HookRegistry source they were registered under
 _PENDING: dict[str, list[tuple[HookTarget, object]]] = {}
+#: bumped whenever targets are handed to HookRegistry (capabilities.py re-decides what it decided before)
+_GENERATION = [0]
+
+
+def generation() -> int:
+    return _GENERATION[0]
 
 
 def _imported(module: str) -> bool:
@@ -37,6 +43,8 @@ def _imported(module: str) -> bool:
 
 def _register_and_apply(targets: list[tuple[HookTarget, object]]) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _GENERATION[0] += 1
 
     for t, source in targets:
         HookRegistry.register(t.target, t.hook, HookType(t.hook_type), source=source)
@@ -54,7 +62,14 @@ def _on_imported(module: str) -> None:
     with _LOCK:
         targets = _PENDING.pop(module, None)
     if targets:
-        _register_and_apply(targets)
+        try:
+            _register_and_apply(targets)
+        except Exception:  # noqa: BLE001 - HookRegistry itself changed: never break the import that called us
+            logger.exception(
+                "sglang-trtllm-moe: could not hand the hooks of %s to SGLang's HookRegistry; doctor reports them "
+                "missing",
+                module,
+            )
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -120,13 +135,33 @@ def pending(target: HookTarget) -> bool:
         return any(t is target for t, _ in _PENDING.get(target.module, ()))
 
 
-def import_all() -> list[str]:
-    """Import every module that still has waiting targets (what `doctor` does to prove they land).
-    Returns the modules that could not be imported, with the error."""
+def importable(module: str) -> bool | None:
+    """Can `module` be imported under that name in this process? Asked without importing anything: True when it is
+    imported, else importlib.util.find_spec's answer once its parent package is imported (the module itself is not
+    run); None when that parent is not imported either (finding out would import it: start-up stays free). False
+    for a module a release moved or removed: a target waiting for it would wait forever, so it counts as missing
+    (targets.MISSING), not as not imported."""
+    import importlib.util
+
+    if module in sys.modules:
+        return True
+    parent = module.rpartition(".")[0]
+    if parent and parent not in sys.modules:
+        return None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that is not a package
+        return False
+
+
+def import_all(modules: list[str] | None = None) -> list[str]:
+    """Import every module that still has waiting targets (what `doctor` does to prove they land), or those of
+    `modules` that do (capabilities.py, deciding at first use). Returns the modules that could not be imported,
+    with the error."""
     import importlib
 
     failed = []
-    for module in list(_PENDING):
+    for module in [m for m in list(_PENDING) if modules is None or m in modules]:
         try:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - reported, the targets stay not imported
@@ -134,6 +169,17 @@ def import_all() -> list[str]:
             continue
         _on_imported(module)  # a no-op unless the module came in without our finder seeing it
     return failed
+
+
+def forget(targets: list[HookTarget]) -> None:
+    """Stop waiting for the modules of `targets` (tests that registered targets of a module that never comes)."""
+    with _LOCK:
+        for t in targets:
+            waiting = [(w, src) for w, src in _PENDING.get(t.module, ()) if w is not t]
+            if waiting:
+                _PENDING[t.module] = waiting
+            else:
+                _PENDING.pop(t.module, None)
 
 
 def reset_for_tests() -> None:

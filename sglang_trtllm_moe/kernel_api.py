@@ -180,6 +180,66 @@ def routing_logits_dtype(dtype: str, accepted: tuple[str, ...]) -> str | None:
     return next((d for d in _EXACT_WIDENINGS.get(dtype, ()) if d in accepted), None)
 
 
+#: What each in-kernel routing method computes, as the top-k configuration SGLang's TopK would need to compute the
+#: same (SGLang 0.5.23's own rule, `layers/moe/topk.py` `_can_bypass_trtllm_routing`; tests/test_routing.py compares
+#: `kernel_routing_problem` with it). Method -> (scoring function or None for "any", renormalize or None for "any",
+#: needs grouped top-k with a correction bias, needs plain top-k: no grouping, no bias). Methods not listed compute
+#: nothing SGLang's TopK asks for (TopK, MiniMax2, TopKSigmoid, Unspecified): never routed in the kernel for a layer.
+_KERNEL_ROUTING: dict[RoutingMethodType, tuple[str | None, bool | None, bool, bool]] = {
+    # the biased grouped router: sigmoid whatever the layer's scoring function says, as SGLang's own grouped path
+    RoutingMethodType.DeepSeekV3: (None, True, True, False),
+    RoutingMethodType.Renormalize: ("softmax", True, False, True),
+    RoutingMethodType.RenormalizeNaive: ("softmax", True, False, True),
+    RoutingMethodType.Default: ("softmax", False, False, True),
+    RoutingMethodType.SigmoidRenorm: ("sigmoid", True, False, True),
+    RoutingMethodType.Sigmoid: ("sigmoid", False, False, True),
+}
+
+
+def kernel_routing_problem(method: int | None, topk_config: Any) -> str | None:
+    """Why the kernel's routing `method` would not compute what a layer's top-k configuration asks for (SGLang's
+    TopKConfig of any release, read by duck typing: fields a release lacks read as their neutral value), or None
+    when it computes exactly that. SGLang before 0.5.23 hands every layer on flashinfer_trtllm to the kernel's
+    router with the layer's method whatever its top-k asks (a DeepSeek-V4 sqrtsoftplus layer routed as DeepSeekV3's
+    sigmoid, a DeepSeekV3 layer without its correction bias grouped as if it had one); the plugin runner routes such
+    a layer with SGLang's own top-k and the routed kernel instead, on every release."""
+    if method is None or int(method) not in _METHOD_VALUES or int(method) == int(RoutingMethodType.Unspecified):
+        return "the layer declares no routing method (the kernel would guess one)"
+    m = RoutingMethodType(int(method))
+    cfg = topk_config
+    if getattr(cfg, "sqrtsoftplus_log1p", False):
+        return "sqrtsoftplus routing (through log1p): no TRT-LLM-Gen routing method computes it"
+    shared = getattr(cfg, "num_shared_topk_slots", 0) or 0
+    if shared:
+        return f"{shared} shared-expert top-k slot(s) appended by SGLang's top-k"
+    grouped = bool(getattr(cfg, "use_grouped_topk", False))
+    biased = getattr(cfg, "correction_bias", None) is not None
+    custom = getattr(cfg, "custom_routing_function", None) is not None
+    renorm = bool(getattr(cfg, "renormalize", True))
+    scoring = getattr(cfg, "scoring_func", "softmax") or "softmax"
+    if m == RoutingMethodType.Llama4:
+        ok = not grouped and not biased and int(getattr(cfg, "top_k", 0)) == 1 and not renorm and custom
+        return None if ok else "Llama4 routing is top-1 sigmoid through Llama-4's own routing function only"
+    if custom:
+        return "a custom routing function (the kernel computes its own method's)"
+    rule = _KERNEL_ROUTING.get(m)
+    if rule is None:
+        return f"{m.name} is not a routing SGLang's top-k computes"
+    want_scoring, want_renorm, grouped_biased, plain = rule
+    if grouped_biased and not (grouped and biased):
+        return f"{m.name} routing is grouped top-k with a correction bias; this layer's top-k is " + (
+            "ungrouped" if not grouped else "without a correction bias"
+        )
+    if plain and (grouped or biased):
+        return f"{m.name} routing takes no expert groups and no correction bias"
+    if want_scoring is not None and scoring != want_scoring:
+        return f"{m.name} routing scores with {want_scoring}; this layer's top-k scores with {scoring}"
+    if want_renorm is not None and renorm != want_renorm:
+        verb = "renormalizes" if want_renorm else "does not renormalize"
+        return f"{m.name} routing {verb} the top-k weights; this layer's top-k " + ("does" if renorm else "does not")
+    return None
+
+
 class _Unset:
     """flashinfer 0.7.4's default of `nvfp4_4over6` ("not passed: read the FLASHINFER_NVFP4_4OVER6* environment"),
     mirrored: the same repr, compared by identity as theirs is (it has no `__eq__`)."""
@@ -338,4 +398,5 @@ __all__ = [
     "ROUTING_LOGITS_DTYPES",
     "routing_logits_dtypes",
     "routing_logits_dtype",
+    "kernel_routing_problem",
 ]

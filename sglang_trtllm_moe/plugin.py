@@ -83,21 +83,27 @@ class PluginState:
         """Per target: landed / missing / not_applicable, checked now (call after SGLang's apply_hooks)."""
         rows = []
         for t in self.targets:
-            if installer.pending(t):
-                state, reason = (
-                    NOT_IMPORTED,
-                    (
-                        f"{t.module} is not imported in this process: the hook is applied when "
-                        "it is (`sglang-trtllm-moe doctor` imports it to prove that)"
-                    ),
-                )
-            else:
-                state, reason = target_state(t)
-            rows.append(_row(t, state, reason))
+            rows.append(_row(t, *current_state(t)))
         for t in self.not_applicable:
             assert self.release is not None  # not_applicable is filled only once a release was checked
             rows.append(_row(t, NOT_APPLICABLE, f"not present in sglang {self.release.version} (needs {t.releases})"))
         return rows
+
+
+def current_state(t: HookTarget) -> tuple[str, str]:
+    """(state, reason) of a registered target now: landed / missing, or not_imported while it waits for a module
+    that can still be imported (one that cannot is missing: it moved, or is gone)."""
+    if installer.pending(t):
+        if installer.importable(t.module) is False:
+            return MISSING, (
+                f"{t.module} cannot be imported under that name (moved or removed in this SGLang): the hook waiting "
+                "for it would never be applied"
+            )
+        return NOT_IMPORTED, (
+            f"{t.module} is not imported in this process: the hook is applied when it is (`sglang-trtllm-moe "
+            "doctor` imports it to prove that)"
+        )
+    return target_state(t)
 
 
 def _row(t: HookTarget, state: str, reason: str) -> dict:
@@ -109,6 +115,7 @@ def _row(t: HookTarget, state: str, reason: str) -> dict:
         "capability": t.capability,
         "hook_type": t.hook_type,
         "source": t.source,
+        "group": t.group or t.capability,
     }
 
 
@@ -259,6 +266,9 @@ def reset_for_tests() -> None:
     global _STATE
     _STATE = PluginState()
     installer.reset_for_tests()
+    from . import capabilities
+
+    capabilities.reset_for_tests()
 
 
 __all__ = ["register", "state", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]

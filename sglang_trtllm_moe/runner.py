@@ -73,11 +73,26 @@ def routing_declared(layer: Layer) -> bool:
     return False
 
 
-def needs_own_topk(layer: Layer, topk_output: TopKOutput) -> bool:
-    """A TopK output that leaves routing to the kernel, for a layer that declares no routing method."""
+def declared_method(layer: Layer) -> int | None:
+    """The routing method the layer declares (its own, else its runner config's), or None."""
+    for holder in (layer, getattr(layer, "moe_runner_config", None)):
+        method = getattr(holder, "routing_method_type", None)
+        if method is not None:
+            return int(method)
+    return None
+
+
+def needs_own_topk(layer: Layer, topk_output: TopKOutput, method: int | None = None) -> bool:
+    """A TopK output that leaves routing to the kernel, for a layer whose top-k the kernel's routing `method`
+    (default: the one the layer declares) does not compute (kernel_api.kernel_routing_problem: SGLang 0.5.23's own
+    rule, applied on every release): such a layer gets SGLang's own top-k and the routed kernel."""
     from sglang.srt.layers.moe.topk import TopKOutputChecker
 
-    return TopKOutputChecker.format_is_bypassed(topk_output) and not routing_declared(layer)
+    if not TopKOutputChecker.format_is_bypassed(topk_output):
+        return False
+    if method is None:
+        method = declared_method(layer)
+    return kernel_api.kernel_routing_problem(method, topk_output.topk_config) is not None
 
 
 def kernel_replays(method: int | None, on_kernel: bool) -> bool:
@@ -138,7 +153,7 @@ def routing_kwargs(
     from sglang.srt.layers.moe.topk import TopKOutputChecker
 
     if own_topk is None:
-        own_topk = layer is not None and needs_own_topk(layer, topk_output)
+        own_topk = layer is not None and needs_own_topk(layer, topk_output, method)
     if not routed and own_topk and layer is not None:
         topk_output = _select_experts(topk_output, hidden, layer)
         routed = True
@@ -209,7 +224,7 @@ def run(
     # exact widening, or — where no accepted dtype holds them — SGLang's own top-k and the routed kernel
     logits_dtype = _kernel_logits_dtype(fmt, call, topk_output, method) if not use_routed_topk else None
     own_topk = (
-        (not fmt.routes_in_kernel(call) and needs_own_topk(layer, topk_output))
+        (not fmt.routes_in_kernel(call) and needs_own_topk(layer, topk_output, method))
         or (replay_wanted and not kernel_replays(0 if method is None else method, on_kernel))
         or logits_dtype == ""
     )
@@ -328,6 +343,7 @@ __all__ = [
     "emulating",
     "ensure_prepared",
     "format_for",
+    "declared_method",
     "kernel_replays",
     "layer_id",
     "needs_own_topk",

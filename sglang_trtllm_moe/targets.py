@@ -46,6 +46,11 @@ class HookTarget:
     capability: str = "core"
     why: str = ""
     source: str = field(default="", compare=False)
+    #: the capability group this target must land with (capabilities.py `GROUPS`); "" = its `capability`
+    group: str = field(default="", compare=False)
+    #: the weight formats (registry names) whose layers this hook takes over or keeps exact; () = every format whose
+    #: `hook_module` registered it (capabilities.py: a format's group)
+    formats: tuple[str, ...] = field(default=(), compare=False)
     #: the module that defines the target (derived from the path); the hook is applied when it is imported
     module: str = field(default="", compare=False)
 

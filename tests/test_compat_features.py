@@ -181,6 +181,7 @@ PROBES = {
         'register_fused_func("flashinfer", "flashinfer_trtllm_routed")'
         in open(importlib.util.find_spec(TRTLLM).origin).read()
     ),
+    "MOE_RUNNER_CORE_REGISTRY": lambda: _has("sglang.srt.layers.moe.moe_runner.runner", "register_moe_runner_core"),
     "SERVER_ARGS_FIELD_WRITES": lambda: not _has("sglang.srt.arg_groups.overrides", "resolved_view"),
     "PUBLISHED_SERVER_ARGS": lambda: _has("sglang.srt.runtime_context", "get_server_args"),
     "WEIGHT_CACHE": lambda: (

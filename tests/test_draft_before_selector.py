@@ -373,12 +373,14 @@ def test_the_weight_checker_covers_the_draft_through_the_scheduler():
     assert checksums(checked(Pair(seed=9))) == sums  # a fresh load of the same checkpoint
 
 
-def test_a_worker_that_cannot_say_its_runners_leaves_the_request_to_each_runner():
-    """A spec worker this release's spellings do not fit, or one that fails when asked for its runners: the request
-    is checked per runner, as SGLang loads it (compat/update_runners.py answers None; an error is never the
-    scheduler's)."""
+def test_a_worker_that_cannot_say_its_runners_refuses_a_request_with_a_draft():
+    """A spec worker this release's spellings do not fit, or one that fails when asked for its runners: the runners
+    are not told (None, never the scheduler's error); with a speculative draft the request is refused before any
+    runner loads it (the probe that found nothing is a missing target: request-checks steps aside), without one the
+    target's own checks keep it whole."""
     from types import SimpleNamespace
 
+    from sglang_trtllm_moe import capabilities
     from sglang_trtllm_moe.builtins import runner_requests
 
     class Unbuilt:
@@ -389,9 +391,17 @@ def test_a_worker_that_cannot_say_its_runners_leaves_the_request_to_each_runner(
     req = disk_request(both(1))
     assert runner_requests.selected_models(p.scheduler, req, "update_weights_from_disk") == (p.target, p.draft)
     odd = SimpleNamespace(tp_worker=p.tp, draft_worker=SimpleNamespace(server_args=None))  # no runner spelling
-    assert runner_requests.selected_models(odd, req, "update_weights_from_disk") == ()
+    assert runner_requests.selected_models(odd, req, "update_weights_from_disk") is None
     failing = SimpleNamespace(tp_worker=Unbuilt(), draft_worker=None)
-    assert runner_requests.selected_models(failing, req, "update_weights_from_disk") == ()
+    assert runner_requests.selected_models(failing, req, "update_weights_from_disk") is None
+    assert runner_requests.unknown_runners(failing, "update_weights_from_disk") is None
+    try:
+        why = runner_requests.unknown_runners(odd, "update_weights_from_disk")
+        assert why and "refused" in why and "draft" in why, why
+        d = capabilities.decide("request-checks")
+        assert d.status == capabilities.STEPPED_ASIDE and runner_requests.DRAFT_RUNNERS in d.why[0], d
+    finally:
+        capabilities.reset_for_tests()
 
 
 def test_a_distributed_update_leaves_the_draft_stale_and_the_plugin_says_so(said):

@@ -184,6 +184,9 @@ def test_broken_extensions_break_neither_sglang_nor_builtins(tmp_path):
     assert any(t["state"] == "landed" for t in by_source["sglang_trtllm_moe.builtins.nvfp4_hooks"])
     (bad,) = by_source["ext:bad_target"]
     assert bad["state"] == "missing" and "this_function_does_not_exist" in bad["reason"]
+    # its capability group is its own: the built-ins' stay active (capabilities.py)
+    caps = {c["capability"]: c["status"] for c in r["capabilities"]}
+    assert caps["bad_target: core"] == "stepped_aside" and caps["core"] == caps["nvfp4"] == "active", caps
 
 
 def _next_patch(v) -> str:

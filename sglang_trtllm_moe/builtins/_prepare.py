@@ -3,6 +3,9 @@
 A quant method's `process_weights_after_loading` hook asks `take_over` once per call:
 
 * the plugin already manages the layer: prepare what changed since (a flush) — served;
+* the plugin stepped aside for the format in this process (a target of its capability group did not land:
+  capabilities.py): handed back — or, on an explicit flashinfer_trtllm where only the plugin can serve the format,
+  a `TrtllmLayerError` with the reason and the fix (aside.check_layer);
 * the plugin cannot read the layer (a wrapper, a stand-in, another release's object): handed back, one log line;
 * the kernels cannot serve the layer (activation, shape): if the user explicitly put it on flashinfer_trtllm, a
   `TrtllmLayerError` names the layer, the reason and the fix; otherwise handed back with one log line — the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 
 from .. import layer_state
+from ..aside import check_layer
 from ..compat import defer
 from ..errors import TrtllmLayerError
 from ..formats import BACKENDS, TRTLLM, TRTLLM_ROUTED
@@ -74,6 +78,9 @@ def take_over(fmt, method, layer, side_attrs=None) -> bool:
         if side_attrs is not None:
             side_attrs(method, layer)
         return True
+    aside = check_layer(layer, fmt)  # raises where the user asked for flashinfer_trtllm and only the plugin can serve
+    if aside is not None:
+        return _hand_back(layer, fmt, f"the plugin stepped aside for {fmt.name} in this process ({aside})")
     try:
         problem = fmt.check_layout(layer)
     except UNREADABLE as e:

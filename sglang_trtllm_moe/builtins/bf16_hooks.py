@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import hookimpl, layer_state
 from ..compat import features
-from ..formats import BF16
+from ..formats import BF16, CT_NVFP4
 from ..targets import HookTarget
 from ._prepare import kw, take_over
 
@@ -74,6 +74,7 @@ def register_sglang_hooks(register, release):
             process_weights_after_loading,
             "around",
             capability="bf16-prep",
+            formats=(BF16.name,),
             why="BF16 layers on flashinfer_trtllm are prepared in place (shape [E, M, K] kept), per dirty expert",
         )
     )
@@ -83,6 +84,7 @@ def register_sglang_hooks(register, release):
             apply,
             "around",
             capability="bf16-prep",
+            formats=(BF16.name,),
             why="a prepared BF16 layer always takes SGLang's flashinfer_trtllm branch, never a path that reads it as "
             "plain weights",
         )
@@ -94,10 +96,11 @@ def register_sglang_hooks(register, release):
             "around",
             releases=features.BF16_LOAD_RESTORES_LAYOUT.releases,
             capability="rl-update",
+            formats=(BF16.name,),
             why="SGLang's whole-layer un-block before each load is unnecessary for in-place [E, M, K] layers",
         )
     )
-    for method in (UNQUANT, CT_MOE):
+    for method, served in ((UNQUANT, BF16), (CT_MOE, CT_NVFP4)):
         register(
             HookTarget(
                 f"{method}.restore_weights_before_loading",
@@ -105,6 +108,7 @@ def register_sglang_hooks(register, release):
                 "around",
                 releases=features.UPDATE_SESSIONS.releases,
                 capability="rl-update",
+                formats=(served.name,),
                 why="managed layers are un-prepared per written expert, not by SGLang's whole-layer restore",
             )
         )

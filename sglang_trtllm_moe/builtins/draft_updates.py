@@ -72,6 +72,7 @@ def register_sglang_hooks(register, release):
                 "after",
                 releases=rel,
                 capability="rl-update",
+                group="draft-note",
                 why="say that the speculative draft keeps its old weights after a distributed update, and what to do "
                 "(SGLang loads it into the target alone on these releases)",
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import hookimpl
 from ..compat import features
-from ..formats import FP8_BLOCK, FP8_TENSOR, FP8_TENSOR_MODELOPT
+from ..formats import FP8_BLOCK, FP8_TENSOR, FP8_TENSOR_MODELOPT, MXFP8
 from ..targets import HookTarget
 from ._prepare import kw, take_over
 
@@ -38,6 +38,18 @@ def _fp8_method_format(method):
             return None, f"weight_block_size {qc.weight_block_size} is not the DeepSeek 128x128 recipe"
         return FP8_BLOCK, None
     return FP8_TENSOR, None
+
+
+def held_format(method, layer):
+    """The format an FP8 layer of SGLang's holds on the plugin's backends, or None (aside.owners: one quant-method
+    class, several formats)."""
+    from . import mx_hooks
+
+    if type(method).__name__ == "ModelOptFp8MoEMethod":
+        return FP8_TENSOR_MODELOPT
+    if mx_hooks.is_mx_fp8_method(method):
+        return MXFP8 if getattr(method, "use_mxfp8", False) else None
+    return _fp8_method_format(method)[0]
 
 
 def _fp8_side_attrs(method, layer) -> None:
@@ -107,6 +119,7 @@ def register_sglang_hooks(register, release):
             modelopt_fp8_process_weights_after_loading,
             "around",
             capability="fp8-prep",
+            formats=(FP8_TENSOR_MODELOPT.name,),
             why="ModelOpt FP8 layers on flashinfer_trtllm are prepared in place, w1/w3 scales kept separate "
             "(no requant)",
         )
@@ -117,6 +130,7 @@ def register_sglang_hooks(register, release):
             fp8_process_weights_after_loading,
             "around",
             capability="fp8-prep",
+            formats=(FP8_TENSOR.name, FP8_BLOCK.name, MXFP8.name),
             why="FP8 per-tensor / DeepSeek block layers on flashinfer_trtllm are prepared in place, per dirty expert "
             "(MXFP8 / FP4-expert layers: handed to mx_hooks)",
         )
@@ -128,6 +142,7 @@ def register_sglang_hooks(register, release):
             "after",
             releases=features.FP8_W13_ALWAYS_TWO_HALVES.releases,
             capability="fp8-prep",
+            formats=(FP8_TENSOR.name,),
             why="non-gated per-tensor w13 allocated at the kernel's [E, I, H] (SGLang allocates 2*I rows before "
             "0.5.19)",
         )

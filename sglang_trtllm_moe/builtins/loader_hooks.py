@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import PROJECT_NAME, hookimpl, layer_attrs, layer_state
+from .. import PROJECT_NAME, aside, hookimpl, layer_attrs, layer_state
 from ..compat import features
 from ..targets import HookTarget
 from ..updates import checked_writes, layer_params, undo, validation
@@ -139,6 +139,7 @@ def remember_prefix(result, layer, *args, **kwargs):
         cfg.layer = layer  # the plugin runner finds the layer being run through its config
     if not WEIGHT_CACHE_WARNED and features.WEIGHT_CACHE.present():
         warn_weight_cache()
+    aside.check_built(layer)  # a format the plugin stepped aside for, where only it can serve: stop at start-up
     return None
 
 
@@ -174,6 +175,7 @@ def register_sglang_hooks(register, release):
             weight_loader,
             "around",
             capability="rl-update",
+            group="loader",
             why="validate every write (shard, expert id, dtype, shape, device, scale values) before SGLang "
             "maps expert ids to ranks, so every rank refuses the same bad tensor",
         )
@@ -194,6 +196,7 @@ def register_sglang_hooks(register, release):
             weight_loader_impl,
             "around",
             capability="rl-update",
+            group="loader",
             why="validate shards and un-prepare an expert before SGLang's loader writes into it",
         )
     )

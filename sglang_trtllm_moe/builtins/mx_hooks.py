@@ -286,6 +286,7 @@ def register_sglang_hooks(register, release):
             "after",
             releases=rel,
             capability="mxfp4-experts-prep",
+            formats=(MXFP4_EXPERTS.name,),
             why="MXFP4-expert storage at the kernel's final width from the start (e8m0 scales, padded per half): the "
             "Parameters, their storage and weight_loader stay the same for the layer's life",
         )
@@ -297,6 +298,7 @@ def register_sglang_hooks(register, release):
             "around",
             releases=rel,
             capability="mxfp4-experts-prep",
+            formats=(MXFP4_EXPERTS.name,),
             why="MXFP4-expert layers on flashinfer_mxfp4 are prepared in place, per dirty expert (SGLang replaces the "
             "Parameters and drops their weight_loader)",
         )
@@ -308,6 +310,7 @@ def register_sglang_hooks(register, release):
             "around",
             releases=rel,
             capability="mxfp4-experts-prep",
+            formats=(MXFP4_EXPERTS.name,),
             why="managed MXFP4-expert layers run on the plugin runner (flashinfer's kernel, or the emulator)",
         )
     )
@@ -317,6 +320,7 @@ def register_sglang_hooks(register, release):
             gptoss_create_weights,
             "after",
             capability="mxfp4-gptoss-prep",
+            formats=(MXFP4_GPTOSS.name,),
             why="gpt-oss MXFP4 biases at the kernel's fp32 width from the start: Parameters, storage and weight_loader "
             "stay the same for the layer's life",
         )
@@ -327,6 +331,7 @@ def register_sglang_hooks(register, release):
             gptoss_process_weights_after_loading,
             "around",
             capability="mxfp4-gptoss-prep",
+            formats=(MXFP4_GPTOSS.name,),
             why="gpt-oss MXFP4 layers on flashinfer_mxfp4 (SM100) are prepared in place (SGLang replaces the "
             "Parameters: its next reload raises TypeError or value-converts every scale byte)",
         )
@@ -337,6 +342,7 @@ def register_sglang_hooks(register, release):
             gptoss_apply,
             "around",
             capability="mxfp4-gptoss-prep",
+            formats=(MXFP4_GPTOSS.name,),
             why="managed gpt-oss MXFP4 layers run on the plugin runner (flashinfer's kernel, or the emulator)",
         )
     )

@@ -70,6 +70,11 @@ def _modelopt_format(method):
     return NVFP4
 
 
+def held_format(method, layer):
+    """The format a ModelOpt NVFP4 layer holds (aside.owners: one quant-method class, several formats)."""
+    return _modelopt_format(method)
+
+
 def modelopt_create_moe_runner(result, method, *args, **kwargs):
     """AFTER create_moe_runner (features.NVFP4_AUTO_RUNNER_MISMATCH): prepare for the runner that will actually run.
 
@@ -186,6 +191,10 @@ def ct_apply_weights(original, scheme, layer, dispatch_output, *args, **kwargs):
     return runner.run(CT_NVFP4, dispatch_output, quant_info, scheme.moe_runner_config)
 
 
+#: the formats whose layers ModelOptNvFp4FusedMoEMethod's hooks take over (nvfp4_online's method subclasses it)
+MODELOPT_FORMATS = (NVFP4.name, NVFP4_ONLINE.name, NVFP4_ONLINE_TENSOR.name)
+
+
 @hookimpl
 def register_sglang_hooks(register, release):
     register(
@@ -194,6 +203,7 @@ def register_sglang_hooks(register, release):
             modelopt_process_weights_after_loading,
             "around",
             capability="nvfp4-prep",
+            formats=MODELOPT_FORMATS,
             why="NVFP4 layers on flashinfer_trtllm are prepared in place by the plugin, per dirty expert",
         )
     )
@@ -204,6 +214,7 @@ def register_sglang_hooks(register, release):
             "after",
             releases=features.NVFP4_AUTO_RUNNER_MISMATCH.releases,
             capability="nvfp4-prep",
+            formats=MODELOPT_FORMATS,
             why="on a global auto, SGLang runs NVFP4 on flashinfer_trtllm: the weights are laid out for it too",
         )
     )
@@ -213,6 +224,7 @@ def register_sglang_hooks(register, release):
             ct_create_weights,
             "after",
             capability="ct-nvfp4-prep",
+            formats=(CT_NVFP4.name,),
             why="non-gated GEMM1 allocated at the kernel's [E, I, ...] (SGLang allocates 2I rows)",
         )
     )
@@ -222,6 +234,7 @@ def register_sglang_hooks(register, release):
             ct_process_weights_after_loading,
             "around",
             capability="ct-nvfp4-prep",
+            formats=(CT_NVFP4.name,),
             why="compressed-tensors NVFP4 layers on flashinfer_trtllm are prepared in place, per dirty expert",
         )
     )
@@ -232,6 +245,7 @@ def register_sglang_hooks(register, release):
             "around",
             releases=features.CT_NVFP4_APPLY_CALLS_FLASHINFER.releases,
             capability="ct-nvfp4-prep",
+            formats=(CT_NVFP4.name,),
             why=features.CT_NVFP4_APPLY_CALLS_FLASHINFER.why,
         )
     )

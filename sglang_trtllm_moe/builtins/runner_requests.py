@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import hookimpl
+from .. import capabilities, hookimpl
 from ..compat import features, update_runners
 from ..targets import HookTarget
 from ..updates import request_checks
@@ -21,24 +21,50 @@ from .weight_updates import MANAGER, MIXIN, model_of
 logger = logging.getLogger("sglang_trtllm_moe")
 
 
-def selected_models(manager, recv_req, method: str) -> tuple:
-    """The models of the runners SGLang's scheduler loads the request into, once each; () where a worker does not
-    say, or asking it fails (the request is then checked per runner, as SGLang loads it: never an error of ours in
-    the scheduler's update)."""
+def selected_models(manager, recv_req, method: str) -> tuple | None:
+    """The models of the runners SGLang's scheduler loads the request into, once each; None where a worker does not
+    say (none of the spellings compat/update_runners.py reads), or asking it fails."""
     try:
         runners = update_runners.selected_runners(manager, recv_req, method)
-    except Exception:  # noqa: BLE001 - a worker of a release or kind not read here: SGLang's own behaviour
-        logger.debug("sglang-trtllm-moe: the runners of %s not told; checked per runner", method, exc_info=True)
-        return ()
-    models = [] if runners is None else [model_of(r) for r in runners]
+    except Exception:  # noqa: BLE001 - a worker of a release or kind not read here
+        logger.debug("sglang-trtllm-moe: the runners of %s not told", method, exc_info=True)
+        return None
+    if runners is None:
+        return None
+    models = [model_of(r) for r in runners]
     return tuple({id(m): m for m in models if m is not None}.values())
+
+
+#: what the request-checks probe reaches by name when SGLang's workers do not list their runners
+DRAFT_RUNNERS = "the draft worker's runners (compat/update_runners.py DRAFT_RUNNER_SPELLINGS)"
+
+
+def unknown_runners(manager, method: str) -> str | None:
+    """Why a request whose runners cannot be told must be refused before any runner loads it: the scheduler has a
+    speculative draft (a tensor only the draft refuses would already be in the target), or None (the target alone:
+    its own checks keep it whole). The probe that found nothing counts as a missing target (capabilities.py)."""
+    if getattr(manager, "draft_worker", None) is None:
+        return None
+    why = "the scheduler's workers name their runners in none of the ways this plugin reads"
+    capabilities.probe_missing("request-checks", DRAFT_RUNNERS, why)
+    return (
+        f"sglang-trtllm-moe refused this {method} request before any runner loaded it: {why}, so it cannot be "
+        "checked against the target and the speculative draft before the first of them loads it. Fix: run "
+        "sglang-trtllm-moe with an SGLang release it was tested on (`sglang-trtllm-moe doctor`)"
+    )
 
 
 def _selected_runners_around(method: str):
     def selected_runners_around(original, manager, recv_req, *args, **kwargs):
-        """While SGLang's scheduler serves the request: every runner's check covers the runners still to load."""
-        with request_checks.serving(selected_models(manager, recv_req, method)):
-            return original(manager, recv_req, *args, **kwargs)
+        """While SGLang's scheduler serves the request: every runner's check covers the runners still to load (or,
+        where the runners cannot be told and a draft is there, every runner's entry point refuses it)."""
+        models = selected_models(manager, recv_req, method)
+        token = capabilities.REQUEST_REFUSAL.set(unknown_runners(manager, method) if models is None else None)
+        try:
+            with request_checks.serving(models or ()):
+                return original(manager, recv_req, *args, **kwargs)
+        finally:
+            capabilities.REQUEST_REFUSAL.reset(token)
 
     selected_runners_around.__qualname__ = f"selected_runners_around[{method}]"
     return selected_runners_around
@@ -65,6 +91,7 @@ def register_sglang_hooks(register, release):
                 "around",
                 releases=rel,
                 capability="rl-update",
+                group="request-checks",
                 why="check a request against every runner it loads before the first loads it (a bad draft tensor "
                 "would otherwise leave the target written, or a bad target tensor the draft)",
             )

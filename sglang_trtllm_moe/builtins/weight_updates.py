@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from .. import hookimpl, layer_state
+from .. import aside, hookimpl, layer_state
 from ..compat import features
 from ..errors import WeightUpdateRefused
 from ..targets import HookTarget
@@ -107,6 +107,9 @@ def check_buckets_around(original, owner, *args, **kwargs):
     raises inside is answered (False, message), never raised into the scheduler; a custom loader's request is put
     back first (updates/undo.py)."""
     model = model_of(owner)
+    stepped = aside.at_update(model)  # a layer the plugin stepped aside for, which SGLang cannot keep exact
+    if stepped:
+        return False, stepped
     real = _own_load_weights(model)
     req = request_checks.current()
     others = req.others(model) if req is not None else []
@@ -197,6 +200,9 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     check_checkpoint). Then a way back is prepared (rollback.py); if SGLang's load still fails, or raises, the
     served weights are put back and the update answers (False, message)."""
     model = model_of(owner)
+    stepped = aside.at_update(model)
+    if stepped:
+        return False, stepped
     req = request_checks.current()
     others = req.others(model) if req is not None else []
     if model is None or not (bucket_validation.managed_modules(model) or others):
@@ -369,6 +375,7 @@ def register_sglang_hooks(register, release):
                 "around",
                 releases=rel,
                 capability="rl-update",
+                group="update-entry",
                 why="validate a whole update bucket before any of it is written (never a partial write)",
             )
         )
@@ -380,6 +387,7 @@ def register_sglang_hooks(register, release):
                 "around",
                 releases=rel,
                 capability="rl-update",
+                group="update-entry",
                 why="refuse a malformed checkpoint (headers, sizes, every scale's values) before SGLang restores or "
                 "loads any layer, and put the served weights back if the load still fails",
             )
@@ -390,6 +398,7 @@ def register_sglang_hooks(register, release):
             remember_load_after,
             "after",
             capability="rl-update",
+            group="rollback",
             why="remember the checkpoint a model was loaded from: a failed disk update reloads it (rollback.py)",
         )
     )
@@ -401,6 +410,7 @@ def register_sglang_hooks(register, release):
                 "before",
                 releases=rel,
                 capability="rl-update",
+                group="update-entry",
                 why="validate whole-parameter writes and return their groups to checkpoint layout first",
             )
         )
@@ -412,6 +422,7 @@ def register_sglang_hooks(register, release):
                 "after",
                 releases=rel,
                 capability="rl-update",
+                group="update-entry",
                 why="prepare the experts this update wrote (load_weights alone never does)",
             )
         )
@@ -423,6 +434,7 @@ def register_sglang_hooks(register, release):
                 "before",
                 releases=rel,
                 capability="rl-update",
+                group="update-entry",
                 why="drop cached layout index maps so none survives a pause/resume",
             )
         )
@@ -433,6 +445,7 @@ def register_sglang_hooks(register, release):
             "after",
             releases=features.UPDATE_SESSIONS.releases,
             capability="rl-update",
+            group="update-session",
             why="the session is over: prepare everything it wrote",
         )
     )
@@ -443,6 +456,7 @@ def register_sglang_hooks(register, release):
             "before",
             releases=features.UPDATE_SESSIONS.releases,
             capability="rl-update",
+            group="update-session",
             why="a begin/end session may write straight into parameters: every managed layer to checkpoint layout",
         )
     )

@@ -236,6 +236,13 @@ PUBLISHED_SERVER_ARGS = Feature(
     "server_args.get_global_server_args()",
 )
 
+MOE_RUNNER_CORE_REGISTRY = Feature(
+    ">=0.5.19",
+    "moe_runner/runner.py register_moe_runner_core(backend_name, factory): SGLang's official point for a MoE runner "
+    "core of a new or built-in backend name. For flashinfer_trtllm(_routed) MoeRunner.run still calls the fused func "
+    "SGLang registers for the key first, so a core registered there never runs: it cannot carry the leaf hooks",
+)
+
 # ---- MX formats (MXFP8, MXFP4 experts, gpt-oss MXFP4) -----------------------------------------------------------
 
 MXFP8_ACTIVATION_PARAMS = Feature(

@@ -64,8 +64,18 @@ def set_enabled(on: bool) -> bool:
     return prev
 
 
+#: why the plugin stepped aside for batched writes in this process (capabilities.py: its slot trace would not find
+#: SGLang's write), or None
+_ASIDE: list[str | None] = [None]
+
+
+def step_aside(why: str | None) -> None:
+    """Set (or clear) the reason the batched writer leaves every tensor to SGLang's loader (aside.at_update)."""
+    _ASIDE[0] = why
+
+
 def enabled() -> bool:
-    return _ON[0]
+    return _ON[0] and _ASIDE[0] is None
 
 
 #: torch's own `Tensor.copy_` (a method of TensorBase; `torch.Tensor` defines none of its own)
@@ -170,7 +180,7 @@ def write(items: list, targets: list) -> list:
     """Write the expert tensors of managed layers among `items` (a validated bucket: (name, tensor) pairs) batched;
     `targets[i]`: (layer, parameter name, shard id, checkpoint expert id) of items[i], or None. Returns the items
     left for the model's own `load_weights`, in order (all of them while `copy_replaced()`)."""
-    if not _ON[0]:
+    if not enabled():
         return items
     if torch.Tensor.copy_ is not _TORCH_COPY:
         _count(stepped_aside=len(items))
