@@ -154,7 +154,7 @@ def test_the_readme_is_short_and_every_code_block_in_it_is_run():
     assert len(text.splitlines()) <= MAX_LINES, f"README.md has {len(text.splitlines())} lines (at most {MAX_LINES})"
     fences = len(re.findall(r"^```\w+$", text, re.MULTILINE))
     marked = BLOCK.findall(text)
-    assert len(marked) == fences, f"{fences - len(marked)} README code block(s) without a <!-- readme-test: KIND --> line"
+    assert len(marked) == fences, f"{fences - len(marked)} README code block(s) with no <!-- readme-test: KIND -->"
     unknown = sorted({kind for kind, _, _ in marked} - set(RUNNERS))
     assert not unknown, f"README blocks of kinds no test runs: {unknown} (RUNNERS: {RUNNERS})"
 

@@ -899,7 +899,8 @@ def write_docs(data: dict, md_path, readme=None) -> None:
         pass
     table = render_markdown(data)
     with open(md_path, "w") as f:
-        f.write(MD_HEADER + table + "\n" + SUPPORT_HEADER + render_full(data) + "\n" + defer_markdown() + MD_CONTRACT + kept)
+        f.write(MD_HEADER + table + "\n" + SUPPORT_HEADER + render_full(data) + "\n")
+        f.write(defer_markdown() + MD_CONTRACT + kept)
     if readme:
         _update_readme(readme, render_support(data))
 
