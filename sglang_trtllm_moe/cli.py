@@ -31,22 +31,28 @@ def _cmd_doctor(args) -> int:
 
 def _cmd_explain(args) -> int:
     from .explain import explain_model
+    from .explain_checks import ExplainInputError
     from .selection import Eligibility, Resolution, format_report
 
-    r = explain_model(
-        args.model,
-        sm=args.sm,
-        tp_size=args.tp,
-        ep_size=args.ep,
-        quantization=args.quantization,
-        a2a_backend=args.a2a,
-        enable_eplb=args.eplb,
-        moe_runner_backend=args.moe_runner_backend,
-        run_sglang=not args.no_sglang,
-        return_routed_experts=args.return_routed_experts,
-        weight_cache_mode=args.weight_cache_mode,
-        speculative_algorithm=args.speculative_algorithm,
-    )
+    try:
+        r = explain_model(
+            args.model,
+            sm=args.sm,
+            tp_size=args.tp,
+            ep_size=args.ep,
+            quantization=args.quantization,
+            a2a_backend=args.a2a,
+            enable_eplb=args.eplb,
+            moe_runner_backend=args.moe_runner_backend,
+            run_sglang=not args.no_sglang,
+            return_routed_experts=args.return_routed_experts,
+            weight_cache_mode=args.weight_cache_mode,
+            speculative_algorithm=args.speculative_algorithm,
+        )
+    except ExplainInputError as e:  # an argument SGLang would refuse, a model directory it cannot read: one line each
+        for line in str(e).splitlines():
+            print(f"sglang-trtllm-moe explain: {line}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(r, indent=2, default=str))
         return 0
@@ -69,6 +75,8 @@ def _cmd_explain(args) -> int:
         r3 = r.get("routed_experts") or {}
         if r3:
             print(f"routed experts (R3{'' if p['return_routed_experts'] else ', if asked for'}): {r3['reason']}")
+    if r.get("first_forward"):
+        print(f"warning: fails at the first forward ({r['first_forward']['error']}): {r['first_forward']['reason']}")
     if r.get("draft_updates"):
         print(f"speculative draft under RL updates: {r['draft_updates']['reason']}")
     for line in _capability_lines(r.get("capabilities") or []):
@@ -89,7 +97,36 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+#: what each sandbox command imports that the plugin itself does not need: (module, pip package)
+NEEDS = {
+    "demo": (("sglang", "sglang"), ("transformers", "transformers"), ("safetensors", "safetensors")),
+    "tiny-checkpoint": (("torch", "torch"), ("safetensors", "safetensors"), ("tokenizers", "tokenizers")),
+}
+
+
+def missing_requirements(command: str) -> str | None:
+    """One line saying what to install when `command` cannot run here (a module of NEEDS not importable), else None:
+    said before anything starts, instead of a traceback halfway through."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except (ImportError, ValueError):
+            return True
+
+    gone = [pkg for module, pkg in NEEDS[command] if absent(module)]
+    if not gone:
+        return None
+    also = ", or run it in the CPU environment `ci/make-env` builds (`ci/demo` does both)" if command == "demo" else ""
+    need = f"sglang-trtllm-moe {command} needs {', '.join(gone)}, not installed here"
+    return f"{need}: pip install {' '.join(gone)}{also}"
+
+
 def _cmd_demo(args) -> int:
+    if (why := missing_requirements("demo")) is not None:
+        print(why, file=sys.stderr)
+        return 2
     from .sandbox import demo
 
     return demo.run(arch=args.arch, quant=args.quant)
@@ -102,6 +139,9 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_tiny_checkpoint(args) -> int:
+    if (why := missing_requirements("tiny-checkpoint")) is not None:
+        print(why, file=sys.stderr)
+        return 2
     from .sandbox import checkpoints
 
     return checkpoints.main(args)
@@ -124,8 +164,28 @@ class _TinyCheckpointHelp(argparse.HelpFormatter):
         return text
 
 
+def version_line() -> str:
+    """`--version`: the plugin's version and those of what it runs with (package metadata only: nothing imported)."""
+    import importlib.metadata
+
+    from . import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    others = ", ".join(f"{d} {of(d)}" for d in ("sglang", "flashinfer-python", "torch"))
+    return f"sglang-trtllm-moe {__version__} ({others})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sglang-trtllm-moe", description=__doc__)
+    # raw: `--version` prints its line unwrapped
+    p = argparse.ArgumentParser(
+        prog="sglang-trtllm-moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="versions, device, plugin state, and whether every hook landed in SGLang")
     d.add_argument("--json", action="store_true", help="machine-readable output (stable keys, see doctor.py)")

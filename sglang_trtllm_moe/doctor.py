@@ -6,8 +6,10 @@ The JSON form is a stable contract (tests and CI read it): keys `enabled` (bool)
 `flashinfer_message`, `versions`, `device`, `targets` (list of
 {target, state in landed|missing|not_applicable|not_imported, reason, capability, hook_type, source, module}),
 `extensions`, `errors`, `capabilities` (per capability group: {capability, status in active|stepped_aside|
-not_applicable|undecided|off, serves, why, needs, targets, format, consequence}: capabilities.py) and
-`extension_points` ({patches, official, points}: extension_points.py).
+not_applicable|undecided|off, serves, why, needs, targets, format, consequence}: capabilities.py),
+`extension_points` ({patches, official, points}: extension_points.py), `tally` ({state: count} of `targets`),
+`switches` ({`emulator`: bool, `sandbox`: what the test-only CPU sandbox did or "", `env`: every SGLANG_TRTLLM_MOE_*
+variable set in this process}).
 
 Hooks are applied when their module is imported (installer.py), so a fresh process holds most of them as
 `not_imported`; `doctor` imports every hooked module first (as a scheduler building a MoE model would), so its
@@ -90,7 +92,37 @@ def report(load: bool = True, import_targets: bool | None = None) -> dict:
         **_capability_report(st.enabled, rows),
         "extensions": [e.__dict__ for e in st.extensions],
         "errors": list(st.errors) + [f"could not import hooked module {e}" for e in import_errors],
+        **_summary(st),
     }
+
+
+def _summary(st) -> dict:
+    """The tally of the hook targets' states and the switches in force (the emulator, the test-only CPU sandbox and
+    every SGLANG_TRTLLM_MOE_* variable of this process): what a bug report needs at a glance."""
+    import os
+
+    from . import env
+
+    tally: dict[str, int] = {}
+    for t in st.target_report() if st.enabled else []:
+        tally[t["state"]] = tally.get(t["state"], 0) + 1
+    variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SGLANG_TRTLLM_MOE_")}
+    switches = {"emulator": env.emulating(), "sandbox": getattr(st, "sandbox", "") or "", "env": variables}
+    return {"tally": tally, "switches": switches}
+
+
+def summary_lines(r: dict) -> list[str]:
+    """doctor's text lines for `_summary`: the tally, then the switches."""
+    shown = ("landed", "missing", "not_applicable")
+    counts = [(s, r["tally"].get(s, 0)) for s in shown] + [(s, n) for s, n in r["tally"].items() if s not in shown]
+    sw = r["switches"]
+    kernels = "emulated (SGLANG_TRTLLM_MOE_EMULATE=1)" if sw["emulator"] else "TRT-LLM-Gen (SM 10.x GPUs only)"
+    sandbox = "on (SGLang sees a faked SM100 GPU; CPU stand-ins)" if sw["sandbox"] else "off"
+    return [
+        "tally: " + ", ".join(f"{n} {state.replace('_', ' ')}" for state, n in counts),
+        f"kernels: {kernels}; test-only CPU sandbox: {sandbox}",
+        "SGLANG_TRTLLM_MOE_* set: " + (", ".join(f"{k}={v}" for k, v in sw["env"].items()) or "none"),
+    ]
 
 
 def format_text(r: dict) -> str:
@@ -111,6 +143,7 @@ def format_text(r: dict) -> str:
             lines.append(f"  [{t['state']:>14}] {t['target']} ({t['capability']}, {t['hook_type']}){extra}")
     lines += capability_lines(r)
     lines.append("extensions: " + (", ".join(f"{e['name']} [{e['state']}]" for e in r["extensions"]) or "none"))
+    lines.extend(summary_lines(r))
     for e in r["errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)

@@ -66,14 +66,17 @@ def explain_model(
     `server_args`: further ServerArgs fields for SGLang's own resolution (e.g. `disable_radix_cache=True` for a
     hybrid Mamba model on a faked platform: SGLang's Mamba snapshot check asks for a real CUDA platform).
     `speculative_algorithm`: as --speculative-algorithm; the report then says which update entry points of the
-    installed SGLang leave the draft stale (`draft_updates`)."""
-    import json
-    import os
-
+    installed SGLang leave the draft stale (`draft_updates`). Raises ExplainInputError (one line per problem) for a
+    directory without a readable config.json and for arguments SGLang would refuse (explain_checks)."""
+    from .explain_checks import ExplainInputError, argument_problems, first_forward, read_config
     from .selection import DeviceInfo, flashinfer_version, problem_from_hf_config, resolve
 
-    with open(os.path.join(model_path, "config.json")) as f:
-        config = json.load(f)
+    config = read_config(model_path)
+    refused = argument_problems(
+        moe_runner_backend=moe_runner_backend, a2a_backend=a2a_backend, quantization=quantization, sm=sm
+    )
+    if refused:
+        raise ExplainInputError("\n".join(refused))
     problem = problem_from_hf_config(
         config,
         quantization=quantization,
@@ -127,6 +130,7 @@ def explain_model(
     }
     if run_sglang:
         out["capabilities"] = _capabilities(problem)
+    out["first_forward"] = first_forward(res.winner, problem, device)
     if device.sm is None:
         out["note"] = NO_GPU_NOTE
     if speculative_algorithm is not None:

@@ -105,6 +105,11 @@ PROBES = {
         in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_moe_runner")
         and "cutlass_moe_fp4(" not in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.apply")
     ),
+    "NVFP4_APPLY_REFUSES_UNSERVED_BACKEND": lambda: (
+        "Unsupported moe_runner_backend for NVFP4 MoE" in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.apply")
+        and "mxfp4" not in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.apply").lower()
+        and "mxfp4" not in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.create_moe_runner").lower()
+    ),
     "NVFP4_MEGAMOE_LAYOUT": lambda: (
         "use_flashinfer_trtllm_weight_layout" in _source(f"{MODELOPT}:ModelOptNvFp4FusedMoEMethod.__init__")
     ),

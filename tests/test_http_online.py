@@ -140,9 +140,13 @@ def run(tmp_path_factory):
     r.dirs = {"A": str(work / "tiny-moe-bf16"), "B": str(work / "tiny-moe-bf16-step1")}
     ref = None
     try:
-        for cmd in commands:
+        assert commands[-1] == "kill %1", commands  # the stop: what the fixture's Server.stop sends at the end
+        for cmd in commands[:-1]:
             argv = hs.split(cmd, {})
-            if argv[0] == "export":
+            if argv[0] == "until":  # waiting for ready, as written (wait_ready has seen it ready)
+                assert "/health_generate" in cmd and r.server is not None, cmd
+                hs.run_shell_line(cmd, timeout=60)
+            elif argv[0] == "export":
                 env.update(dict(a.split("=", 1) for a in argv[1:]))
             elif cmd.endswith("&"):  # the server, and beside it the reference's fresh loads
                 from sglang_trtllm_moe.sandbox import checkpoints as ck

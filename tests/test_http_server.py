@@ -229,9 +229,17 @@ def run(tmp_path_factory):
     r.dirs = {"A": str(work / "tiny-moe"), "B": str(work / "tiny-moe-step1")}
     ref = None
     try:
-        for cmd in commands:
+        assert commands[-1] == "kill %1", commands  # the recipe's stop: SIGTERM to the job's process group, which
+        # is what Server.stop sends (the module's tests need the server until the end; the fixture stops it)
+        for cmd in commands[:-1]:
             argv = hs.split(cmd, {})
-            if argv[0] == "export":
+            if argv[0] == "source":  # entering the env ci/make-env builds: this test's (same release, same recipe key;
+                # the env root may differ: the harness does not pass SGLANG_TRTLLM_MOE_ENV_ROOT on)
+                assert os.path.basename(hs.entered_env(cmd)) == os.path.basename(sys.prefix), cmd
+            elif argv[0] == "until":  # waiting for ready, as written (the server answered wait_ready already)
+                assert "/health_generate" in cmd and r.server is not None, cmd
+                hs.run_shell_line(cmd, timeout=60)
+            elif argv[0] == "export":
                 env.update(dict(a.split("=", 1) for a in argv[1:]))
             elif cmd.endswith("&"):  # the server
                 _write_checkpoints(work, r.dirs)

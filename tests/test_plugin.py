@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from sglang_trtllm_moe import plugin
+from sglang_trtllm_moe import env, plugin
 from sglang_trtllm_moe.compat import NEWEST_TESTED, OLDEST_SUPPORTED, check_release
 
 from .support import probes
@@ -296,10 +297,24 @@ def test_doctor_cli_json_loads_the_plugin_through_sglang_and_proves_every_target
     assert "landed" in states.values()
     for t in r["targets"]:
         assert set(t) >= {"target", "state", "module", "capability", "hook_type", "source"}
+    # the tally is the count of the states above; the switches are this process's (no emulator here)
+    every = [t["state"] for t in r["targets"]]  # a target hooked twice (BEFORE and AFTER) counts twice
+    assert r["tally"] == {s: every.count(s) for s in set(every)}, r["tally"]
+    ours = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_TRTLLM_MOE_")}
+    assert r["switches"] == {"emulator": env.emulating(), "sandbox": "", "env": ours}, r["switches"]
+    # the text form, with the emulator switched on: the tally line and the switches in force
     text = subprocess.run(
-        [sys.executable, "-m", "sglang_trtllm_moe", "doctor"], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "sglang_trtllm_moe", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "SGLANG_TRTLLM_MOE_EMULATE": "1"},
     )
     assert text.returncode == 0 and "enabled" in text.stdout and "[        landed]" in text.stdout
+    tally = ", ".join(f"{r['tally'].get(s, 0)} {s.replace('_', ' ')}" for s in ("landed", "missing", "not_applicable"))
+    assert f"\ntally: {tally}\n" in text.stdout, text.stdout[-2000:]
+    assert "\nkernels: emulated (SGLANG_TRTLLM_MOE_EMULATE=1); test-only CPU sandbox: off\n" in text.stdout
+    assert "SGLANG_TRTLLM_MOE_EMULATE=1" in text.stdout.rsplit("SGLANG_TRTLLM_MOE_* set: ", 1)[1]
 
 
 LAZY = probes.section(

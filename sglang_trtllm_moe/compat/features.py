@@ -93,6 +93,13 @@ NVFP4_AUTO_RUNNER_MISMATCH = Feature(
     "0.5.13-0.5.15 resolve auto the same way, but their apply falls back to sgl-kernel's cutlass_moe_fp4 for a layer "
     "not laid out for TRT-LLM: consistent, left alone",
 )
+NVFP4_APPLY_REFUSES_UNSERVED_BACKEND = Feature(
+    ">=0.5.16",
+    "ModelOptNvFp4FusedMoEMethod.apply (nvfp4_online's method inherits it) ends in NotImplementedError('Unsupported "
+    "moe_runner_backend for NVFP4 MoE') for a backend it has no branch for, flashinfer_mxfp4 included, after "
+    "create_moe_runner built that runner without complaint: `explain` warns that such a model fails at the first "
+    "forward; before, apply falls back to sgl-kernel's cutlass_moe_fp4",
+)
 NVFP4_MEGAMOE_LAYOUT = Feature(
     ">=0.5.22",
     "ModelOptNvFp4FusedMoEMethod.use_flashinfer_trtllm_weight_layout is False under MegaMoE, which consumes the "

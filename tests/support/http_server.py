@@ -37,12 +37,16 @@ RECIPE_DIR = "/tmp/tiny-moe"
 HTTP_ONLINE_MARK = "<!-- readme-test: http-online -->"
 
 
+#: where the recipes are: the README (the CPU recipe), docs/CPU.md (the online NVFP4 one)
+RECIPE_PAGES = (README, REPO / "docs" / "CPU.md")
+
+
 def recipe(text: str | None = None, mark: str = HTTP_MARK) -> list[str]:
-    """The commands of the README's HTTP recipe after `mark`, in order."""
-    text = README.read_text() if text is None else text
-    m = re.search(re.escape(mark) + r"\s*\n```bash\n(.*?)\n```", text, re.DOTALL)
+    """The commands of the HTTP recipe after `mark` (in the README or docs/CPU.md), in order."""
+    texts = [text] if text is not None else [p.read_text() for p in RECIPE_PAGES]
+    m = next((m for t in texts if (m := re.search(re.escape(mark) + r"\s*\n```bash\n(.*?)\n```", t, re.DOTALL))), None)
     if m is None:
-        raise AssertionError(f"README.md has no ```bash block after {mark!r}")
+        raise AssertionError(f"no ```bash block after {mark!r} in README.md or docs/CPU.md")
     joined = re.sub(r"\\\n\s*", " ", m.group(1))
     out = []
     for line in joined.splitlines():
@@ -241,6 +245,27 @@ def recipe_env(extra: dict | None = None) -> dict:
     return env
 
 
+def entered_env(command: str) -> str:
+    """The `sys.prefix` a recipe's `source "$(ci/make-env)/bin/activate"` line enters, run as written (bash, from the
+    checkout, this process's environment: its env root)."""
+    proc = subprocess.run(
+        ["bash", "-c", f'{command} && python -c "import sys; print(sys.prefix)"'],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, (command, proc.stderr[-3000:])
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def run_shell_line(command: str, timeout: float = 120) -> None:
+    """A recipe line that is shell syntax (`until curl ...; do sleep 5; done`), run as written by bash."""
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
 def split(command: str, replacements: dict[str, str]) -> list[str]:
     argv = shlex.split(command)
     return [replacements.get(a, a) for a in argv]
@@ -260,4 +285,6 @@ __all__ = [
     "recipe_env",
     "request",
     "split",
+    "entered_env",
+    "run_shell_line",
 ]
