@@ -110,6 +110,11 @@ class Layout:
                     f"{p.name} is {tuple(t.shape)}; the 128x4 scale layout needs rows % 128 == 0 and cols % 4 == 0 "
                     "to be prepared in place (allocate the scales padded)"
                 )
+            if p.block_major_k and (t.shape[2] * t.element_size()) % layouts.BLOCK_K_BYTES:
+                return (
+                    f"{p.name} is {tuple(t.shape)} {t.dtype}; the kernel's block-major K layout needs rows of a "
+                    f"multiple of {layouts.BLOCK_K_BYTES} bytes"
+                )
         return None
 
     # ---- layout, per group and experts ----------------------------------------------------------------------
@@ -126,9 +131,9 @@ class Layout:
                     layouts.permute_rows_and_swizzle_sf_(t, rmap, experts=experts)
             elif p.block_major_k:
                 if rmap is None:
-                    layouts.to_block_major_k_(t, experts=experts)
+                    layouts.to_block_major_k_(t, experts=experts, xor=p.byte_xor)
                 else:
-                    layouts.permute_rows_to_block_major_k_(t, rmap, experts=experts)
+                    layouts.permute_rows_to_block_major_k_(t, rmap, experts=experts, xor=p.byte_xor)
             elif rmap is not None:
                 layouts.permute_rows_(t, rmap, experts=experts)
 
@@ -143,7 +148,7 @@ class Layout:
             if p.sf_swizzle:
                 layouts.unswizzle_sf_128x4_(t, experts=experts)
             elif p.block_major_k:
-                layouts.from_block_major_k_(t, experts=experts)
+                layouts.from_block_major_k_(t, experts=experts, xor=p.byte_xor)
             if p.permute_rows:
                 layouts.unpermute_rows_(t, self.row_map(layer, p, t), experts=experts)
 
