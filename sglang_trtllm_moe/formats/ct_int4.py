@@ -100,8 +100,9 @@ class CtInt4(WeightFormat):
         "compressed_tensors.compressed_tensors.CompressedTensorsConfig",
         "random_ct_int4_checkpoint",
         capability_probe=True,
+        intermediate=K_BLOCK,
     )
-    tiny = TinyCheckpoint("ct_int4", ("deepseek_v3", "qwen3_moe"), moe_intermediate=K_BLOCK)
+    tiny = TinyCheckpoint("ct_int4", ("deepseek_v3", "qwen3_moe"))
     upstream_verdicts = (
         defer.Verdict(
             defer.CPU_ORACLE.releases,
@@ -136,9 +137,10 @@ class CtInt4(WeightFormat):
 
     # ---- layout -------------------------------------------------------------------------------------------------
     def check_layout(self, layer: Layer) -> str | None:
-        problem = super().check_layout(layer)
-        if problem:
-            return problem
+        """INT4's own rules first (they name the sizes a user can change), then the generic ones."""
+        return self._int4_problem(layer) or super().check_layout(layer)
+
+    def _int4_problem(self, layer: Layer) -> str | None:
         cfg = layer.moe_runner_config
         if getattr(cfg, "gemm1_alpha", None) is not None or getattr(cfg, "gemm1_clamp_limit", None) is not None:
             return (

@@ -130,6 +130,9 @@ class Example:
     #: SGLang's config probes torch.cuda's capability while the layer is built (compressed-tensors): the harness
     #: answers "SM100" for the build on a box without CUDA
     capability_probe: bool = False
+    #: the intermediate size of the harness's layers (`MoeSpec`) and tiny models of this format by default: a multiple
+    #: of what its kernel's layout needs (INT4's 128-byte K blocks: 256)
+    intermediate: int = 128
 
 
 @dataclass(frozen=True)
@@ -148,9 +151,6 @@ class TinyCheckpoint:
     #: the sandbox writes, e.g. "bf16"); a server is started with the format's one SGLang quantization
     #: (`--quantization`, `quantizations`). None: the checkpoint is written in `quant` itself
     stored: str | None = None
-    #: the MoE intermediate size of its tiny models: a multiple of what its kernel's layout needs (INT4's 128-byte K
-    #: blocks: 256)
-    moe_intermediate: int = 128
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,9 @@ QUANTS = tuple(t.quant for _, t in _TINY if t.stored is None) + tuple(t.quant fo
 #: nvfp4_online`; nvfp4_online_tensor: the same checkpoint served with `--quantization modelopt_fp4`
 ONLINE = {t.quant: (t.stored, _served_as(f)) for f, t in _TINY if t.stored}
 
-#: the MoE intermediate size of each quant's tiny models (`TinyCheckpoint.moe_intermediate`)
-MOE_INTERMEDIATE = {t.quant: t.moe_intermediate for _, t in _TINY}
+#: the MoE intermediate size of each quant's tiny models (its format's `Example.intermediate`: 128, or what its
+#: kernel's layout needs)
+MOE_INTERMEDIATE = {t.quant: f.example.intermediate for f, t in _TINY}
 
 #: (arch, quant) pairs SGLang builds with FusedMoE layers (each format's `tiny.archs`). Quantized Mixtral other than
 #: `fp8` / compressed-tensors is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no
