@@ -3,8 +3,9 @@ vendor releases it) on flashinfer's `trtllm_mxint4_block_scale_moe` (SGLang `Com
 `CompressedTensorsConfig._is_mxint4a16` on flashinfer_trtllm; its apply calls the kernel itself).
 
 SGLang's `process_weights_after_loading` builds the kernel's layout expert by expert in new tensors and
-`replace_parameter`s all four (uint8 weights of another shape, flat bf16 scales): the next RL update writes int32
-checkpoint words through `weight_loader` into them, and captured CUDA graphs keep reading the old storage. Here the
+`replace_parameter`s all four (uint8 weights of another shape, flat bf16 scales, no `weight_loader`): the next RL
+update raises AttributeError (measured) — a loader that went around it would write int32 checkpoint words into
+kernel-layout storage — and captured CUDA graphs keep reading the old storage. Here the
 same bytes are written in place, per expert, into SGLang's own Parameters:
 
 * Weights (`*_weight_packed`, int32 [E, M, K/8]): a word's bytes are the kernel's bytes — two nibbles each, the even
@@ -108,7 +109,7 @@ class CtInt4(WeightFormat):
             defer.CPU_ORACLE.releases,
             False,
             "measured: SGLang's prep replace_parameter()s all four tensors (uint8 block-major weights, flat bf16 "
-            "scales), so the next load writes int32 checkpoint words into them",
+            "scales) without weight_loader, so the next load raises AttributeError",
         ),
         defer.read_before_cpu_oracle(),
     )
