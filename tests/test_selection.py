@@ -791,6 +791,14 @@ RULES = [
         Code.QUANT_UNSUPPORTED_BY_BACKEND,
     ),
     ({"quantization": "compressed-tensors", "quant_scheme": "int4"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
+    # Kimi-K2's INT4 W4A16 group 32 (SGLang's CompressedTensorsMxInt4MoE: flashinfer_trtllm only)
+    ({"quantization": "compressed-tensors", "quant_scheme": "mxint4", "intermediate_size": 2048}, SM100, sel.TRTLLM, Code.OK),
+    (
+        {"quantization": "compressed-tensors", "quant_scheme": "mxint4", "intermediate_size": 2048},
+        SM100,
+        sel.TRTLLM_ROUTED,
+        Code.QUANT_UNSUPPORTED_BY_BACKEND,
+    ),
     ({"quantization": "awq"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
     ({"quantization": None}, SM100, sel.TRTLLM, Code.OK),
     ({"activation": "gelu"}, SM100, sel.TRTLLM, Code.OK if _NVFP4_GELU else Code.ACTIVATION_UNSUPPORTED),
@@ -936,6 +944,7 @@ CHECKPOINTS = st.sampled_from(
         ("compressed-tensors", None, "nvfp4"),
         (None, None, None),
         ("compressed-tensors", None, "int4"),
+        ("compressed-tensors", None, "mxint4"),
         ("awq", None, None),
     ]
 )

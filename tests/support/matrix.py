@@ -90,7 +90,11 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     (
         "int4",
         "INT4 W4A16 prep",
-        (("tests/test_ct_int4_layer.py", None), ("tests/test_models.py", "ct_int4")),
+        (
+            ("tests/test_ct_int4_layer.py", None),
+            ("tests/test_models.py", "ct_int4"),
+            ("tests/test_engine_smoke.py::test_int4_engine_smoke", None),
+        ),
     ),
     ("checker", "weight checker", (("tests/test_checker.py", None), ("tests/test_checker_coordinates.py", None))),
     # the checker's checksum of a plugin-prepared model == SGLang alone's for the same weights (whole models, 0.5.21+)
