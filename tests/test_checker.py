@@ -496,7 +496,9 @@ def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_throu
     key = next(
         k
         for k in good
-        if k.startswith("experts.2.gate_proj.weight") and good[k].element_size() in (1, 4) and "scale" not in k
+        if k.startswith("experts.2.gate_proj.weight")
+        and good[k].element_size() in (1, 4)
+        and "scale" not in k
         and "shape" not in k
     )
     bad = dict(good)

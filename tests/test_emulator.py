@@ -643,7 +643,25 @@ def test_mxint4_with_flashinfer_prepared_weights_matches_flashinfers_reference()
     ms1 = layouts.permute_rows_and_swizzle_sf_(s1.clone(), layouts.w13_row_map(2 * inter, True))
     assert torch.equal(ms1.reshape(E4, -1), g1s)
     bad = emulator.trtllm_mxint4_block_scale_moe(
-        logits, None, x, q1.contiguous(), g1s, None, None, None, g2w, g2s, E4, TOPK, None, None, inter, 0, E4, None, RENORM
+        logits,
+        None,
+        x,
+        q1.contiguous(),
+        g1s,
+        None,
+        None,
+        None,
+        g2w,
+        g2s,
+        E4,
+        TOPK,
+        None,
+        None,
+        inter,
+        0,
+        E4,
+        None,
+        RENORM,
     )[0]
     assert _rel_err(bad, ref) > 0.3  # an unprepared GEMM1 is garbage
 

@@ -792,7 +792,12 @@ RULES = [
     ),
     ({"quantization": "compressed-tensors", "quant_scheme": "int4"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
     # Kimi-K2's INT4 W4A16 group 32 (SGLang's CompressedTensorsMxInt4MoE: flashinfer_trtllm only)
-    ({"quantization": "compressed-tensors", "quant_scheme": "mxint4", "intermediate_size": 2048}, SM100, sel.TRTLLM, Code.OK),
+    (
+        {"quantization": "compressed-tensors", "quant_scheme": "mxint4", "intermediate_size": 2048},
+        SM100,
+        sel.TRTLLM,
+        Code.OK,
+    ),
     (
         {"quantization": "compressed-tensors", "quant_scheme": "mxint4", "intermediate_size": 2048},
         SM100,

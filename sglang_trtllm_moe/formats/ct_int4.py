@@ -29,10 +29,10 @@ import torch
 
 from ..compat import defer
 from .base import (
+    SUPPORTED,
     TRTLLM,
     Checkpoint,
     Example,
-    SUPPORTED,
     KernelCall,
     Layer,
     ParamLayout,
@@ -122,8 +122,8 @@ class CtInt4(WeightFormat):
         scheme = checkpoint.quant_scheme or ""
         if checkpoint.quantization == "compressed-tensors" and scheme.startswith("int"):
             return (
-                f"compressed-tensors {scheme.upper()} weights other than W4A16 symmetric static group 32 (what SGLang's "
-                "CompressedTensorsMxInt4MoE serves on flashinfer_trtllm) run on SGLang's Marlin / triton MoE"
+                f"compressed-tensors {scheme.upper()} weights other than W4A16 symmetric static group 32 (what "
+                "SGLang's CompressedTensorsMxInt4MoE serves on flashinfer_trtllm) run on SGLang's Marlin / triton MoE"
             )
         return None
 

@@ -320,8 +320,7 @@ def _check_items(
                 )
                 continue
             if fmt.load_rule(param_name(layer, param, fmt)) is None:
-                continue  # a parameter the format neither lays out nor reads (compressed-tensors' weight_shape): SGLang's
-
+                continue  # a parameter the format does not load (compressed-tensors' weight_shape): SGLang's loader's
         if not isinstance(tensor, torch.Tensor):
             continue  # unwrapped later by SGLang; the per-shard check applies
         n_jobs = len(jobs)
