@@ -139,8 +139,11 @@ class CtInt4(WeightFormat):
 
     # ---- layout -------------------------------------------------------------------------------------------------
     def check_layout(self, layer: Layer) -> str | None:
-        """INT4's own rules first (they name the sizes a user can change), then the generic ones."""
-        return self._int4_problem(layer) or super().check_layout(layer)
+        """The activation first (the serving role's), then INT4's own sizes (they name what a user can change), then
+        the generic rules."""
+        cfg = layer.moe_runner_config
+        problem = self.supports_activation(cfg.activation, bool(cfg.is_gated))[1]
+        return problem or self._int4_problem(layer) or super().check_layout(layer)
 
     def _int4_problem(self, layer: Layer) -> str | None:
         cfg = layer.moe_runner_config
