@@ -93,7 +93,7 @@ def _sf_fast(sf: torch.Tensor, experts: Experts, row_map: torch.Tensor | None, f
     """The one-pass kernel (CUDA): forward = rows by row_map then swizzle; else its exact inverse."""
     u8 = bytes3d(sf, "sf")
     word = _word(sf)
-    fast = fast_path_for(u8, word_bytes=torch.empty((), dtype=word).element_size())
+    fast = fast_path_for(u8, word_bytes=4 * sf.element_size())  # 4 scales a word
     if fast is None:
         return False
     block = SF_ROW_TILE

@@ -197,6 +197,8 @@ def _fill_random_mx(layer, seed: int = 0) -> None:
         u8 = p.data.view(torch.uint8)
         if "bias" in name:  # bf16-exact values: SGLang's gpt-oss bias Parameters are bf16 until its prep
             p.data.copy_((torch.randn(p.shape, generator=g) * 0.1).to(torch.bfloat16))
+        elif "scale" in name and p.dtype == torch.bfloat16:  # INT4's bf16 group scales: positive values
+            p.data.copy_((torch.rand(p.shape, generator=g) * 0.02 + 0.005).to(torch.bfloat16))
         elif "scale" in name:
             u8.copy_(torch.randint(119, 130, u8.shape, dtype=torch.uint8, generator=g))
         else:
