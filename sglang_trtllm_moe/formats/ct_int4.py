@@ -25,6 +25,8 @@ The kernel: SwiGLU only (the launcher fixes it; SGLang asserts a gated layer), B
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..compat import defer
@@ -42,7 +44,7 @@ from .base import (
 )
 
 #: Kimi-K2's `quantization_config` (llm-compressor W4A16, group 32, symmetric, static, no activation quantization)
-EXAMPLE_CONFIG = {
+EXAMPLE_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors",
     "format": "pack-quantized",
     "ignore": [],
