@@ -264,7 +264,11 @@ def _refused_then_correct(data, config):
         if seed
         else {k: v for k, v in B.checkpoint(spec, seed=0).items() if k.startswith(f"experts.{e}.")},
     ):
-        valid_variant(w, data, fmt.load_rule(w.param).scalar, managed).call(layer)
+        rule = fmt.load_rule(w.param)
+        if rule is None:  # a parameter the format does not load (compressed-tensors' weight_shape): SGLang's write
+            w.call(layer)
+            continue
+        valid_variant(w, data, rule.scalar, managed).call(layer)
     layer.quant_method.process_weights_after_loading(layer)  # a flush, or SGLang's own prep of a watched layer
     L["state"][e] = seed
     want = fresh_bytes(config, L["state"])

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..compat import defer
+from ..kernel_api import RoutingMethodType
 from .base import (
     SUPPORTED,
     TRTLLM,
@@ -200,7 +201,7 @@ class CtInt4(WeightFormat):
         layer, qi = call.layer, call.quant_info
         if routing.get("routed_scaling_factor") is None:
             routing["routed_scaling_factor"] = 1.0  # SGLang: `routed_scaling_factor if not None else 1.0`
-        if not routed and routing.get("routing_method_type") == 2:  # DeepSeekV3: float32 logits, as SGLang casts
+        if not routed and routing.get("routing_method_type") == RoutingMethodType.DeepSeekV3:  # float32, as SGLang
             routing["routing_logits"] = routing["routing_logits"].to(torch.float32)
         e = layer.w13_weight_packed.shape[0]
         return dict(

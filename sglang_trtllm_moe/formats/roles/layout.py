@@ -110,11 +110,6 @@ class Layout:
                     f"{p.name} is {tuple(t.shape)}; the 128x4 scale layout needs rows % 128 == 0 and cols % 4 == 0 "
                     "to be prepared in place (allocate the scales padded)"
                 )
-            if p.block_major_k and (t.shape[2] * t.element_size()) % layouts.BLOCK_K_BYTES:
-                return (
-                    f"{p.name} is {tuple(t.shape)} {t.dtype}; the kernel's block-major K layout needs rows of a "
-                    f"multiple of {layouts.BLOCK_K_BYTES} bytes"
-                )
         return None
 
     # ---- layout, per group and experts ----------------------------------------------------------------------
