@@ -81,7 +81,7 @@ def activation_type(activation: str, gated: bool) -> int:
 
 
 #: kernel families: flashinfer.fused_moe.trtllm_<family>_moe and trtllm_<family>_routed_moe
-FAMILIES = ("fp4_block_scale", "fp8_block_scale", "fp8_per_tensor_scale", "bf16")
+FAMILIES = ("fp4_block_scale", "fp8_block_scale", "fp8_per_tensor_scale", "bf16", "mxint4_block_scale")
 
 
 def kernel_function(family: str, routed: bool) -> str:
@@ -273,6 +273,11 @@ _FP8_BLOCK_TENSORS = (
 _FP8_TENSOR_TENSORS = (
     "hidden_states gemm1_weights output1_scales_scalar output1_scales_gate_scalar gemm2_weights output2_scales_scalar"
 )
+#: INT4 weights x BF16 activations: SwiGLU only (no activation_type: the launcher fixes it), no output scalars
+_MXINT4_TENSORS = (
+    "hidden_states gemm1_weights gemm1_weights_scale gemm1_alpha gemm1_beta gemm1_clamp_limit gemm2_weights "
+    "gemm2_weights_scale"
+)
 #: Each entry point's parameters in order, as flashinfer writes them, space-separated: positional-or-keyword, "|" =
 #: the defaulted ones start here (their defaults: DEFAULTS, else None), "*" = keyword-only from here. The first one
 #: routes: `routing_logits` (routing inside the kernel) or `topk_ids` (precomputed top-k, the `_routed` entry points).
@@ -308,6 +313,12 @@ SIGNATURE_SPECS: dict[str, str] = {
     " | routed_scaling_factor routing_method_type use_shuffled_weight weight_layout do_finalize enable_pdl"
     " gemm1_lora_delta tune_max_num_tokens activation_type routing_replay_out gemm1_alpha gemm1_beta"
     " gemm1_clamp_limit output workspace_buffer",
+    "trtllm_mxint4_block_scale_moe": f"routing_logits routing_bias {_MXINT4_TENSORS} {_SIZES} routed_scaling_factor"
+    " | routing_method_type do_finalize enable_pdl output tune_max_num_tokens norm_topk_prob routing_replay_out"
+    " valid_hidden_size valid_intermediate_size workspace_buffer",
+    "trtllm_mxint4_block_scale_routed_moe": f"topk_ids {_MXINT4_TENSORS} {_SIZES} routed_scaling_factor"
+    " | routing_method_type do_finalize enable_pdl gemm1_lora_delta output tune_max_num_tokens valid_hidden_size"
+    " valid_intermediate_size workspace_buffer",
 }
 #: the defaults that are not None, the same on every entry point that takes the parameter ...
 DEFAULTS: dict[str, Any] = {

@@ -349,6 +349,54 @@ def mxfp4_dequantize(packed: torch.Tensor, sf: torch.Tensor, block: int = MXFP8_
     return vals * s.repeat_interleave(block, dim=-1)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# INT4 W4A16, symmetric, a bf16 scale per 32 values (compressed-tensors pack-quantized: Kimi-K2's routed experts)
+# ----------------------------------------------------------------------------------------------------------------
+
+INT4_GROUP = 32
+
+
+def int4_quantize(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 of `[..., K]` as compressed-tensors' W4A16 writes it: (int32 `[..., K/8]` words of 8 nibbles
+    w/s + 8, element j of a word at bits 4j — `pack_to_int32`'s layout, checked against it; bf16 scales
+    `[..., K/group]`, s = amax / 7.5 as its symmetric min-max observer computes it, never 0)."""
+    K = w.shape[-1]
+    if K % group or K % 8:
+        raise ValueError(f"last dim {K} is not a multiple of the INT4 group {group}")
+    b = w.float().reshape(*w.shape[:-1], K // group, group)
+    scale = (b.abs().amax(dim=-1, keepdim=True) / 7.5).clamp(min=float(torch.finfo(torch.bfloat16).tiny))
+    scale = scale.to(torch.bfloat16)
+    q = torch.round(b / scale.float()).clamp(-8, 7).reshape(w.shape).to(torch.int8)
+    return int4_pack(q), scale.squeeze(-1)
+
+
+def int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """Signed int8 values in [-8, 7] `[..., K]` -> compressed-tensors' int32 words `[..., K/8]` (nibble = q + 8; the
+    bytes of a word, little-endian, hold elements (2i, 2i+1) in (low, high) nibbles)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8).reshape(*q.shape[:-1], q.shape[-1] // 2, 2)
+    return (u[..., 0] | (u[..., 1] << 4)).contiguous().view(torch.int32)
+
+
+def int4_unpack(packed: torch.Tensor, offset: int = 8) -> torch.Tensor:
+    """int32 words `[..., K/8]` (or their bytes, uint8 `[..., K/2]`) -> signed int8 `[..., K]`: nibble - `offset`
+    (8: compressed-tensors' w/s + 8; 0: the kernel's two's-complement nibbles, flashinfer's reference)."""
+    u8 = packed.contiguous().view(torch.uint8)
+    n = torch.stack([u8 & 0x0F, u8 >> 4], dim=-1).flatten(-2).to(torch.int8)
+    if offset:
+        return n - offset
+    return torch.where(n >= 8, n - 16, n)
+
+
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: int = 8, group: int = INT4_GROUP):
+    """INT4 `packed` (see `int4_unpack`) x bf16 scales `[..., K/group]` -> float32 `[..., K]` (the product of a
+    4-bit integer and a bf16 is exact in float32, as flashinfer's reference computes it)."""
+    q = int4_unpack(packed, offset).float()
+    s = scale.float()
+    if s.shape[-1] * group != q.shape[-1]:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match {q.shape[-1]} values per row")
+    return q * s.repeat_interleave(group, dim=-1)
+
+
 __all__ = [
     "E2M1_MAX",
     "FP8_E4M3_MAX",
@@ -367,4 +415,9 @@ __all__ = [
     "ue8m0_to_float",
     "mxfp4_quantize",
     "mxfp4_dequantize",
+    "INT4_GROUP",
+    "int4_quantize",
+    "int4_pack",
+    "int4_unpack",
+    "int4_dequantize",
 ]

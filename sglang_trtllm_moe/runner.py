@@ -240,9 +240,9 @@ def run(
         kwargs = fmt.kernel_args(call, routing, routed)
     except NotImplementedError as e:
         raise NotImplementedError(f"{layer_state.layer_name(layer)}: {e}") from e
-    kwargs.update(
-        do_finalize=True, activation_type=kernel_api.activation_type(runner_config.activation, runner_config.is_gated)
-    )
+    kwargs["do_finalize"] = True
+    if "activation_type" in kernel_api.SIGNATURES[entry].parameters:  # the INT4 launcher fixes SwiGLU itself
+        kwargs["activation_type"] = kernel_api.activation_type(runner_config.activation, runner_config.is_gated)
     replay = None
     if replay_wanted and not routed:
         # int16 [T, top_k], as the kernel writes it; allocated per call (CUDA graphs: from the graph's pool)

@@ -32,7 +32,7 @@ from .support import sglang_runtime
 #: one layer per kind the sandbox builds, and the padded and non-gated variants of the formats that have them
 SPECS = {
     **{
-        kind: cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt=kind)
+        kind: cpu_layers.MoeSpec(num_experts=4, hidden=256, fmt=kind)  # the kind's own intermediate (128; INT4 256)
         for kind in sorted(cpu_layers.LAYERS)
     },
     "nvfp4-I96-padded": cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=96, fmt="nvfp4"),
@@ -188,6 +188,12 @@ def _update(model, buckets, flattened: bool = False, disk: bool = False) -> None
 CONVERTED_BY_SGLANG = {"nvfp4_online", "nvfp4_online_tensor"}
 
 
+def _laid_out(spec, name: str) -> bool:
+    """Does checkpoint tensor `name` ("experts.3.gate_proj.weight_scale") load into a parameter the format manages?"""
+    _, _, proj, suffix = name.split(".", 3)
+    return spec.kind.format.load_rule(f"{'w2' if proj == 'down_proj' else 'w13'}_{suffix}") is not None
+
+
 def _batched(model) -> bool:
     return batched_writes.batches(model.experts) and model.spec.fmt not in CONVERTED_BY_SGLANG
 
@@ -254,8 +260,11 @@ def test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader(kind,
     batched, per_tensor, sglang_calls, taken = _run_both(spec, buckets, disk=True)
     assert differences(batched, per_tensor) == []
     if _batched(batched):
+        # every tensor of a parameter the format lays out is batched; one it does not (compressed-tensors'
+        # weight_shape: metadata the kernel never reads) may be SGLang's loader's
         n = sum(len(b) for b in buckets)
-        assert (taken, sglang_calls) == (n, 0), (taken, sglang_calls)
+        managed = sum(_laid_out(spec, name) for b in buckets for name, _ in b)
+        assert taken >= managed and taken + sglang_calls == n, (taken, sglang_calls, managed, n)
     else:
         assert taken == 0 and sglang_calls > 0
 

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_trtllm_moe import runner
-from sglang_trtllm_moe.emulator import bf16, fp8_block, fp8_tensor, nvfp4
+from sglang_trtllm_moe.emulator import bf16, fp8_block, fp8_tensor, mxint4, nvfp4
 
 from .support import emulator_cases as cases
 from .support.capture_guard import CaptureUnsafe, capture_guard
@@ -198,7 +198,7 @@ def test_static_formulation_equals_the_grouped_one_bit_for_bit(name, ep, monkeyp
     fn = cases.entry_point(family, False)
     with RowByRowMatmul():
         static = _call(fn, _fresh(args)).clone()
-        for module in (nvfp4, fp8_block, fp8_tensor, bf16):
+        for module in (nvfp4, fp8_block, fp8_tensor, bf16, mxint4):
             monkeypatch.setattr(module, "run_experts", grouped_run_experts)
         grouped = _call(fn, _fresh(args))
     assert static.float().abs().sum() > 0

@@ -434,14 +434,16 @@ def test_bf16_prepared_vs_checkpoint_and_a_changed_element_located_through_flash
             assert rep.num_mismatch == 1 and (rep.first[0].expert, rep.first[0].row, rep.first[0].col) == (e, r, c)
 
 
-# ---- every other format the plugin prepares: FP8 per-tensor (ModelOpt, fp8 static), FP8 block, CT NVFP4 ---------
+# ---- every other format the plugin prepares: FP8 per-tensor (ModelOpt, fp8 static), FP8 block, CT NVFP4, INT4 ----
 
 OTHER_FORMATS = {
     "fp8_modelopt": cpu_layers.random_fp8_checkpoint,
     "fp8_tensor": cpu_layers.random_fp8_checkpoint,
     "fp8_block": cpu_layers.random_fp8_checkpoint,
     "ct_nvfp4": cpu_layers.random_ct_nvfp4_checkpoint,
+    "ct_int4": cpu_layers.random_ct_int4_checkpoint,
 }
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def reference_dequant(fmt, weight, scale):
@@ -452,6 +454,12 @@ def reference_dequant(fmt, weight, scale):
         from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
 
         return block_quant_dequant(weight, scale, [128, 128], torch.float32)
+    if fmt == "ct_int4":  # compressed-tensors' own unpacking of its int32 words (w/s + 8 -> w/s), x the bf16 scale
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        e, m, k8 = weight.shape
+        q = torch.stack([unpack_from_int32(weight[i], 4, torch.Size((m, k8 * 8))) for i in range(e)]).float()
+        return q * scale.float().repeat_interleave(32, dim=-1)
     from flashinfer.quantization.fp4_quantization import _e2m1_and_ufp8sf_scale_to_float_cpu as fi_dequant
 
     return torch.stack(
@@ -461,7 +469,7 @@ def reference_dequant(fmt, weight, scale):
 
 @pytest.mark.parametrize("fmt", list(OTHER_FORMATS))
 def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_through_sglang(fmt):
-    spec = cpu_layers.MoeSpec(num_experts=4, intermediate=128, fmt=fmt)
+    spec = cpu_layers.MoeSpec(num_experts=4, fmt=fmt)  # the kind's intermediate (128; INT4: 256)
     good = OTHER_FORMATS[fmt](spec, seed=8)
     model = cpu_layers.TinyMoeModel(spec)
     model.load_weights(cpu_layers.checkpoint_names(good).items())
@@ -488,7 +496,10 @@ def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_throu
     key = next(
         k
         for k in good
-        if k.startswith("experts.2.gate_proj.weight") and good[k].element_size() == 1 and "scale" not in k
+        if k.startswith("experts.2.gate_proj.weight")
+        and good[k].element_size() in (1, 4)
+        and "scale" not in k
+        and "shape" not in k
     )
     bad = dict(good)
     w = good[key].clone()
@@ -499,8 +510,9 @@ def test_other_formats_layout_aware_dequant_and_a_corrupted_update_located_throu
         a, b = (cpu_layers.TinyMoeModel(spec) for _ in range(2))
         a.load_weights(cpu_layers.checkpoint_names(good).items())
         b.load_weights(cpu_layers.checkpoint_names(bad).items())
-        for n in laid_out:
-            d = getattr(a.experts, n).data.view(torch.uint8) != getattr(b.experts, n).data.view(torch.uint8)
+        for n in laid_out:  # in stored elements (INT4: int32 words of 8 values), as the checker reports them
+            pa, pb = getattr(a.experts, n).data, getattr(b.experts, n).data
+            d = pa.view(_INTS[pa.element_size()]) != pb.view(_INTS[pb.element_size()])
             if d.any():
                 assert int(d.sum()) == 1
                 return (n, *d.nonzero()[0].tolist())

@@ -40,6 +40,10 @@ def plugin_prepares(monkeypatch):
 FORMATS = {
     "nvfp4": (cpu_layers.random_nvfp4_checkpoint, ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")),
     "bf16": (cpu_layers.random_bf16_checkpoint, ("w13_weight", "w2_weight")),
+    "ct_int4": (
+        cpu_layers.random_ct_int4_checkpoint,
+        ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"),
+    ),
 }
 
 
@@ -95,7 +99,7 @@ def _race_round(spec, make, names, seed: int, flusher: bool) -> list[str]:
 @pytest.mark.parametrize("flusher", [False, True], ids=["writers", "writers+flusher"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_concurrent_shard_writes_equal_a_fresh_load(fmt, flusher):
-    spec = cpu_layers.MoeSpec(num_experts=16, intermediate=128, fmt=fmt)
+    spec = cpu_layers.MoeSpec(num_experts=16, fmt=fmt)  # the kind's intermediate (128; INT4: 256)
     make, names = FORMATS[fmt]
     wrong = {r: bad for r in range(ROUNDS) if (bad := _race_round(spec, make, names, r, flusher))}
     assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"

@@ -46,6 +46,7 @@ CASES = [
     pytest.param(
         MXFP4, cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt="mxfp4_gptoss"), id="mxfp4_gptoss"
     ),
+    pytest.param(TRTLLM, cpu_layers.MoeSpec(num_experts=4, hidden=256, fmt="ct_int4"), id="ct_int4"),
 ]
 
 

@@ -568,6 +568,105 @@ def test_bf16_with_flashinfer_prepared_weights(gated):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# MxInt4 (INT4 weights x BF16), prepared as flashinfer's own test prepares them, against its reference
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fi_mxint4_quantize(w):
+    """flashinfer's test quantizer (tests/moe/trtllm_gen_fused_moe_utils.py `mxint4_quantize`, read at fb28d72; not
+    in the wheels): per 32 values amax = max(max * 8/7, -min), scale = amax / 8, two's-complement nibbles (low =
+    even element); bf16 scales. Written here from it."""
+    b = w.reshape(-1, 32).float()
+    x_max, x_min = b.max(dim=-1, keepdim=True)[0] * 8.0 / 7.0, b.min(dim=-1, keepdim=True)[0]
+    scales = torch.where(x_max > -x_min, x_max, -x_min) / 8.0
+    q = (b * scales.reciprocal()).round().clamp(-8, 7).to(torch.int8).reshape(-1, 16, 2)
+    packed = ((q[..., 0] & 0x0F) | ((q[..., 1] & 0x0F) << 4)).to(torch.uint8)
+    return packed.reshape(*w.shape[:-1], w.shape[-1] // 2), scales.to(torch.bfloat16).reshape(*w.shape[:-1], -1)
+
+
+def _fi_mxint4_dequantize(packed, scales):
+    """flashinfer's reference (`run_moe_reference_mxint4`): signed nibbles x bf16 scale, in float32."""
+    n = torch.stack([packed & 0x0F, (packed >> 4) & 0x0F], dim=-1).flatten(-2).to(torch.int8)
+    n = torch.where(n < 8, n, n - 16).float()
+    return n * scales.float().repeat_interleave(32, dim=-1)
+
+
+def test_mxint4_with_flashinfer_prepared_weights_matches_flashinfers_reference():
+    """Weights quantized and prepared as flashinfer's MxInt4BlockScaleMoe test does (its CPU permute-index caches and
+    convert_to_block_layout; block_scale_interleave, CUDA-only, by the 128x4 swizzle, the same element map in its
+    host loop), the emulator against flashinfer's reference math (run_moe_dequant: float32 GEMMs, silu(second half)
+    * first half, the intermediate in bf16, float32 finalize). The plugin's in-place prep of compressed-tensors
+    words (w/s + 8) gives the same bytes."""
+    g = _gen(40)
+    inter, E4 = 256, 4
+    w1 = torch.randn(E4, 2 * inter, H, generator=g) * 0.05  # [up; gate], as the kernel reads GEMM1
+    w2 = torch.randn(E4, H, inter, generator=g) * 0.05
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    logits = torch.randn(T, E4, generator=g)
+    q1, s1 = _fi_mxint4_quantize(w1)
+    q2, s2 = _fi_mxint4_quantize(w2)
+    cache: dict = {}
+    g1w, g1s, g2w, g2s = [], [], [], []
+    for e in range(E4):
+        p1 = fi_core._maybe_get_cached_w3_w1_permute_indices(cache, q1[e], 128)
+        p1s = fi_core._maybe_get_cached_w3_w1_permute_indices(cache, s1[e], 128, num_elts_per_sf=32)
+        p2 = fi_core.get_w2_permute_indices_with_cache(cache, q2[e], 128)
+        p2s = fi_core.get_w2_permute_indices_with_cache(cache, s2[e], 128, num_elts_per_sf=16)
+        g1w.append(fi_core.convert_to_block_layout(q1[e][p1].contiguous(), 128))
+        g2w.append(fi_core.convert_to_block_layout(q2[e][p2].contiguous(), 128))
+        g1s.append(layouts.swizzle_sf_128x4(s1[e][p1s].contiguous()).reshape(-1))
+        g2s.append(layouts.swizzle_sf_128x4(s2[e][p2s].contiguous()).reshape(-1))
+    g1w, g2w, g1s, g2s = map(torch.stack, (g1w, g2w, g1s, g2s))
+    out = emulator.trtllm_mxint4_block_scale_moe(
+        logits, None, x, g1w, g1s, None, None, None, g2w, g2s, E4, TOPK, None, None, inter, 0, E4, None, RENORM
+    )[0]
+    ids, wts = route(RENORM, logits, TOPK)
+    d1, d2 = _fi_mxint4_dequantize(q1, s1), _fi_mxint4_dequantize(q2, s2)
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(TOPK):
+            e = int(ids[t, k])
+            a = d1[e] @ x[t].float()
+            h = (torch.nn.functional.silu(a[inter:]) * a[:inter]).to(torch.bfloat16).float()
+            ref[t] += wts[t, k].float() * (d2[e] @ h)
+    # the same values; the emulator also rounds GEMM2's output to bf16 before the sum, as the kernel writes it
+    # (the reference sums in float32): observed 2.4e-3
+    assert _rel_err(out, ref) < 1e-2
+    routed = emulator.trtllm_mxint4_block_scale_routed_moe(
+        pack_topk(ids, wts), x, g1w, g1s, None, None, None, g2w, g2s, E4, TOPK, None, None, inter, 0, E4, None
+    )[0]
+    assert torch.equal(out, routed)
+    # the plugin's prep of compressed-tensors' words (nibbles w/s + 8: the same bytes XOR 0x88) and bf16 scales
+    ct1 = (q1 ^ 0x88).view(torch.int32).clone()
+    mine = layouts.permute_rows_to_block_major_k_(ct1, layouts.w13_row_map(2 * inter, True), xor=0x88)
+    assert torch.equal(layouts.block_major_k_view(mine.view(torch.uint8)), g1w)
+    ms1 = layouts.permute_rows_and_swizzle_sf_(s1.clone(), layouts.w13_row_map(2 * inter, True))
+    assert torch.equal(ms1.reshape(E4, -1), g1s)
+    bad = emulator.trtllm_mxint4_block_scale_moe(
+        logits,
+        None,
+        x,
+        q1.contiguous(),
+        g1s,
+        None,
+        None,
+        None,
+        g2w,
+        g2s,
+        E4,
+        TOPK,
+        None,
+        None,
+        inter,
+        0,
+        E4,
+        None,
+        RENORM,
+    )[0]
+    assert _rel_err(bad, ref) > 0.3  # an unprepared GEMM1 is garbage
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Contract with flashinfer's Python API
 # ----------------------------------------------------------------------------------------------------------------
 

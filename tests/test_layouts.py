@@ -269,6 +269,47 @@ def test_unswizzle_sf_and_unpermute_rows_inverts_the_prep(gated, experts):
     assert _same(sf, orig)
 
 
+@pytest.mark.parametrize("experts,chunk", [(None, None), ([2, 0], 1)])
+def test_bf16_scales_in_place_equal_flashinfers_interleave_of_the_permuted_rows(experts, chunk):
+    """INT4's bf16 block scales: rows by the w13 map, then flashinfer's 128x4 interleave on 2-byte elements (b12x's
+    byte-preserving torch block_scale_interleave, which takes bf16 as its CUDA op does), in place as int64 words of 4
+    scales; the inverse restores them."""
+    orig = _rand((3, 256, 12), torch.bfloat16, seed=21)
+    sf = orig.clone()
+    ptr, rows = sf.data_ptr(), L.w13_row_map(256, True)
+    L.permute_rows_and_swizzle_sf_(sf, rows, experts, chunk)
+    perm = _maybe_get_cached_w3_w1_permute_indices({}, orig[0], 128, num_elts_per_sf=32)
+    assert torch.equal(perm.to(rows.device), rows)  # the scales' rows are the weights'
+    for i in range(3):
+        want = B12X_INTERLEAVE(orig[i][perm]) if experts is None or i in experts else orig[i]
+        assert torch.equal(_bytes(sf[i]).reshape(-1), _bytes(want).reshape(-1)), i
+    assert sf.data_ptr() == ptr
+    L.unswizzle_sf_and_unpermute_rows_(sf, rows, experts, chunk)
+    assert _same(sf, orig)
+
+
+@pytest.mark.parametrize("experts,chunk", [(None, None), ([0, 2], 1)])
+def test_block_major_with_the_int4_sign_flip_equals_flashinfer_and_inverts(experts, chunk):
+    """INT4 weights (int32 words of compressed-tensors' w/s + 8 nibbles): rows, XOR 0x88 (SGLang's repack) and
+    flashinfer's convert_to_block_layout(bytes, 128) in one pass; the other experts untouched; exact inverse."""
+    orig = _rand((3, 256, 64), torch.int32, seed=22)
+    t = orig.clone()
+    ptr, rows = t.data_ptr(), L.w13_row_map(256, True)
+    L.permute_rows_to_block_major_k_(t, rows, experts=experts, chunk=chunk, xor=0x88)
+    for i in range(3):
+        if experts is None or i in experts:
+            want = convert_to_block_layout((_bytes(orig[i]) ^ 0x88)[rows], 128)
+            assert torch.equal(L.block_major_k_view(_bytes(t))[i], want), i
+        else:
+            assert _same(t[i], orig[i]), i
+    assert t.data_ptr() == ptr
+    L.from_block_major_k_(t, experts=experts, chunk=chunk, xor=0x88)
+    L.unpermute_rows_(t, rows, experts, chunk)
+    assert _same(t, orig)
+    with pytest.raises(ValueError, match="one byte"):
+        L.to_block_major_k_(t, xor=256)
+
+
 _INTERPRETED = r"""
 import torch
 from sglang_trtllm_moe import layouts as L
@@ -282,7 +323,7 @@ def rnd(shape, seed):
 def both(fn, x, *args):
     L.set_fast_path(False); want = x.clone(); fn(want, *args)
     L.set_fast_path(True); got = x.clone(); fn(got, *args)
-    assert torch.equal(got, want), (fn.__name__, tuple(x.shape))
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (fn.__name__, tuple(x.shape))
     return got
 
 for e, m, c, rows in [(3, 64, 40, L.w2_row_map(64)), (2, 128, 24, L.w13_row_map(128, True)),
@@ -302,6 +343,11 @@ for e, m, c, rows in [(2, 256, 32, L.w2_row_map(256)), (2, 128, 20, L.w13_row_ma
             got = both(L.permute_rows_and_swizzle_sf_, x, rows, experts)
             L.unswizzle_sf_and_unpermute_rows_(got, rows, experts)
         assert torch.equal(got, x)
+for rows in (L.w13_row_map(256, True), L.w2_row_map(256)):  # INT4's bf16 scales: int64 words of 4 scales
+    x = rnd((2, 256, 24), 7).view(torch.bfloat16)
+    got = both(L.permute_rows_and_swizzle_sf_, x, rows, [1])
+    L.unswizzle_sf_and_unpermute_rows_(got, rows, [1])
+    assert torch.equal(got.view(torch.uint8), x.view(torch.uint8))  # bytes: random bf16 holds NaNs
 print("interpreted kernels ok")
 """
 

@@ -145,3 +145,52 @@ def test_nvfp4_layer_cuda_equals_cpu(gated):
     fresh = layer(DEV)
     for n in names:
         assert torch.equal(getattr(gpu, n).view(torch.uint8), getattr(fresh, n).view(torch.uint8)), n
+
+
+@pytest.mark.parametrize("e,m,c,mk", [(2, 512, 224, lambda m: L.w13_row_map(m, True)), (3, 7168, 8, L.w2_row_map)])
+@pytest.mark.parametrize("experts", [None, [1]])
+def test_bf16_scales_fast_equals_reference(config, e, m, c, mk, experts):
+    """INT4's bf16 block scales (Kimi-K2 at TP 8: w13 [512, 224], w2 [7168, 8]) move as int64 words of 4 scales."""
+    x = _rand((e, m, 2 * c), seed=m + c).view(torch.bfloat16)
+    rmap = mk(m)
+    want = x.clone()
+    _ref(L.permute_rows_and_swizzle_sf_, want, rmap, experts)
+    got = x.clone()
+    ptr = got.data_ptr()
+    L.permute_rows_and_swizzle_sf_(got, rmap, experts)
+    assert got.data_ptr() == ptr and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    L.unswizzle_sf_and_unpermute_rows_(got, rmap, experts)
+    assert torch.equal(got.view(torch.uint8), x.view(torch.uint8))
+
+
+def test_int4_layer_cuda_equals_cpu():
+    """The INT4 format's prep (weights: rows + sign flip + block-major K, the torch path; scales: the Triton one) on
+    CUDA, per expert subsets, gives the CPU bytes; storage kept; the inverse restores the checkpoint words."""
+    from sglang_trtllm_moe.formats.ct_int4 import CT_INT4
+
+    e, h, i = 4, 512, 256
+
+    def layer(device):
+        return SimpleNamespace(
+            moe_runner_config=SimpleNamespace(is_gated=True, activation="silu"),
+            w13_weight_packed=_rand((e, 2 * i, h // 2), 1).view(torch.int32).to(device),
+            w2_weight_packed=_rand((e, h, i // 2), 2).view(torch.int32).to(device),
+            w13_weight_scale=_rand((e, 2 * i, h // 16), 3).view(torch.bfloat16).to(device),
+            w2_weight_scale=_rand((e, h, i // 16), 4).view(torch.bfloat16).to(device),
+        )
+
+    names = ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale")
+    cpu, gpu = layer("cpu"), layer(DEV)
+    ptrs = [getattr(gpu, n).data_ptr() for n in names]
+    for g in ("w13", "w2"):
+        CT_INT4.prepare_(cpu, g, [0, 1, 2, 3])
+        CT_INT4.prepare_(gpu, g, [1, 3])
+        CT_INT4.prepare_(gpu, g, [0, 2])
+    for n in names:
+        assert torch.equal(getattr(cpu, n).view(torch.uint8), getattr(gpu, n).view(torch.uint8).cpu()), n
+    assert [getattr(gpu, n).data_ptr() for n in names] == ptrs
+    for g in ("w13", "w2"):
+        CT_INT4.unprepare_(gpu, g, [0, 1, 2, 3])
+    fresh = layer(DEV)
+    for n in names:
+        assert torch.equal(getattr(gpu, n).view(torch.uint8), getattr(fresh, n).view(torch.uint8)), n

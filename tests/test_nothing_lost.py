@@ -54,6 +54,13 @@ CASES = [
     ),
     pytest.param(
         TRTLLM,
+        MoeSpec(num_experts=4, hidden=256, fmt="ct_int4"),
+        "experts.2.down_proj.weight_scale",
+        (float("nan"), float("-inf"), -1.0),
+        id="ct_int4",
+    ),
+    pytest.param(
+        TRTLLM,
         MoeSpec(num_experts=2, fmt="fp8_block", **DEEPSEEK_V3_EXPERT),
         "experts.1.gate_proj.weight_scale_inv",
         (float("nan"), float("-inf"), -1.0),

@@ -51,6 +51,7 @@ FORMATS = [pytest.param(TRTLLM, cpu_layers.MoeSpec(**SPEC, fmt=f), id=f) for f i
         TRTLLM, cpu_layers.MoeSpec(**SPEC, fmt="fp8_tensor", gated=False, activation="relu2"), id="fp8_tensor-relu2"
     ),
     pytest.param(TRTLLM, cpu_layers.MoeSpec(num_experts=8, intermediate=128, fmt="mxfp8"), id="mxfp8"),
+    pytest.param(TRTLLM, cpu_layers.MoeSpec(num_experts=8, hidden=256, fmt="ct_int4"), id="ct_int4"),
     pytest.param(
         MXFP4, cpu_layers.MoeSpec(num_experts=8, hidden=256, intermediate=128, fmt="mxfp4_gptoss"), id="mxfp4_gptoss"
     ),

@@ -679,6 +679,14 @@ def test_activation_table_matches_sglang_and_flashinfer():
             for a in sorted(acts)
             if not fmt.activation_problem(a, g)
         ]
+        if fmt.kernel == "mxint4_block_scale":  # SGLang's INT4 scheme calls its kernel itself, gated SwiGLU only
+            from sglang.srt.layers.quantization.compressed_tensors.schemes import (
+                compressed_tensors_w4a4_mxint4_moe as mxint4,
+            )
+
+            assert "Only gated MoEs are supported" in inspect.getsource(mxint4), fmt.name
+            assert accepted == [("silu", True)], (fmt.name, accepted)
+            continue
         runner = runner_sets[per_kernel[fmt.kernel]]
         if takes_gated or defer.upstream_prepares(fmt):
             assert runner is not None and {a for a, _ in accepted} <= runner, (fmt.name, accepted, runner)
@@ -791,6 +799,19 @@ RULES = [
         Code.QUANT_UNSUPPORTED_BY_BACKEND,
     ),
     ({"quantization": "compressed-tensors", "quant_scheme": "int4"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
+    # Kimi-K2's INT4 W4A16 group 32 (SGLang's CompressedTensorsMxInt4MoE: flashinfer_trtllm only)
+    (
+        {"quantization": "compressed-tensors", "quant_scheme": "mxint4", "intermediate_size": 2048},
+        SM100,
+        sel.TRTLLM,
+        Code.OK,
+    ),
+    (
+        {"quantization": "compressed-tensors", "quant_scheme": "mxint4", "intermediate_size": 2048},
+        SM100,
+        sel.TRTLLM_ROUTED,
+        Code.QUANT_UNSUPPORTED_BY_BACKEND,
+    ),
     ({"quantization": "awq"}, SM100, sel.TRTLLM, Code.QUANT_UNSUPPORTED),
     ({"quantization": None}, SM100, sel.TRTLLM, Code.OK),
     ({"activation": "gelu"}, SM100, sel.TRTLLM, Code.OK if _NVFP4_GELU else Code.ACTIVATION_UNSUPPORTED),
@@ -936,6 +957,7 @@ CHECKPOINTS = st.sampled_from(
         ("compressed-tensors", None, "nvfp4"),
         (None, None, None),
         ("compressed-tensors", None, "int4"),
+        ("compressed-tensors", None, "mxint4"),
         ("awq", None, None),
     ]
 )

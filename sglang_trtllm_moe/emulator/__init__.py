@@ -14,6 +14,7 @@ from .bf16 import trtllm_bf16_moe, trtllm_bf16_routed_moe
 from .common import is_gated
 from .fp8_block import trtllm_fp8_block_scale_moe, trtllm_fp8_block_scale_routed_moe
 from .fp8_tensor import trtllm_fp8_per_tensor_scale_moe, trtllm_fp8_per_tensor_scale_routed_moe
+from .mxint4 import trtllm_mxint4_block_scale_moe, trtllm_mxint4_block_scale_routed_moe
 from .nvfp4 import trtllm_fp4_block_scale_moe, trtllm_fp4_block_scale_routed_moe
 
 __all__ = [
@@ -31,4 +32,6 @@ __all__ = [
     "trtllm_fp8_per_tensor_scale_routed_moe",
     "trtllm_bf16_moe",
     "trtllm_bf16_routed_moe",
+    "trtllm_mxint4_block_scale_moe",
+    "trtllm_mxint4_block_scale_routed_moe",
 ]

@@ -23,6 +23,7 @@ from .base import (
     check_complete,
 )
 from .bf16 import BF16
+from .ct_int4 import CT_INT4
 from .ct_nvfp4 import CT_NVFP4
 from .fp8_block import FP8_BLOCK
 from .fp8_tensor import FP8_TENSOR, FP8_TENSOR_MODELOPT
@@ -37,6 +38,7 @@ FORMATS: tuple[WeightFormat, ...] = (
     NVFP4,
     NVFP4_ONLINE,
     NVFP4_ONLINE_TENSOR,
+    CT_INT4,
     CT_NVFP4,
     FP8_TENSOR_MODELOPT,
     FP8_TENSOR,
@@ -107,6 +109,7 @@ __all__ = [
     "NVFP4",
     "NVFP4_ONLINE",
     "NVFP4_ONLINE_TENSOR",
+    "CT_INT4",
     "CT_NVFP4",
     "FP8_TENSOR",
     "FP8_TENSOR_MODELOPT",

@@ -37,6 +37,9 @@ class ParamLayout:
     block_major_k: bool = False
     #: some formats (DeepSeek FP8 block) keep checkpoint row order
     permute_rows: bool = True
+    #: every byte XORed with this at prepare and again at unprepare (an involution), with `block_major_k`: INT4's
+    #: compressed-tensors nibbles are w/s + 8, the kernel's are w/s (0x88 flips both nibbles' sign bits)
+    byte_xor: int = 0
     # ---- what a weight update may write into it (validation.py; "" / () / None = derived, see LoadRule) -----
     #: WEIGHT | BLOCK_SCALE; "" = BLOCK_SCALE when `sf_swizzle` or "scale" is in the name, else WEIGHT
     kind: str = ""
@@ -49,6 +52,10 @@ class ParamLayout:
     #: E4M3_BYTES | UE8M0_BYTES | None: how 1-byte block scales are encoded; None = derived from the storage dtype
     #: (float8_e4m3fn, float8_e8m0fnu); uint8 scale storage declares it (MXFP8, gpt-oss: UE8M0 bytes)
     byte_code: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.byte_xor and not self.block_major_k:
+            raise ValueError(f"{self.name}: byte_xor is applied with the block-major K layout only")
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,9 @@ class Example:
     #: SGLang's config probes torch.cuda's capability while the layer is built (compressed-tensors): the harness
     #: answers "SM100" for the build on a box without CUDA
     capability_probe: bool = False
+    #: the intermediate size of the harness's layers (`MoeSpec`) and tiny models of this format by default: a multiple
+    #: of what its kernel's layout needs (INT4's 128-byte K blocks: 256)
+    intermediate: int = 128
 
 
 @dataclass(frozen=True)

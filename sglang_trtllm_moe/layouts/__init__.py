@@ -25,6 +25,7 @@ Formulas: flashinfer 0.7.2 `get_reorder_rows_for_gated_act_gemm_row_indices`, `g
 """
 
 from .blocks import (
+    BLOCK_K_BYTES,
     block_major_k_view,
     from_block_major_k,
     from_block_major_k_,
@@ -79,6 +80,7 @@ __all__ = [
     "swizzle_sf_128x4_",
     "unswizzle_sf_128x4_",
     "permute_rows_and_swizzle_sf_",
+    "BLOCK_K_BYTES",
     "to_block_major_k",
     "from_block_major_k",
     "to_block_major_k_",

@@ -224,16 +224,18 @@ def rows_plan(m: int, cw: int, block: int) -> tuple[int, int, int, int]:
     return g, rows, w, _cdiv(cw, w)
 
 
-def sf_plan(m: int, c4: int, block: int) -> tuple[int, int, int, int, int]:
-    """(G, K, NKB, TILES, set rows) for the scale kernel; `block` = closed rows, a multiple of 128."""
-    if block == 128 and 128 * _next_pow2(c4) <= 8192:  # one program per tile: no barrier (w2 scales)
+def sf_plan(m: int, c4: int, block: int, word_bytes: int = 4) -> tuple[int, int, int, int, int]:
+    """(G, K, NKB, TILES, set rows) for the scale kernel; `block` = closed rows, a multiple of 128. `word_bytes`: 8
+    for the int64 words of 2-byte scales (INT4's bf16), which hold a program to the same bytes with half the tiles."""
+    wide = max(1, word_bytes // 4)
+    if block == 128 and 128 * _next_pow2(c4) * wide <= 8192:  # one program per tile: no barrier (w2 scales)
         k = _next_pow2(c4)
     else:
         k = _pow2_divisor(c4, CONFIG["sf_cols"])
         if k < 8:
             k = min(CONFIG["sf_cols"], _next_pow2(c4))
     nkb = _cdiv(c4, k)
-    tiles = _pow2_floor(CONFIG["sf_tiles"])  # a program may hold several closed blocks, or part of one
+    tiles = max(1, _pow2_floor(CONFIG["sf_tiles"]) // wide)  # a program may hold several closed blocks, or part of one
     while tiles > 1 and m % math.lcm(block, 128 * tiles):
         tiles //= 2
     set_rows = math.lcm(block, 128 * tiles)
@@ -278,10 +280,11 @@ def permute_rows_(x32: torch.Tensor, map32: torch.Tensor, eids: torch.Tensor, bl
 
 
 def sf_(x32: torch.Tensor, map32: torch.Tensor | None, eids: torch.Tensor, block: int, inverse: bool) -> bool:
-    """x32: [E, M, C4] int32 view of the scales; map32: [M] int32 row map or None; block: closed rows (% 128 == 0).
-    False (nothing done) when a set would need more programs than fit on the GPU at once."""
+    """x32: [E, M, C4] words of the scales (int32: four 1-byte scales; int64: four 2-byte ones); map32: [M] int32 row
+    map or None; block: closed rows (% 128 == 0). False (nothing done) when a set would need more programs than fit
+    on the GPU at once."""
     _, m, c4 = x32.shape
-    g, k, nkb, tiles, set_rows = sf_plan(m, c4, block)
+    g, k, nkb, tiles, set_rows = sf_plan(m, c4, block, x32.element_size())
     if not _fits(g, x32.device):
         return False
     n_sets = eids.numel() * (m // set_rows)

@@ -1,4 +1,8 @@
-"""Block-major K (BF16 weights): [M, K] -> [K/bk, M, bk] per expert, on bytes, in place or out of place."""
+"""Block-major K (BF16 and INT4 weights): [M, K] -> [K/bk, M, bk] per expert, on bytes, in place or out of place.
+
+INT4's prep also flips each nibble's sign bit (`xor=0x88`: compressed-tensors stores w/s + 8, the kernel w/s): on the
+scratch copy, so the row gather, the flip and the block-major write are one pass over the bytes; the flip is its own
+inverse."""
 
 from __future__ import annotations
 
@@ -6,6 +10,9 @@ import torch
 
 from .inplace import bytes3d, copy_bytes_, plan
 from .maps import Experts, round_up
+
+#: the kernels' block of K, in bytes (flashinfer `convert_to_block_layout(x, 128)` on the byte view: 64 bf16, 256 INT4)
+BLOCK_K_BYTES = 128
 
 
 def _block_dims(t: torch.Tensor, block_k_bytes: int) -> tuple[int, int, int]:
@@ -51,14 +58,19 @@ def _block_inplace(
     chunk: int | None,
     row_map: torch.Tensor | None = None,
     inverse: bool = False,
+    xor: int = 0,
 ) -> torch.Tensor:
     e, m, kb = _block_dims(t, block_k_bytes)
+    if not 0 <= xor < 256:
+        raise ValueError(f"xor must be one byte, got {xor}")
     u8 = bytes3d(t)
     nb, bk = kb // block_k_bytes, block_k_bytes
     runs, scratch = plan(u8, t, row_map, experts, chunk)
     for s, stop in runs:
         k = stop - s
         tmp = scratch.load(s, stop)
+        if xor:
+            tmp.bitwise_xor_(xor)
         if inverse:  # block-major [k, nb, M, bk] -> [k, M, nb, bk]
             copy_bytes_(u8[s:stop].view(k, m, nb, bk), tmp.view(k, nb, m, bk).permute(0, 2, 1, 3))
         else:
@@ -67,17 +79,18 @@ def _block_inplace(
 
 
 def to_block_major_k_(
-    t: torch.Tensor, block_k_bytes: int = 128, experts: Experts = None, chunk: int | None = None
+    t: torch.Tensor, block_k_bytes: int = 128, experts: Experts = None, chunk: int | None = None, xor: int = 0
 ) -> torch.Tensor:
-    """In place: t keeps shape [E, M, K] and storage, its bytes become block-major (see block_major_k_view)."""
-    return _block_inplace(t, block_k_bytes, experts, chunk)
+    """In place: t keeps shape [E, M, K] and storage, its bytes become block-major (see block_major_k_view), each
+    XORed with `xor`."""
+    return _block_inplace(t, block_k_bytes, experts, chunk, xor=xor)
 
 
 def from_block_major_k_(
-    t: torch.Tensor, block_k_bytes: int = 128, experts: Experts = None, chunk: int | None = None
+    t: torch.Tensor, block_k_bytes: int = 128, experts: Experts = None, chunk: int | None = None, xor: int = 0
 ) -> torch.Tensor:
-    """In place inverse of `to_block_major_k_`."""
-    return _block_inplace(t, block_k_bytes, experts, chunk, inverse=True)
+    """In place inverse of `to_block_major_k_` (the same `xor`)."""
+    return _block_inplace(t, block_k_bytes, experts, chunk, inverse=True, xor=xor)
 
 
 def permute_rows_to_block_major_k_(
@@ -86,6 +99,8 @@ def permute_rows_to_block_major_k_(
     block_k_bytes: int = 128,
     experts: Experts = None,
     chunk: int | None = None,
+    xor: int = 0,
 ) -> torch.Tensor:
-    """BF16 prep in one pass: rows by `row_map`, then block-major K, in place (one scratch copy per chunk)."""
-    return _block_inplace(t, block_k_bytes, experts, chunk, row_map=row_map)
+    """BF16 / INT4 prep in one pass: rows by `row_map`, each byte XORed with `xor`, then block-major K, in place (one
+    scratch copy per chunk)."""
+    return _block_inplace(t, block_k_bytes, experts, chunk, row_map=row_map, xor=xor)

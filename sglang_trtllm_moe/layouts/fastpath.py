@@ -34,12 +34,13 @@ def triton_layouts() -> ModuleType | None:
         return _TRITON[0]
 
 
-def fast_path_for(t: torch.Tensor) -> ModuleType | None:
-    """The Triton module when `t` (its uint8 [E, M, C] view) can take the one-pass kernels, else None."""
+def fast_path_for(t: torch.Tensor, word_bytes: int = 4) -> ModuleType | None:
+    """The Triton module when `t` (its uint8 [E, M, C] view) can take the one-pass kernels, which move words of
+    `word_bytes` (4: int32; 8: int64, the 4-scale words of 2-byte scales), else None."""
     if not FAST_PATH["enabled"]:
         return None
     if t.device.type != "cuda" and not (t.device.type == "cpu" and FAST_PATH["cpu_interpret"]):
         return None
-    if t.dim() != 3 or t.shape[2] % 4 or t.data_ptr() % 4:
+    if t.dim() != 3 or t.shape[2] % word_bytes or t.data_ptr() % word_bytes:
         return None
     return triton_layouts()

@@ -1,5 +1,9 @@
-"""The 128x4 scale-factor swizzle (NVFP4 / MXFP8 block scales), out of place and in place, fused with the row
-permutation in one pass, with its inverse."""
+"""The 128x4 scale-factor swizzle (NVFP4 / MXFP8 block scales, one byte each; INT4's bf16 block scales, two), out of
+place and in place, fused with the row permutation in one pass, with its inverse.
+
+The swizzle moves groups of 4 scales of one row (flashinfer's `block_scale_interleave`, its host loop per element:
+the same index map for uint8 and bfloat16), so in place it is a permutation of 4-scale words: int32 words for 1-byte
+scales, int64 for 2-byte ones."""
 
 from __future__ import annotations
 
@@ -59,6 +63,17 @@ def unswizzle_sf_128x4(swz: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out[0] if squeeze else out
 
 
+#: the word holding 4 scales of one row, per scale size in bytes
+_WORDS = {1: torch.int32, 2: torch.int64}
+
+
+def _word(sf: torch.Tensor) -> torch.dtype:
+    word = _WORDS.get(sf.element_size())
+    if word is None:
+        raise ValueError(f"in-place scale swizzle takes 1- or 2-byte scales, got {sf.dtype}")
+    return word
+
+
 def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
     if sf.dim() != 3:
         raise ValueError(f"in-place scale swizzle needs [E, R, C], got shape {tuple(sf.shape)}")
@@ -77,7 +92,8 @@ def _check_inplace_sf(sf: torch.Tensor) -> tuple[int, int, int]:
 def _sf_fast(sf: torch.Tensor, experts: Experts, row_map: torch.Tensor | None, forward: bool) -> bool:
     """The one-pass kernel (CUDA): forward = rows by row_map then swizzle; else its exact inverse."""
     u8 = bytes3d(sf, "sf")
-    fast = fast_path_for(u8)
+    word = _word(sf)
+    fast = fast_path_for(u8, word_bytes=4 * sf.element_size())  # 4 scales a word
     if fast is None:
         return False
     block = SF_ROW_TILE
@@ -86,25 +102,24 @@ def _sf_fast(sf: torch.Tensor, experts: Experts, row_map: torch.Tensor | None, f
         b = closed_block(row_map)
         block = b * SF_ROW_TILE // math.gcd(b, SF_ROW_TILE)
     eids = expert_ids_tensor(u8.shape[0], experts, u8.device)
-    return fast.sf_(
-        u8.view(torch.int32), None if row_map is None else map_i32(row_map), eids, block, inverse=not forward
-    )
+    return fast.sf_(u8.view(word), None if row_map is None else map_i32(row_map), eids, block, inverse=not forward)
 
 
 def _sf_inplace(
     sf: torch.Tensor, experts: Experts, chunk: int | None, row_map: torch.Tensor | None, swizzle: bool
 ) -> torch.Tensor:
     e, r, c = _check_inplace_sf(sf)
+    word = _word(sf)
     if _sf_fast(sf, experts, row_map if swizzle else None, swizzle):
         return sf
     u8 = bytes3d(sf, "sf")
     runs, scratch = plan(u8, sf, row_map, experts, chunk)
     for s, t in runs:
         k = t - s
-        # The 128x4 swizzle moves 4-byte groups (4 scales of one row), so it is an int32 permutation: copying
-        # 4x fewer, wider elements measured 2x faster on CPU than the uint8 6-D permute.
-        tmp = scratch.load(s, t).view(torch.int32).view(k, r // 128, 4, 32, c // 4)
-        dst = u8[s:t].view(torch.int32)
+        # The 128x4 swizzle moves groups of 4 scales of one row, so it is a permutation of words (int32 for 1-byte
+        # scales): copying 4x fewer, wider elements measured 2x faster on CPU than the uint8 6-D permute.
+        tmp = scratch.load(s, t).view(word).view(k, r // 128, 4, 32, c // 4)
+        dst = u8[s:t].view(word)
         if swizzle:  # write the linear scratch straight into swizzled order: no second temporary
             copy_bytes_(dst.view(k, r // 128, c // 4, 32, 4), tmp.permute(0, 1, 4, 3, 2))
         else:

@@ -184,6 +184,8 @@ MX_SHAPES = {
         (256, 4096, 2048),
     ),
     "mxfp4_gptoss": ("flashinfer_mxfp4", "gpt-oss-120b", (128, 2880, 2880)),
+    # Kimi-K2: 384 routed experts, H 7168, I 2048, INT4 W4A16 group 32 (compressed-tensors), here unsharded (EP)
+    "ct_int4": ("flashinfer_trtllm", "Kimi-K2 INT4", (384, 7168, 2048)),
 }
 
 
@@ -195,6 +197,8 @@ def _fill_random_mx(layer, seed: int = 0) -> None:
         u8 = p.data.view(torch.uint8)
         if "bias" in name:  # bf16-exact values: SGLang's gpt-oss bias Parameters are bf16 until its prep
             p.data.copy_((torch.randn(p.shape, generator=g) * 0.1).to(torch.bfloat16))
+        elif "scale" in name and p.dtype == torch.bfloat16:  # INT4's bf16 group scales: positive values
+            p.data.copy_((torch.rand(p.shape, generator=g) * 0.02 + 0.005).to(torch.bfloat16))
         elif "scale" in name:
             u8.copy_(torch.randint(119, 130, u8.shape, dtype=torch.uint8, generator=g))
         else:
@@ -271,8 +275,9 @@ def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
 
         what, ids = "whole layer", list(range(experts))
     else:
-        half = loaded["w13_weight"].shape[1] // 2
-        first, second = ("w3", "w1") if fmt == "mxfp8" else ("w1", "w3")  # Fp8MoEMethod's trtllm loader swaps
+        half = loaded[names[0]].shape[1] // 2
+        # the trtllm loader swaps w1 / w3 for Fp8MoEMethod and CompressedTensorsMxInt4MoE
+        first, second = ("w3", "w1") if fmt in ("mxfp8", "ct_int4") else ("w1", "w3")
 
         def plugin_update():
             e = 3 % experts
@@ -294,6 +299,9 @@ def bench_mx_layer(fmt: str, experts: int, repeats: int = 3) -> list[dict]:
         sglang_oracle.sglang_prepare(theirs)
 
     p_s = _median_time(plugin_update, repeats)
+    if fmt == "ct_int4":  # SGLang's prep replaced the Parameters (its loader cannot write after it): its figure is
+        for n in names:  # its prep of the loaded bytes again, a lower bound
+            theirs.register_parameter(n, torch.nn.Parameter(loaded[n].clone(), requires_grad=False))
     u_s = _median_time(upstream_update, 1 if fmt != "mxfp8" else repeats)
     rows.append(
         dict(

@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any
 
+from ..formats.ct_int4 import EXAMPLE_CONFIG as CT_INT4_EXAMPLE
 from ..formats.ct_nvfp4 import EXAMPLE_CONFIG as CT_NVFP4_EXAMPLE
 from .tiny_spec import Q_LORA, QK_NOPE, QK_ROPE, V_HEAD, TinySpec, layer_prefix, moe_prefix
 
@@ -77,10 +78,10 @@ def quantization_config(spec: TinySpec) -> dict | None:
         if q == "nvfp4":
             cfg["group_size"] = 16
         return cfg
-    if q == "ct_nvfp4":
+    if q in ("ct_nvfp4", "ct_int4"):  # llm-compressor's configs: what stays BF16 as "re:" patterns (Kimi-K2's style)
         ignore = _excluded_modules(spec)
         return {
-            **CT_NVFP4_EXAMPLE,
+            **(CT_NVFP4_EXAMPLE if q == "ct_nvfp4" else CT_INT4_EXAMPLE),
             "quantization_status": "compressed",
             "ignore": [("re:.*" + i.replace(".", r"\.").replace("*", ".*") + ".*") for i in ignore],
         }

@@ -15,7 +15,9 @@ experts; router):
 
 Formats (`quant`): `nvfp4` (ModelOpt NVFP4: `weight` packed e2m1, `weight_scale` e4m3 per 16, `weight_scale_2`,
 `input_scale`), `ct_nvfp4` (llm-compressor compressed-tensors NVFP4: `weight_packed`, `weight_scale`,
-`weight_global_scale`, `input_global_scale`), `fp8` (ModelOpt FP8 per-tensor, static input scales), `fp8_static`
+`weight_global_scale`, `input_global_scale`), `ct_int4` (compressed-tensors INT4 W4A16 group 32, as Kimi-K2 ships:
+`weight_packed` int32, `weight_scale` bf16, `weight_shape`; moe intermediate 256, the kernel's K block), `fp8`
+(ModelOpt FP8 per-tensor, static input scales), `fp8_static`
 (`quant_method: fp8`, per-tensor, static: the FP8 format Mixtral's FusedMoE class takes), `fp8_block` (DeepSeek
 128x128 block FP8, `weight_scale_inv`), `bf16`, `nvfp4_online` (a BF16 checkpoint, served with `--quantization
 nvfp4_online`: `TinySpec.server_args()`).
@@ -164,6 +166,9 @@ def quantized_experts(spec: TinySpec, layers=None, experts=None, roles=None) -> 
                 out[f"{base}.input_global_scale"] = torch.tensor(
                     [quant.FP8_E4M3_MAX * 6 / in_amax], dtype=torch.float32
                 )
+            elif q == "ct_int4":  # Kimi-K2's names: int32 words (w/s + 8), bf16 scales per 32, the shape
+                out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = quant.int4_quantize(w)
+                out[f"{base}.weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int32)
             elif q in ("fp8", "fp8_static"):
                 scale = (w.abs().max() / quant.FP8_E4M3_MAX).to(torch.float32)
                 out[f"{base}.weight"] = quant.fp8_quantize(w, scale)
@@ -194,6 +199,8 @@ def dequantize_experts(spec: TinySpec, tensors: dict[str, torch.Tensor]) -> dict
             w = quant.nvfp4_dequantize(
                 tensors[f"{b}.weight_packed"], tensors[f"{b}.weight_scale"], float(tensors[f"{b}.weight_global_scale"])
             )
+        elif q == "ct_int4":
+            w = quant.int4_dequantize(tensors[f"{b}.weight_packed"], tensors[f"{b}.weight_scale"])
         elif q in ("fp8", "fp8_static"):
             w = quant.fp8_dequantize(tensors[f"{b}.weight"], tensors[f"{b}.weight_scale"])
         elif q == "fp8_block":

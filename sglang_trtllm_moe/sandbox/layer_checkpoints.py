@@ -81,6 +81,20 @@ def random_ct_nvfp4_checkpoint(
     return out
 
 
+def random_ct_int4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
+    """Compressed-tensors INT4 W4A16 tensors as Kimi-K2's checkpoints name them: int32 `weight_packed` (8 nibbles
+    w/s + 8 a word), bf16 `weight_scale` per 32 values, int32 `weight_shape` ([out, in])."""
+    out: dict[str, torch.Tensor] = {}
+    for e, ws in _random_experts(spec, seed, experts, std=0.05):
+        for proj, w in ws.items():
+            packed, scale = quant.int4_quantize(w)
+            base = f"experts.{e}.{proj}."
+            out[base + "weight_packed"] = packed
+            out[base + "weight_scale"] = scale
+            out[base + "weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int32)
+    return out
+
+
 def random_fp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, equal_gate_up_scale: bool = False):
     """FP8 tensors per expert and projection. Per-tensor (ModelOpt / fp8 static): e4m3 `weight`, fp32 `weight_scale`
     (amax/448 of that projection, so gate and up differ unless `equal_gate_up_scale`) and static `input_scale`
@@ -177,6 +191,7 @@ __all__ = [
     "UP",
     "random_bf16_checkpoint",
     "random_checkpoint",
+    "random_ct_int4_checkpoint",
     "random_ct_nvfp4_checkpoint",
     "random_fp8_checkpoint",
     "random_gptoss_checkpoint",

@@ -36,6 +36,7 @@ from .layer_checkpoints import (
     UP,
     random_bf16_checkpoint,
     random_checkpoint,
+    random_ct_int4_checkpoint,
     random_ct_nvfp4_checkpoint,
     random_fp8_checkpoint,
     random_gptoss_checkpoint,
@@ -51,12 +52,17 @@ GPTOSS_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight
 class MoeSpec:
     num_experts: int = 8
     hidden: int = 256
-    intermediate: int = 128
+    #: 0: the kind's own (its format's `Example.intermediate`: 128, or what its kernel's layout needs)
+    intermediate: int = 0
     top_k: int = 2
     activation: str = "silu"
     gated: bool = True
     #: the kind of layer: a key of LAYERS
     fmt: str = "nvfp4"
+
+    def __post_init__(self) -> None:
+        if not self.intermediate:
+            self.intermediate = self.kind.format.example.intermediate
 
     @property
     def shards(self) -> tuple[str, ...]:
@@ -304,6 +310,7 @@ __all__ = [
     "UP",
     "random_bf16_checkpoint",
     "random_checkpoint",
+    "random_ct_int4_checkpoint",
     "random_ct_nvfp4_checkpoint",
     "random_fp8_checkpoint",
     "random_gptoss_checkpoint",

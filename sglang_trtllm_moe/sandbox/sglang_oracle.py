@@ -7,6 +7,9 @@ fewest stand-ins, each a CUDA-only helper whose CPU equivalent computes the same
   `block_scale_interleave` is the torch swizzle; `torch.cuda.empty_cache` is a no-op.
 * gpt-oss: likewise `nvfp4_block_scale_interleave` (torch) and FlashInfer's `get_w2_permute_indices_with_cache` are
   bound in `mxfp4`, and `Tensor.cuda` is the identity while it runs (it moves the alpha/beta/clamp scalars).
+* INT4 (compressed-tensors `CompressedTensorsMxInt4MoE`, the layer's `scheme`): FlashInfer's own permute-index caches
+  and `convert_to_block_layout` are bound in its module, `block_scale_interleave` is the torch swizzle (on bf16:
+  flashinfer's host loop uses the same index map for both dtypes).
 """
 
 from __future__ import annotations
@@ -56,12 +59,23 @@ def prep_patches(method) -> contextlib.AbstractContextManager:
             (torch.Tensor, "cuda", lambda self, *a, **k: self),
             (torch.cuda, "empty_cache", lambda: None),
         )
+    if name == "CompressedTensorsMxInt4MoE":
+        from flashinfer.fused_moe import core as ficore
+        from sglang.srt.layers.quantization.compressed_tensors.schemes import compressed_tensors_w4a4_mxint4_moe as mi
+
+        return patched(
+            (mi, "_maybe_get_cached_w3_w1_permute_indices", ficore._maybe_get_cached_w3_w1_permute_indices),
+            (mi, "get_w2_permute_indices_with_cache", ficore.get_w2_permute_indices_with_cache),
+            (mi, "convert_to_block_layout", ficore.convert_to_block_layout),
+            (mi, "block_scale_interleave", torch_block_scale_interleave),
+        )
     raise NotImplementedError(name)
 
 
 def sglang_prepare(layer) -> None:
-    """SGLang's own process_weights_after_loading of an MX `layer` (the plugin's hook bypassed), on CPU."""
-    method = layer.quant_method
+    """SGLang's own process_weights_after_loading of an MX or INT4 `layer` (the plugin's hook bypassed), on CPU: the
+    quant method's, or for compressed-tensors its layer's scheme's."""
+    method = getattr(layer, "scheme", None) or layer.quant_method
     with prep_patches(method):
         unhooked(type(method).process_weights_after_loading)(method, layer)
 

@@ -39,6 +39,10 @@ QUANTS = tuple(t.quant for _, t in _TINY if t.stored is None) + tuple(t.quant fo
 #: nvfp4_online`; nvfp4_online_tensor: the same checkpoint served with `--quantization modelopt_fp4`
 ONLINE = {t.quant: (t.stored, _served_as(f)) for f, t in _TINY if t.stored}
 
+#: the MoE intermediate size of each quant's tiny models (its format's `Example.intermediate`: 128, or what its
+#: kernel's layout needs)
+MOE_INTERMEDIATE = {t.quant: f.example.intermediate for f, t in _TINY}
+
 #: (arch, quant) pairs SGLang builds with FusedMoE layers (each format's `tiny.archs`). Quantized Mixtral other than
 #: `fp8` / compressed-tensors is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no
 #: FusedMoE); DeepSeek block FP8 is the only block recipe here.
@@ -76,7 +80,8 @@ class TinySpec:
     quant: str = "nvfp4"
     seed: int = 0
     hidden: int = 256
-    moe_intermediate: int = 128
+    #: 0: the quant's own (`MOE_INTERMEDIATE`: 128, or what its kernel's layout needs)
+    moe_intermediate: int = 0
     dense_intermediate: int = 256
     num_experts: int = 8
     top_k: int = 2
@@ -96,6 +101,8 @@ class TinySpec:
             raise ValueError(f"arch {self.arch!r}: one of {ARCHS}")
         if self.quant not in QUANTS:
             raise ValueError(f"quant {self.quant!r}: one of {QUANTS}")
+        if not self.moe_intermediate:
+            object.__setattr__(self, "moe_intermediate", MOE_INTERMEDIATE[self.quant])
         if not self.layers:
             default = {
                 "qwen3_moe": ("moe", "moe"),

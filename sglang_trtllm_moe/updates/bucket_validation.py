@@ -313,12 +313,14 @@ def _check_items(
                 current.add(id(plan))
         if plan is None or plan.rule is None:
             fmt = format_of(layer)
-            if param is None or fmt is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
+            if param is None or fmt is None:
                 problems.append(
                     f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
                     f"(its checkpoint parameters: {managed_names(layer, fmt)})"
                 )
                 continue
+            if fmt.load_rule(param_name(layer, param, fmt)) is None:
+                continue  # a parameter the format does not load (compressed-tensors' weight_shape): SGLang's loader's
         if not isinstance(tensor, torch.Tensor):
             continue  # unwrapped later by SGLang; the per-shard check applies
         n_jobs = len(jobs)

@@ -248,8 +248,12 @@ def run(arch: str, quant: str, cpu: bool = False, workdir: str | None = None) ->
         scalar = [n for n, v in sorted(full[1].items()) if n.endswith(("weight_scale_2", "input_scale"))]
         if scalar:
             bad = [(scalar[0], torch.full_like(full[1][scalar[0]], float("nan")))]
-        else:  # BF16 (a float32 tensor would be converted, as a load does): one column too many
-            name = next(n for n in sorted(full[1]) if ".experts." in n and n.endswith("down_proj.weight"))
+        else:  # BF16 (a float32 tensor would be converted, as a load does), INT4 words: one column too many
+            name = next(
+                n
+                for n in sorted(full[1])
+                if ".experts." in n and n.endswith(("down_proj.weight", "down_proj.weight_packed"))
+            )
             w = full[1][name]
             bad = [(name, torch.cat([w, w[:, :1]], 1))]
         with g.session():

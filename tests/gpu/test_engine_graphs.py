@@ -1,8 +1,9 @@
 """A real sglang.Engine on a GPU with CUDA graphs on, serving through the plugin (emulated TRT-LLM-Gen kernels on a
 faked SM100), every RL step: updates land in the graphs captured at start-up, exactly (tests/gpu/engine_run.py has
 the flow). One process per model (each Engine needs a fresh CUDA context for its memory pools), the models of
-SGLANG_TRTLLM_MOE_GPU_MODELS (default: NVFP4, FP8 block, FP8 per-tensor, BF16, relu2 NVFP4, and online NVFP4 from a
-BF16 checkpoint); and DeepSeek-V3 with its NextN draft under EAGLE (tests/gpu/draft_engine_run.py).
+SGLANG_TRTLLM_MOE_GPU_MODELS (default: NVFP4, FP8 block, FP8 per-tensor, BF16, relu2 NVFP4, online NVFP4 from a
+BF16 checkpoint, and a Kimi-K2-style DeepSeek-V3 in INT4 W4A16); and DeepSeek-V3 with its NextN draft under EAGLE
+(tests/gpu/draft_engine_run.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import pytest
 
 from ..support.helpers import REPO, last_json
 
-DEFAULT = "qwen3_moe:nvfp4,deepseek_v3:fp8_block,qwen3_moe:fp8,qwen3_moe:bf16,nemotron_h:nvfp4,qwen3_moe:nvfp4_online"
+DEFAULT = (
+    "qwen3_moe:nvfp4,deepseek_v3:fp8_block,qwen3_moe:fp8,qwen3_moe:bf16,nemotron_h:nvfp4,qwen3_moe:nvfp4_online,"
+    "deepseek_v3:ct_int4"
+)
 MODELS = os.environ.get("SGLANG_TRTLLM_MOE_GPU_MODELS", DEFAULT).split(",")
 STEPS = (
     "engine G up",

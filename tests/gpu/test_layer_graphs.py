@@ -32,7 +32,7 @@ from ..support import sglang_runtime
 #: nvfp4_online's is a BF16 source its online loader quantizes)
 MAKERS = {
     k: cpu_layers.LAYERS[k].checkpoint
-    for k in ("nvfp4", "ct_nvfp4", "fp8_modelopt", "fp8_tensor", "fp8_block", "bf16", "nvfp4_online")
+    for k in ("nvfp4", "ct_nvfp4", "fp8_modelopt", "fp8_tensor", "fp8_block", "bf16", "nvfp4_online", "ct_int4")
 }
 SPEC = dict(num_experts=8, hidden=256, intermediate=256)
 CASES = [pytest.param(cpu_layers.MoeSpec(**SPEC, fmt=f), id=f) for f in MAKERS] + [

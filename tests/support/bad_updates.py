@@ -36,6 +36,7 @@ CONFIGS = {
     "fp8_block": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="fp8_block"),
     "bf16": MoeSpec(num_experts=4, hidden=128, intermediate=128, fmt="bf16"),
     "bf16-I96-padded": MoeSpec(num_experts=4, hidden=128, intermediate=96, fmt="bf16"),
+    "ct_int4": MoeSpec(num_experts=4, hidden=256, fmt="ct_int4"),
 }
 LAYER = "model.layers.0.mlp.experts"
 #: the configs of the upstream comparison (one per format, as the issue measured)
@@ -48,6 +49,7 @@ MAKERS = {
     "fp8_modelopt": cpu_layers.random_fp8_checkpoint,
     "fp8_tensor": cpu_layers.random_fp8_checkpoint,
     "fp8_block": cpu_layers.random_fp8_checkpoint,
+    "ct_int4": cpu_layers.random_ct_int4_checkpoint,
 }
 
 
@@ -168,6 +170,10 @@ def mutations(layer, spec: MoeSpec, w: Write) -> list[tuple[str, Write]]:
             add("dtype=uint8 (same bytes)", tensor=t.view(torch.uint8))
         else:
             add("dtype=int8 (same bytes)", tensor=t.view(torch.int8))
+    elif p.dtype == torch.int32:  # INT4 words (8 nibbles each): only int32 keeps them
+        add("dtype=float32 (value-converted)", tensor=t.float())
+        add("dtype=uint8 (same bytes)", tensor=t.view(torch.uint8))
+        add("dtype=int64 (value-converted)", tensor=t.to(torch.int64))
     else:
         add("dtype=int32", tensor=t.to(torch.int32))
         add("dtype=bool", tensor=t != 0)
@@ -212,13 +218,18 @@ def mutations(layer, spec: MoeSpec, w: Write) -> list[tuple[str, Write]]:
     return out
 
 
+def managed(spec: MoeSpec, param: str) -> bool:
+    """A parameter the format has a load rule for (not compressed-tensors' weight_shape: metadata SGLang loads)."""
+    return spec.kind.format.load_rule(param) is not None
+
+
 def catalogue(layer, spec: MoeSpec) -> list[tuple[str, Write]]:
     """For each managed parameter: one valid write (expert 1, the first shard of the parameter's group) of new
     values (another checkpoint seed; scales x 1.25, so that every valid write would change bytes) and every
     invalid variant of it."""
     seen, out = set(), []
     for w in writes(spec, checkpoint(spec, seed=1, experts=[1])):
-        if w.param in seen:
+        if w.param in seen or not managed(spec, w.param):
             continue
         seen.add(w.param)
         if w.tensor.numel() == 1:

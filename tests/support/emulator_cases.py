@@ -55,6 +55,8 @@ VARIANTS = {
     "bf16-swiglu": Variant("bf16"),
     "bf16-relu2": Variant("bf16", RELU2),
     "bf16-swiglu-oai": Variant("bf16", oai=True),
+    "mxint4-swiglu": Variant("mxint4_block_scale"),
+    "mxint4-swiglu-oai": Variant("mxint4_block_scale", oai=True),
 }
 
 #: routing arguments per method: (top_k, n_group, topk_group, routed_scaling_factor, with a selection bias)
@@ -206,7 +208,41 @@ def _bf16(v: Variant, g: torch.Generator, x: torch.Tensor, n: int) -> dict:
     return args
 
 
-_BUILD = {"fp4_block_scale": _fp4, "fp8_block_scale": _fp8_block, "fp8_per_tensor_scale": _fp8_tensor, "bf16": _bf16}
+def _mxint4(v: Variant, g: torch.Generator, x: torch.Tensor, n: int) -> dict:
+    """INT4 nibbles (any byte), bf16 scales per 32 values in the 128x4 layout, block-major K weights; the
+    intermediate is 2 x INTER (the kernel's 128-byte K blocks of GEMM2 need 256)."""
+    inter = 2 * INTER
+    m = 2 * inter
+
+    def scales(rows: int, cols: int) -> torch.Tensor:
+        return layouts.swizzle_sf_128x4(_uniform(g, (n, rows, cols), 0.015, 0.06).to(torch.bfloat16))
+
+    def weights(rows: int, cols: int) -> torch.Tensor:
+        return layouts.to_block_major_k(torch.randint(0, 256, (n, rows, cols // 2), generator=g, dtype=torch.uint8))
+
+    args = dict(
+        hidden_states=x,
+        gemm1_weights=weights(m, H),
+        gemm1_weights_scale=scales(m, H // 32),
+        gemm1_alpha=None,
+        gemm1_beta=None,
+        gemm1_clamp_limit=None,
+        gemm2_weights=weights(H, inter),
+        gemm2_weights_scale=scales(H, inter // 32),
+        intermediate_size=inter,
+    )
+    if v.oai:
+        args.update(_oai(g, n))
+    return args
+
+
+_BUILD = {
+    "fp4_block_scale": _fp4,
+    "fp8_block_scale": _fp8_block,
+    "fp8_per_tensor_scale": _fp8_tensor,
+    "bf16": _bf16,
+    "mxint4_block_scale": _mxint4,
+}
 
 
 def case(name: str, tokens: int, seed: int = 0, ep: bool = False, method: int | None = None) -> tuple[str, dict]:
@@ -235,7 +271,8 @@ def case(name: str, tokens: int, seed: int = 0, ep: bool = False, method: int | 
         activation_type=v.act,
         routing_replay_out=torch.full((tokens + 2, top_k), -1, dtype=torch.int16),
     )
-    return v.family, args
+    params = kernel_api.SIGNATURES[kernel_api.kernel_function(v.family, False)].parameters
+    return v.family, {k: a for k, a in args.items() if k in params}  # (the INT4 launcher takes no activation_type)
 
 
 def topk_of(args: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,7 +88,9 @@ def smoke(arch: str, quant: str, work: str, steps) -> None:
         b_tokens = eng.generate(PROMPTS)
         # the expert weights themselves (activation scales are the same in every tiny checkpoint, and releases before
         # 0.5.16 keep a shape-only swizzled block-scale placeholder nothing writes)
-        weights = [n for n in experts if n.endswith(("w13_weight", "w2_weight"))]
+        weights = [
+            n for n in experts if n.endswith(("w13_weight", "w2_weight", "w13_weight_packed", "w2_weight_packed"))
+        ]
         unchanged = [n for n in weights if not differences({n: by_disk[n]}, {n: fresh[n]})]
         steps.check(
             "disk: A -> B",

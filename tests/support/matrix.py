@@ -85,6 +85,17 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
     ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None),)),
     ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
     ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
+    # INT4 W4A16 group 32 (compressed-tensors, Kimi-K2) on trtllm_mxint4_block_scale_moe: layers on every release
+    # (SGLang's CompressedTensorsMxInt4MoE exists on each); a whole DeepSeek-V3 model where the model tests run
+    (
+        "int4",
+        "INT4 W4A16 prep",
+        (
+            ("tests/test_ct_int4_layer.py", None),
+            ("tests/test_models.py", "ct_int4"),
+            ("tests/test_engine_smoke.py::test_int4_engine_smoke", None),
+        ),
+    ),
     ("checker", "weight checker", (("tests/test_checker.py", None), ("tests/test_checker_coordinates.py", None))),
     # the checker's checksum of a plugin-prepared model == SGLang alone's for the same weights (whole models, 0.5.21+)
     ("checksum", "checker checksum", (("tests/test_models.py::test_checksum", None),)),

@@ -600,7 +600,9 @@ class Worker:
             experts = sorted(self.experts_of(12).items())
             parts = models.buckets(experts, 6)
             bad_at = len(parts) // 2
-            name, t = next((n, t) for n, t in reversed(parts[bad_at]) if n.endswith(".weight") and t.dim() == 2)
+            name, t = next(
+                (n, t) for n, t in reversed(parts[bad_at]) if n.endswith((".weight", ".weight_packed")) and t.dim() == 2
+            )
             parts[bad_at] = [(n, torch.cat([t, t[:, :1]], 1) if n == name else x) for n, x in parts[bad_at]]
             ok, msg, server = ipc(parts)
             before_bad = dict(kv for p in parts[:bad_at] for kv in p)
@@ -672,7 +674,8 @@ class Worker:
         wc.handle("compare", role="target")
         wc.handle("snapshot", role="target")  # compare consumes the snapshot
         layer_name, layer = sorted(m.moe_layers().items())[-1]
-        w = layer.w2_weight
+        pname = "w2_weight" if hasattr(layer, "w2_weight") else "w2_weight_packed"  # compressed-tensors INT4: no alias
+        w = getattr(layer, pname)
         flat = w.data.view(torch.uint8).reshape(-1)
         pos = flat.numel() // 3
         flat[pos] ^= 0x10
@@ -682,8 +685,8 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - the check is that it raises
             caught = f"{type(e).__name__}: {str(e)[:600]}"
         flat[pos] ^= 0x10  # restored
-        named = f"{layer_name}.w2_weight".split("model.", 1)[-1] in caught
-        return {"ok": named, "caught": caught, "flipped": f"{layer_name}.w2_weight byte {pos}"}
+        named = f"{layer_name}.{pname}".split("model.", 1)[-1] in caught
+        return {"ok": named, "caught": caught, "flipped": f"{layer_name}.{pname} byte {pos}"}
 
     def check_refused_updates(self, m) -> dict:
         """Malformed updates of one expert's GEMM1 weight, by tensor (in a session) and by disk (a directory holding
@@ -695,11 +698,11 @@ class Worker:
         layer = self.spec.moe_layers[0]
         role = "gate" if self.spec.gated else "up"
         part = self.experts_of(9, layers=[layer], experts=[3])
-        suffix = "weight_packed" if self.spec.quant == "ct_nvfp4" else "weight"
+        suffix = "weight_packed" if self.spec.quant in ("ct_nvfp4", "ct_int4") else "weight"
         wname = f"{self.ck.expert_base(self.spec, layer, 3, role)}.{suffix}"
         w = part[wname]
         bad = {"extra_column": torch.cat([w, w[:, :1]], 1), "missing_row": w[:-1]}
-        if w.element_size() == 1:
+        if w.element_size() == 1 or w.dtype == torch.int32:  # packed bytes, or INT4's int32 words
             bad["wrong_dtype"] = w.float()
         cases = {k: {wname: t} for k, t in bad.items()}
         # a NaN per-tensor scale of the same projection (quantized formats with one: NVFP4, FP8 per-tensor)
@@ -1246,6 +1249,9 @@ JOBS = (
     ("deepseek_v3", "nvfp4", ("threaded_disk_ab", "ipc_buckets")),
     ("deepseek_v3", "fp8_block", ("ipc_buckets",)),
     ("deepseek_v3", "fp8_block@wide", ()),
+    # issue #51: Kimi-K2's INT4 (compressed-tensors W4A16 group 32) on a DeepSeek-V3, with DeepSeek's threaded loader
+    # and checkpoint-engine's IPC flow
+    ("deepseek_v3", "ct_int4", ("threaded_disk_ab", "ipc_buckets")),
     ("nemotron_h", "nvfp4", ("batch_invariance",)),
     ("nemotron_h", "fp8", ()),
     ("mixtral", "bf16", ("checksum",)),
@@ -1261,6 +1267,7 @@ JOBS = (
     ("qwen3_moe", "bf16@r3", ()),
     ("deepseek_v3", "nvfp4@r3", ()),
     ("deepseek_v3", "fp8_block@r3", ()),
+    ("deepseek_v3", "ct_int4@r3", ()),
     ("nemotron_h", "nvfp4@r3", ()),
     ("nemotron_h", "fp8@r3", ()),
     ("mixtral", "bf16@r3", ()),

@@ -26,6 +26,7 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serve MXFP8 MoE (quant_method mxfp8)", ("mxfp8",)),
     ("serve MXFP4 experts on an FP8 config (DeepSeek-V4, MiMo-V2; flashinfer_mxfp4)", ("mxfp4_experts",)),
     ("serve gpt-oss MXFP4 (flashinfer_mxfp4)", ("mxfp4_gptoss",)),
+    ("serve INT4 W4A16 experts as Kimi-K2 ships them (compressed-tensors, group 32)", ("int4",)),
     ("non-gated relu2 experts (Nemotron-H)", ("relu2",)),
     ("RL update from disk", ("rl_disk",)),
     ("RL update from tensors (buckets, sessions)", ("rl_tensor",)),

@@ -26,7 +26,7 @@ from . import sglang_runtime
 
 SEEDS = {"a": 0, "b": 1, "c": 2, "d": 3}
 #: the harness's kinds of layer whose SGLang preparation needs the CPU stand-ins of sandbox.sglang_oracle.prep_patches
-STANDIN_PREP = ("mxfp8", "mxfp4_experts", "mxfp4_gptoss")
+STANDIN_PREP = ("mxfp8", "mxfp4_experts", "mxfp4_gptoss", "ct_int4")
 
 
 def _checkpoint(spec, seed: int, experts=None):
@@ -79,7 +79,7 @@ class Case:
         from sglang_trtllm_moe.sandbox.runtime import init_single_process
 
         self.fmt = layers.kind_of(fmt)
-        self.spec = layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt=self.fmt)
+        self.spec = layers.MoeSpec(num_experts=4, hidden=256, fmt=self.fmt)  # the kind's intermediate (INT4: 256)
         # MX layers: SGLang's own prep needs CPU stand-ins for its CUDA-only helpers (sandbox/layers.py)
         init_single_process(
             "flashinfer_mxfp4" if self.fmt in ("mxfp4_experts", "mxfp4_gptoss") else "flashinfer_trtllm"
@@ -102,7 +102,8 @@ class Case:
 
         if self.fmt not in STANDIN_PREP:
             return contextlib.nullcontext()
-        return sglang_oracle.prep_patches((model or self.model).experts.quant_method)
+        experts = (model or self.model).experts
+        return sglang_oracle.prep_patches(getattr(experts, "scheme", None) or experts.quant_method)
 
     def _prepared(self, tensors):
         from sglang_trtllm_moe.sandbox import layers

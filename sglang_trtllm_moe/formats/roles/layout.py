@@ -126,9 +126,9 @@ class Layout:
                     layouts.permute_rows_and_swizzle_sf_(t, rmap, experts=experts)
             elif p.block_major_k:
                 if rmap is None:
-                    layouts.to_block_major_k_(t, experts=experts)
+                    layouts.to_block_major_k_(t, experts=experts, xor=p.byte_xor)
                 else:
-                    layouts.permute_rows_to_block_major_k_(t, rmap, experts=experts)
+                    layouts.permute_rows_to_block_major_k_(t, rmap, experts=experts, xor=p.byte_xor)
             elif rmap is not None:
                 layouts.permute_rows_(t, rmap, experts=experts)
 
@@ -143,7 +143,7 @@ class Layout:
             if p.sf_swizzle:
                 layouts.unswizzle_sf_128x4_(t, experts=experts)
             elif p.block_major_k:
-                layouts.from_block_major_k_(t, experts=experts)
+                layouts.from_block_major_k_(t, experts=experts, xor=p.byte_xor)
             if p.permute_rows:
                 layouts.unpermute_rows_(t, self.row_map(layer, p, t), experts=experts)
 
