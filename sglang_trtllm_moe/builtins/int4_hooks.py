@@ -51,6 +51,7 @@ def register_sglang_hooks(register, release):
             process_weights_after_loading,
             "around",
             capability="ct-int4-prep",
+            formats=(CT_INT4.name,),
             why="INT4 W4A16 (compressed-tensors, group 32) layers on flashinfer_trtllm are prepared in place, per "
             "dirty expert (SGLang replaces all four Parameters: its next RL update writes checkpoint words into them)",
         )
@@ -61,6 +62,7 @@ def register_sglang_hooks(register, release):
             apply_weights,
             "around",
             capability="ct-int4-prep",
+            formats=(CT_INT4.name,),
             why="managed INT4 layers run on the plugin runner (flashinfer's kernel, or the emulator): SGLang's apply "
             "calls the kernel itself",
         )
