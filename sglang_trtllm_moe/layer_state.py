@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,9 +162,7 @@ def attach(layer: Layer, fmt: WeightFormat, kernel_layout: bool = False) -> Laye
             fmt=fmt,
             num_experts=e,
             prepared={
-                g: torch.full(
-                    (e,), kernel_layout or fmt.prepared_at_attach(layer, g), dtype=torch.bool, device="cpu"
-                )
+                g: torch.full((e,), kernel_layout or fmt.prepared_at_attach(layer, g), dtype=torch.bool, device="cpu")
                 for g in fmt.groups()
             },
             loaded_params=tuple(getattr(layer, "_parameters", {})),
@@ -350,7 +348,9 @@ def flush_all(end_session: bool = False, model: torch.nn.Module | None = None) -
 SESSION = {"open": False}
 
 
-def unprepare_all(model: torch.nn.Module | None = None, experts_of=None) -> int:
+def unprepare_all(
+    model: torch.nn.Module | None = None, experts_of: Callable[[Layer], Sequence[int] | None] | None = None
+) -> int:
     """Every managed layer (of `model`, when given) back to checkpoint layout, in place (before loader-free refits
     that write straight into the parameters, e.g. a `begin_weight_update` session). The next flush prepares them
     again; other models in the process (a draft model) keep running on their prepared weights meanwhile.

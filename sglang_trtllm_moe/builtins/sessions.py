@@ -57,8 +57,11 @@ def begin_before(updater, *args, **kwargs):
     rollback.forget(model)
     n = layer_state.unprepare_all(model, _experts_of(hint))
     if hint is not None:
-        logger.info("sglang-trtllm-moe: a session that writes %d expert(s) (hint): %d returned to checkpoint layout",
-                    hint.total, n)
+        logger.info(
+            "sglang-trtllm-moe: a session that writes %d expert(s) (hint): %d returned to checkpoint layout",
+            hint.total,
+            n,
+        )
 
 
 def end_around(original, updater, *args, **kwargs):

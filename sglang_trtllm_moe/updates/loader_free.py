@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import layer_state
+from ..formats.base import Layer, WeightFormat
 from ..formats.load_rules import INPUT_SCALE
 from . import value_checks
 
@@ -50,9 +51,9 @@ class Bad:
         return f"{self.layer}: {self.param} of {who} holds {self.what}; expected {self.expected}"
 
 
-def layers_of(model) -> list[tuple[torch.nn.Module, object, bool]]:
+def layers_of(model) -> list[tuple[Layer, WeightFormat, bool]]:
     """(layer, format, managed) for every layer of `model` the plugin manages (True) or watches (False)."""
-    out = []
+    out: list[tuple[Layer, WeightFormat, bool]] = []
     for module in model.modules():
         st = layer_state.state_of(module)
         if st is not None:
@@ -96,15 +97,16 @@ def check(model, experts_of=None) -> list[Bad]:
         ids = experts_of(layer) if (managed and experts_of is not None) else None
         if ids is not None and not ids:
             continue
-        index = None if ids is None else torch.tensor(sorted(ids), dtype=torch.long)
+        local = None if ids is None else sorted(ids)
+        index = None if local is None else torch.tensor(local, dtype=torch.long)
         for name, t, code in _ruled(layer, fmt):
             per_expert = t.dim() > 0 and t.shape[0] == e
             if index is not None and per_expert:
-                sel, local = t.index_select(0, index.to(t.device)), sorted(ids)
+                items.append((t.index_select(0, index.to(t.device)), code))
+                where.append((layer, e, name, code, per_expert, local))
             else:
-                sel, local = t, None
-            items.append((sel, code))
-            where.append((layer, e, name, code, per_expert, local))
+                items.append((t, code))
+                where.append((layer, e, name, code, per_expert, None))
     bad: list[Bad] = []
     for i in value_checks.find_bad(items):
         layer, e, name, code, per_expert, local = where[i]
