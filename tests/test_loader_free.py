@@ -291,3 +291,53 @@ def test_a_loaded_session_is_not_checked_again():
     model.experts.w13_weight_scale.data[1].reshape(-1)[-1:].view(torch.uint8).fill_(0x7F)
     u.end_weight_update(run_post_load=False)
     assert sessions.last_refusal() is None
+
+
+#: checkpoint projection of each shard (the sandbox's checkpoints: experts.<e>.<proj>.<suffix>)
+PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+#: kinds whose checkpoint holds the bytes a writer writes (not gpt-oss's all-expert tensors, not an online format's
+#: BF16 sources, which SGLang's loader quantizes: there the writer writes the quantizer's output)
+CONTRACT_KINDS = [k for k in KINDS if not SPECS[k].kind.format.fused and SPECS[k].kind.format.source_values is None]
+
+
+@pytest.mark.parametrize("kind", CONTRACT_KINDS)
+def test_a_writer_that_follows_the_writer_contract_alone_gets_a_fresh_load(kind):
+    """The contract (sglang_trtllm_moe.writer_contract) is enough to write a session: a writer that knows only the
+    checkpoint's tensors and the contract's placements (not SGLang's loader) writes every expert; after `end` the
+    layer equals a fresh load of that checkpoint. The rendered contract names every parameter it places."""
+    import sglang_trtllm_moe
+
+    spec = SPECS[kind]
+    model = _model(spec)
+    new = _ckpt(spec, 4)
+    contract = sglang_trtllm_moe.writer_contract(model, text=False)
+    (layer,) = contract
+    assert layer.layer == LAYER and layer.experts == spec.num_experts and layer.first_slot == 0
+    text = sglang_trtllm_moe.writer_contract(model)
+    for p in layer.params:
+        assert p.placement, f"{p.name}: no placement traced from SGLang's loader"
+        assert p.name in text
+
+    def write():
+        fmt = spec.kind.format
+        for p in layer.params:
+            view = next((fmt.tensor(model.experts, q) for q in fmt.params if q.name == p.name), None)
+            view = getattr(model.experts, p.name).data if view is None else view
+            suffix = p.name.split("_", 1)[1]
+            for e in range(spec.num_experts):
+                for w in p.placement:
+                    dst = view[e][w.index(w.dst)]
+                    proj = "up_proj" if (w.shard == "w1" and not spec.gated) else PROJ[w.shard]  # non-gated: one half
+                    src = new[f"experts.{e}.{proj}.{suffix}"]
+                    if w.src is None:
+                        dst.fill_(w.value)
+                    elif not w.src:  # one value per expert and shard (0-dim or [1] in a checkpoint)
+                        dst.copy_(src.reshape(-1)[0])
+                    else:
+                        dst.copy_(src[w.index(w.src)])
+
+    out = _session(_manager(sglang_runtime.updater(model)), write)
+    assert out.success, out.message
+    assert differences(model, _model(spec, 4)) == []
