@@ -200,6 +200,8 @@ def observe(layer: Layer, fmt: WeightFormat) -> None:
     plugin does not touch its layout, but still validates writes into it against `fmt`'s rules."""
     if observed(layer) is fmt:
         return  # SGLang's process_weights_after_loading runs again after every disk update: nothing changes
+    if _own(layer, layer_attrs.LOADED_PARAMS) is None:  # before SGLang's preparation registers its own
+        _set_own(layer, layer_attrs.LOADED_PARAMS, tuple(getattr(layer, "_parameters", {})))
     _set_own(layer, OBSERVED_ATTR, fmt)
     _forget_plans(layer)
     with _REGISTRY_LOCK:
@@ -208,6 +210,15 @@ def observe(layer: Layer, fmt: WeightFormat) -> None:
 
 def observed(layer: Layer) -> WeightFormat | None:
     return _own(layer, OBSERVED_ATTR)
+
+
+def loaded_params(layer: Layer) -> tuple[str, ...]:
+    """The parameter names `layer` had when the plugin first took it over or watched it (SGLang's, as its
+    create_weights registered them); empty for a layer it never saw."""
+    st = state_of(layer)
+    if st is not None:
+        return st.loaded_params
+    return _own(layer, layer_attrs.LOADED_PARAMS) or ()
 
 
 def managed_layers() -> list[Layer]:

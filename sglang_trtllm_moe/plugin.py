@@ -35,6 +35,7 @@ CORE_MODULES = (
     "sglang_trtllm_moe.builtins.runner_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
     "sglang_trtllm_moe.builtins.sessions",
+    "sglang_trtllm_moe.builtins.remote_instance",
     "sglang_trtllm_moe.builtins.runner_requests",
     "sglang_trtllm_moe.builtins.draft_updates",
     "sglang_trtllm_moe.builtins.selection_hooks",
