@@ -20,6 +20,7 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, layer_state
 from sglang_trtllm_moe.builtins import remote_instance
+from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import remote_instance as R
@@ -170,3 +171,29 @@ def test_a_peer_copy_of_unknown_layout_is_refused_at_start_up_and_a_checkpoint_l
     before = {n: _bytes(p).clone() for n, p in loaded.experts.named_parameters()}
     remote_instance.adopt(loaded, remote_instance.MODELEXPRESS_REFUSAL)
     assert all(torch.equal(before[n], _bytes(p)) for n, p in loaded.experts.named_parameters())
+
+
+@pytest.mark.sglang(
+    str(MODEL_RUNNER_RELEASES),
+    reason="sandbox.models spells SGLang's runner set-up of these releases (the whole-model seed); the layer-level "
+    "boots above run on every release",
+)
+@pytest.mark.parametrize(("arch", "quant"), [("qwen3_moe", "nvfp4")])
+def test_a_whole_model_booted_from_a_seed_generates_the_seeds_tokens(arch, quant):
+    import json
+    import subprocess
+    import sys
+
+    from .support.helpers import REPO, last_json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.remote_instance_worker", arch, quant],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    report = last_json(proc)
+    assert report is not None, proc.stderr[-3000:]
+    for check in ("transfer_engine", "nccl", "control"):
+        assert report[check]["ok"], json.dumps(report[check], indent=1)[:4000]
