@@ -65,7 +65,7 @@ from types import SimpleNamespace
 import torch
 
 from sglang_trtllm_moe import layer_state, layouts
-from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
+from sglang_trtllm_moe.builtins import loader_hooks, sessions, weight_updates
 from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
 from sglang_trtllm_moe.sandbox.bench_update_modes import bypass, device_path  # torch-only: pass-throughs, device path
@@ -83,8 +83,8 @@ STAND_INS = {
     "for per-tensor and input scales",
     "model.load_weights": "checkpoint name -> (param, shard, expert) from a dict, then param.weight_loader",
     "update request": "CUDA tensors, views of one buffer per kind (IPC / NCCL / flattened bucket)",
-    "WeightUpdater": "builtins/weight_updates hooks called as SGLang's HookRegistry calls them (begin: "
-    "unprepare_all_before, each bucket: check_buckets_around + flush_after, end: end_session_after)",
+    "WeightUpdater": "builtins/weight_updates and builtins/sessions hooks called as SGLang's HookRegistry calls them "
+    "(begin: sessions.begin_before, each bucket: check_buckets_around + flush_after, end: sessions.end_around)",
 }
 
 
@@ -388,13 +388,13 @@ def main(argv=None) -> int:
     # ---- a whole-layer update in a begin/end session ----------------------------------------------------------
     def plugin_session():
         with mode(model, plugin=True):
-            weight_updates.unprepare_all_before(updater)
+            sessions.begin_before(updater)
             for part in parts:
                 weight_updates.drop_caches_before(updater, part)
                 ok, msg = weight_updates.check_buckets_around(Updater.update_weights_from_tensor, updater, part)
                 assert ok, msg
                 weight_updates.flush_after((ok, msg), updater, part)
-            weight_updates.end_session_after(None, updater)
+            sessions.end_around(lambda owner, **kw: None, updater, run_post_load=False)
 
     def per_tensor_session():  # the plugin before batched writes: every tensor through SGLang's loader, hooked
         with batched_writes.disabled():

@@ -104,12 +104,13 @@ def _agreed(bad: list) -> list:
 
 
 def _tp_cpu_group():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
     try:
-        import torch.distributed as dist
         from sglang.srt.distributed import get_tp_group
 
-        if not dist.is_initialized():
-            return None
         tp = get_tp_group()
     except (ImportError, AssertionError, AttributeError):
         return None

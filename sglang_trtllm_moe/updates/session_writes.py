@@ -24,6 +24,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .. import layer_state
+
 #: the prefix that marks a `rid` as this plugin's hint (any other rid is SGLang's business, left alone)
 RID_PREFIX = "sglang-trtllm-moe:writes="
 #: the key that names every layer
@@ -51,6 +53,9 @@ class SessionWrites:
         if not slots:
             return []
         n = int(getattr(layer, "num_local_experts", 0) or 0)
+        if not n:  # a layer object without SGLang's count: its parameters' expert dimension (the plugin's state)
+            st = layer_state.state_of(layer)
+            n = st.num_experts if st is not None else 0
         offset = int(getattr(layer, "moe_ep_rank", 0) or 0) * n
         return [s - offset for s in slots if offset <= s < offset + n]
 
