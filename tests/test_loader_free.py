@@ -341,3 +341,16 @@ def test_a_writer_that_follows_the_writer_contract_alone_gets_a_fresh_load(kind)
     out = _session(_manager(sglang_runtime.updater(model)), write)
     assert out.success, out.message
     assert differences(model, _model(spec, 4)) == []
+
+
+def test_explain_prints_the_writer_contract_of_a_models_format(tmp_path, capsys):
+    """`sglang-trtllm-moe explain --writer-contract`: the format-level contract from config.json alone."""
+    from sglang_trtllm_moe import cli
+    from sglang_trtllm_moe.sandbox import checkpoints as ck
+
+    d = ck.write(str(tmp_path / "ds"), ck.TinySpec("deepseek_v3", "nvfp4", seed=0))
+    assert cli.main(["explain", "--model", d, "--sm", "100", "--writer-contract", "--no-sglang"]) == 0
+    out = capsys.readouterr().out
+    assert "writer contract (loader-free sessions) for nvfp4" in out
+    assert "w13_weight_scale (w13, block_scale; values checked at the end): laid out in place" in out
+    assert "w13_input_scale (w13, input_scale; values checked at the end)" in out

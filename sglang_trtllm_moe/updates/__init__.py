@@ -24,4 +24,12 @@ Writing and undoing:
 * `batched_writes.py` — a validated bucket's expert tensors written per (layer, parameter), where
   `slot_plans.py` traced SGLang's own loader once to say where the bytes go;
 * `rollback.py` — a failed disk update changes nothing (replay of unchanged checkpoints, or a host snapshot).
+
+Bytes that never pass through a loader (P2P / RDMA writers inside a weight-update session):
+
+* `loader_free.py` — the end of such a session: the values a load would refuse, found before anything is laid out;
+  refused experts fenced as zero experts;
+* `session_writes.py` — the writer's hint (which experts a session writes);
+* `writer_contract.py` — what such a writer writes into each parameter, traced from SGLang's own loader, and what
+  the end of the session lays out and recomputes.
 """
