@@ -26,7 +26,6 @@ The goal (issue #53): check_and_layout <= relayout + 2 ms, and the hinted rows p
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -54,15 +53,8 @@ def sglang_end(layer):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU, 4 experts, H 256, I 128: a smoke run of the script")
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--intermediate", type=int, default=2048)
+    ap = bench.layer_arguments(__doc__, repeats=7)
     ap.add_argument("--hint", type=int, default=8, help="experts a hinted session writes")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--out")
     a = ap.parse_args(argv)
     if a.tiny:
         a.experts, a.hidden, a.intermediate, a.hint, a.repeats = 4, 256, 128, 2, 2

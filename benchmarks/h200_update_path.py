@@ -343,17 +343,23 @@ def layer_bytes(layer):
     return {n: u8(getattr(layer, n).data).clone() for n in LAID_OUT}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_arguments(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments of a script over one such layer (this one's, benchmarks/h200_loader_free.py's)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU, 4 experts, H 256, I 128: a smoke run of the script")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--bucket-experts", type=int, default=32, help="experts per update_weights_from_tensor bucket")
-    ap.add_argument("--partial", type=int, default=8, help="experts of the partial update (outside a session)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = layer_arguments(__doc__, repeats=5)
+    ap.add_argument("--bucket-experts", type=int, default=32, help="experts per update_weights_from_tensor bucket")
+    ap.add_argument("--partial", type=int, default=8, help="experts of the partial update (outside a session)")
     a = ap.parse_args(argv)
     if a.tiny:
         a.experts, a.hidden, a.intermediate, a.bucket_experts, a.partial, a.repeats = 4, 256, 128, 2, 2, 2

@@ -131,31 +131,15 @@ def take_over(fmt, method, layer, side_attrs=None) -> bool:
                 "served half-prepared. Fix: load this model with --load-format auto"
             )
         return _hand_back(layer, fmt, f"upstream is right for {fmt.name} on this release ({v.evidence})")
-    if mode is not None:
-        return _adopt(fmt, method, layer, side_attrs, mode)
-    layer_state.attach(layer, fmt)
-    n = layer_state.flush(layer)
-    logger.info(
-        "sglang-trtllm-moe: %s: %s prepared in place for flashinfer_trtllm (%d expert groups)",
-        layer_state.layer_name(layer),
-        fmt.name,
-        n,
-    )
-    if side_attrs is not None:
-        side_attrs(method, layer)
-    return True
-
-
-def _adopt(fmt, method, layer, side_attrs, mode: str) -> bool:
-    """A remote instance's layer: the seed's kernel layout, taken over as prepared — or refused (`mode`)."""
-    if mode != ADOPT:
+    if mode is not None and mode != ADOPT:  # a remote instance's bytes of unknown layout: refused (the reason)
         raise TrtllmLayerError(f"{layer_state.layer_name(layer)}: {mode}")
-    layer_state.adopt(layer, fmt)
-    logger.info(
-        "sglang-trtllm-moe: %s: %s adopted from the remote instance as laid out (nothing laid out again)",
-        layer_state.layer_name(layer),
-        fmt.name,
-    )
+    if mode == ADOPT:  # a remote instance's layer: the seed's kernel layout, taken over as prepared
+        layer_state.adopt(layer, fmt)
+        what = "adopted from the remote instance as laid out (nothing laid out again)"
+    else:
+        layer_state.attach(layer, fmt)
+        what = f"prepared in place for flashinfer_trtllm ({layer_state.flush(layer)} expert groups)"
+    logger.info("sglang-trtllm-moe: %s: %s %s", layer_state.layer_name(layer), fmt.name, what)
     if side_attrs is not None:
         side_attrs(method, layer)
     return True
