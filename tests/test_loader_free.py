@@ -32,6 +32,7 @@ from sglang_trtllm_moe.updates import session_writes
 
 from .support import bad_updates as B
 from .support import sglang_runtime
+from .support.releases import SPAWN_RANKS
 
 pytestmark = pytest.mark.sglang(
     features.LOADER_FREE_SESSIONS.releases,
@@ -354,3 +355,30 @@ def test_explain_prints_the_writer_contract_of_a_models_format(tmp_path, capsys)
     assert "writer contract (loader-free sessions) for nvfp4" in out
     assert "w13_weight_scale (w13, block_scale; values checked at the end): laid out in place" in out
     assert "w13_input_scale (w13, input_scale; values checked at the end)" in out
+
+
+@pytest.mark.sglang(
+    SPAWN_RANKS.releases,
+    reason="tests/support/sglang_runtime.init_rank publishes per-rank placement (runtime_context.SpawnRanks)",
+)
+def test_the_ranks_agree_on_a_refusal_and_fence_the_same_expert(tmp_path):
+    """Two CPU ranks (gloo), TP 2 then EP 2: rank 1's shard of one expert holds a NaN e4m3 byte. Each rank checks
+    its own shard; one all-gather of the refusals makes both answer the same refusal and fence the same expert — TP:
+    both shards of expert 2 (the other rank's shard was fine), EP: the slot on the rank that holds it."""
+    from .support import ranks
+
+    scenarios = [{"name": "tp2", "tp": 2, "ep": 1}, {"name": "ep2", "tp": 2, "ep": 2}]
+    procs = ranks.launch("tests.support.loader_free_ranks", 2, {"scenarios": scenarios}, tmp_path)
+    results = ranks.collect(procs, tmp_path, timeout=600)
+    for name, expert in (("tp2", 0), ("ep2", 2)):
+        got = [r[name] for r in results]
+        for r in got:
+            assert "error" not in r, r.get("trace", r)
+        assert got[0]["refusal"] is not None and got[0]["refusal"] == got[1]["refusal"], got
+        assert f"w13_weight_scale of expert {expert}" in got[0]["refusal"], got[0]["refusal"]
+        assert all(r["clean"] for r in got)
+    tp = [r["tp2"] for r in results]
+    assert tp[0]["zero"] == tp[1]["zero"] == [0] and tp[0]["same"] == tp[1]["same"] == [1, 2, 3], tp
+    ep = [r["ep2"] for r in results]  # 2 local experts each: global 2 is rank 1's first
+    assert ep[0]["zero"] == [] and ep[0]["same"] == [0, 1], ep
+    assert ep[1]["zero"] == [0] and ep[1]["same"] == [1], ep

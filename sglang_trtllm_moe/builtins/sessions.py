@@ -147,8 +147,22 @@ def manager_end_around(original, manager, recv_req, *args, **kwargs):
     if _REFUSED and getattr(out, "success", False):
         message = "; ".join(dict.fromkeys(_REFUSED))
         _REFUSED.clear()
-        return type(out)(success=False, message=message)
+        return _answered(out, message)
     return out
+
+
+def _answered(out, message: str):
+    """SGLang's answer with success False and `message`, every other field kept (the request's routing fields)."""
+    try:
+        import msgspec
+
+        return msgspec.structs.replace(out, success=False, message=message)
+    except (ImportError, TypeError):  # not a msgspec Struct: a dataclass, or a plain object
+        import dataclasses
+
+        if dataclasses.is_dataclass(out) and not isinstance(out, type):
+            return dataclasses.replace(out, success=False, message=message)
+        return type(out)(success=False, message=message)
 
 
 def last_refusal() -> str | None:
