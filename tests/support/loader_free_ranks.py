@@ -27,7 +27,7 @@ def run(sc: dict, rank: int) -> dict:
 
     from . import sglang_runtime
 
-    spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt="nvfp4")
+    spec = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=256, fmt="nvfp4")  # 128 per TP rank: unpadded
     model = sglang_runtime.prepared_model(spec, spec.kind.checkpoint(spec, seed=0))
     staged = cpu_layers.TinyMoeModel(spec)
     staged.load_weights(cpu_layers.checkpoint_names(spec.kind.checkpoint(spec, seed=1)).items())
