@@ -31,6 +31,7 @@ a weight-update session is open there (docs/RELIABILITY.md).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 from .. import hookimpl, layer_state
@@ -54,16 +55,51 @@ MODELEXPRESS_REFUSAL = (
 )
 
 
+PWAL = "process_weights_after_loading"
+
+
+def _hooked_classes() -> list:
+    """The classes whose process_weights_after_loading the plugin hooks on this release (their hook is the
+    function a subclass that does not override it resolves to)."""
+    import pkgutil
+
+    from ..plugin import state
+
+    out = []
+    for t in state().targets:
+        if t.target.endswith("." + PWAL):
+            try:
+                out.append(pkgutil.resolve_name(t.target[: -len(PWAL) - 1]))
+            except (ImportError, AttributeError, ValueError):
+                continue
+    return out
+
+
+def _through_the_plugin(layer, classes: list) -> bool:
+    """Whether `layer`'s post-load step reaches one of the plugin's hooks (its quant method's own, or the
+    compressed-tensors scheme it delegates to): only then is it run on a remote instance — a quant method the
+    plugin does not hook keeps upstream's remote loading, where nothing runs."""
+    for obj in (layer.quant_method, getattr(layer, "scheme", None)):
+        if obj is None:
+            continue
+        fn = inspect.getattr_static(type(obj), PWAL, None)
+        if fn is not None and any(inspect.getattr_static(c, PWAL, None) is fn for c in classes):
+            return True
+    return False
+
+
 def adopt(model, mode: str = _prepare.ADOPT) -> int:
-    """Every FusedMoE layer of `model` through its quant method's process_weights_after_loading in adopt mode
-    (the module docstring). Returns the layers the plugin manages afterwards."""
+    """Every FusedMoE layer of `model` whose post-load step the plugin hooks, through it in adopt mode (the module
+    docstring). Returns the layers the plugin manages afterwards."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
+    classes = _hooked_classes()
     _prepare.set_adopting(mode)
     try:
         for module in model.modules():
             if isinstance(module, FusedMoE) and getattr(module, "quant_method", None) is not None:
-                module.quant_method.process_weights_after_loading(module)
+                if _through_the_plugin(module, classes):
+                    module.quant_method.process_weights_after_loading(module)
     finally:
         _prepare.set_adopting(None)
     return sum(layer_state.state_of(m) is not None for m in model.modules())
