@@ -65,7 +65,7 @@ from types import SimpleNamespace
 import torch
 
 from sglang_trtllm_moe import layer_state, layouts
-from sglang_trtllm_moe.builtins import loader_hooks, weight_updates
+from sglang_trtllm_moe.builtins import loader_hooks, sessions, weight_updates
 from sglang_trtllm_moe.formats.load_rules import E4M3_BYTES, POSITIVE
 from sglang_trtllm_moe.formats.nvfp4 import NVFP4
 from sglang_trtllm_moe.sandbox.bench_update_modes import bypass, device_path  # torch-only: pass-throughs, device path
@@ -83,8 +83,8 @@ STAND_INS = {
     "for per-tensor and input scales",
     "model.load_weights": "checkpoint name -> (param, shard, expert) from a dict, then param.weight_loader",
     "update request": "CUDA tensors, views of one buffer per kind (IPC / NCCL / flattened bucket)",
-    "WeightUpdater": "builtins/weight_updates hooks called as SGLang's HookRegistry calls them (begin: "
-    "unprepare_all_before, each bucket: check_buckets_around + flush_after, end: end_session_after)",
+    "WeightUpdater": "builtins/weight_updates and builtins/sessions hooks called as SGLang's HookRegistry calls them "
+    "(begin: sessions.begin_before, each bucket: check_buckets_around + flush_after, end: sessions.end_around)",
 }
 
 
@@ -343,17 +343,23 @@ def layer_bytes(layer):
     return {n: u8(getattr(layer, n).data).clone() for n in LAID_OUT}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_arguments(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments of a script over one such layer (this one's, benchmarks/h200_loader_free.py's)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU, 4 experts, H 256, I 128: a smoke run of the script")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--bucket-experts", type=int, default=32, help="experts per update_weights_from_tensor bucket")
-    ap.add_argument("--partial", type=int, default=8, help="experts of the partial update (outside a session)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = layer_arguments(__doc__, repeats=5)
+    ap.add_argument("--bucket-experts", type=int, default=32, help="experts per update_weights_from_tensor bucket")
+    ap.add_argument("--partial", type=int, default=8, help="experts of the partial update (outside a session)")
     a = ap.parse_args(argv)
     if a.tiny:
         a.experts, a.hidden, a.intermediate, a.bucket_experts, a.partial, a.repeats = 4, 256, 128, 2, 2, 2
@@ -388,13 +394,13 @@ def main(argv=None) -> int:
     # ---- a whole-layer update in a begin/end session ----------------------------------------------------------
     def plugin_session():
         with mode(model, plugin=True):
-            weight_updates.unprepare_all_before(updater)
+            sessions.begin_before(updater)
             for part in parts:
                 weight_updates.drop_caches_before(updater, part)
                 ok, msg = weight_updates.check_buckets_around(Updater.update_weights_from_tensor, updater, part)
                 assert ok, msg
                 weight_updates.flush_after((ok, msg), updater, part)
-            weight_updates.end_session_after(None, updater)
+            sessions.end_around(lambda owner, **kw: None, updater, run_post_load=False)
 
     def per_tensor_session():  # the plugin before batched writes: every tensor through SGLang's loader, hooked
         with batched_writes.disabled():

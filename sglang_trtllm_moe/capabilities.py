@@ -80,6 +80,12 @@ GROUPS: tuple[Group, ...] = (
     Group("batched-writes", "a validated bucket's experts written per (layer, parameter)", ("loader", "update-entry")),
     Group("auto-select", "flashinfer_trtllm chosen on SM100 where the kernels serve the model"),
     Group("weight-check", "SGLang's weight checker compares the layers the plugin lays out"),
+    Group(
+        "remote-instance",
+        "a new instance booted from a running one's memory adopts the seed's layout; a seed sends SGLang's "
+        "parameters only",
+        ("core",),
+    ),
 )
 
 FUSED_MOE_MODULE = "sglang.srt.layers.moe.fused_moe_triton.layer"

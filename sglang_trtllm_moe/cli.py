@@ -54,6 +54,10 @@ def _cmd_explain(args) -> int:
             print(f"sglang-trtllm-moe explain: {line}", file=sys.stderr)
         return 2
     if args.json:
+        if args.writer_contract:
+            from .explain import writer_contract
+
+            r["writer_contract"] = writer_contract((r.get("plugin_prepares") or {}).get("format"))
         print(json.dumps(r, indent=2, default=str))
         return 0
     if r["problem"] is None:
@@ -77,6 +81,15 @@ def _cmd_explain(args) -> int:
             print(f"routed experts (R3{'' if p['return_routed_experts'] else ', if asked for'}): {r3['reason']}")
     if r.get("first_forward"):
         print(f"warning: fails at the first forward ({r['first_forward']['error']}): {r['first_forward']['reason']}")
+    if args.writer_contract:
+        from .explain import writer_contract
+
+        wc = writer_contract((r.get("plugin_prepares") or {}).get("format"))
+        r["writer_contract"] = wc
+        print(f"writer contract (loader-free sessions) for {wc['format']}: {wc['note']}")
+        for row in wc["params"]:
+            checked = "values checked at the end" if row["values_checked"] else "values not checked"
+            print(f"  {row['param']} ({row['group']}, {row['kind']}; {checked}): {row['at_end']}")
     if r.get("draft_updates"):
         print(f"speculative draft under RL updates: {r['draft_updates']['reason']}")
     for line in _capability_lines(r.get("capabilities") or []):
@@ -219,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative-algorithm",
         default=None,
         help="as --speculative-algorithm: also say which RL update entry points leave the draft stale",
+    )
+    e.add_argument(
+        "--writer-contract",
+        action="store_true",
+        help="also print what a loader-free (P2P / RDMA) writer writes into each parameter inside a weight-update "
+        "session, and what the plugin lays out and recomputes at its end",
     )
     e.add_argument("--no-sglang", action="store_true", help="skip SGLang's own resolution (rules only)")
     e.add_argument("--json", action="store_true", help="machine-readable: winner, code, reason, candidates, ...")

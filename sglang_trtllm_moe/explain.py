@@ -185,6 +185,24 @@ NO_GPU_NOTE = (
 )
 
 
+def writer_contract(fmt_name: str | None) -> dict:
+    """What a loader-free writer writes into every layer of format `fmt_name` inside a weight-update session, and
+    what the plugin does at its end (updates/writer_contract.py; the exact byte placement per rank needs a loaded
+    model: `sglang_trtllm_moe.writer_contract(model)`)."""
+    from .formats import by_name
+    from .updates.writer_contract import format_contract
+
+    if fmt_name is None:
+        return {"format": None, "params": [], "note": "the plugin lays out no layer of this model"}
+    return {
+        "format": fmt_name,
+        "params": format_contract(by_name(fmt_name)),
+        "note": "inside a begin/end weight-update session each parameter holds checkpoint layout: the bytes "
+        "SGLang's own loader leaves there; where each shard goes per expert slot on a rank, and the shapes: "
+        "sglang_trtllm_moe.writer_contract(model) on a loaded model",
+    }
+
+
 def _prepares(problem) -> dict:
     """Which format the plugin lays out for this checkpoint, and on which runner backends (in place, per expert)."""
     from .formats import prepared_on

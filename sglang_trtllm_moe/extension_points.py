@@ -82,6 +82,8 @@ WHY_PATCH = {
     "draft-note": "the scheduler's update manager: SGLang offers no hook or registry for it",
     "auto-select": "--moe-runner-backend resolution: SGLang's rules run in ServerArgs, no registry",
     "weight-check": "the weight checker's comparison: SGLang has no comparator registry",
+    "remote-instance": "the remote-instance model loader and the seed's weight exporter: SGLang offers no hook or "
+    "registry for them",
 }
 
 

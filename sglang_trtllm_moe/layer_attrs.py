@@ -18,6 +18,9 @@ INTERMEDIATE = "_trtllm_moe_intermediate"
 STATE = "_trtllm_moe_state"
 #: the format a watched layer (one SGLang prepares itself) was recognised as
 OBSERVED = "_trtllm_moe_observed"
+#: a watched layer's parameter names before SGLang prepared it (what a new instance built from the same config holds:
+#: builtins/remote_instance.py; a managed layer keeps them in its LayerState)
+LOADED_PARAMS = "_trtllm_moe_loaded_params"
 #: validation's write plans per parameter (dropped when the layer's state or watched format is set)
 PLANS = "_trtllm_moe_plans"
 #: batched_writes' plans per (parameter, shard, tensor geometry): where SGLang's loader of this release writes a tensor

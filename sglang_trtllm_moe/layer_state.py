@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +96,11 @@ class LayerState:
     views: bool = field(default=False, repr=False, compare=False)
     #: group -> (mask, its _version, the mask as a list): `prepared` read without a tensor op per write
     _mirror: dict = field(default_factory=dict, repr=False, compare=False)
+    #: the layer's parameter names when the plugin took it over (SGLang's, as its create_weights registered them):
+    #: what a remote instance built from the same config holds (builtins/remote_instance.py)
+    loaded_params: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    #: the kernel scalars the last flush wrote (`WeightFormat.compute_scalars`' names, Parameters of the layer)
+    kernel_scalars: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.groups = {p.name: p.group for p in self.fmt.params}
@@ -144,8 +149,10 @@ def state_of(layer: Layer) -> LayerState | None:
     return _own(layer, STATE_ATTR)
 
 
-def attach(layer: Layer, fmt: WeightFormat) -> LayerState:
-    """Start managing a freshly loaded layer: everything is in checkpoint layout, everything is dirty."""
+def attach(layer: Layer, fmt: WeightFormat, kernel_layout: bool = False) -> LayerState:
+    """Start managing a freshly loaded layer: everything is in checkpoint layout, everything is dirty.
+    `kernel_layout`: its bytes already hold `fmt`'s kernel layout (copied from an instance that laid them out:
+    `adopt`)."""
     with _REGISTRY_LOCK:
         st = state_of(layer)
         if st is not None:
@@ -155,15 +162,28 @@ def attach(layer: Layer, fmt: WeightFormat) -> LayerState:
             fmt=fmt,
             num_experts=e,
             prepared={
-                g: torch.full((e,), fmt.prepared_at_attach(layer, g), dtype=torch.bool, device="cpu")
+                g: torch.full((e,), kernel_layout or fmt.prepared_at_attach(layer, g), dtype=torch.bool, device="cpu")
                 for g in fmt.groups()
             },
+            loaded_params=tuple(getattr(layer, "_parameters", {})),
         )
         _set_own(layer, STATE_ATTR, st)
         _forget_plans(layer)
         _LAYERS.add(layer)
         _GENERATION[0] += 1
         return st
+
+
+def adopt(layer: Layer, fmt: WeightFormat) -> LayerState:
+    """Manage a layer whose parameters already hold `fmt`'s kernel layout, every expert (a remote instance's
+    bytes): nothing is laid out again (that would pack it twice); the kernel scalars are computed from its
+    parameters, and each group's parameters shown as this release shows prepared ones."""
+    st = attach(layer, fmt, kernel_layout=True)
+    with st.lock:
+        for group in st.prepared:
+            fmt.on_layout(layer, group, all_prepared=True)
+        _flush(layer, st, None)
+    return st
 
 
 def _forget_plans(layer: Layer) -> None:
@@ -180,6 +200,8 @@ def observe(layer: Layer, fmt: WeightFormat) -> None:
     plugin does not touch its layout, but still validates writes into it against `fmt`'s rules."""
     if observed(layer) is fmt:
         return  # SGLang's process_weights_after_loading runs again after every disk update: nothing changes
+    if _own(layer, layer_attrs.LOADED_PARAMS) is None:  # before SGLang's preparation registers its own
+        _set_own(layer, layer_attrs.LOADED_PARAMS, tuple(getattr(layer, "_parameters", {})))
     _set_own(layer, OBSERVED_ATTR, fmt)
     _forget_plans(layer)
     with _REGISTRY_LOCK:
@@ -188,6 +210,15 @@ def observe(layer: Layer, fmt: WeightFormat) -> None:
 
 def observed(layer: Layer) -> WeightFormat | None:
     return _own(layer, OBSERVED_ATTR)
+
+
+def loaded_params(layer: Layer) -> tuple[str, ...]:
+    """The parameter names `layer` had when the plugin first took it over or watched it (SGLang's, as its
+    create_weights registered them); empty for a layer it never saw."""
+    st = state_of(layer)
+    if st is not None:
+        return st.loaded_params
+    return _own(layer, layer_attrs.LOADED_PARAMS) or ()
 
 
 def managed_layers() -> list[Layer]:
@@ -288,8 +319,10 @@ def _flush(layer: Layer, st: LayerState, chunk: int | None) -> int:
             done += len(part)
         st.fmt.on_layout(layer, group, all_prepared=True)
     if done or st.scalars_dirty:
-        for name, value in st.fmt.compute_scalars(layer).items():
+        scalars = st.fmt.compute_scalars(layer)
+        for name, value in scalars.items():
             set_scalar_(layer, name, value)
+        st.kernel_scalars = tuple(scalars)
         st.scalars_dirty = False
     if done:
         st.flushes += 1
@@ -298,16 +331,20 @@ def _flush(layer: Layer, st: LayerState, chunk: int | None) -> int:
     return done
 
 
-def flush_all(end_session: bool = False) -> int:
-    """End of a weight-update entry point: every managed layer back to kernel layout (deferred while a
-    begin/end weight-update session is open, until its end)."""
+def flush_all(end_session: bool = False, model: torch.nn.Module | None = None) -> int:
+    """End of a weight-update entry point: every managed layer (of `model`, when given) back to kernel layout
+    (deferred while a begin/end weight-update session is open, until its end)."""
     if end_session:
         SESSION["open"] = False
     elif SESSION["open"]:
         return 0
     total = 0
     errors = []
-    for layer in managed_layers():
+    layers = managed_layers()
+    if model is not None:
+        mine = {id(m) for m in model.modules()}
+        layers = [layer for layer in layers if id(layer) in mine]
+    for layer in layers:
         try:
             total += flush(layer)
         except WeightPrepError as e:
@@ -322,21 +359,38 @@ def flush_all(end_session: bool = False) -> int:
 SESSION = {"open": False}
 
 
-def unprepare_all(model: torch.nn.Module | None = None) -> None:
+def unprepare_all(
+    model: torch.nn.Module | None = None, experts_of: Callable[[Layer], Sequence[int] | None] | None = None
+) -> int:
     """Every managed layer (of `model`, when given) back to checkpoint layout, in place (before loader-free refits
     that write straight into the parameters, e.g. a `begin_weight_update` session). The next flush prepares them
-    again; other models in the process (a draft model) keep running on their prepared weights meanwhile."""
+    again; other models in the process (a draft model) keep running on their prepared weights meanwhile.
+    `experts_of(layer)`: only those local experts of each layer (None: all of it; an empty list: none of it — a
+    writer that said which experts it writes, updates/session_writes.py). Returns the experts un-prepared."""
     SESSION["open"] = True
     layers = managed_layers()
     if model is not None:
         mine = {id(m) for m in model.modules()}
         layers = [layer for layer in layers if id(layer) in mine]
+    done = 0
     for layer in layers:
         st = state_of(layer)
         assert st is not None  # attach() gives a layer its state before it becomes a managed layer
+        only = None if experts_of is None else experts_of(layer)
         with st.lock:
-            for p in st.fmt.params:
-                _before_write(layer, st, p.name, None)
+            if only is None:
+                for p in st.fmt.params:
+                    _before_write(layer, st, p.name, None)
+                done += st.num_experts
+                continue
+            wanted = set(only)
+            for group, mask in st.prepared.items():
+                ids = [i for i in mask.nonzero().flatten().tolist() if i in wanted]
+                if ids:
+                    unprepare_locked(layer, st, group, ids)
+            st.scalars_dirty = True
+            done += len(wanted)
+    return done
 
 
 def on_reload_start() -> None:

@@ -34,6 +34,8 @@ CORE_MODULES = (
     "sglang_trtllm_moe.builtins.loader_hooks",
     "sglang_trtllm_moe.builtins.runner_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
+    "sglang_trtllm_moe.builtins.sessions",
+    "sglang_trtllm_moe.builtins.remote_instance",
     "sglang_trtllm_moe.builtins.runner_requests",
     "sglang_trtllm_moe.builtins.draft_updates",
     "sglang_trtllm_moe.builtins.selection_hooks",

@@ -94,11 +94,19 @@ def _check_custom_loader(out):
     assert out["layer_mib"] > 0
 
 
+def _check_h200_loader_free(out):
+    rows = out["rows"]
+    assert rows["check"]["read_backs"] == 1 and rows["hint_check"]["read_backs"] == 1  # one per session end
+    assert out["hint_experts"] == 2
+    assert rows["refused"] == {**rows["refused"], "answered": True, "fenced_expert_zero": True, "layer_clean": True}
+
+
 #: script -> (arguments, SGLang releases it needs or None, check of its JSON)
 SCRIPTS = {
     "h200_layouts.py": (["--tiny"], None, _check_h200_layouts),
     "h200_layouts_ncu.py": (["--tiny"], None, _check_ncu),
     "h200_update_path.py": (["--tiny"], None, _check_h200_update_path),
+    "h200_loader_free.py": (["--tiny"], None, _check_h200_loader_free),
     "layouts_cpu.py": (["--tiny"], ">=0.5.11", _check_layouts_cpu),
     "validation_overhead.py": (["--tiny"], ">=0.5.11", _check_validation_overhead),
     "model_update.py": (["--tiny"], ">=0.5.21", _check_model_update),

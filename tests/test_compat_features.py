@@ -84,6 +84,7 @@ def _distributed_update_skips_draft() -> bool:
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 FP4E = "sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe"
 MANAGER = "sglang.srt.managers.scheduler_components.weight_updater"
+EXPORTER = "sglang.srt.model_executor.model_runner_components.weight_exporter"
 
 PROBES = {
     "TOPK_REMAPS_OFF_GPU": _topk_remaps_off_gpu,
@@ -156,6 +157,22 @@ PROBES = {
     "UPDATE_SESSIONS": lambda: (
         _has(UPDATER, "WeightUpdater")
         and hasattr(importlib.import_module(UPDATER).WeightUpdater, "begin_weight_update")
+    ),
+    "LOADER_FREE_SESSIONS": lambda: (
+        _has(MANAGER, "SchedulerWeightUpdaterManager")
+        and hasattr(importlib.import_module(MANAGER).SchedulerWeightUpdaterManager, "end_weight_update")
+        and "run_post_load = not self._session.loaded_weights"
+        in _source(f"{MANAGER}:SchedulerWeightUpdaterManager.end_weight_update")
+        and "run_post_load"
+        in inspect.signature(importlib.import_module(UPDATER).WeightUpdater.end_weight_update).parameters
+    ),
+    "REMOTE_INSTANCE_LOADER": lambda: all(
+        hasattr(importlib.import_module("sglang.srt.model_loader.loader").RemoteInstanceModelLoader, m)
+        for m in ("load_model_from_remote_instance_by_nccl", "load_model_from_remote_instance_by_transfer_engine")
+    ),
+    "WEIGHT_EXPORTER": lambda: (
+        _has(EXPORTER, "WeightExporter")
+        and hasattr(importlib.import_module(EXPORTER).WeightExporter, "send_weights_to_remote_instance")
     ),
     "UPDATE_RUNNER_SELECTOR": lambda: (
         _has(MANAGER, "SchedulerWeightUpdaterManager")

@@ -376,6 +376,26 @@ def test_a_refused_checkpoint_changes_nothing_and_the_server_keeps_serving(run):
     assert run.generate() == run.ref["A"]["tokens"]
 
 
+def test_a_writers_hint_reaches_the_scheduler_in_the_begin_requests_rid(run):
+    """Issue #53 through the HTTP door: a loader-free writer says which experts its session writes in the `rid` of
+    `/begin_weight_update` (sglang_trtllm_moe.session_writes_rid). A malformed hint is refused before the session
+    opens (HTTP 400 naming it); a hinted session in which nothing is written returns exactly the named experts to
+    checkpoint layout and lays them out again at `/end_weight_update`: checksums and tokens unchanged."""
+    import sglang_trtllm_moe
+    from sglang_trtllm_moe.updates import session_writes
+
+    run.at("A")
+    before = run.checksums()
+    r = run.srv.post("/begin_weight_update", {"rid": session_writes.RID_PREFIX + "{not json"})
+    assert r.status == 400 and "not JSON" in r.body["message"], r
+    r = run.srv.post("/begin_weight_update", {"rid": sglang_trtllm_moe.session_writes_rid({"*": [0, 3]})})
+    assert r.ok, r
+    r = run.srv.post("/end_weight_update", {})
+    assert r.ok, r
+    assert run.checksums() == before
+    assert run.generate() == run.ref["A"]["tokens"]
+
+
 def test_a_nan_block_scale_is_refused_and_the_server_keeps_serving(run):
     """Issue #27 through slime's door: one NaN e4m3 byte in an NVFP4 block scale (2048 of them in that tensor; the
     old pre-check read none) — before, answered 200 and then every prompt came back as token 0; now HTTP 400 with

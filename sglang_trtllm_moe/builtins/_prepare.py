@@ -15,12 +15,18 @@ A quant method's `process_weights_after_loading` hook asks `take_over` once per 
 * SGLang's own preparation of this format is right on this release (compat/defer.py): SGLang prepares, the plugin
   only watches (validation of later writes, the emulator) — handed back;
 * else the plugin attaches its per-expert layout state and prepares in place — served.
-A hook calls SGLang's original, unchanged, whenever `take_over` returns False.
+A hook calls SGLang's original, unchanged, whenever `take_over` returns False (`sglang_prepares`).
+
+A new instance loading from a running one (`--load-format remote_instance`: builtins/remote_instance.py) holds the
+seed's bytes, already laid out: while it adopts them (`adopting`), `take_over` takes such a layer over as prepared
+(`layer_state.adopt`: nothing laid out twice, its kernel scalars computed), and SGLang's own preparation is not run
+(SGLang's remote loader never runs it there either; on laid-out bytes it would pack them twice).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from .. import layer_state
 from ..aside import check_layer
@@ -32,6 +38,33 @@ logger = logging.getLogger("sglang_trtllm_moe")
 
 #: what reading an object that is not the layer the plugin expects raises
 UNREADABLE = (AttributeError, TypeError, KeyError, IndexError)
+
+
+#: what a remote-instance load asks of `take_over` (builtins/remote_instance.py): ADOPT (the bytes are the seed's
+#: kernel layout), or a refusal's sentence (the bytes' layout cannot be known: start-up stops, naming the fix)
+ADOPT = "adopt"
+_ADOPTING = threading.local()
+
+
+def adopting() -> str | None:
+    return getattr(_ADOPTING, "mode", None)
+
+
+def set_adopting(mode: str | None) -> None:
+    _ADOPTING.mode = mode
+
+
+def sglang_prepares(original, method, layer, *args, **kwargs):
+    """SGLang's own process_weights_after_loading of a layer the plugin hands back — not while a remote-instance
+    load adopts a seed's bytes (`adopting`): there SGLang never runs it (upstream's remote loader), and on bytes the
+    seed laid out it would pack them twice."""
+    if adopting() is not None:
+        logger.debug(
+            "sglang-trtllm-moe: %s: remote-instance bytes kept as the seed laid them out (SGLang's own layer)",
+            layer_state.layer_name(layer),
+        )
+        return None
+    return original(method, layer, *args, **kwargs)
 
 
 def kw(args, kwargs, i: int, name: str):
@@ -95,17 +128,32 @@ def take_over(fmt, method, layer, side_attrs=None) -> bool:
         return _hand_back(layer, fmt, problem)
     _check_replay(layer)
     v = defer.verdict(fmt)
-    if v is not None and v.upstream_correct:
+    mode = adopting()
+    if v is not None and v.upstream_correct and not (mode == ADOPT and same_layout_as_sglangs(fmt)):
         layer_state.observe(layer, fmt)
+        if mode == ADOPT:
+            raise TrtllmLayerError(
+                f"{layer_state.layer_name(layer)}: SGLang prepares {fmt.name} layers itself on this release and "
+                "its remote-instance loader never runs that preparation on the new instance, whose layer would be "
+                "served half-prepared. Fix: load this model with --load-format auto"
+            )
         return _hand_back(layer, fmt, f"upstream is right for {fmt.name} on this release ({v.evidence})")
-    layer_state.attach(layer, fmt)
-    n = layer_state.flush(layer)
-    logger.info(
-        "sglang-trtllm-moe: %s: %s prepared in place for flashinfer_trtllm (%d expert groups)",
-        layer_state.layer_name(layer),
-        fmt.name,
-        n,
-    )
+    if mode is not None and mode != ADOPT:  # a remote instance's bytes of unknown layout: refused (the reason)
+        raise TrtllmLayerError(f"{layer_state.layer_name(layer)}: {mode}")
+    if mode == ADOPT:  # a remote instance's layer: the seed's kernel layout, taken over as prepared
+        layer_state.adopt(layer, fmt)
+        what = "adopted from the remote instance as laid out (nothing laid out again)"
+    else:
+        layer_state.attach(layer, fmt)
+        what = f"prepared in place for flashinfer_trtllm ({layer_state.flush(layer)} expert groups)"
+    logger.info("sglang-trtllm-moe: %s: %s %s", layer_state.layer_name(layer), fmt.name, what)
     if side_attrs is not None:
         side_attrs(method, layer)
     return True
+
+
+def same_layout_as_sglangs(fmt) -> bool:
+    """Whether a layer SGLang prepared itself holds exactly `fmt`'s kernel layout (its fused-MoE leaf reads it as
+    this format: `sglang_leaf`; or the format lays nothing out: its loaded layout is the kernel's): a remote
+    instance may then adopt a seed's bytes of such a layer as the plugin's."""
+    return fmt.sglang_leaf is not None or not any(p.permute_rows or p.sf_swizzle or p.block_major_k for p in fmt.params)

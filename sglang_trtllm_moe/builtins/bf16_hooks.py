@@ -8,7 +8,7 @@ from .. import hookimpl, layer_state
 from ..compat import features
 from ..formats import BF16, CT_NVFP4
 from ..targets import HookTarget
-from ._prepare import kw, take_over
+from ._prepare import kw, sglang_prepares, take_over
 
 UNQUANT = "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsFusedMoEMethod"
@@ -28,9 +28,9 @@ def process_weights_after_loading(original, method, layer, *args, **kwargs):
     """SGLang's own version re-lays every expert and reshapes the Parameters to 4-D (and on CPU would AMX-pack
     them): for a layer on flashinfer_trtllm the plugin prepares in place, per dirty expert, shape kept."""
     if not getattr(method, "use_flashinfer_trtllm_moe", False):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
     if not take_over(BF16, method, layer, _side_attrs):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
 
 
 def apply(original, method, *args, **kwargs):

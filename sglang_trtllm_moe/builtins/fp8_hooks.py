@@ -12,7 +12,7 @@ from .. import hookimpl
 from ..compat import features
 from ..formats import FP8_BLOCK, FP8_TENSOR, FP8_TENSOR_MODELOPT, MXFP8
 from ..targets import HookTarget
-from ._prepare import kw, take_over
+from ._prepare import kw, sglang_prepares, take_over
 
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 FP8_METHOD = "sglang.srt.layers.quantization.fp8.Fp8MoEMethod"
@@ -91,9 +91,9 @@ def fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
         return mx_hooks.fp8_method_process_weights_after_loading(original, method, layer, *args, **kwargs)
     fmt, _ = _fp8_method_format(method)
     if fmt is None:
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
     if not take_over(fmt, method, layer, _fp8_side_attrs):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
 
 
 def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, **kwargs):
@@ -104,11 +104,11 @@ def modelopt_fp8_process_weights_after_loading(original, method, layer, *args, *
 
         backend = get_moe_runner_backend()
     if not backend.is_flashinfer_trtllm() or not method.quant_config.is_checkpoint_fp8_serialized:
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
     # ModelOptFp8MoEMethod.apply reads the weights and the kernel scalars the flush sets (output1_scales_scalar,
     # output1_scales_gate_scalar, output2_scales_scalar); nothing else of SGLang's post-load is needed
     if not take_over(FP8_TENSOR_MODELOPT, method, layer):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
 
 
 @hookimpl

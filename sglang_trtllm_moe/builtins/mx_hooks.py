@@ -29,7 +29,7 @@ from ..formats.mxfp4_experts import MXFP4_EXPERTS
 from ..formats.mxfp4_gptoss import MXFP4_GPTOSS
 from ..formats.mxfp8 import MXFP8
 from ..targets import HookTarget
-from ._prepare import kw, take_over
+from ._prepare import kw, sglang_prepares, take_over
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -107,13 +107,13 @@ def fp8_method_process_weights_after_loading(original, method, layer, *args, **k
             "flashinfer_mxfp4 (SGLang's TRT-LLM-Gen MXFP4 path, which the plugin prepares in place), or auto"
         )
     if not getattr(method, "use_mxfp8", False) or not _on_trtllm():
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
     problem = mxfp8_problem(method, layer)
     if problem:
         hand_back(layer, "MXFP8 layer", problem)
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
     if not take_over(MXFP8, method, layer, _mxfp8_side_attrs):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
 
 
 # ---- MXFP4 experts on an FP8 config -----------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def _fp4_experts_side_attrs(method, layer) -> None:
 
 def fp4_experts_process_weights_after_loading(original, method, layer, *args, **kwargs):
     if getattr(layer, ALLOCATED, None) is None or not take_over(MXFP4_EXPERTS, method, layer, _fp4_experts_side_attrs):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
 
 
 def fp4_experts_apply(original, method, layer, dispatch_output, *args, **kwargs):
@@ -249,7 +249,7 @@ def _gptoss_side_attrs(method, layer) -> None:
 
 def gptoss_process_weights_after_loading(original, method, layer, *args, **kwargs):
     if not getattr(layer, GPTOSS_ALLOCATED, False) or not take_over(MXFP4_GPTOSS, method, layer, _gptoss_side_attrs):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
 
 
 def gptoss_apply(original, method, layer, dispatch_output, *args, **kwargs):

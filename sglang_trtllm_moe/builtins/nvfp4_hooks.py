@@ -14,7 +14,7 @@ from ..compat import features
 from ..errors import TrtllmLayerError
 from ..formats import CT_NVFP4, NVFP4, NVFP4_ONLINE, NVFP4_ONLINE_TENSOR
 from ..targets import HookTarget
-from ._prepare import UNREADABLE, kw, take_over
+from ._prepare import UNREADABLE, kw, sglang_prepares, take_over
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -51,9 +51,9 @@ def _modelopt_side_attrs(method, layer) -> None:
 def modelopt_process_weights_after_loading(original, method, layer, *args, **kwargs):
     ok, _ = _modelopt_serves(method, layer)
     if not ok:
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
     if not take_over(_modelopt_format(method), method, layer, _modelopt_side_attrs):
-        return original(method, layer, *args, **kwargs)
+        return sglang_prepares(original, method, layer, *args, **kwargs)
 
 
 def _modelopt_format(method):
@@ -158,9 +158,9 @@ def _ct_side_attrs(scheme, layer) -> None:
 
 def ct_process_weights_after_loading(original, scheme, layer, *args, **kwargs):
     if not getattr(scheme, "use_flashinfer_trtllm", False):
-        return original(scheme, layer, *args, **kwargs)
+        return sglang_prepares(original, scheme, layer, *args, **kwargs)
     if not take_over(CT_NVFP4, scheme, layer, _ct_side_attrs):
-        return original(scheme, layer, *args, **kwargs)
+        return sglang_prepares(original, scheme, layer, *args, **kwargs)
 
 
 def ct_apply_weights(original, scheme, layer, dispatch_output, *args, **kwargs):

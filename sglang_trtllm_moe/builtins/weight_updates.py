@@ -52,20 +52,8 @@ def drop_caches_before(*args, **kwargs):
     layer_state.on_reload_start()
 
 
-def unprepare_all_before(updater, *args, **kwargs):
-    """begin_weight_update: the session's model (WeightUpdater.get_model) to checkpoint layout."""
-    layer_state.on_reload_start()
-    rollback.forget(updater.get_model())
-    layer_state.unprepare_all(updater.get_model())
-
-
 def flush_after(result, *args, **kwargs):
     layer_state.flush_all()
-    return None
-
-
-def end_session_after(result, *args, **kwargs):
-    layer_state.flush_all(end_session=True)
     return None
 
 
@@ -438,25 +426,3 @@ def register_sglang_hooks(register, release):
                 why="drop cached layout index maps so none survives a pause/resume",
             )
         )
-    register(
-        HookTarget(
-            f"{UPDATER}.end_weight_update",
-            end_session_after,
-            "after",
-            releases=features.UPDATE_SESSIONS.releases,
-            capability="rl-update",
-            group="update-session",
-            why="the session is over: prepare everything it wrote",
-        )
-    )
-    register(
-        HookTarget(
-            f"{UPDATER}.begin_weight_update",
-            unprepare_all_before,
-            "before",
-            releases=features.UPDATE_SESSIONS.releases,
-            capability="rl-update",
-            group="update-session",
-            why="a begin/end session may write straight into parameters: every managed layer to checkpoint layout",
-        )
-    )

@@ -171,6 +171,26 @@ UPDATE_SESSIONS = Feature(
     ">=0.5.21",
     "WeightUpdater.begin_weight_update / end_weight_update sessions and restore_weights_before_loading exist",
 )
+LOADER_FREE_SESSIONS = Feature(
+    ">=0.5.21",
+    "SchedulerWeightUpdaterManager.end_weight_update calls WeightUpdater.end_weight_update(run_post_load=True) when "
+    "no update_weights_from_tensor / _distributed loaded in the session (P2P / RDMA writers put raw bytes into the "
+    "parameters), and answers success whatever its runners did: the plugin checks what such a session wrote and "
+    "answers for it",
+)
+REMOTE_INSTANCE_LOADER = Feature(
+    ">=0.5.11",
+    "--load-format remote_instance (model_loader/loader.py RemoteInstanceModelLoader): backends nccl (the seed "
+    "broadcasts its named_parameters in order: send_weights_to_remote_instance) and transfer_engine (the new "
+    "instance RDMA-reads each of its named_parameters from the seed's by name, numel and element size), then only "
+    "post_load_weights: process_weights_after_loading never runs there; modelexpress (a peer's bytes, or "
+    "DefaultModelLoader when no peer has them)",
+)
+WEIGHT_EXPORTER = Feature(
+    ">=0.5.16",
+    "the seed's send_weights_to_remote_instance (nccl backend) lives in model_runner_components.weight_exporter."
+    "WeightExporter (a ModelRunner method before)",
+)
 UPDATE_RUNNER_SELECTOR = Feature(
     ">=0.5.21",
     "the scheduler's SchedulerWeightUpdaterManager loads a disk update into every runner and a tensor / distributed "

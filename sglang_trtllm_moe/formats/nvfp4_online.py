@@ -106,6 +106,9 @@ class NvFp4Online(NvFp4):
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "nvfp4_online"
 
+    #: `compute_scalars` refills them with 1.0 at every flush
+    recomputed_params = ("w13_input_scale", "w2_input_scale")
+
     def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
         """ModelOpt NVFP4's scalars with a1 = a2 = 1 (NvFp4 reads `use_per_token_activation`). The static input
         scales are never loaded online; SGLang 0.5.23 allocates them unfilled (torch.empty: whatever the allocator

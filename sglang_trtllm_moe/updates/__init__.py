@@ -26,4 +26,12 @@ Writing and undoing:
 * `rollback.py` — a failed disk update changes nothing (replay of unchanged checkpoints, or a host snapshot);
 * `undo.py` — a failed request of a custom weight loader (`--custom-weight-loader`: verl's sparse delta) changes
   nothing (host copies of what it writes, taken before the first write).
+
+Bytes that never pass through a loader (P2P / RDMA writers inside a weight-update session):
+
+* `loader_free.py` — the end of such a session: the values a load would refuse, found before anything is laid out;
+  refused experts fenced as zero experts;
+* `session_writes.py` — the writer's hint (which experts a session writes);
+* `writer_contract.py` — what such a writer writes into each parameter, traced from SGLang's own loader, and what
+  the end of the session lays out and recomputes.
 """

@@ -198,6 +198,10 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         "speculative draft MoE",
         (("tests/test_draft_moe.py", None), ("tests/test_draft_before_selector.py", None)),
     ),
+    # bytes that never pass through a loader (issue #53): P2P / RDMA writes inside a weight-update session (0.5.21+:
+    # sessions that end with run_post_load), and new instances booting from a running one's memory (every release)
+    ("loader_free", "RL update: loader-free session (P2P / RDMA)", (("tests/test_loader_free.py", None),)),
+    ("remote_instance", "remote-instance boot", (("tests/test_remote_instance.py", None),)),
     # EPLB / redundant experts: SGLang's own rebalance moves plugin-prepared experts between slots, then RL updates
     # land in every replica (one layer on every release, whole models 0.5.21+), and between two EP ranks with its
     # P2P ops (gloo; 0.5.21+)
@@ -270,6 +274,22 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     Requirement(
         "tests/test_batched_writes.py::test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader[nvfp4_online_tensor",
+        ">=0.5.18",
+        "--quantization modelopt_fp4 on a BF16 checkpoint (_ModelOptFp4OnlineConfig) arrives upstream in 0.5.18",
+    ),
+    Requirement(
+        "tests/test_remote_instance.py::test_a_transfer_engine_boot_serves_exactly_what_the_seed_serves[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
+        "tests/test_remote_instance.py::test_a_transfer_engine_boot_serves_exactly_what_the_seed_serves[nvfp4_online",
+        ">=0.5.14",
+        "--quantization nvfp4_online (layers/quantization/nvfp4_online.py) arrives upstream in 0.5.14",
+    ),
+    Requirement(
+        "tests/test_remote_instance.py::test_a_transfer_engine_boot_serves_exactly_what_the_seed_serves[nvfp4_online_tensor",
         ">=0.5.18",
         "--quantization modelopt_fp4 on a BF16 checkpoint (_ModelOptFp4OnlineConfig) arrives upstream in 0.5.18",
     ),

@@ -50,6 +50,14 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("draft_moe",),
     ),
     ("a whole model on sglang.Engine (serve + RL updates end to end)", ("engine",)),
+    (
+        "RL update by P2P / RDMA writes in a session (loader-free: checked, laid out, refused values fenced)",
+        ("loader_free",),
+    ),
+    (
+        "boot a new instance from a running one (--load-format remote_instance, nccl / transfer_engine)",
+        ("remote_instance",),
+    ),
 )
 
 #: the longest note the README shows (the whole note is in docs/COMPAT.md)

@@ -24,7 +24,8 @@ class Layout:
     """MUST define: `params` (a ParamLayout per laid-out parameter) and `upstream_verdicts` (who prepares it on each
     release: compat/defer.py).
 
-    MAY define: `scalar_params` + `compute_scalars` (kernel scalars recomputed at every flush), `check_layout`
+    MAY define: `scalar_params` + `compute_scalars` (kernel scalars recomputed at every flush; `recomputed_params`:
+    the scalar parameters it rewrites itself), `check_layout`
     (extra shape rules; call super), `row_map` (a format-specific half order), `tensor` / `on_layout` (a release
     that shows a prepared parameter in another shape), `prepared_at_attach`, `sglang_leaf`."""
 
@@ -38,6 +39,10 @@ class Layout:
     upstream_verdicts: tuple[Verdict, ...] = MUST
     #: parameters whose writes only change scalars (recomputed at every flush)
     scalar_params: ClassVar[tuple[str, ...]] = ()
+    #: of those, the ones `compute_scalars` rewrites itself at every flush (what was loaded into them is never read:
+    #: nvfp4_online's static input scales, refilled with 1.0): not a loader-free writer's to write, and not checked
+    #: at the end of its session (updates/loader_free.py, the writer's contract: formats/contract.py)
+    recomputed_params: ClassVar[tuple[str, ...]] = ()
     #: SGLang's fused-MoE leaf ("fp4" | "fp8" | "bf16") on which a layer SGLang prepared itself holds exactly this
     #: format's kernel layout, so the emulator can run it as this format (`formats.sglang_prepared`); None = no leaf
     #: of SGLang's own preparation is read as this format (FP8 layers SGLang prepares are MXFP8 or its own
