@@ -32,7 +32,7 @@ from .test_batched_writes import differences
 
 
 def _spec(kind):
-    return cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128, fmt=kind)
+    return cpu_layers.MoeSpec(num_experts=4, hidden=256, fmt=kind)  # I: the kind's own (INT4: 256)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -176,8 +176,13 @@ def _zero_experts(layer, fmt, e: int, local: list[int]) -> None:
     keep[index] = False
     for p in fmt.params:
         t = fmt.tensor(layer, p)
-        # every byte 0: 0.0 in e2m1, e4m3, bf16 and float32; e8m0's smallest scale (its weights are 0 anyway)
-        (t.view(torch.uint8) if t.element_size() == 1 else t).index_fill_(0, index.to(t.device), 0)
+        # every byte 0: 0.0 in e2m1, e4m3, bf16 and float32; e8m0's smallest scale (its weights are 0 anyway); a
+        # layout that flips bits (INT4: checkpoint nibble 8 is the value 0) gets the bytes it lays out as 0
+        xor = getattr(p, "byte_xor", 0)
+        if xor:
+            t.view(torch.uint8).index_fill_(0, index.to(t.device), xor)
+        else:
+            (t.view(torch.uint8) if t.element_size() == 1 else t).index_fill_(0, index.to(t.device), 0)
     for name in fmt.scalar_params:
         t = getattr(layer, name, None)
         if not isinstance(t, torch.Tensor) or not t.numel():
