@@ -40,7 +40,8 @@ pytestmark = pytest.mark.sglang(
 )
 
 LAYER = "model.layers.0.mlp.experts"
-SPECS = {kind: cpu_layers.MoeSpec(num_experts=4, hidden=256, fmt=kind) for kind in cpu_layers.LAYERS}  # I: the kind's own
+# each kind at its own intermediate (INT4: 256, what its kernel needs)
+SPECS = {kind: cpu_layers.MoeSpec(num_experts=4, hidden=256, fmt=kind) for kind in cpu_layers.LAYERS}
 SPECS["nvfp4-I96-padded"] = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=96, fmt="nvfp4")
 SPECS["nvfp4-relu2"] = cpu_layers.MoeSpec(
     num_experts=4, hidden=256, intermediate=128, fmt="nvfp4", gated=False, activation="relu2"

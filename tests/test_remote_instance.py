@@ -26,7 +26,8 @@ from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from .support import remote_instance as R
 from .support import sglang_runtime
 
-SPECS = {kind: cpu_layers.MoeSpec(num_experts=4, hidden=256, fmt=kind) for kind in cpu_layers.LAYERS}  # I: the kind's own
+# each kind at its own intermediate (INT4: 256, what its kernel needs)
+SPECS = {kind: cpu_layers.MoeSpec(num_experts=4, hidden=256, fmt=kind) for kind in cpu_layers.LAYERS}
 SPECS["nvfp4-I96-padded"] = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=96, fmt="nvfp4")
 KINDS = sorted(SPECS)
 #: the NCCL path (a forked seed per case): one kind per layout family
