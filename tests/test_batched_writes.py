@@ -289,16 +289,19 @@ def test_experts_of_another_ep_rank_are_dropped_and_the_others_land_in_their_slo
 
 
 def test_a_broken_batched_write_is_caught(monkeypatch):
-    """The comparison sees a wrong batched write: expert ids shifted by one slot."""
+    """The comparison sees a wrong batched write: expert ids shifted by one slot (where the request's name index
+    asks SGLang's loader for an expert's slots)."""
+    from sglang_trtllm_moe.updates import name_index
+
     spec = SPECS["nvfp4"]
-    real = batched_writes.local_slots
+    real = name_index.local_slots
 
     def shifted(layer, param, weight_name, shard_id, expert_id, tensor):
         return tuple(
             (s + 1) % int(param.shape[0]) for s in real(layer, param, weight_name, shard_id, expert_id, tensor)
         )
 
-    monkeypatch.setattr(batched_writes, "local_slots", shifted)
+    monkeypatch.setattr(name_index, "local_slots", shifted)
     batched, per_tensor, _, taken = _run_both(spec, _requests(spec, "partial"))
     assert taken and differences(batched, per_tensor)
 

@@ -130,6 +130,7 @@ class Checks:
         self.on = False
         self.seen: collections.Counter = collections.Counter()
         self.where: collections.Counter = collections.Counter()
+        self.alive: list = []
 
     @contextlib.contextmanager
     def counting(self):
@@ -142,20 +143,36 @@ class Checks:
 
 @pytest.fixture
 def checks(monkeypatch):
+    """Counts the request's per-tensor check (a plan's `tensor_code`, where the name's own checks were made once),
+    a plan's `accepts` (the loader hooks, and a request's writes SGLang converts) and the full checks."""
     c = Checks()
-    accepts, full = write_plans.WritePlan.accepts, validation._check_write
+    code, accepts, full = write_plans.WritePlan.tensor_code, write_plans.WritePlan.accepts, validation._check_write
+    inside = threading.local()
+
+    def counted_code(plan, loaded, *a):
+        if c.on and not getattr(inside, "on", False):
+            c.alive.append(loaded)  # no id reused while counting
+            c.seen[(plan.name, id(loaded))] += 1
+            c.where["entry"] += 1
+        return code(plan, loaded, *a)
 
     def counted_accepts(plan, layer, param, loaded, weight_name, shard_id, expert_id, scope, *a):
         if c.on:
-            c.seen[(plan.name, shard_id, int(expert_id))] += 1
+            c.alive.append(loaded)
+            c.seen[(plan.name, id(loaded))] += 1
             c.where["entry" if isinstance(a[-1], list) else f"loader/{scope}"] += 1
-        return accepts(plan, layer, param, loaded, weight_name, shard_id, expert_id, scope, *a)
+        inside.on = True
+        try:
+            return accepts(plan, layer, param, loaded, weight_name, shard_id, expert_id, scope, *a)
+        finally:
+            inside.on = False
 
     def counted_full(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values):
         if c.on:
             c.where[f"full/{scope}"] += 1
         return full(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values)
 
+    monkeypatch.setattr(write_plans.WritePlan, "tensor_code", counted_code)
     monkeypatch.setattr(write_plans.WritePlan, "accepts", counted_accepts)
     monkeypatch.setattr(validation, "_check_write", counted_full)
     return c

@@ -4,146 +4,178 @@ headers) that targets a managed layer is checked before any of it is loaded.
 
 SGLang loads a list in order: a bad 5th tensor would leave the first four written, and a disk update restores
 every layer before it reads the first tensor. One bad tensor refuses the whole request (`BucketRefused`); the entry
-point hooks (builtins/weight_updates.py) return it as (False, message). Each tensor is checked by the same rules as
-one loader write (validation.py); the values of a whole request are checked at once (value_checks.py: at most one
-device synchronisation per device), and a checkpoint directory's from its files, one tensor at a time."""
+point hooks (builtins/weight_updates.py, through updates/request.py) return it as (False, message). Each tensor is
+checked by the same rules as one loader write (its parameter's write plan, write_plans.py: the name's own checks once
+per name and plan, the tensor's device, dtype and shape per tensor; the full checks of validation.py only to explain a
+refusal); the values of a whole request are checked at once (value_checks.py: at most one device synchronisation per
+device), and a checkpoint directory's from its files, one tensor at a time.
+
+Rank-local (`local_only`, where a request's ranks answer it together: updates/verdicts.py): a tensor of an expert
+this rank does not hold (name_index.Target.slots == ()) costs a look-up and is not checked here — the rank that holds
+it checks it, and every rank refuses what any rank refused."""
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 
-from .. import layer_attrs, layer_state
 from ..errors import WeightUpdateRefused
 from ..layer_state import layer_name, state_of
 from . import checkpoint_headers, value_checks
 from .checked_writes import Checked
-from .layer_params import PROJECTIONS, format_of, managed_names, param_name, param_view
+from .layer_params import format_of, managed_names, param_name, param_view
+from .name_index import OTHER, Target, expert_targets, index_of, layer_at, managed_modules
 from .refusal import NOTHING_WRITTEN, Refusal, ValueJob
 from .validation import check_planned, check_tensor, validate_fused
 from .write_plans import plan_of
+
+__all__ = [
+    "BucketRefused",
+    "Findings",
+    "check_bucket",
+    "check_checkpoint",
+    "check_items",
+    "check_values",
+    "expert_targets",
+    "managed_modules",
+    "refusal_text",
+]
 
 
 class BucketRefused(WeightUpdateRefused):
     """A whole update bucket refused before any of it was loaded."""
 
 
-class _ModelCache:
-    """What a model's requests look up again and again: its managed layers (one walk of `named_modules`), and what
-    each checkpoint name below them resolves to. Valid while no layer is attached or observed anywhere
-    (layer_state.generation)."""
+class Findings:
+    """What one model's check of a request found, before its values are checked: `problems` ((index of the item,
+    message)), `writes` (a direct write's (layer, parameter name) pairs), `jobs` (value checks: (tensor, rule, index,
+    ValueJob or Target)), `resolved` (indices of the items whose names resolve to a layer here: checked, or another
+    rank's), `checked` ((index, Target) of the expert tensors checked and accepted)."""
 
-    #: names resolved per model at most (a bound on the cache; names past it are resolved every time)
-    MAX_NAMES = 1 << 20
+    __slots__ = ("problems", "writes", "jobs", "resolved", "checked")
 
-    def __init__(self, generation: int, layers: dict):
-        self.generation = generation
-        self.layers = layers
-        #: checkpoint name -> [layer, param name, shard id, expert id, its write plan] | None (not an expert tensor of
-        #: a layer here)
-        self.targets: dict = {}
-
-
-_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CACHES_LOCK = threading.Lock()
+    def __init__(self):
+        self.problems: list[tuple[int, str]] = []
+        self.writes: list = []
+        self.jobs: list[tuple] = []
+        self.resolved: list[int] = []
+        self.checked: list[tuple[int, Target]] = []
 
 
-def _cache_of(model) -> _ModelCache:
-    gen = layer_state.generation()
-    try:
-        c = _CACHES.get(model)
-    except TypeError:  # not weak-referenceable / hashable: nothing cached
-        return _ModelCache(gen, _managed_modules(model))
-    if c is None or c.generation != gen:
-        c = _ModelCache(gen, _managed_modules(model))
-        with _CACHES_LOCK:
-            _CACHES[model] = c
-    return c
+def _epoch() -> int:
+    _EPOCH[0] += 1
+    return _EPOCH[0]
 
 
-def managed_modules(model) -> dict[str, object]:
-    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path, the
-    checkpoint prefix SGLang's model code built it with, and the path from "layers." on where only one layer has
-    it (checkpoints name the model root their own way: Nemotron-H's "backbone." is SGLang's "model."). Walked once
-    per model (again after a layer anywhere is attached or observed)."""
-    return _cache_of(model).layers
+_EPOCH = [0]
 
 
-def _managed_modules(model) -> dict[str, object]:
-    out: dict[str, object] = {}
-    tails: dict[str, list] = {}
-    for path, m in model.named_modules():
-        if format_of(m) is not None:
-            out[path] = m
-            prefix = getattr(m, layer_attrs.PREFIX, None)
-            if prefix:
-                out.setdefault(prefix, m)
-            tail = _from_layers(path)
-            if tail:
-                tails.setdefault(tail, []).append(m)
-    for tail, ms in tails.items():
-        if len(ms) == 1:
-            out.setdefault(tail, ms[0])
-    for alias, m in _nextn_aliases(model, out).items():
-        out.setdefault(alias, m)
+def check_items(
+    model,
+    named_tensors,
+    direct: bool = False,
+    skip=frozenset(),
+    headers: bool = False,
+    local_only: bool = False,
+    index=None,
+) -> Findings:
+    """Every item of a request that targets a layer of `model` the plugin manages or watches, checked but for its
+    values (`check_values` next). direct / skip / headers: as `check_bucket`. local_only: a tensor of another rank's
+    expert is not checked (its rank checks it). index: the model's name index, current (name_index.index_of)."""
+    out = Findings()
+    idx = index if index is not None else index_of(model)
+    if not idx.layers:
+        return out
+    get = idx.get
+    epoch = _epoch()
+    problems, jobs, resolved, checked = out.problems, out.jobs, out.resolved, out.checked
+    for i, item in enumerate(named_tensors):
+        if type(item) is not tuple or len(item) != 2:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                continue
+        name, tensor = item
+        if type(name) is not str:
+            if not isinstance(name, str):
+                continue
+        if skip and id(tensor) in skip:
+            continue
+        if direct:  # parameter names only: "<layer>.<param>"
+            if layer_at(idx.layers, name.rpartition(".")[0]) is not None:
+                resolved.append(i)
+                _check_other(idx.layers, i, name, tensor, direct, out)
+            continue
+        target = get(name)
+        if target is None:
+            continue  # not an expert tensor of a managed layer: SGLang's behaviour
+        resolved.append(i)
+        if target is OTHER:
+            _check_other(idx.layers, i, name, tensor, direct, out)
+            continue
+        slots = target.slots
+        if local_only and slots is not None and not slots:
+            continue  # another rank's expert: that rank checks it (and SGLang's loader drops it here)
+        ps = target.ps
+        if ps.epoch != epoch:  # the parameter and its plan, looked up once per request
+            ps.epoch, ps.param = epoch, ps.layer._parameters.get(ps.pname)
+            ps.plan = plan_of(ps.layer, ps.param) if ps.param is not None else None
+        plan = ps.plan
+        if plan is None or plan.rule is None:
+            layer, fmt = ps.layer, format_of(ps.layer)
+            if ps.param is None or fmt is None or fmt.load_rule(param_name(layer, ps.param, fmt)) is None:
+                problems.append(
+                    (
+                        i,
+                        f"{layer_name(layer)}: {name}: no parameter {ps.pname} of this layer takes it "
+                        f"(its checkpoint parameters: {managed_names(layer, fmt)})",
+                    )
+                )
+                continue
+        if not isinstance(tensor, torch.Tensor):
+            continue  # unwrapped later by SGLang; the per-shard check applies
+        if plan is not None and target.ok is not plan and plan.name_ok(name, ps.shard, target.expert, "global"):
+            target.ok = plan  # the name's own checks (weight name, shard, expert range), once per name and plan
+        if plan is not None and target.ok is plan and not plan.converts:
+            code = plan.tensor_code(tensor, headers)  # the tensor's own: device, dtype, shape; its value rule
+            if code is not None:
+                if code and tensor.numel():
+                    jobs.append((tensor, code, i, target))
+                checked.append((i, target))
+                continue
+        # everything else (a write SGLang converts, a refusal): the plan's whole path, which explains a refusal
+        found: list = []
+        try:
+            hit = check_planned(
+                plan, ps.layer, ps.param, tensor, name, ps.shard, target.expert, "global", headers, found
+            )
+        except WeightUpdateRefused as e:
+            problems.append((i, str(e)))
+            continue
+        for job in found:
+            job.name = name
+            jobs.append((job.tensor, job.code, i, job))
+        if hit is not None:
+            checked.append((i, target))
     return out
 
 
-#: where SGLang's NextN / MTP draft classes (`*NextN`: DeepSeek-V3/V4, GLM-5, Hunyuan, LongCat) build their one
-#: decoder layer; their loaders read it from the checkpoint's "model.layers.{N}." (N = num_hidden_layers, 0 for a
-#: one-layer config: deepseek_common/deepseek_weight_loader.py `_initialize_nextn_conf`)
-NEXTN_DECODER = "model.decoder."
+def check_values(findings: Findings) -> None:
+    """The values of every job of `findings` at once (value_checks.find_bad: at most one device synchronisation per
+    device); a refusal per bad one, added to its problems."""
+    jobs = findings.jobs
+    if not jobs:
+        return
+    bad = value_checks.find_bad([(j[0], j[1]) for j in jobs])
+    findings.problems.extend((jobs[b][2], _value_refusal(jobs[b])) for b in bad)
+    findings.problems.sort(key=lambda p: p[0])
 
 
-def _nextn_aliases(model, found: dict) -> dict:
-    """The checkpoint names of a speculative draft's MoE layers: without them a request's draft experts resolve to
-    no layer here, and are checked only write by write in the loader hook (a bad one after good ones: a partial
-    write)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or not type(model).__name__.endswith("NextN") or not getattr(cfg, "num_nextn_predict_layers", 0):
-        return {}
-    n = 0 if cfg.num_hidden_layers == 1 else cfg.num_hidden_layers
-    head = f"model.layers.{n}."
-    return {head + path[len(NEXTN_DECODER) :]: m for path, m in found.items() if path.startswith(NEXTN_DECODER)}
-
-
-def _from_layers(path: str) -> str | None:
-    at = path.find("layers.")
-    return path[at:] if at > 0 and path[at - 1] == "." else None
-
-
-def _layer_at(layers: dict, path: str):
-    layer = layers.get(path)
-    if layer is None:
-        tail = _from_layers(path)
-        layer = layers.get(tail) if tail else None
-    return layer
-
-
-def _resolve(layer, rest: str):
-    """A checkpoint name below a managed layer, "<expert>.<projection>.<suffix>" -> (param name, shard id, expert
-    id); None when it is not of that form."""
-    parts = rest.split(".")
-    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in PROJECTIONS:
-        return None
-    shard = PROJECTIONS[parts[1]]
-    if shard == "w3" and not format_of(layer).is_gated(layer):
-        shard = "w1"  # non-gated checkpoints name their one GEMM1 projection up_proj; SGLang loads it as w1
-    return f"{'w2' if shard == 'w2' else 'w13'}_{parts[2]}", shard, int(parts[0])
-
-
-def _check_full(layer, fmt, pname, param, tensor, name, jobs: list) -> None:
-    """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts.
-    Its shape: the parameter's [experts, rows, cols] view where the plugin manages the layer (it returns the group
-    to checkpoint layout, and that shape, before SGLang writes), else the parameter's shape as SGLang shows it."""
-    refuse = Refusal(layer, pname, None, None, what=f"whole-parameter write {name!r}")
-    view = param_view(layer, fmt, pname, param)
-    whole = view.shape if state_of(layer) is not None else param.shape
-    check_tensor(
-        layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole, values=jobs
-    )
+def _value_refusal(job, tensor: torch.Tensor | None = None) -> str:
+    """The refusal of a value job (its values, or `tensor`: its values read from the files)."""
+    maker = job[3]
+    if isinstance(maker, ValueJob):
+        return maker.refusal(tensor)
+    ps = maker.ps
+    vj = ValueJob(job[0], job[1], ps.plan.rule, (ps.layer, ps.plan.name, ps.shard, maker.expert))
+    return vj.refusal(tensor)
 
 
 def check_bucket(
@@ -154,12 +186,14 @@ def check_bucket(
     headers: bool = False,
     what: str = "weight-update bucket",
     record: Checked | None = None,
+    local_only: bool = False,
 ) -> list:
-    """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
-    one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
-    below a managed layer that no parameter of it takes are refused too; other names are left to SGLang. The values
-    of all tensors are checked at once, after their names, dtypes and shapes (at most one device synchronisation
-    per device of the bucket: value_checks.find_bad).
+    """Validate every tensor of an update bucket that targets a managed layer of `model` before any of the bucket
+    is loaded: one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt).
+    Names below a managed layer that no parameter of it takes are refused too; other names are left to SGLang. The
+    values of all tensors are checked at once, after their names, dtypes and shapes (at most one device
+    synchronisation per device of the bucket: value_checks.find_bad). This rank's verdict alone: a request whose
+    ranks answer together checks through updates/request.py.
 
     direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
     direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
@@ -169,18 +203,32 @@ def check_bucket(
     checked here (check_checkpoint reads them).
     record: a `checked_writes.Checked` of the request: once the whole bucket passed, every expert write it validated is
     recorded there, so the loader hooks do not check it again."""
-    entries: list | None = [] if record is not None and not headers else None
-    problems, writes, jobs = _check_items(model, named_tensors, direct, skip, headers, entries)
+    found = check_items(model, named_tensors, direct, skip, headers, local_only)
     if not headers:
-        problems += [jobs[i].refusal() for i in value_checks.find_bad([(j.tensor, j.code) for j in jobs])]
-    _raise(problems, what, len(named_tensors))
-    if entries:
-        record.add_tensors(entries)  # type: ignore[union-attr]
-    return writes
+        check_values(found)
+    if found.problems:
+        raise BucketRefused(refusal_text(found.problems, what, len(named_tensors)))
+    if record is not None and not headers:
+        record.add_checked(named_tensors, found.checked)
+    return found.writes
+
+
+def refusal_text(problems: list[tuple[int, str]], what: str, n: int, refused: int | None = None) -> str:
+    """The message of a whole request of `n` tensors refused for `problems` ((index, message), the first tensor
+    first; `refused` of them in all, where more were refused than named)."""
+    texts = [p.removesuffix(NOTHING_WRITTEN) for _, p in problems]  # said once for the whole request below
+    count = max(len(texts), refused or 0)
+    more = f" (and {count - 3} more)" if count > 3 else ""
+    return (
+        f"refused the whole {what} ({n} tensors, {count} refused): "
+        + " | ".join(texts[:3])
+        + more
+        + "; nothing of it was written"
+    )
 
 
 def check_checkpoint(
-    model, files, keep=None, what: str = "checkpoint", record: Checked | None = None
+    model, files, keep=None, what: str = "checkpoint", record: Checked | None = None, local_only: bool = False
 ) -> checkpoint_headers.Headers:
     """A disk update's checkpoint directory, whole, before SGLang touches the model: every file readable and as long
     as its header says; every tensor that targets a managed layer checked from its header (name, shard, expert,
@@ -190,20 +238,28 @@ def check_checkpoint(
     (parameter, shard, expert) of every tensor whose values were read and checked here is recorded there, so the
     loader hooks check only the structure of SGLang's writes of them while the update runs (the caller makes sure
     the files did not change meanwhile: rollback.fingerprint)."""
-    headers = checkpoint_headers.read_headers(files, keep)
-    entries: list | None = [] if record is not None else None
-    problems, _, jobs = _check_items(model, headers.tensors, False, frozenset(), True, entries)
-    problems = headers.problems + problems + _unpaired_halves(model, headers.tensors)
-    if not problems and jobs:
-        wanted = {j.name: j for j in jobs}
-        try:
-            problems += _check_read_values(headers, wanted)
-        except OSError as e:
-            problems.append(f"{type(e).__name__}: {e}")
-    _raise(problems, what, len(headers.tensors))
-    if entries:  # every value of theirs with a value rule was read and checked above
-        record.add_from_files(entries)  # type: ignore[union-attr]
+    headers, found = checkpoint_findings(model, files, keep, local_only)
+    if found.problems:
+        raise BucketRefused(refusal_text(found.problems, what, len(headers.tensors)))
+    if record is not None:
+        record.add_from_files(headers.tensors, found.checked)
     return headers
+
+
+def checkpoint_findings(model, files, keep=None, local_only: bool = False, headers=None):
+    """(headers, Findings) of a checkpoint directory against `model`'s layers: the headers' problems (index -1),
+    each tensor's, and the values of every scale read from the files."""
+    if headers is None:
+        headers = checkpoint_headers.read_headers(files, keep)
+    found = check_items(model, headers.tensors, headers=True, local_only=local_only)
+    found.problems[:0] = [(-1, p) for p in headers.problems]
+    found.problems += [(-1, p) for p in _unpaired_halves(model, headers.tensors)]
+    if not found.problems and found.jobs:
+        try:
+            found.problems += _check_read_values(headers, found.jobs)
+        except OSError as e:
+            found.problems.append((-1, f"{type(e).__name__}: {e}"))
+    return headers, found
 
 
 def _unpaired_halves(model, named_tensors) -> list[str]:
@@ -212,7 +268,7 @@ def _unpaired_halves(model, named_tensors) -> list[str]:
     expert, and still hold it in the next update (which then fails: "got two w1 tensors"). A tensor bucket may hold
     one half (its partner can come in a later call of the same session, where SGLang pairs them); a checkpoint is
     the whole request."""
-    if not any((f := format_of(m)) is not None and f.pairs_sources for m in _cache_of(model).layers.values()):
+    if not any((f := format_of(m)) is not None and f.pairs_sources for m in managed_modules(model).values()):
         return []  # no layer here pairs its sources: nothing to look at (one pass over the layers)
     halves: dict = {}
     items = [it for it in named_tensors if isinstance(it, (list, tuple)) and len(it) == 2]
@@ -235,16 +291,18 @@ def _unpaired_halves(model, named_tensors) -> list[str]:
     ]
 
 
-def _check_read_values(headers, wanted: dict) -> list[str]:
+def _check_read_values(headers, jobs: list) -> list[tuple[int, str]]:
     """The values of the jobs' tensors, read from the checkpoint's files: checked at once per chunk read (at most
     checkpoint_headers.CHUNK_BYTES held); the refusals of those that break their rule."""
-    problems: list[str] = []
+    names = headers.tensors
+    wanted = {names[j[2]][0]: j for j in jobs}
+    problems: list[tuple[int, str]] = []
     held: list = []
     size = 0
 
     def check():
-        bad = value_checks.find_bad([(t, wanted[n].code) for n, t in held])
-        problems.extend(wanted[held[i][0]].refusal(held[i][1]) for i in bad)
+        bad = value_checks.find_bad([(t, wanted[n][1]) for n, t in held])
+        problems.extend((wanted[held[i][0]][2], _value_refusal(wanted[held[i][0]], held[i][1])) for i in bad)
         held.clear()
 
     for name, tensor in checkpoint_headers.read_tensors(headers, list(wanted)):
@@ -258,172 +316,60 @@ def _check_read_values(headers, wanted: dict) -> list[str]:
     return problems
 
 
-def _raise(problems: list[str], what: str, n: int) -> None:
-    if problems:
-        problems = [p.removesuffix(NOTHING_WRITTEN) for p in problems]  # said once for the whole request below
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise BucketRefused(
-            f"refused the whole {what} ({n} tensors, {len(problems)} refused): "
-            + " | ".join(problems[:3])
-            + more
-            + "; nothing of it was written"
-        )
+def _check_full(layer, fmt, pname, param, tensor, name, jobs: list) -> None:
+    """A whole-parameter write (load_format="direct"): SGLang's default_weight_loader copies it over all experts.
+    Its shape: the parameter's [experts, rows, cols] view where the plugin manages the layer (it returns the group
+    to checkpoint layout, and that shape, before SGLang writes), else the parameter's shape as SGLang shows it."""
+    refuse = Refusal(layer, pname, None, None, what=f"whole-parameter write {name!r}")
+    view = param_view(layer, fmt, pname, param)
+    whole = view.shape if state_of(layer) is not None else param.shape
+    check_tensor(
+        layer, fmt, fmt.load_rule(pname), param, view, tensor, fmt.is_gated(layer), refuse, whole=whole, values=jobs
+    )
 
 
-def _check_items(
-    model, named_tensors, direct: bool, skip, headers: bool, entries: list | None = None
-) -> tuple[list[str], list, list[ValueJob]]:
-    """(problems, direct writes, value jobs) of a request's tensors: everything but the values. entries: where to
-    append (tensor, param, shard id, expert id, (parameter name, "." + name, local expert count), checkpoint name,
-    layer) of every expert write checked."""
-    cache = _cache_of(model)
-    layers = cache.layers
-    problems: list[str] = []
-    writes: list = []
-    jobs: list[ValueJob] = []
-    if not layers:
-        return problems, writes, jobs
-    current: set = set()  # ids of the write plans found current during this call (nothing changes them meanwhile)
-    for item in named_tensors:
-        if type(item) is not tuple or len(item) != 2:
-            if not isinstance(item, (list, tuple)) or len(item) != 2:
-                continue
-        name, tensor = item
-        if type(name) is not str:
-            if not isinstance(name, str):
-                continue
-        if skip and id(tensor) in skip:
-            continue
-        if direct:  # parameter names only: "<layer>.<param>"
-            if _layer_at(layers, name.rpartition(".")[0]) is not None:
-                _check_other(layers, name, tensor, direct, jobs, problems, writes)
-            continue
-        target = _cached_target(cache, name)
-        if target is None:
-            continue  # not an expert tensor of a managed layer: SGLang's behaviour
-        if target is _OTHER:
-            _check_other(layers, name, tensor, direct, jobs, problems, writes)
-            continue
-        layer, pname, shard, expert, plan = target
-        param = layer._parameters.get(pname)
-        if plan is None or plan.param() is not param or id(plan) not in current:
-            # the plan resolved with the name, checked current once per request (write_plans.plan_of)
-            plan = target[4] = plan_of(layer, param) if param is not None else None
-            if plan is not None:
-                current.add(id(plan))
-        if plan is None or plan.rule is None:
-            fmt = format_of(layer)
-            if param is None or fmt is None or fmt.load_rule(param_name(layer, param, fmt)) is None:
-                problems.append(
-                    f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
-                    f"(its checkpoint parameters: {managed_names(layer, fmt)})"
-                )
-                continue
-        if not isinstance(tensor, torch.Tensor):
-            continue  # unwrapped later by SGLang; the per-shard check applies
-        n_jobs = len(jobs)
-        try:
-            checked = check_planned(plan, layer, param, tensor, name, shard, expert, "global", headers, jobs)
-        except WeightUpdateRefused as e:
-            problems.append(str(e))
-            continue
-        if len(jobs) > n_jobs:  # (one job per tensor at most)
-            jobs[-1].name = name
-        if entries is not None and checked is not None:
-            hit = plan.hit if plan is not None and plan.name == checked[0] else (checked[0], "." + checked[0], 0)
-            entries.append((tensor, param, shard, checked[1], hit, name, layer))
-    return problems, writes, jobs
-
-
-def expert_targets(model, named_tensors) -> list:
-    """What each item of a request targets, in order: (layer, parameter name, shard id, checkpoint expert id) for an
-    expert tensor of a layer the plugin manages or watches (a `model.load_weights` name,
-    "<layer>.<expert>.<projection>.<suffix>"), else None. The names are resolved as `check_bucket` resolves them
-    (cached per model: after a request's check these are dict look-ups)."""
-    cache = _cache_of(model)
-    layers = cache.layers
-    out: list = []
-    if not layers:
-        return [None] * len(named_tensors)
-    for item in named_tensors:
-        name = item[0] if isinstance(item, (list, tuple)) and len(item) == 2 else None
-        if type(name) is not str:
-            out.append(None)
-            continue
-        target = _cached_target(cache, name)
-        out.append(None if target is None or target is _OTHER else (target[0], target[1], target[2], target[3]))
-    return out
-
-
-#: `_ModelCache.targets` markers: not resolved yet; a "<layer>.<param>" name (checked by `_check_other`)
-_UNSEEN = object()
-_OTHER = object()
-
-
-def _cached_target(cache, name: str):
-    """`_target` of `name`, remembered per model (up to `MAX_NAMES` names): a request's names resolve once."""
-    target = cache.targets.get(name, _UNSEEN)
-    if target is _UNSEEN:
-        target = _target(cache.layers, name)
-        if len(cache.targets) < cache.MAX_NAMES:
-            cache.targets[name] = target
-    return target
-
-
-def _target(layers: dict, name: str):
-    """What a checkpoint name (model.load_weights' form) targets: [layer, param name, shard id, expert id, None] for
-    "<layer>.<expert>.<projection>.<suffix>" below a managed layer; `_OTHER` for "<layer>.<param>"; None for every
-    other name."""
-    path, _, pname = name.rpartition(".")
-    if _layer_at(layers, path) is not None:
-        return _OTHER
-    head = name.rsplit(".", 3)
-    layer = _layer_at(layers, head[0]) if len(head) == 4 else None
-    if layer is None:
-        return None
-    hit = _resolve(layer, name[len(head[0]) + 1 :])
-    if hit is None:
-        return None
-    return [layer, *hit, None]  # the last: the parameter's write plan, once looked up
-
-
-def _check_other(layers: dict, name: str, tensor, direct: bool, jobs: list, problems: list, writes: list) -> None:
+def _check_other(layers: dict, i: int, name: str, tensor, direct: bool, out: Findings) -> None:
     """A "<layer>.<param>" name: a fused checkpoint tensor of all experts (gpt-oss), a whole-parameter write
     (load_format="direct"), or a parameter name where model.load_weights takes checkpoint names (refused)."""
     path, _, pname = name.rpartition(".")
-    layer = _layer_at(layers, path)
+    layer = layer_at(layers, path)
     fmt = format_of(layer)
     param = layer._parameters.get(pname)
     fused_param = fmt.fused_checkpoint_names.get(pname) if param is None and not direct else None
-    if fused_param is not None:  # a checkpoint tensor of all experts (gpt-oss): dtype and values here;
-        # its shape once the model's loader has narrowed it to this rank (validate_fused at the write)
-        n_jobs = len(jobs)
-        try:
-            validate_fused(layer, fused_param, layer._parameters[fused_param], tensor, shape=False, values=jobs)
-        except WeightUpdateRefused as e:
-            problems.append(str(e))
-        for job in jobs[n_jobs:]:
-            job.name = name
-        return
-    if param is None:
-        if direct:
-            problems.append(
-                f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
-                f"(its checkpoint parameters: {managed_names(layer, fmt)})"
-            )
-        return
-    own = param_name(layer, param, fmt)
-    if fmt.load_rule(own) is None:
-        return  # a parameter the format does not load (kernel scalars): SGLang's behaviour
-    if not direct:
-        problems.append(
-            f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
-            f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
-            f"through load_format='direct'"
-        )
-        return
+    found: list = []
     try:
-        _check_full(layer, fmt, own, param, tensor, name, jobs)
-        writes.append((layer, own))
+        if fused_param is not None:  # a checkpoint tensor of all experts (gpt-oss): dtype and values here;
+            # its shape once the model's loader has narrowed it to this rank (validate_fused at the write)
+            validate_fused(layer, fused_param, layer._parameters[fused_param], tensor, shape=False, values=found)
+            return
+        if param is None:
+            if direct:
+                out.problems.append(
+                    (
+                        i,
+                        f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
+                        f"(its checkpoint parameters: {managed_names(layer, fmt)})",
+                    )
+                )
+            return
+        own = param_name(layer, param, fmt)
+        if fmt.load_rule(own) is None:
+            return  # a parameter the format does not load (kernel scalars): SGLang's behaviour
+        if not direct:
+            out.problems.append(
+                (
+                    i,
+                    f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
+                    f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
+                    f"through load_format='direct'",
+                )
+            )
+            return
+        _check_full(layer, fmt, own, param, tensor, name, found)
+        out.writes.append((layer, own))
     except WeightUpdateRefused as e:
-        problems.append(str(e))
+        out.problems.append((i, str(e)))
+    finally:
+        for job in found:
+            job.name = name
+            out.jobs.append((job.tensor, job.code, i, job))

@@ -51,6 +51,29 @@ class StandIn:
         self.__dict__[name] = value
 
 
+def local_slots(layer, param, weight_name: str, shard_id: str, expert_id: int, tensor) -> tuple[int, ...]:
+    """The slots of `param`'s first dimension SGLang's own `FusedMoE.weight_loader` writes checkpoint expert
+    `expert_id` into on this rank (none: another rank's expert; several: EPLB replicas)."""
+    slots: list[int] = []
+
+    def record(*args, **kwargs):
+        slots.append(kwargs["expert_id"] if "expert_id" in kwargs else args[4])
+
+    loader = unwrapped(type(layer).weight_loader)
+    loader(StandIn(layer, record), param, tensor, weight_name, shard_id, expert_id)
+    return tuple(int(s) for s in slots)
+
+
+def own_loader(layer, param) -> bool:
+    """`param` is loaded by `layer`'s own FusedMoE.weight_loader (not a replacement someone installed)."""
+    wl = getattr(param, "weight_loader", None)
+    return (
+        isinstance(wl, types.MethodType)
+        and wl.__self__ is layer
+        and unwrapped(wl.__func__) is unwrapped(getattr(type(layer), "weight_loader", None))
+    )
+
+
 class Geometry(NamedTuple):
     """A view of a storage: element offset, shape, strides."""
 
