@@ -106,13 +106,15 @@ def check_buckets_around(original, owner, *args, **kwargs):
         named = args[0] if args else kwargs.get("named_tensors")
         load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
         if isinstance(named, (list, tuple)) and load_format is None:  # "direct": checked by check_direct_before
-            # tensors handed in directly are checked before SGLang touches them (it moves them to its device first,
-            # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice (the
-            # record's ids), nor again in the loader hooks (the record)
+            # checked before SGLang touches the tensors (the same objects reaching load_weights are not checked twice,
+            # nor again in the loader hooks: the request's record), and another rank's expert tensors never reach
+            # SGLang here (it would unwrap each, then drop it)
             try:
-                req.check(model, named)
+                mine = req.entry(model, named)
             except bucket_validation.BucketRefused as e:
                 return False, str(e)
+            if mine is not named:
+                args, kwargs = _with_named(mine, args, kwargs)
 
         def load_weights(weights, *a, **k):
             return req.load(model, real, weights, refused, *a, **k)
@@ -131,6 +133,13 @@ def check_buckets_around(original, owner, *args, **kwargs):
     if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written
         return False, str(refused[0])
     return result
+
+
+def _with_named(named, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The entry point's arguments with `named` as its named tensors."""
+    if args:
+        return (named, *args[1:]), kwargs
+    return args, {**kwargs, "named_tensors": named}
 
 
 def check_disk_around(original, owner, model_path, load_format=None, weight_name_filter=None, *args, **kwargs):
@@ -233,7 +242,7 @@ def check_direct_before(model, named_tensors, *args, **kwargs):
     named_tensors = list(named_tensors)
     rollback.forget(model)
     with request.for_model(model) as req:
-        for layer, name in req.check(model, named_tensors, direct=True, what="weight-update bucket"):
+        for layer, name in req.check(model, named_tensors, direct=True).writes:
             layer_state.before_write(layer, name, None)
     return (model, named_tensors, *args), kwargs
 

@@ -44,7 +44,18 @@ from ..formats.base import WeightFormat
 from .name_index import OTHER, Index, ParamShard, Target
 from .slot_plans import SlotPlan, local_slots, own_loader, slot_plan
 
-__all__ = ["batches", "counts", "disabled", "enabled", "local_slots", "plan_of", "set_enabled", "stream", "write"]
+__all__ = [
+    "batches",
+    "counts",
+    "disabled",
+    "enabled",
+    "local_slots",
+    "plan_of",
+    "set_enabled",
+    "stream",
+    "without_others",
+    "write",
+]
 
 #: switched off: every tensor goes through SGLang's per-tensor loader (set_enabled)
 _ON = [True]
@@ -162,13 +173,15 @@ def write(items: list, index: Index, batched: bool = True) -> list:
     model's name `index`: another rank's experts dropped (SGLang's own loader drops them), the rest written batched
     per (layer, parameter) — or, `batched` False (the request's per-tensor path), left to SGLang's loader. Returns
     the items left for the model's own `load_weights`, in order."""
-    get = index.get
+    get, known = index.get, index.targets.get
     rest: list[int] = []
     groups: dict[int, tuple] = {}  # id(layer) -> (layer, {ParamShard: [(index, tensor, Target)]})
     dropped = 0
     for i, item in enumerate(items):
         name = item[0] if isinstance(item, (list, tuple)) and len(item) == 2 else None
-        target = get(name) if type(name) is str else None
+        target = known(name, _MISS) if type(name) is str else None
+        if target is _MISS:
+            target = get(name)  # type: ignore[arg-type]  # (a str: known() was asked)
         if target is None or target is OTHER:
             rest.append(i)
             continue
@@ -210,6 +223,25 @@ def write(items: list, index: Index, batched: bool = True) -> list:
         return items
     rest.sort()
     return [items[i] for i in rest]
+
+
+def without_others(items: list, index: Index, batched: bool = True) -> tuple[list, list[int] | None]:
+    """`items` ((name, tensor) pairs) without the expert tensors another rank holds (name_index.Target.slots == ():
+    SGLang's own loader would write nothing of them here), and the indices kept (None: all of them)."""
+    get, known = index.get, index.targets.get
+    kept: list[int] = []
+    for i, item in enumerate(items):
+        name = item[0] if isinstance(item, (list, tuple)) and len(item) == 2 else None
+        target = known(name, _MISS) if type(name) is str else None
+        if target is _MISS:
+            target = get(name)  # type: ignore[arg-type]  # (a str: known() was asked)
+        if target is None or target.__class__ is not Target or target.slots is None or target.slots:
+            kept.append(i)
+    if len(kept) == len(items):
+        return items, None
+    if batched:
+        _count(dropped=len(items) - len(kept))
+    return [items[i] for i in kept], kept
 
 
 #: a disk update's expert tensors are written in chunks of about this many bytes (`stream`): the iterator's CPU
@@ -356,6 +388,7 @@ def _overlapping(groups: dict, refused: set[str]) -> None:
                     refused.add(pname)
 
 
+_MISS = object()
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 _FOREACH_ZERO = getattr(torch, "_foreach_zero_", None)
 

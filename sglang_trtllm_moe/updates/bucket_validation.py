@@ -67,6 +67,7 @@ def _epoch() -> int:
 
 
 _EPOCH = [0]
+_MISS = object()
 
 
 def check_items(
@@ -85,7 +86,7 @@ def check_items(
     idx = index if index is not None else index_of(model)
     if not idx.layers:
         return out
-    get = idx.get
+    get, known = idx.get, idx.targets.get
     epoch = _epoch()
     problems, jobs, resolved, checked = out.problems, out.jobs, out.resolved, out.checked
     for i, item in enumerate(named_tensors):
@@ -103,7 +104,9 @@ def check_items(
                 resolved.append(i)
                 _check_other(idx.layers, i, name, tensor, direct, out)
             continue
-        target = get(name)
+        target = known(name, _MISS)
+        if target is _MISS:
+            target = get(name)
         if target is None:
             continue  # not an expert tensor of a managed layer: SGLang's behaviour
         resolved.append(i)

@@ -53,6 +53,7 @@ class UpdateRequest:
         self._files: dict = {}  # id(model) -> {checkpoint name: (dtype, shape)} validated from the files
         self._indexes: dict = {}  # id(model) -> its name index, current for this request
         self._depth: dict = {}  # id(model) -> how many of its entry points are serving the request now
+        self._covered: dict = {}  # id(model) -> (names, checked) of the list its entry point checked whole
         self._closed = False
         self._lock = threading.Lock()
 
@@ -127,10 +128,17 @@ class UpdateRequest:
 
     # ---- checks ---------------------------------------------------------------------------------------------------
 
-    def check(self, model, named, direct: bool = False, what: str = "weight-update bucket") -> list:
+    def check(
+        self, model, named, direct: bool = False, what: str = "weight-update bucket", always: bool = False
+    ) -> bucket_validation.Findings:
         """`named` (a list of (name, tensor)) against `model`'s layers and, unless `direct` (whole-parameter writes,
-        load_format="direct"), every runner still to load; then the verdict of all ranks. Raises BucketRefused; what
-        was checked goes into each runner's record. Returns the direct writes' (layer, parameter name) pairs."""
+        load_format="direct"), every runner still to load, but what the request checked for each already; then the
+        verdict of all ranks. Raises BucketRefused; what was checked goes into each runner's record. Returns
+        `model`'s findings (its direct writes: `writes`).
+
+        The ranks exchange their verdicts where the list holds a name of the plugin's not checked yet (the same on
+        every rank where each rank got the same list), or `always` (a list SGLang made from one this rank already
+        took its own experts out of: only the call is the same on every rank)."""
         runs: list = []
         raised = None
         resolved = 0
@@ -146,13 +154,46 @@ class UpdateRequest:
         except Exception as e:  # noqa: BLE001 - the check itself failed: every rank refuses the request
             logger.exception("sglang-trtllm-moe: checking an update request raised")
             raised = f"{type(e).__name__}: {e}"
-        if raised is None and not resolved:
-            return []  # nothing of the plugin's in it, on any rank (names resolve alike everywhere): no exchange
-        problems = sorted((p for _, f in runs for p in f.problems), key=lambda p: p[0])
-        self._verdict(problems, raised, what, len(named))
+        if raised is not None or resolved or always:
+            problems = sorted((p for _, f in runs for p in f.problems), key=lambda p: p[0])
+            self._verdict(problems, raised, what, len(named))
         for rec, found in runs:
             rec.add_checked(named, found.checked, found.resolved)
-        return runs[0][1].writes if runs else []
+        return runs[0][1] if runs else bucket_validation.Findings()
+
+    def entry(self, model, named: list) -> list:
+        """The list an update entry point got (load_format None): checked whole before SGLang touches it where every
+        item is a (name, tensor) pair (SGLang moves each to its device first, which fails raw for a meta tensor;
+        a serialized tensor is checked once SGLang unwrapped it, in `load`); then without the expert tensors
+        another rank holds (SGLang's loader would write nothing of them here; dropped before SGLang unwraps each:
+        a serialized tensor is deserialized per rank, a CUDA IPC handle opened). Returns the list to hand SGLang.
+        Raises BucketRefused."""
+        whole = all(type(it) is tuple and len(it) == 2 and isinstance(it[1], torch.Tensor) for it in named)
+        found = self.check(model, named) if whole else None
+        mine, kept = batched_writes.without_others(named, self.index(model), self.writes_batched())
+        if found is not None:
+            # what `load` finds again in the list SGLang makes of `mine` (the same names in the same order: its own
+            # tensors, or new ones moved to its device): checked, nothing to exchange again
+            checked = found.checked
+            if kept is not None:
+                where = {i: k for k, i in enumerate(kept)}
+                checked = [(where[i], t) for i, t in checked if i in where]
+            with self._lock:
+                self._covered[id(model)] = ([it[0] for it in mine], checked)
+        return mine
+
+    def _covers(self, model, weights) -> list | None:
+        """The checked (index, Target) of `weights` where the entry point's check covered it (the list SGLang made
+        of the one `entry` returned), else None."""
+        with self._lock:
+            covered = self._covered.pop(id(model), None)
+        if covered is None or len(covered[0]) != len(weights):
+            return None
+        names = covered[0]
+        for k, it in enumerate(weights):
+            if not isinstance(it, (list, tuple)) or len(it) != 2 or it[0] != names[k]:
+                return None
+        return covered[1]
 
     def check_checkpoint(self, model, files, read: tuple, fingerprint):
         """The checkpoint `read` (model_path, load_format, weight_name_filter) against `model`'s layers, then every
@@ -213,15 +254,20 @@ class UpdateRequest:
 
     def load(self, model, real, weights, refused: list, *args, **kwargs):
         """What the model's `load_weights` does while the request's entry point runs: a list is checked whole (what
-        this request did not check already), then another rank's experts are dropped, this rank's written batched
-        (or left to SGLang's loader: `writes_batched`), and the rest goes to the model's own loader in order. An
-        iterator (which may reuse its buffers) is left to the per-shard checks."""
+        this request did not check already; nothing where the entry point's check covered it), then another rank's
+        experts are dropped, this rank's written batched (or left to SGLang's loader: `writes_batched`), and the rest
+        goes to the model's own loader in order. An iterator (which may reuse its buffers) is left to the per-shard
+        checks."""
         if isinstance(weights, (list, tuple)):
-            try:
-                self.check(model, weights)
-            except BucketRefused as e:
-                refused.append(e)
-                raise
+            checked = self._covers(model, weights)
+            if checked is not None:
+                self.record(model).add_checked(weights, checked)  # (new objects where SGLang moved them)
+            else:
+                try:
+                    self.check(model, weights, always=True)
+                except BucketRefused as e:
+                    refused.append(e)
+                    raise
             weights = batched_writes.write(list(weights), self.index(model), self.writes_batched())
         return real(weights, *args, **kwargs)
 
