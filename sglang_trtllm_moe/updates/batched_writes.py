@@ -43,6 +43,7 @@ from .. import layer_attrs, layer_state
 from ..formats.base import WeightFormat
 from .name_index import OTHER, Index, ParamShard, Target
 from .slot_plans import SlotPlan, local_slots, own_loader, slot_plan
+from .slot_writes import Shard, apply, shard_of
 
 __all__ = [
     "batches",
@@ -125,31 +126,7 @@ def plan_of(layer, param, pname: str, weight_name: str, shard_id: str, loaded: t
     return plan
 
 
-class _Shard:
-    """What the batched writes keep for one ParamShard across requests (its `writes`): for the parameter's storage as
-    it is now, the slot plan per tensor geometry (with which of its copies take the tensor whole) and the views of
-    each slot every write of a plan lands in."""
-
-    __slots__ = ("param", "where", "plans", "views")
-
-    def __init__(self, param, where: tuple):
-        self.param = weakref.ref(param)
-        #: the parameter's storage and geometry the views below were made for
-        self.where = where
-        self.plans: dict = {}  # (shape, strides, dtype) -> (SlotPlan | None, whole: tuple[bool, ...])
-        self.views: dict = {}  # (id(plan), k) -> {slot: the destination view of the plan's k-th write in that slot}
-
-
-def _shard(ps: ParamShard, param) -> _Shard:
-    data = param.data
-    where = (data.data_ptr(), data.shape, data.stride())
-    sh = ps.writes.get("shard")
-    if sh is None or sh.param() is not param or sh.where != where:
-        sh = ps.writes["shard"] = _Shard(param, where)
-    return sh
-
-
-def _plan(sh: _Shard, layer, param, ps: ParamShard, t: torch.Tensor):
+def _plan(sh: Shard, layer, param, ps: ParamShard, t: torch.Tensor):
     geometry = (t.shape, t.stride(), t.dtype)
     got = sh.plans.get(geometry)
     if got is None:
@@ -322,7 +299,7 @@ def _write_shards(layer, st, fmt, shards: dict) -> tuple[list[int], int]:
     converts = type(fmt).converted_by_sglang is not WeightFormat.converted_by_sglang
     params = layer._parameters
     refused: set[str] = set()  # parameters with a tensor that keeps the per-tensor path: all of theirs do
-    # (id(param), plan) -> [ParamShard, param, plan, whole, _Shard, {slot: tensor}]: shards whose writes are the
+    # (id(param), plan) -> [ParamShard, param, plan, whole, Shard, {slot: tensor}]: shards whose writes are the
     # same plan (an input scale written alike from w1 and w3) are one group, in the bucket's order
     groups: dict = {}
     for ps, entries in shards.items():
@@ -332,7 +309,7 @@ def _write_shards(layer, st, fmt, shards: dict) -> tuple[list[int], int]:
         if param is None or not own_loader(layer, param):
             refused.add(ps.pname)
             continue
-        sh = _shard(ps, param)
+        sh = shard_of(ps, param)
         for _, t, target in entries:
             if not isinstance(t, torch.Tensor) or (
                 converts and fmt.converted_by_sglang(layer, ps.pname, t, target.expert, "global")
@@ -367,7 +344,7 @@ def _write_shards(layer, st, fmt, shards: dict) -> tuple[list[int], int]:
                 layer_state.unprepare_locked(layer, st, group, back)
         st.scalars_dirty = True
     for _, param, plan, whole, sh, writes in groups.values():
-        _apply(param, plan, whole, sh, writes)
+        apply(param, plan, whole, sh, writes)
     n = sum(len(entries) for ps, entries in shards.items() if ps.pname not in refused)
     _count(tensors=n, groups=len(groups))
     return left, n
@@ -389,71 +366,3 @@ def _overlapping(groups: dict, refused: set[str]) -> None:
 
 
 _MISS = object()
-_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
-_FOREACH_ZERO = getattr(torch, "_foreach_zero_", None)
-
-
-def _runs(writes: dict) -> list[tuple]:
-    """The (slot, tensor) writes as runs: (first slot, count, first tensor, element stride between the tensors or
-    0). A run is consecutive slots whose tensors are views of one buffer at a constant positive byte stride (a
-    flattened bucket, an IPC buffer, a distributed broadcast: one write for the run instead of one per tensor);
-    every tensor of one group has the same geometry."""
-    out: list[tuple] = []
-    s0 = k = step = last = 0
-    t0 = base = None
-    for s, t in writes.items():
-        b = t._base
-        if b is not None and b is base and s == s0 + k:
-            p = t.data_ptr()
-            d = p - last
-            if (k == 1 and d > 0 and d % t.element_size() == 0) or (k > 1 and d == step):
-                step, last, k = d, p, k + 1
-                continue
-        if t0 is not None:
-            out.append((s0, k, t0, step // t0.element_size() if k > 1 else 0))
-        s0, k, t0, base, step = s, 1, t, b, 0
-        last = t.data_ptr() if b is not None else 0
-    if t0 is not None:
-        out.append((s0, k, t0, step // t0.element_size() if k > 1 else 0))
-    return out
-
-
-def _apply(param, plan: SlotPlan, whole: tuple, sh: _Shard, writes: dict) -> None:
-    """Every write of `plan` for every (slot, tensor) of `writes`, one foreach call per write of the plan (a run of
-    experts of one buffer as one strided view on both sides)."""
-    data = param.data
-    base, step = data.storage_offset(), int(data.stride(0))
-    runs = _runs(writes)
-    for k_op, op in enumerate(plan.ops):
-        d, g = op.dst, op.src
-        views = sh.views.get((id(plan), k_op))
-        if views is None:
-            views = sh.views[(id(plan), k_op)] = {}
-        dsts, srcs = [], []
-        for s0, k, t0, delta in runs:
-            if k == 1:
-                v = views.get(s0)
-                if v is None:
-                    v = views[s0] = data.as_strided(d.shape, d.stride, base + s0 * step + d.offset)
-                dsts.append(v)
-                if g is not None:
-                    srcs.append(t0 if whole[k_op] else t0.as_strided(g.shape, g.stride, t0.storage_offset() + g.offset))
-            else:
-                dsts.append(data.as_strided((k, *d.shape), (step, *d.stride), base + s0 * step + d.offset))
-                if g is not None:
-                    srcs.append(t0.as_strided((k, *g.shape), (delta, *g.stride), t0.storage_offset() + g.offset))
-        if op.kind == "copy":
-            if _FOREACH_COPY is not None:
-                _FOREACH_COPY(dsts, srcs)
-            else:
-                for a, b in zip(dsts, srcs, strict=True):
-                    a.copy_(b)
-        elif op.kind == "zero":
-            if _FOREACH_ZERO is not None:
-                _FOREACH_ZERO(dsts)
-            else:
-                for a in dsts:
-                    a.zero_()
-        else:
-            for a in dsts:
-                a.fill_(op.value)
