@@ -321,3 +321,54 @@ def test_a_refused_bucket_records_nothing():
     with pytest.raises(bucket_validation.BucketRefused):
         bucket_validation.check_bucket(model, bucket, record=record)
     assert len(record) == 0
+
+
+def test_a_flattened_bucket_is_checked_per_run_of_experts(monkeypatch):
+    """Tensors that are views of one buffer (a flattened bucket) at a constant stride, one parameter's of consecutive
+    experts: their values are checked as one strided view per run (issue #52: Python per run, not per tensor), and
+    a bad byte in the middle of a run still names its own expert and nothing is written."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    spec = B.CONFIGS["nvfp4"]
+    model = _model()
+    u = sglang_runtime.updater(model)
+    items = list(cpu_layers.checkpoint_names(_checkpoint(spec, 1)).items())
+    scales = [n for n, _ in items if "scale" in n]
+    jobs: list = []
+    real = value_checks.find_bad
+
+    def counted_find_bad(found):
+        jobs.append(len(found))
+        return real(found)
+
+    def flat(bucket):
+        f = FlattenedTensorBucket(named_tensors=bucket)
+        return {"flattened_tensor": f.get_flattened_tensor(), "metadata": f.get_metadata()}
+
+    from sglang_trtllm_moe.updates import slot_writes
+
+    written: list = []
+    real_runs = slot_writes.runs
+
+    def counted_runs(writes):
+        out = real_runs(writes)
+        written.extend(k for _, k, _, _ in out)
+        return out
+
+    monkeypatch.setattr(value_checks, "find_bad", counted_find_bad)
+    monkeypatch.setattr(slot_writes, "runs", counted_runs)
+    ok, msg = u.update_weights_from_tensor(flat(items), load_format="flattened_bucket")
+    assert ok, msg
+    assert _same_as_fresh(model, "nvfp4", 1)
+    # one job per (parameter, shard) run: 9 kinds of scale (3 per projection), not one per expert
+    assert jobs == [9] and len(scales) == 9 * spec.num_experts, (jobs, len(scales))
+    # and every group of writes (one per parameter, shard and plan) is one run of all the experts
+    assert written and set(written) == {spec.num_experts}, written
+    bad = dict(cpu_layers.checkpoint_names(_checkpoint(spec, 2)))
+    key = next(n for n in bad if n.endswith("experts.2.up_proj.weight_scale"))
+    bad[key] = bad[key].clone()
+    bad[key].view(torch.uint8).view(-1)[3] = 0xFF  # an e4m3 NaN, inside the run of experts 0-3
+    snap = B.snapshot(model.experts)
+    ok, msg = u.update_weights_from_tensor(flat(list(bad.items())), load_format="flattened_bucket")
+    assert not ok and "expert 2" in msg and "w13_weight_scale" in msg and "1 refused" in msg, msg
+    assert B.changed(model.experts, snap) == []

@@ -25,6 +25,7 @@ from .checked_writes import Checked
 from .layer_params import format_of, managed_names, param_name, param_view
 from .name_index import OTHER, Target, expert_targets, index_of, layer_at, managed_modules
 from .refusal import NOTHING_WRITTEN, Refusal, ValueJob
+from .slot_writes import buffer_end, span
 from .validation import check_planned, check_tensor, validate_fused
 from .write_plans import plan_of
 
@@ -89,6 +90,7 @@ def check_items(
     get, known = idx.get, idx.targets.get
     epoch = _epoch()
     problems, jobs, resolved, checked = out.problems, out.jobs, out.resolved, out.checked
+    runs: dict = {}  # ParamShard -> its open _Run
     for i, item in enumerate(named_tensors):
         if type(item) is not tuple or len(item) != 2:
             if not isinstance(item, (list, tuple)) or len(item) != 2:
@@ -137,9 +139,21 @@ def check_items(
         if plan is not None and target.ok is not plan and plan.name_ok(name, ps.shard, target.expert, "global"):
             target.ok = plan  # the name's own checks (weight name, shard, expert range), once per name and plan
         if plan is not None and target.ok is plan and not plan.converts:
+            view = tensor._base is not None
+            if view:  # a view of a buffer: the next of a run of this shard's (the first's geometry)?
+                run = runs.get(ps)
+                if run is not None and run.takes(tensor):
+                    run.members.append((i, target, tensor))
+                    checked.append((i, target))
+                    continue
             code = plan.tensor_code(tensor, headers)  # the tensor's own: device, dtype, shape; its value rule
             if code is not None:
-                if code and tensor.numel():
+                if view:
+                    old = runs.get(ps)
+                    if old is not None:
+                        old.job(jobs)
+                    runs[ps] = _Run(tensor, code, i, target)
+                elif code and tensor.numel():
                     jobs.append((tensor, code, i, target))
                 checked.append((i, target))
                 continue
@@ -157,7 +171,60 @@ def check_items(
             jobs.append((job.tensor, job.code, i, job))
         if hit is not None:
             checked.append((i, target))
+    for run in runs.values():
+        run.job(jobs)
     return out
+
+
+class _Run:
+    """Tensors of one ParamShard, accepted in a request's order, that lie in the first one's storage at a constant
+    positive byte stride with its shape, strides and dtype (views of one buffer: a flattened bucket, an IPC buffer,
+    a distributed broadcast): each one costs a few comparisons, and their values are checked as one strided view."""
+
+    __slots__ = ("shape", "dtype", "stride", "code", "last", "step", "end", "size", "members")
+
+    def __init__(self, tensor: torch.Tensor, code: str, i: int, target: Target):
+        self.code = code
+        self.shape, self.dtype, self.stride = tensor.shape, tensor.dtype, tensor.stride()
+        self.last, self.step = tensor.data_ptr(), 0
+        self.end, self.size = buffer_end(tensor), span(tensor)
+        #: (index, Target, tensor) of every tensor of the run, the first first
+        self.members = [(i, target, tensor)]
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        """Is `tensor` (a view) the next of the run? (It then is.)"""
+        if tensor.dtype is not self.dtype or tensor.shape != self.shape or tensor.stride() != self.stride:
+            return False
+        p = tensor.data_ptr()
+        d = p - self.last
+        if d <= 0 or (self.step and d != self.step) or d % tensor.element_size() or p + self.size > self.end:
+            return False
+        self.step, self.last = d, p
+        return True
+
+    def job(self, jobs: list) -> None:
+        """The run's value check: one job of its strided view (or of its one tensor)."""
+        if not self.code:
+            return
+        i, target, t = self.members[0]
+        if not t.numel():
+            return
+        if len(self.members) == 1:
+            jobs.append((t, self.code, i, target))
+            return
+        view = t.as_strided(
+            (len(self.members), *self.shape), (self.step // t.element_size(), *self.stride), t.storage_offset()
+        )
+        jobs.append((view, self.code, i, self))
+
+    def refusals(self) -> list[tuple[int, str]]:
+        """(index, refusal) of each tensor of the run whose values break its rule (one read-back each: refusals
+        only)."""
+        out = []
+        for i, target, t in self.members:
+            if value_checks.bad_one(t, self.code):
+                out.append((i, _value_refusal((t, self.code, i, target))))
+        return out
 
 
 def check_values(findings: Findings) -> None:
@@ -167,7 +234,12 @@ def check_values(findings: Findings) -> None:
     if not jobs:
         return
     bad = value_checks.find_bad([(j[0], j[1]) for j in jobs])
-    findings.problems.extend((jobs[b][2], _value_refusal(jobs[b])) for b in bad)
+    for b in bad:
+        job = jobs[b]
+        if isinstance(job[3], _Run):
+            findings.problems.extend(job[3].refusals())
+        else:
+            findings.problems.append((job[2], _value_refusal(job)))
     findings.problems.sort(key=lambda p: p[0])
 
 

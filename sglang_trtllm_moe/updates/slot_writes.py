@@ -41,26 +41,42 @@ _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 _FOREACH_ZERO = getattr(torch, "_foreach_zero_", None)
 
 
+def buffer_end(t: torch.Tensor) -> int:
+    """The address just past the storage `t` is a view of: a tensor of a run starts after the first one's and ends
+    before this (so a strided view of the first reads the run's bytes, and nothing outside its storage)."""
+    st = t.untyped_storage()
+    return st.data_ptr() + st.nbytes()
+
+
+def span(t: torch.Tensor) -> int:
+    """The bytes `t` spans from its first element (its geometry's, whatever its storage)."""
+    if not t.numel():
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
 def runs(writes: dict) -> list[tuple]:
     """The (slot, tensor) writes as runs: (first slot, count, first tensor, element stride between the tensors or
-    0). A run is consecutive slots whose tensors are views of one buffer at a constant positive byte stride (a
-    flattened bucket, an IPC buffer, a distributed broadcast: one write for the run instead of one per tensor);
-    every tensor of one group has the same geometry."""
+    0). A run is consecutive slots whose tensors lie in the first one's storage at a constant positive byte stride
+    (views of one buffer: a flattened bucket, an IPC buffer, a distributed broadcast; one write for the run instead of
+    one per tensor); every tensor of one group has the same geometry."""
     out: list[tuple] = []
-    s0 = k = step = last = 0
-    t0 = base = None
+    s0 = k = step = last = end = size = 0
+    t0 = None
     for s, t in writes.items():
-        b = t._base
-        if b is not None and b is base and s == s0 + k:
+        if t0 is not None and end and s == s0 + k:
             p = t.data_ptr()
             d = p - last
-            if (k == 1 and d > 0 and d % t.element_size() == 0) or (k > 1 and d == step):
+            if d > 0 and (k == 1 or d == step) and not d % t.element_size() and p + size <= end:
                 step, last, k = d, p, k + 1
                 continue
         if t0 is not None:
             out.append((s0, k, t0, step // t0.element_size() if k > 1 else 0))
-        s0, k, t0, base, step = s, 1, t, b, 0
-        last = t.data_ptr() if b is not None else 0
+        s0, k, t0, step = s, 1, t, 0
+        if t._base is not None:  # a view: perhaps of a buffer the next tensors lie in too
+            last, end, size = t.data_ptr(), buffer_end(t), span(t)
+        else:
+            end = 0
     if t0 is not None:
         out.append((s0, k, t0, step // t0.element_size() if k > 1 else 0))
     return out
