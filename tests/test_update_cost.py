@@ -143,8 +143,9 @@ class Checks:
 
 @pytest.fixture
 def checks(monkeypatch):
-    """Counts the request's per-tensor check (a plan's `tensor_code`, where the name's own checks were made once),
-    a plan's `accepts` (the loader hooks, and a request's writes SGLang converts) and the full checks."""
+    """Counts the request's per-tensor check (a plan's `tensor_code`, where the name's own checks were made once; the
+    next tensor of a run of one buffer compared to the run's first), a plan's `accepts` (the loader hooks, and a
+    request's writes SGLang converts) and the full checks."""
     c = Checks()
     code, accepts, full = write_plans.WritePlan.tensor_code, write_plans.WritePlan.accepts, validation._check_write
     inside = threading.local()
@@ -172,6 +173,17 @@ def checks(monkeypatch):
             c.where[f"full/{scope}"] += 1
         return full(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values)
 
+    takes = bucket_validation._Run.takes
+
+    def counted_takes(run, tensor):  # the next tensor of a run of one buffer, compared to its first
+        ok = takes(run, tensor)
+        if ok and c.on:
+            c.alive.append(tensor)
+            c.seen[("run", id(tensor))] += 1
+            c.where["entry"] += 1
+        return ok
+
+    monkeypatch.setattr(bucket_validation._Run, "takes", counted_takes)
     monkeypatch.setattr(write_plans.WritePlan, "tensor_code", counted_code)
     monkeypatch.setattr(write_plans.WritePlan, "accepts", counted_accepts)
     monkeypatch.setattr(validation, "_check_write", counted_full)
