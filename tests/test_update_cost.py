@@ -27,6 +27,7 @@ from sglang_trtllm_moe.updates import (
     batched_writes,
     bucket_validation,
     checked_writes,
+    checkpoint_headers,
     validation,
     value_checks,
     write_plans,
@@ -291,8 +292,8 @@ def test_writes_outside_a_request_are_checked_whole_every_time(checks):
 
 def test_a_disk_update_checks_each_tensor_once_and_reads_each_scale_once(tmp_path, checks, monkeypatch):
     """The disk path: every tensor checked from its header; the values of every scale read from the files once and
-    checked at once; SGLang's writes of those tensors (the same dtype and shape, from the unchanged files) are not
-    checked again."""
+    checked at once, and written from what was read (issue #52); SGLang's writes of those tensors (the same dtype and
+    shape, from the unchanged files) are not checked again."""
     spec = B.CONFIGS["nvfp4"]
     model = _model()
     d = str(tmp_path / "ckpt")
@@ -305,12 +306,29 @@ def test_a_disk_update_checks_each_tensor_once_and_reads_each_scale_once(tmp_pat
         finds.append(len(items))
         return real(items)
 
+    read, written = {}, []
+    real_read, real_write = checkpoint_headers.read_tensors, batched_writes.write
+
+    def read_tensors(headers, names):
+        for name, t in real_read(headers, names):
+            read[name] = t
+            yield name, t
+
+    def write(items, *a, **k):
+        written.extend(n for n, t in items if read.get(n) is t)
+        return real_write(items, *a, **k)
+
     with monkeypatch.context() as m, checks.counting():
         m.setattr(value_checks, "find_bad", counted_find_bad)
         m.setattr(value_checks, "bad_one", lambda *a: pytest.fail("a value checked on its own"))
+        m.setattr(checkpoint_headers, "read_tensors", read_tensors)
+        m.setattr(batched_writes, "write", write)
         ok, msg = u.update_weights_from_disk(d, "auto")
         assert ok, msg
     assert _same_as_fresh(model, "nvfp4", 1)
+    # the values the pre-check read are what was written (SGLang's own tensors of them, views of the mapped file,
+    # never read): each scale read from the files once
+    assert sorted(written) == sorted(read) and len(read) == spec.num_experts * 9, (len(written), len(read))
     expert_tensors = spec.num_experts * 12
     assert len(checks.seen) == expert_tensors and set(checks.seen.values()) == {1}, checks.seen
     assert checks.where == {"entry": expert_tensors}, checks.where

@@ -36,6 +36,7 @@ __all__ = [
     "check_checkpoint",
     "check_items",
     "check_values",
+    "checkpoint_findings",
     "expert_targets",
     "managed_modules",
     "refusal_text",
@@ -321,9 +322,11 @@ def check_checkpoint(
     return headers
 
 
-def checkpoint_findings(model, files, keep=None, local_only: bool = False, headers=None):
+def checkpoint_findings(model, files, keep=None, local_only: bool = False, headers=None, values=None):
     """(headers, Findings) of a checkpoint directory against `model`'s layers: the headers' problems (index -1),
-    each tensor's, and the values of every scale read from the files."""
+    each tensor's, and the values of every scale read from the files. keep: SGLang's weight_name_filter. values: a
+    dict (with a byte budget: `values.budget`) where the values read are kept by name, up to the budget, for the
+    update to write them instead of reading them again (`KeptValues`)."""
     if headers is None:
         headers = checkpoint_headers.read_headers(files, keep)
     found = check_items(model, headers.tensors, headers=True, local_only=local_only)
@@ -331,7 +334,7 @@ def checkpoint_findings(model, files, keep=None, local_only: bool = False, heade
     found.problems += [(-1, p) for p in _unpaired_halves(model, headers.tensors)]
     if not found.problems and found.jobs:
         try:
-            found.problems += _check_read_values(headers, found.jobs)
+            found.problems += _check_read_values(headers, found.jobs, values)
         except OSError as e:
             found.problems.append((-1, f"{type(e).__name__}: {e}"))
     return headers, found
@@ -366,9 +369,18 @@ def _unpaired_halves(model, named_tensors) -> list[str]:
     ]
 
 
-def _check_read_values(headers, jobs: list) -> list[tuple[int, str]]:
+class KeptValues(dict):
+    """Checkpoint name -> the values a disk update's pre-check read from the files, kept (up to `budget` bytes) so
+    the update writes them rather than reading the same bytes again."""
+
+    def __init__(self, budget: int):
+        super().__init__()
+        self.budget = budget
+
+
+def _check_read_values(headers, jobs: list, kept: KeptValues | None = None) -> list[tuple[int, str]]:
     """The values of the jobs' tensors, read from the checkpoint's files: checked at once per chunk read (at most
-    checkpoint_headers.CHUNK_BYTES held); the refusals of those that break their rule."""
+    checkpoint_headers.CHUNK_BYTES held, but for what `kept` keeps); the refusals of those that break their rule."""
     names = headers.tensors
     wanted = {names[j[2]][0]: j for j in jobs}
     problems: list[tuple[int, str]] = []
@@ -382,7 +394,11 @@ def _check_read_values(headers, jobs: list) -> list[tuple[int, str]]:
 
     for name, tensor in checkpoint_headers.read_tensors(headers, list(wanted)):
         held.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        size += nbytes
+        if kept is not None and kept.budget >= nbytes:
+            kept[name] = tensor
+            kept.budget -= nbytes
         if size >= checkpoint_headers.CHUNK_BYTES:
             check()
             size = 0

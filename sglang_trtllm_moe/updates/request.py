@@ -54,6 +54,7 @@ class UpdateRequest:
         self._indexes: dict = {}  # id(model) -> its name index, current for this request
         self._depth: dict = {}  # id(model) -> how many of its entry points are serving the request now
         self._covered: dict = {}  # id(model) -> (names, checked) of the list its entry point checked whole
+        self._kept: dict = {}  # id(model) -> {checkpoint name: the values its pre-check read from the files}
         self._closed = False
         self._lock = threading.Lock()
 
@@ -114,6 +115,7 @@ class UpdateRequest:
             rec = self._records.pop(id(model), None)
             self._over.add(id(model))
             self._files.pop(id(model), None)
+            self._kept.pop(id(model), None)
         if rec is not None:
             rec.close()
 
@@ -123,6 +125,7 @@ class UpdateRequest:
             records, self._records = list(self._records.values()), {}
             self._checkpoints.clear()
             self._files.clear()
+            self._kept.clear()
         for rec in records:
             rec.close()
 
@@ -211,21 +214,24 @@ class UpdateRequest:
                         continue  # checked for it in this request, files unchanged since
                     if headers is None:
                         headers = checkpoint_headers.read_headers(files, keep)
-                    runs.append((m, bucket_validation.checkpoint_findings(m, files, keep, self.local_only, headers)[1]))
+                    kept = bucket_validation.KeptValues(KEEP_BYTES)
+                    found = bucket_validation.checkpoint_findings(m, files, keep, self.local_only, headers, kept)[1]
+                    runs.append((m, found, kept))
                 if headers is None:
                     headers = self._checkpoint(model, key, fingerprint)
         except Exception as e:  # noqa: BLE001 - the check itself failed: every rank refuses the request
             logger.exception("sglang-trtllm-moe: checking a checkpoint raised")
             raised = f"{type(e).__name__}: {e}"
-        problems = sorted((p for _, f in runs for p in f.problems), key=lambda p: p[0])
+        problems = sorted((p for _, f, _ in runs for p in f.problems), key=lambda p: p[0])
         self._verdict(problems, raised, f"checkpoint {model_path}", len(headers.tensors) if headers else 0)
-        for m, found in runs:
+        for m, found, kept in runs:
             assert headers is not None  # (runs come from its headers)
             self.record(m).add_from_files(headers.tensors, found.checked)
             names = headers.tensors
             table = {names[i][0]: (names[i][1].dtype, names[i][1].shape) for i, _ in found.checked}
             with self._lock:
                 self._files.setdefault(id(m), {}).update(table)
+                self._kept.setdefault(id(m), {}).update(kept)
                 if key is not None and fingerprint is not None:
                     self._checkpoints[(id(m), key)] = (fingerprint, headers)
         return headers
@@ -278,13 +284,23 @@ class UpdateRequest:
         table = self._files.get(id(model))
         if isinstance(weights, (list, tuple)) or not table or not self.writes_batched():
             return real(weights, *args, **kwargs)
+        kept = self._kept.get(id(model), {})
 
         def validated(name, tensor, target):
             v = table.get(name)
             ok = v is not None and tensor.__class__ is torch.Tensor and tensor.is_cpu
-            return tensor if ok and tensor.dtype is v[0] and tensor.shape == v[1] else None
+            if not ok or tensor.dtype is not v[0] or tensor.shape != v[1]:
+                return None
+            # the values the pre-check read and checked, where it kept them: SGLang's tensor (a view of the mapped
+            # file) is then never read (unchanged since: the entry point compares the files' fingerprints after)
+            return kept.get(name, tensor)
 
         return real(batched_writes.stream(weights, self.index(model), validated), *args, **kwargs)
+
+
+#: a disk update keeps at most this many bytes of the values its pre-check read (per runner), and writes those instead
+#: of SGLang's tensors of them (views of the mapped files, never read then): each scale read from the files once
+KEEP_BYTES = 1 << 30
 
 
 def checkpoint_key(model_path, load_format, weight_name_filter):
