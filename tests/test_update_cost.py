@@ -330,7 +330,8 @@ def test_a_disk_update_checks_each_tensor_once_and_reads_each_scale_once(tmp_pat
     # never read): each scale read from the files once
     assert sorted(written) == sorted(read) and len(read) == spec.num_experts * 9, (len(written), len(read))
     expert_tensors = spec.num_experts * 12
-    assert len(checks.seen) == expert_tensors and set(checks.seen.values()) == {1}, checks.seen
+    # (a checkpoint's headers share one meta tensor per dtype and shape: counted per check, not per object)
+    assert sum(checks.seen.values()) == expert_tensors, checks.seen
     assert checks.where == {"entry": expert_tensors}, checks.where
     assert finds == [spec.num_experts * 9]  # every scale (3 kinds x 3 projections per expert), in one call
     assert not checked_writes._ACTIVE and not checked_writes._FROM_FILES

@@ -64,8 +64,10 @@ def runs(writes: dict) -> list[tuple]:
     s0 = k = step = last = end = size = 0
     t0 = None
     for s, t in writes.items():
-        if t0 is not None and end and s == s0 + k:
+        if t0 is not None and s == s0 + k and t._base is not None and (k > 1 or t0._base is not None):
             p = t.data_ptr()
+            if k == 1:  # a second tensor: where the first one's buffer ends (asked only now)
+                last, end, size = t0.data_ptr(), buffer_end(t0), span(t0)
             d = p - last
             if d > 0 and (k == 1 or d == step) and not d % t.element_size() and p + size <= end:
                 step, last, k = d, p, k + 1
@@ -73,10 +75,6 @@ def runs(writes: dict) -> list[tuple]:
         if t0 is not None:
             out.append((s0, k, t0, step // t0.element_size() if k > 1 else 0))
         s0, k, t0, step = s, 1, t, 0
-        if t._base is not None:  # a view: perhaps of a buffer the next tensors lie in too
-            last, end, size = t.data_ptr(), buffer_end(t), span(t)
-        else:
-            end = 0
     if t0 is not None:
         out.append((s0, k, t0, step // t0.element_size() if k > 1 else 0))
     return out
