@@ -25,7 +25,7 @@ from .checked_writes import Checked
 from .layer_params import format_of, managed_names, param_name, param_view
 from .name_index import OTHER, Target, expert_targets, index_of, layer_at, managed_modules
 from .refusal import NOTHING_WRITTEN, Refusal, ValueJob
-from .slot_writes import buffer_end, span
+from .slot_writes import storage_of
 from .validation import check_planned, check_tensor, validate_fused
 from .write_plans import plan_of
 
@@ -178,17 +178,17 @@ def check_items(
 
 
 class _Run:
-    """Tensors of one ParamShard, accepted in a request's order, that lie in the first one's storage at a constant
-    positive byte stride with its shape, strides and dtype (views of one buffer: a flattened bucket, an IPC buffer,
-    a distributed broadcast): each one costs a few comparisons, and their values are checked as one strided view."""
+    """Tensors of one ParamShard, accepted in a request's order, that are views of one storage at a constant positive
+    byte stride with the first one's shape, strides and dtype (one buffer: a flattened bucket, an IPC buffer, a
+    distributed broadcast): each one costs a few comparisons, and their values are checked as one strided view."""
 
-    __slots__ = ("shape", "dtype", "stride", "code", "last", "step", "end", "size", "members")
+    __slots__ = ("shape", "dtype", "stride", "code", "last", "step", "where", "members")
 
     def __init__(self, tensor: torch.Tensor, code: str, i: int, target: Target):
         self.code = code
         self.shape, self.dtype, self.stride = tensor.shape, tensor.dtype, tensor.stride()
         self.last, self.step = tensor.data_ptr(), 0
-        self.end, self.size = buffer_end(tensor), span(tensor)
+        self.where: int | None = None
         #: (index, Target, tensor) of every tensor of the run, the first first
         self.members = [(i, target, tensor)]
 
@@ -198,7 +198,11 @@ class _Run:
             return False
         p = tensor.data_ptr()
         d = p - self.last
-        if d <= 0 or (self.step and d != self.step) or d % tensor.element_size() or p + self.size > self.end:
+        if d <= 0 or (self.step and d != self.step) or d % tensor.element_size():
+            return False
+        if self.where is None:  # a second tensor: the first one's storage (asked only now)
+            self.where = storage_of(self.members[0][2])
+        if storage_of(tensor) != self.where:
             return False
         self.step, self.last = d, p
         return True

@@ -41,35 +41,27 @@ _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 _FOREACH_ZERO = getattr(torch, "_foreach_zero_", None)
 
 
-def buffer_end(t: torch.Tensor) -> int:
-    """The address just past the storage `t` is a view of: a tensor of a run starts after the first one's and ends
-    before this (so a strided view of the first reads the run's bytes, and nothing outside its storage)."""
-    st = t.untyped_storage()
-    return st.data_ptr() + st.nbytes()
-
-
-def span(t: torch.Tensor) -> int:
-    """The bytes `t` spans from its first element (its geometry's, whatever its storage)."""
-    if not t.numel():
-        return 0
-    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+def storage_of(t: torch.Tensor) -> int:
+    """Where the storage `t` is a view of starts: tensors of a run share it (a strided view of the first then reads
+    exactly the run's bytes, inside that storage)."""
+    return t.untyped_storage().data_ptr()
 
 
 def runs(writes: dict) -> list[tuple]:
     """The (slot, tensor) writes as runs: (first slot, count, first tensor, element stride between the tensors or
-    0). A run is consecutive slots whose tensors lie in the first one's storage at a constant positive byte stride
-    (views of one buffer: a flattened bucket, an IPC buffer, a distributed broadcast; one write for the run instead of
-    one per tensor); every tensor of one group has the same geometry."""
+    0). A run is consecutive slots whose tensors are views of one storage at a constant positive byte stride (one
+    buffer: a flattened bucket, an IPC buffer, a distributed broadcast; one write for the run instead of one per
+    tensor); every tensor of one group has the same geometry."""
     out: list[tuple] = []
-    s0 = k = step = last = end = size = 0
+    s0 = k = step = last = where = 0
     t0 = None
     for s, t in writes.items():
         if t0 is not None and s == s0 + k and t._base is not None and (k > 1 or t0._base is not None):
             p = t.data_ptr()
-            if k == 1:  # a second tensor: where the first one's buffer ends (asked only now)
-                last, end, size = t0.data_ptr(), buffer_end(t0), span(t0)
+            if k == 1:  # a second tensor: the first one's storage (asked only now)
+                last, where = t0.data_ptr(), storage_of(t0)
             d = p - last
-            if d > 0 and (k == 1 or d == step) and not d % t.element_size() and p + size <= end:
+            if d > 0 and (k == 1 or d == step) and not d % t.element_size() and storage_of(t) == where:
                 step, last, k = d, p, k + 1
                 continue
         if t0 is not None:
