@@ -142,11 +142,18 @@ def check_items(
         if plan is not None and target.ok is plan and not plan.converts:
             view = tensor._base is not None
             if view:  # a view of a buffer: the next of a run of this shard's (the first's geometry)?
-                run = runs.get(ps)
-                if run is not None and run.takes(tensor):
-                    run.members.append((i, target, tensor))
-                    checked.append((i, target))
-                    continue
+                run = runs.get(ps, _MISS)
+                if run is None:
+                    view = False  # this shard's views are not of one buffer in this request: no runs
+                elif run is not _MISS:
+                    took = run.takes(tensor)
+                    if took:
+                        run.members.append((i, target, tensor))
+                        checked.append((i, target))
+                        continue
+                    if took is None:
+                        run.job(jobs)
+                        runs[ps], view = None, False
             code = plan.tensor_code(tensor, headers)  # the tensor's own: device, dtype, shape; its value rule
             if code is not None:
                 if view:
@@ -173,7 +180,8 @@ def check_items(
         if hit is not None:
             checked.append((i, target))
     for run in runs.values():
-        run.job(jobs)
+        if run is not None:
+            run.job(jobs)
     return out
 
 
@@ -192,8 +200,9 @@ class _Run:
         #: (index, Target, tensor) of every tensor of the run, the first first
         self.members = [(i, target, tensor)]
 
-    def takes(self, tensor: torch.Tensor) -> bool:
-        """Is `tensor` (a view) the next of the run? (It then is.)"""
+    def takes(self, tensor: torch.Tensor) -> bool | None:
+        """Is `tensor` (a view) the next of the run? (It then is.) None: it is of another storage than the run's
+        first (the request's tensors of this shard are then taken one by one)."""
         if tensor.dtype is not self.dtype or tensor.shape != self.shape or tensor.stride() != self.stride:
             return False
         p = tensor.data_ptr()
@@ -203,7 +212,7 @@ class _Run:
         if self.where is None:  # a second tensor: the first one's storage (asked only now)
             self.where = storage_of(self.members[0][2])
         if storage_of(tensor) != self.where:
-            return False
+            return None
         self.step, self.last = d, p
         return True
 

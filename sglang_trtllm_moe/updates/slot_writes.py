@@ -55,15 +55,18 @@ def runs(writes: dict) -> list[tuple]:
     out: list[tuple] = []
     s0 = k = step = last = where = 0
     t0 = None
+    one_by_one = False  # the group's views are not of one buffer: taken one by one
     for s, t in writes.items():
-        if t0 is not None and s == s0 + k and t._base is not None and (k > 1 or t0._base is not None):
+        if t0 is not None and not one_by_one and s == s0 + k and t._base is not None and t0._base is not None:
             p = t.data_ptr()
             if k == 1:  # a second tensor: the first one's storage (asked only now)
                 last, where = t0.data_ptr(), storage_of(t0)
             d = p - last
-            if d > 0 and (k == 1 or d == step) and not d % t.element_size() and storage_of(t) == where:
-                step, last, k = d, p, k + 1
-                continue
+            if d > 0 and (k == 1 or d == step) and not d % t.element_size():
+                if storage_of(t) == where:
+                    step, last, k = d, p, k + 1
+                    continue
+                one_by_one = True
         if t0 is not None:
             out.append((s0, k, t0, step // t0.element_size() if k > 1 else 0))
         s0, k, t0, step = s, 1, t, 0
