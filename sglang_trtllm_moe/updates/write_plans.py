@@ -210,9 +210,10 @@ class WritePlan:
         """A plain (not converted) write of tensor `loaded`: None when its device, dtype or shape is not accepted;
         else the value rule its values must pass ("": none). headers: a meta tensor stands for a checkpoint tensor
         whose values are read later."""
-        dev = loaded.device
-        if dev not in self.devices and not (headers and dev.type == "meta"):
-            return None
+        if not loaded.is_cpu:  # (the CPU is always accepted: what disk loads deliver)
+            dev = loaded.device
+            if dev not in self.devices and not (headers and dev.type == "meta"):
+                return None
         dt = loaded.dtype
         ok = self.dtypes.get(dt)
         if ok is None:
