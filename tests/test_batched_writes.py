@@ -249,7 +249,7 @@ def test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader(kind,
     buckets = _requests(spec, scenario)
     if spec.kind.format.pairs_sources and scenario == "split":
         # a checkpoint holds both halves of a gated expert whose w1 and w3 SGLang converts together (nvfp4_online: a
-        # checkpoint with one half is refused, bucket_validation._unpaired_halves): gate and up in one directory
+        # checkpoint with one half is refused, checkpoint_checks._unpaired_halves): gate and up in one directory
         buckets = [buckets[0] + buckets[1], buckets[2]]
     batched, per_tensor, sglang_calls, taken = _run_both(spec, buckets, disk=True)
     assert differences(batched, per_tensor) == []

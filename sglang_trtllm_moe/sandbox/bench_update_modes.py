@@ -97,12 +97,12 @@ def unhooked(model):
 
 
 def unhooked_exact(flow: str, model) -> bool:
-    """Whether `unhooked` leaves `model` exact in `flow`: always in a session (tensor); on disk only where no layer
-    has the plugin's layout state (every MoE layer prepared by SGLang itself)."""
+    """Whether `unhooked` leaves `model` exact in `flow`: always in a session (tensor, flattened); on disk only where
+    no layer has the plugin's layout state (every MoE layer prepared by SGLang itself)."""
     from .. import layer_state
     from .models import moe_layers
 
-    return flow == "tensor" or all(layer_state.state_of(m) is None for m in moe_layers(model).values())
+    return flow != "disk" or all(layer_state.state_of(m) is None for m in moe_layers(model).values())
 
 
 # ---- where the time goes, in every mode ---------------------------------------------------------------------------
@@ -216,7 +216,15 @@ def counting(model):
     written (layer, parameter, shard, expert), value checks, and tensor-to-Python conversions in the validation
     path (inside check_items / check_values / check_write / check_tensor / value_checks.find_bad /
     check_local_expert / expert_index) and outside it."""
-    from ..updates import batched_writes, bucket_validation, checked_writes, layer_params, validation, value_checks
+    from ..updates import (
+        batched_writes,
+        bucket_validation,
+        checked_writes,
+        checkpoint_checks,
+        layer_params,
+        validation,
+        value_checks,
+    )
     from .models import moe_layers
 
     c: dict = {"loader_calls": 0, "check_write": Counter(), "per_write": Counter(), "syncs_in_validation": Counter()}
@@ -276,7 +284,7 @@ def counting(model):
         (bucket_validation, "check_tensor", in_validation(bucket_validation.check_tensor)),
         (value_checks, "find_bad", in_validation(value_checks.find_bad, "bad_value")),
         (value_checks, "bad_one", in_validation(value_checks.bad_one, "bad_value")),
-        (bucket_validation, "checkpoint_findings", in_validation(bucket_validation.checkpoint_findings)),
+        (checkpoint_checks, "checkpoint_findings", in_validation(checkpoint_checks.checkpoint_findings)),
         (validation, "check_local_expert", in_validation(validation.check_local_expert)),
         (checked_writes, "checked_write", in_validation(checked_writes.checked_write)),
         (validation, "expert_index", in_validation(validation.expert_index)),

@@ -5,7 +5,7 @@ tensors whose values validation checks — the values, read one tensor at a time
 `update_weights_from_disk` lets SGLang return every layer to checkpoint layout before it reads the first tensor
 (0.5.23 `restore_weights_before_loading`), and on a failure it rolls back by loading the same path again: one
 malformed tensor leaves the model in checkpoint layout, or half old and half new. So the whole directory is checked
-before SGLang touches the model (bucket_validation.check_checkpoint): names, dtypes and shapes from the headers; a
+before SGLang touches the model (checkpoint_checks.check_checkpoint): names, dtypes and shapes from the headers; a
 file shorter than its header says (a shard still being written, a copy cut short) refused; and every scale of a
 layer the plugin manages or watches read and value-checked (all of them, of any size: NVFP4 block scales are 1/8 of
 the packed weight bytes, FP8 block scales 1/16384 of the weight's), streamed: at most `CHUNK_BYTES` of values held at

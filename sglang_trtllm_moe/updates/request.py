@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from . import batched_writes, bucket_validation, checkpoint_headers, verdicts
+from . import batched_writes, bucket_validation, checkpoint_checks, checkpoint_headers, verdicts
 from .bucket_validation import BucketRefused
 from .checked_writes import Checked
 from .name_index import Index, index_of, managed_modules
@@ -214,8 +214,8 @@ class UpdateRequest:
                         continue  # checked for it in this request, files unchanged since
                     if headers is None:
                         headers = checkpoint_headers.read_headers(files, keep)
-                    kept = bucket_validation.KeptValues(KEEP_BYTES)
-                    found = bucket_validation.checkpoint_findings(m, files, keep, self.local_only, headers, kept)[1]
+                    kept = checkpoint_checks.KeptValues(KEEP_BYTES)
+                    found = checkpoint_checks.checkpoint_findings(m, files, keep, self.local_only, headers, kept)[1]
                     runs.append((m, found, kept))
                 if headers is None:
                     headers = self._checkpoint(model, key, fingerprint)
