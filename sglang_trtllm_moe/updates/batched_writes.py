@@ -49,6 +49,7 @@ __all__ = [
     "batches",
     "counts",
     "disabled",
+    "dropped",
     "enabled",
     "local_slots",
     "plan_of",
@@ -218,6 +219,18 @@ def without_others(items: list, index: Index, batched: bool = True) -> tuple[lis
         return items, None
     if batched:
         _count(dropped=len(items) - len(kept))
+    return [items[i] for i in kept], kept
+
+
+def dropped(items: list, elsewhere: list[int], batched: bool = True) -> tuple[list, list[int] | None]:
+    """`items` without those at `elsewhere` (expert tensors another rank holds, found by a request's check), and the
+    indices kept (None: all of them)."""
+    if not elsewhere:
+        return items, None
+    gone = set(elsewhere)
+    kept = [i for i in range(len(items)) if i not in gone]
+    if batched:
+        _count(dropped=len(gone))
     return [items[i] for i in kept], kept
 
 

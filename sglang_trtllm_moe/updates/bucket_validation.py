@@ -49,10 +49,12 @@ class BucketRefused(WeightUpdateRefused):
 class Findings:
     """What one model's check of a request found, before its values are checked: `problems` ((index of the item,
     message)), `writes` (a direct write's (layer, parameter name) pairs), `jobs` (value checks: (tensor, rule, index,
-    ValueJob or Target)), `resolved` (indices of the items whose names resolve to a layer here: checked, or another
-    rank's), `checked` ((index, Target) of the expert tensors checked and accepted)."""
+    ValueJob, Target or run)), `resolved` (indices of the items whose names resolve to a layer here: checked, or
+    another rank's), `checked` ((index, Target) of the expert tensors checked and accepted), `elsewhere` (indices of
+    the expert tensors another rank holds), `whole` (every item was a (name, tensor) pair: nothing left to check once
+    SGLang unwraps it)."""
 
-    __slots__ = ("problems", "writes", "jobs", "resolved", "checked")
+    __slots__ = ("problems", "writes", "jobs", "resolved", "checked", "elsewhere", "whole")
 
     def __init__(self):
         self.problems: list[tuple[int, str]] = []
@@ -60,6 +62,8 @@ class Findings:
         self.jobs: list[tuple] = []
         self.resolved: list[int] = []
         self.checked: list[tuple[int, Target]] = []
+        self.elsewhere: list[int] = []
+        self.whole = True
 
 
 def _epoch() -> int:
@@ -82,20 +86,26 @@ def check_items(
 ) -> Findings:
     """Every item of a request that targets a layer of `model` the plugin manages or watches, checked but for its
     values (`check_values` next). direct / skip / headers: as `check_bucket`. local_only: a tensor of another rank's
-    expert is not checked (its rank checks it). index: the model's name index, current (name_index.index_of)."""
+    expert is not checked (its rank checks it). index: the model's name index, current (name_index.index_of). Never
+    raises for an item: what an item's check raises is that item's refusal."""
     out = Findings()
     idx = index if index is not None else index_of(model)
     if not idx.layers:
+        out.whole = all(type(it) is tuple and len(it) == 2 and isinstance(it[1], torch.Tensor) for it in named_tensors)
         return out
     get, known = idx.get, idx.targets.get
     epoch = _epoch()
-    problems, jobs, resolved, checked = out.problems, out.jobs, out.resolved, out.checked
-    runs: dict = {}  # ParamShard -> its open _Run
+    problems, jobs, resolved, elsewhere = out.problems, out.jobs, out.resolved, out.elsewhere
+    runs: dict = {}  # ParamShard -> its open _Run (None: its views are not of one buffer)
+    tensor_class = torch.Tensor
     for i, item in enumerate(named_tensors):
         if type(item) is not tuple or len(item) != 2:
             if not isinstance(item, (list, tuple)) or len(item) != 2:
+                out.whole = False
                 continue
         name, tensor = item
+        if tensor.__class__ is not tensor_class and not isinstance(tensor, tensor_class):
+            out.whole = False
         if type(name) is not str:
             if not isinstance(name, str):
                 continue
@@ -116,72 +126,80 @@ def check_items(
             _check_other(idx.layers, i, name, tensor, direct, out)
             continue
         slots = target.slots
-        if local_only and slots is not None and not slots:
-            continue  # another rank's expert: that rank checks it (and SGLang's loader drops it here)
-        ps = target.ps
-        if ps.epoch != epoch:  # the parameter and its plan, looked up once per request
-            ps.epoch, ps.param = epoch, ps.layer._parameters.get(ps.pname)
-            ps.plan = plan_of(ps.layer, ps.param) if ps.param is not None else None
-        plan = ps.plan
-        if plan is None or plan.rule is None:
-            layer, fmt = ps.layer, format_of(ps.layer)
-            if ps.param is None or fmt is None or fmt.load_rule(param_name(layer, ps.param, fmt)) is None:
-                problems.append(
-                    (
-                        i,
-                        f"{layer_name(layer)}: {name}: no parameter {ps.pname} of this layer takes it "
-                        f"(its checkpoint parameters: {managed_names(layer, fmt)})",
-                    )
-                )
-                continue
-        if not isinstance(tensor, torch.Tensor):
-            continue  # unwrapped later by SGLang; the per-shard check applies
-        if plan is not None and target.ok is not plan and plan.name_ok(name, ps.shard, target.expert, "global"):
-            target.ok = plan  # the name's own checks (weight name, shard, expert range), once per name and plan
-        if plan is not None and target.ok is plan and not plan.converts:
-            view = tensor._base is not None
-            if view:  # a view of a buffer: the next of a run of this shard's (the first's geometry)?
-                run = runs.get(ps, _MISS)
-                if run is None:
-                    view = False  # this shard's views are not of one buffer in this request: no runs
-                elif run is not _MISS:
-                    took = run.takes(tensor)
-                    if took:
-                        run.members.append((i, target, tensor))
-                        checked.append((i, target))
-                        continue
-                    if took is None:
-                        run.job(jobs)
-                        runs[ps], view = None, False
-            code = plan.tensor_code(tensor, headers)  # the tensor's own: device, dtype, shape; its value rule
-            if code is not None:
-                if view:
-                    old = runs.get(ps)
-                    if old is not None:
-                        old.job(jobs)
-                    runs[ps] = _Run(tensor, code, i, target)
-                elif code and tensor.numel():
-                    jobs.append((tensor, code, i, target))
-                checked.append((i, target))
-                continue
-        # everything else (a write SGLang converts, a refusal): the plan's whole path, which explains a refusal
-        found: list = []
+        if slots is not None and not slots:
+            elsewhere.append(i)
+            if local_only:
+                continue  # another rank's expert: that rank checks it (and SGLang's loader drops it here)
         try:
-            hit = check_planned(
-                plan, ps.layer, ps.param, tensor, name, ps.shard, target.expert, "global", headers, found
-            )
-        except WeightUpdateRefused as e:
-            problems.append((i, str(e)))
-            continue
-        for job in found:
-            job.name = name
-            jobs.append((job.tensor, job.code, i, job))
-        if hit is not None:
-            checked.append((i, target))
+            _check_expert(i, name, tensor, target, epoch, headers, runs, out)
+        except Exception as e:  # noqa: BLE001 - a check that raised refuses its tensor (never the whole loop)
+            problems.append((i, f"{name}: the check raised {type(e).__name__}: {e}"))
     for run in runs.values():
         if run is not None:
             run.job(jobs)
     return out
+
+
+def _check_expert(i: int, name: str, tensor, target: Target, epoch: int, headers: bool, runs: dict, out: Findings):
+    """One expert tensor of a request (check_items' loop)."""
+    ps = target.ps
+    if ps.epoch != epoch:  # the parameter and its plan, looked up once per request
+        ps.epoch, ps.param = epoch, ps.layer._parameters.get(ps.pname)
+        ps.plan = plan_of(ps.layer, ps.param) if ps.param is not None else None
+    plan = ps.plan
+    if plan is None or plan.rule is None:
+        layer, fmt = ps.layer, format_of(ps.layer)
+        if ps.param is None or fmt is None or fmt.load_rule(param_name(layer, ps.param, fmt)) is None:
+            out.problems.append(
+                (
+                    i,
+                    f"{layer_name(layer)}: {name}: no parameter {ps.pname} of this layer takes it "
+                    f"(its checkpoint parameters: {managed_names(layer, fmt)})",
+                )
+            )
+            return
+    if not isinstance(tensor, torch.Tensor):
+        return  # unwrapped later by SGLang; the per-shard check applies
+    if plan is not None and target.ok is not plan and plan.name_ok(name, ps.shard, target.expert, "global"):
+        target.ok = plan  # the name's own checks (weight name, shard, expert range), once per name and plan
+    if plan is not None and target.ok is plan and not plan.converts:
+        view = tensor._base is not None
+        if view:  # a view of a buffer: the next of a run of this shard's (the first's geometry)?
+            run = runs.get(ps, _MISS)
+            if run is None:
+                view = False  # this shard's views are not of one buffer in this request: no runs
+            elif run is not _MISS:
+                took = run.takes(tensor)
+                if took:
+                    run.members.append((i, target, tensor))
+                    out.checked.append((i, target))
+                    return
+                if took is None:
+                    run.job(out.jobs)
+                    runs[ps], view = None, False
+        code = plan.tensor_code(tensor, headers)  # the tensor's own: device, dtype, shape; its value rule
+        if code is not None:
+            if view:
+                old = runs.get(ps)
+                if old is not None:
+                    old.job(out.jobs)
+                runs[ps] = _Run(tensor, code, i, target)
+            elif code and tensor.numel():
+                out.jobs.append((tensor, code, i, target))
+            out.checked.append((i, target))
+            return
+    # everything else (a write SGLang converts, a refusal): the plan's whole path, which explains a refusal
+    found: list = []
+    try:
+        hit = check_planned(plan, ps.layer, ps.param, tensor, name, ps.shard, target.expert, "global", headers, found)
+    except WeightUpdateRefused as e:
+        out.problems.append((i, str(e)))
+        return
+    for job in found:
+        job.name = name
+        out.jobs.append((job.tensor, job.code, i, job))
+    if hit is not None:
+        out.checked.append((i, target))
 
 
 class _Run:

@@ -142,6 +142,12 @@ class UpdateRequest:
         The ranks exchange their verdicts where the list holds a name of the plugin's not checked yet (the same on
         every rank where each rank got the same list), or `always` (a list SGLang made from one this rank already
         took its own experts out of: only the call is the same on every rank)."""
+        runs, raised, resolved = self._findings(model, named, direct)
+        self._conclude(named, runs, raised, resolved or always, what)
+        return runs[0][1] if runs else bucket_validation.Findings()
+
+    def _findings(self, model, named, direct: bool) -> tuple[list, str | None, int]:
+        """([(runner's record, its Findings)], what the check raised, how many names resolved to the plugin's)."""
         runs: list = []
         raised = None
         resolved = 0
@@ -151,18 +157,27 @@ class UpdateRequest:
                 found = bucket_validation.check_items(
                     m, named, direct, rec.ids, local_only=self.local_only, index=self.index(m)
                 )
-                bucket_validation.check_values(found)
                 runs.append((rec, found))
                 resolved += len(found.resolved)
         except Exception as e:  # noqa: BLE001 - the check itself failed: every rank refuses the request
             logger.exception("sglang-trtllm-moe: checking an update request raised")
             raised = f"{type(e).__name__}: {e}"
-        if raised is not None or resolved or always:
+        return runs, raised, resolved
+
+    def _conclude(self, named, runs: list, raised: str | None, exchange, what: str) -> None:
+        """The values of what was found, the verdict (exchanged with the other ranks where `exchange` or the check
+        raised), then each runner's record."""
+        if raised is not None or exchange:
+            try:
+                for _, found in runs:
+                    bucket_validation.check_values(found)
+            except Exception as e:  # noqa: BLE001 - as above
+                logger.exception("sglang-trtllm-moe: checking an update request's values raised")
+                raised = raised or f"{type(e).__name__}: {e}"
             problems = sorted((p for _, f in runs for p in f.problems), key=lambda p: p[0])
             self._verdict(problems, raised, what, len(named))
         for rec, found in runs:
             rec.add_checked(named, found.checked, found.resolved)
-        return runs[0][1] if runs else bucket_validation.Findings()
 
     def entry(self, model, named: list) -> list:
         """The list an update entry point got (load_format None): checked whole before SGLang touches it where every
@@ -171,10 +186,16 @@ class UpdateRequest:
         another rank holds (SGLang's loader would write nothing of them here; dropped before SGLang unwraps each:
         a serialized tensor is deserialized per rank, a CUDA IPC handle opened). Returns the list to hand SGLang.
         Raises BucketRefused."""
-        whole = all(type(it) is tuple and len(it) == 2 and isinstance(it[1], torch.Tensor) for it in named)
-        found = self.check(model, named) if whole else None
-        mine, kept = batched_writes.without_others(named, self.index(model), self.writes_batched())
+        runs, raised, resolved = self._findings(model, named, False)
+        found = runs[0][1] if runs else None
+        whole = found.whole if found is not None else all(isinstance(it[1], torch.Tensor) for it in named)
+        if whole:  # (every rank got the same list: the same answer everywhere)
+            self._conclude(named, runs, raised, resolved, "weight-update bucket")
         if found is not None:
+            mine, kept = batched_writes.dropped(named, found.elsewhere, self.writes_batched())
+        else:
+            mine, kept = batched_writes.without_others(named, self.index(model), self.writes_batched())
+        if whole and found is not None:
             # what `load` finds again in the list SGLang makes of `mine` (the same names in the same order: its own
             # tensors, or new ones moved to its device): checked, nothing to exchange again
             checked = found.checked
