@@ -6,13 +6,15 @@ fast layout path) and this package: SGLang does not run there.
     PYTHONPATH=. python benchmarks/h200_update_path.py [--out result.json] [--experts 256] [--repeats 5]
     PYTHONPATH=. python benchmarks/h200_update_path.py --tiny          (CPU, 4 experts, H 256: a smoke run)
 
-What runs is the plugin's own code: the entry-point hook `builtins/weight_updates.check_buckets_around` (the whole
-bucket checked, `bucket_validation.check_bucket`, its values with one read-back; what it validated recorded in a
-`checked_writes.Checked`), the loader hooks `builtins/loader_hooks.weight_loader` and `weight_loader_impl` (the
-request's record looked up — `validation.check_write` only for writes it does not hold —, the thread-local handshake,
-the layer lock, the per-expert layout state), `begin_weight_update`'s `layer_state.unprepare_all` and the end of the
-session's `layer_state.flush_all` (formats/nvfp4.py through layouts/: the Triton kernels on CUDA). What stands in for
-SGLang (the `STAND_INS` table, also in the JSON):
+What runs is the plugin's own code: the entry-point hook `builtins/weight_updates.check_buckets_around` and the
+request object it builds (updates/request.py, issue #52: the bucket checked whole against the model's name index —
+per run of experts where the tensors are views of one buffer, as here —, its values with one read-back, the verdict
+of the ranks — one process here: none exchanged —, then its expert tensors written batched, one copy per run of
+experts of one (layer, parameter)), the loader hooks `builtins/loader_hooks.weight_loader` and `weight_loader_impl`
+(for the per-tensor modes: the request's record looked up — `validation.check_write` only for writes it does not
+hold —, the thread-local handshake, the layer lock, the per-expert layout state), `begin_weight_update`'s
+`layer_state.unprepare_all` and the end of the session's `layer_state.flush_all` (formats/nvfp4.py through layouts/:
+the Triton kernels on CUDA). What stands in for SGLang (the `STAND_INS` table, also in the JSON):
 
 * the layer: a torch.nn.Module with SGLang 0.5.23's ModelOpt NVFP4 FusedMoE parameters (names, shapes, dtypes as
   `create_weights` makes them) and the attributes the plugin reads (num_experts, moe_tp_size, moe_runner_config, the
@@ -268,6 +270,9 @@ CHECKS = (
     "sglang_trtllm_moe.updates.checked_writes",
     "sglang_trtllm_moe.updates.bucket_validation",
     "sglang_trtllm_moe.updates.value_checks",
+    "sglang_trtllm_moe.updates.name_index",
+    "sglang_trtllm_moe.updates.request",
+    "sglang_trtllm_moe.updates.verdicts",
     "sglang_trtllm_moe.builtins.loader_hooks",
     "sglang_trtllm_moe.builtins.weight_updates",
 )

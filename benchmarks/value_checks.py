@@ -9,7 +9,7 @@ read back per tensor (the first implementation; on CUDA one synchronisation each
 weights and scales into their storage (what the update itself writes).
 
 `--disk` (CPU, SGLang installed): the pre-check of a disk update of a real SGLang FusedMoE NVFP4 layer at hidden 7168
-/ intermediate 2048 (`--disk-experts` of them) — bucket_validation.check_checkpoint: headers, file sizes, every scale
+/ intermediate 2048 (`--disk-experts` of them) — checkpoint_checks.check_checkpoint: headers, file sizes, every scale
 read and checked — against reading the same checkpoint's tensors once (what SGLang's loader reads).
 
 Run: `python benchmarks/value_checks.py [--device cpu|cuda] [--experts 256] [--disk] [--tiny]`; prints JSON.
@@ -118,7 +118,7 @@ def disk_row(experts: int, h: int, i: int, repeat: int) -> dict:
 
     from sglang_trtllm_moe.sandbox import layers as cpu_layers
     from sglang_trtllm_moe.sandbox.runtime import init_single_process
-    from sglang_trtllm_moe.updates import bucket_validation, checkpoint_headers
+    from sglang_trtllm_moe.updates import bucket_validation, checkpoint_checks, checkpoint_headers
 
     load_plugins()
     init_single_process("flashinfer_trtllm")
@@ -133,7 +133,7 @@ def disk_row(experts: int, h: int, i: int, repeat: int) -> dict:
         files = checkpoint_headers.files_of(d, "auto")
 
         def check():
-            bucket_validation.check_checkpoint(model, files)
+            checkpoint_checks.check_checkpoint(model, files)
 
         def read():  # what SGLang's loader does with each tensor at least: read it (mmap) and copy its bytes out
             with safe_open(files[0], framework="pt", device="cpu") as f:

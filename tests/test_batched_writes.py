@@ -255,7 +255,7 @@ def test_a_disk_update_is_written_batched_with_the_bytes_of_sglangs_loader(kind,
     buckets = _requests(spec, scenario)
     if spec.kind.format.pairs_sources and scenario == "split":
         # a checkpoint holds both halves of a gated expert whose w1 and w3 SGLang converts together (nvfp4_online: a
-        # checkpoint with one half is refused, bucket_validation._unpaired_halves): gate and up in one directory
+        # checkpoint with one half is refused, checkpoint_checks._unpaired_halves): gate and up in one directory
         buckets = [buckets[0] + buckets[1], buckets[2]]
     batched, per_tensor, sglang_calls, taken = _run_both(spec, buckets, disk=True)
     assert differences(batched, per_tensor) == []
@@ -298,16 +298,19 @@ def test_experts_of_another_ep_rank_are_dropped_and_the_others_land_in_their_slo
 
 
 def test_a_broken_batched_write_is_caught(monkeypatch):
-    """The comparison sees a wrong batched write: expert ids shifted by one slot."""
+    """The comparison sees a wrong batched write: expert ids shifted by one slot (where the request's name index
+    asks SGLang's loader for an expert's slots)."""
+    from sglang_trtllm_moe.updates import name_index
+
     spec = SPECS["nvfp4"]
-    real = batched_writes.local_slots
+    real = name_index.local_slots
 
     def shifted(layer, param, weight_name, shard_id, expert_id, tensor):
         return tuple(
             (s + 1) % int(param.shape[0]) for s in real(layer, param, weight_name, shard_id, expert_id, tensor)
         )
 
-    monkeypatch.setattr(batched_writes, "local_slots", shifted)
+    monkeypatch.setattr(name_index, "local_slots", shifted)
     batched, per_tensor, _, taken = _run_both(spec, _requests(spec, "partial"))
     assert taken and differences(batched, per_tensor)
 

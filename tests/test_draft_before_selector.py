@@ -275,7 +275,7 @@ def test_checkpoint_engine_buckets_reach_both_runners_and_a_bad_draft_expert_cha
 @pytest.mark.parametrize("how", ["disk", "tensor", "ipc"])
 def test_each_tensor_is_checked_once_for_its_runner_per_request(monkeypatch, how):
     """Each runner's entry point checks the request against the layers of every runner still to load, and the
-    request remembers what was checked for which runner (updates/request_checks.py): each expert tensor is checked
+    request remembers what was checked for which runner (updates/request.py): each expert tensor is checked
     once, for the runner whose layer it targets (not once per runner's entry point; checkpoint-engine hands each
     runner's loop new views of its buffer, so the draft's are checked again in its turn), and a checkpoint's values
     are read from the files once per runner. Counted through the plugin's own per-tensor check and file reads
@@ -285,17 +285,18 @@ def test_each_tensor_is_checked_once_for_its_runner_per_request(monkeypatch, how
     from .support import checkpoint_engine as ce
 
     checked, reads = [], []
-    real_check, real_read = bucket_validation.check_planned, checkpoint_headers.read_tensors
+    real_check, real_read = bucket_validation.check_items, checkpoint_headers.read_tensors
 
-    def check_planned(plan, layer, param, tensor, name, *a, **k):
-        checked.append(name)
-        return real_check(plan, layer, param, tensor, name, *a, **k)
+    def check_items(model, named, *a, **k):
+        found = real_check(model, named, *a, **k)
+        checked.extend(named[i][0] for i, _ in found.checked)
+        return found
 
     def read_tensors(headers, names):
         reads.append(len(names))
         return real_read(headers, names)
 
-    monkeypatch.setattr(bucket_validation, "check_planned", check_planned)
+    monkeypatch.setattr(bucket_validation, "check_items", check_items)
     monkeypatch.setattr(checkpoint_headers, "read_tensors", read_tensors)
     p = Pair()
     named = both(8)

@@ -19,6 +19,8 @@ from sglang_trtllm_moe import selection
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import ranks, sglang_runtime
+from .support import verdict_worker as V
+from .support.gloo_trainer import running
 from .support.multirank_worker import checkpoint, forward
 
 E, H = 8, 128
@@ -55,6 +57,10 @@ WORLD2 = [
     dict(_sc("tp2-r3", 2, 1, intermediate=128), r3=True),
     dict(_sc("ep2-r3", 2, 2, intermediate=128), r3=True),
 ]
+#: one verdict for all ranks (issue #52): TP 2 / EP 2 (rank 1 alone holds expert 5) and TP 2, every update path
+#: (tests/support/verdict_worker.py; with 4 ranks: tests/test_rank_verdicts.py)
+VERDICTS = [V.scenario("verdict-tp2-ep2", 2, 2, bad_expert=5), V.scenario("verdict-tp2", 2, 1, bad_expert=1, seed=1)]
+WORLD2 += VERDICTS
 SCENARIOS = {sc["name"]: sc for sc in WORLD2}
 
 
@@ -73,6 +79,10 @@ def _single_rank(sc, seed=None, tensors=None):
 def world2(tmp_path_factory):
     """Start the 2-rank group first, compute the TP=1 oracles here while it runs."""
     tmp = tmp_path_factory.mktemp("world2")
+    trainer = running(V.prepare(VERDICTS, tmp), V.GROUP, world_size=3)  # the distributed path's trainer
+    port, proc = trainer.__enter__()
+    for sc in VERDICTS:
+        sc["verdict"]["port"] = port
     procs = ranks.launch("tests.support.multirank_worker", 2, {"scenarios": WORLD2}, tmp)
     try:
         sglang_runtime.ensure("flashinfer_trtllm")
@@ -81,7 +91,7 @@ def world2(tmp_path_factory):
         try:
             refs = {}
             for sc in WORLD2:
-                if sc["spec"].get("num_experts", E) % sc["ep"] or sc.get("r3"):
+                if sc["spec"].get("num_experts", E) % sc["ep"] or sc.get("r3") or sc.get("verdict"):
                     continue
                 refs[sc["name"]] = _single_rank(sc)
                 if sc["rl_update"]:
@@ -96,8 +106,13 @@ def world2(tmp_path_factory):
                 os.environ["SGLANG_TRTLLM_MOE_EMULATE"] = old
     except BaseException:
         ranks.kill(procs)
+        trainer.__exit__(None, None, None)
         raise
-    return ranks.collect(procs, tmp), refs
+    try:
+        return ranks.collect(procs, tmp), refs
+    finally:
+        trainer.__exit__(None, None, None)
+        assert proc.exitcode == 0, "the trainer of the distributed path failed"
 
 
 def rel(a, b):
@@ -314,3 +329,17 @@ def test_every_tp_and_ep_rank_reports_the_experts_its_kernel_routed(world2, name
         got = res["r3_calls"][0][1]
         assert as_sets(got) == as_sets(res["r3_ref"]), (r, got.tolist(), res["r3_ref"].tolist())
         assert int(got.max()) >= E // 2 and int(got.min()) < E // 2  # global ids: both ranks' experts appear
+
+
+@pytest.mark.parametrize("sc", VERDICTS, ids=[sc["name"] for sc in VERDICTS])
+def test_a_bad_tensor_of_one_ranks_expert_is_refused_alike_on_every_rank_and_every_path(world2, sc):
+    """One verdict for all ranks (issue #52): each rank checks only the experts it holds; a NaN block-scale byte of
+    expert 5 (rank 1's alone at EP 2) or 1 (both ranks' at TP 2) is refused with the same message on both ranks,
+    through update_weights_from_tensor (a list, a flattened bucket), _disk, _distributed and _ipc, no byte changed on
+    either; the good request after it leaves each rank's bytes those of SGLang's own loader."""
+    results, _ = world2
+    per_rank = _ok(results, sc["name"])
+    bad = sc["verdict"]["bad_expert"]
+    holders = [r for r, res in enumerate(per_rank) if res["ep_rank"] == bad // res["local_experts"]]
+    assert holders == ([1] if sc["ep"] == 2 else [0, 1]), holders
+    V.assert_agreed(per_rank, sc)

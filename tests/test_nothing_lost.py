@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
-from sglang_trtllm_moe.updates import bucket_validation, checkpoint_headers
+from sglang_trtllm_moe.updates import bucket_validation, checkpoint_checks, checkpoint_headers
 
 from .support import sglang_runtime
 from .support.bad_updates import MAKERS
@@ -256,7 +256,7 @@ def test_property_a_bad_scale_anywhere_in_a_real_size_tensor_is_found_and_locate
     held = {n: v.contiguous() for n, v in named if n[len(model.prefix) :] in scales}
     save_file(held, os.path.join(d, "s.safetensors"))
     with pytest.raises(bucket_validation.BucketRefused) as disk_path:
-        bucket_validation.check_checkpoint(model, checkpoint_headers.files_of(str(d), "auto"))
+        checkpoint_checks.check_checkpoint(model, checkpoint_headers.files_of(str(d), "auto"))
     for e in (tensor_path.value, disk_path.value):
         msg = str(e)
         assert "1 refused" in msg and f"at {list(idx)}" in msg, msg
@@ -279,7 +279,7 @@ def test_the_check_reads_every_scale_once_and_no_weight(tmp_path, monkeypatch):
             yield n, t
 
     monkeypatch.setattr(checkpoint_headers, "read_tensors", counting)
-    bucket_validation.check_checkpoint(model, checkpoint_headers.files_of(d, "auto"))
+    checkpoint_checks.check_checkpoint(model, checkpoint_headers.files_of(d, "auto"))
     assert sorted(read) == sorted(model.prefix + n for n in tensors if "scale" in n.rsplit(".", 1)[1])
     assert len(read) == len(set(read))
     with open(os.path.join(d, "config.json")) as f:

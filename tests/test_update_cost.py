@@ -27,6 +27,7 @@ from sglang_trtllm_moe.updates import (
     batched_writes,
     bucket_validation,
     checked_writes,
+    checkpoint_headers,
     validation,
     value_checks,
     write_plans,
@@ -130,6 +131,7 @@ class Checks:
         self.on = False
         self.seen: collections.Counter = collections.Counter()
         self.where: collections.Counter = collections.Counter()
+        self.alive: list = []
 
     @contextlib.contextmanager
     def counting(self):
@@ -142,20 +144,48 @@ class Checks:
 
 @pytest.fixture
 def checks(monkeypatch):
+    """Counts the request's per-tensor check (a plan's `tensor_code`, where the name's own checks were made once; the
+    next tensor of a run of one buffer compared to the run's first), a plan's `accepts` (the loader hooks, and a
+    request's writes SGLang converts) and the full checks."""
     c = Checks()
-    accepts, full = write_plans.WritePlan.accepts, validation._check_write
+    code, accepts, full = write_plans.WritePlan.tensor_code, write_plans.WritePlan.accepts, validation._check_write
+    inside = threading.local()
+
+    def counted_code(plan, loaded, *a):
+        if c.on and not getattr(inside, "on", False):
+            c.alive.append(loaded)  # no id reused while counting
+            c.seen[(plan.name, id(loaded))] += 1
+            c.where["entry"] += 1
+        return code(plan, loaded, *a)
 
     def counted_accepts(plan, layer, param, loaded, weight_name, shard_id, expert_id, scope, *a):
         if c.on:
-            c.seen[(plan.name, shard_id, int(expert_id))] += 1
+            c.alive.append(loaded)
+            c.seen[(plan.name, id(loaded))] += 1
             c.where["entry" if isinstance(a[-1], list) else f"loader/{scope}"] += 1
-        return accepts(plan, layer, param, loaded, weight_name, shard_id, expert_id, scope, *a)
+        inside.on = True
+        try:
+            return accepts(plan, layer, param, loaded, weight_name, shard_id, expert_id, scope, *a)
+        finally:
+            inside.on = False
 
     def counted_full(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values):
         if c.on:
             c.where[f"full/{scope}"] += 1
         return full(layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values)
 
+    takes = bucket_validation._Run.takes
+
+    def counted_takes(run, tensor):  # the next tensor of a run of one buffer, compared to its first
+        ok = takes(run, tensor)
+        if ok and c.on:
+            c.alive.append(tensor)
+            c.seen[("run", id(tensor))] += 1
+            c.where["entry"] += 1
+        return ok
+
+    monkeypatch.setattr(bucket_validation._Run, "takes", counted_takes)
+    monkeypatch.setattr(write_plans.WritePlan, "tensor_code", counted_code)
     monkeypatch.setattr(write_plans.WritePlan, "accepts", counted_accepts)
     monkeypatch.setattr(validation, "_check_write", counted_full)
     return c
@@ -262,8 +292,8 @@ def test_writes_outside_a_request_are_checked_whole_every_time(checks):
 
 def test_a_disk_update_checks_each_tensor_once_and_reads_each_scale_once(tmp_path, checks, monkeypatch):
     """The disk path: every tensor checked from its header; the values of every scale read from the files once and
-    checked at once; SGLang's writes of those tensors (the same dtype and shape, from the unchanged files) are not
-    checked again."""
+    checked at once, and written from what was read (issue #52); SGLang's writes of those tensors (the same dtype and
+    shape, from the unchanged files) are not checked again."""
     spec = B.CONFIGS["nvfp4"]
     model = _model()
     d = str(tmp_path / "ckpt")
@@ -276,14 +306,32 @@ def test_a_disk_update_checks_each_tensor_once_and_reads_each_scale_once(tmp_pat
         finds.append(len(items))
         return real(items)
 
+    read, written = {}, []
+    real_read, real_write = checkpoint_headers.read_tensors, batched_writes.write
+
+    def read_tensors(headers, names):
+        for name, t in real_read(headers, names):
+            read[name] = t
+            yield name, t
+
+    def write(items, *a, **k):
+        written.extend(n for n, t in items if read.get(n) is t)
+        return real_write(items, *a, **k)
+
     with monkeypatch.context() as m, checks.counting():
         m.setattr(value_checks, "find_bad", counted_find_bad)
         m.setattr(value_checks, "bad_one", lambda *a: pytest.fail("a value checked on its own"))
+        m.setattr(checkpoint_headers, "read_tensors", read_tensors)
+        m.setattr(batched_writes, "write", write)
         ok, msg = u.update_weights_from_disk(d, "auto")
         assert ok, msg
     assert _same_as_fresh(model, "nvfp4", 1)
+    # the values the pre-check read are what was written (SGLang's own tensors of them, views of the mapped file,
+    # never read): each scale read from the files once
+    assert sorted(written) == sorted(read) and len(read) == spec.num_experts * 9, (len(written), len(read))
     expert_tensors = spec.num_experts * 12
-    assert len(checks.seen) == expert_tensors and set(checks.seen.values()) == {1}, checks.seen
+    # (a checkpoint's headers share one meta tensor per dtype and shape: counted per check, not per object)
+    assert sum(checks.seen.values()) == expert_tensors, checks.seen
     assert checks.where == {"entry": expert_tensors}, checks.where
     assert finds == [spec.num_experts * 9]  # every scale (3 kinds x 3 projections per expert), in one call
     assert not checked_writes._ACTIVE and not checked_writes._FROM_FILES
@@ -304,3 +352,54 @@ def test_a_refused_bucket_records_nothing():
     with pytest.raises(bucket_validation.BucketRefused):
         bucket_validation.check_bucket(model, bucket, record=record)
     assert len(record) == 0
+
+
+def test_a_flattened_bucket_is_checked_per_run_of_experts(monkeypatch):
+    """Tensors that are views of one buffer (a flattened bucket) at a constant stride, one parameter's of consecutive
+    experts: their values are checked as one strided view per run (issue #52: Python per run, not per tensor), and
+    a bad byte in the middle of a run still names its own expert and nothing is written."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    spec = B.CONFIGS["nvfp4"]
+    model = _model()
+    u = sglang_runtime.updater(model)
+    items = list(cpu_layers.checkpoint_names(_checkpoint(spec, 1)).items())
+    scales = [n for n, _ in items if "scale" in n]
+    jobs: list = []
+    real = value_checks.find_bad
+
+    def counted_find_bad(found):
+        jobs.append(len(found))
+        return real(found)
+
+    def flat(bucket):
+        f = FlattenedTensorBucket(named_tensors=bucket)
+        return {"flattened_tensor": f.get_flattened_tensor(), "metadata": f.get_metadata()}
+
+    from sglang_trtllm_moe.updates import slot_writes
+
+    written: list = []
+    real_runs = slot_writes.runs
+
+    def counted_runs(writes):
+        out = real_runs(writes)
+        written.extend(k for _, k, _, _ in out)
+        return out
+
+    monkeypatch.setattr(value_checks, "find_bad", counted_find_bad)
+    monkeypatch.setattr(slot_writes, "runs", counted_runs)
+    ok, msg = u.update_weights_from_tensor(flat(items), load_format="flattened_bucket")
+    assert ok, msg
+    assert _same_as_fresh(model, "nvfp4", 1)
+    # one job per (parameter, shard) run: 9 kinds of scale (3 per projection), not one per expert
+    assert jobs == [9] and len(scales) == 9 * spec.num_experts, (jobs, len(scales))
+    # and every group of writes (one per parameter, shard and plan) is one run of all the experts
+    assert written and set(written) == {spec.num_experts}, written
+    bad = dict(cpu_layers.checkpoint_names(_checkpoint(spec, 2)))
+    key = next(n for n in bad if n.endswith("experts.2.up_proj.weight_scale"))
+    bad[key] = bad[key].clone()
+    bad[key].view(torch.uint8).view(-1)[3] = 0xFF  # an e4m3 NaN, inside the run of experts 0-3
+    snap = B.snapshot(model.experts)
+    ok, msg = u.update_weights_from_tensor(flat(list(bad.items())), load_format="flattened_bucket")
+    assert not ok and "expert 2" in msg and "w13_weight_scale" in msg and "1 refused" in msg, msg
+    assert B.changed(model.experts, snap) == []

@@ -1,11 +1,12 @@
 """One scheduler request, several runners: a speculative draft's runners load the same update as the target's.
 
-SGLang's scheduler loads one disk / tensor / IPC request (from 0.5.21 distributed too) into the target's runner and
-the draft's, one after another, and stops at the first that answers False: a tensor only a later runner refuses
-would already be in an earlier one (disk and IPC load the target first, tensor before 0.5.21 the draft first). While
-the scheduler serves such a request, each runner's entry-point check (weight_updates.py) also covers the runners
-still to load, and the request remembers what was checked for which runner so nothing is checked twice
-(updates/request_checks.py). Which runners a request reaches, per release: compat/update_runners.py.
+SGLang's scheduler loads one disk / tensor / IPC request (from 0.5.21 distributed too) into the target's runner and the
+draft's, one after another, and stops at the first that answers False: a tensor only a later runner refuses would
+already be in an earlier one (disk and IPC load the target first, tensor before 0.5.21 the draft first). While the
+scheduler serves such a request, each runner's entry-point check (weight_updates.py) also covers the runners still
+to load, and the request remembers what was checked for which runner so nothing is checked twice
+(updates/request.py: the request object, with the ranks that answer it together). Which runners a request reaches,
+per release: compat/update_runners.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 from .. import capabilities, hookimpl
 from ..compat import features, update_runners
 from ..targets import HookTarget
-from ..updates import request_checks
+from ..updates import request
 from .weight_updates import MANAGER, MIXIN, model_of
 
 logger = logging.getLogger("sglang_trtllm_moe")
@@ -61,7 +62,7 @@ def _selected_runners_around(method: str):
         models = selected_models(manager, recv_req, method)
         token = capabilities.REQUEST_REFUSAL.set(unknown_runners(manager, method) if models is None else None)
         try:
-            with request_checks.serving(models or ()):
+            with request.serving(models or ()):
                 return original(manager, recv_req, *args, **kwargs)
         finally:
             capabilities.REQUEST_REFUSAL.reset(token)

@@ -15,7 +15,7 @@ checkpoint layout, and is whole or nothing: if SGLang's load still fails, the se
 (rollback.py) and the update answers (False, message) instead of raising out of the scheduler.
 With a speculative draft, SGLang's scheduler loads one disk / tensor / IPC request (from 0.5.21 distributed too) into
 the target and the draft one after another: while it does, each runner's check covers the layers of every runner
-still to load (builtins/runner_requests.py; what was checked for which: updates/request_checks.py), so a bad draft
+still to load (builtins/runner_requests.py; what was checked for which: updates/request.py), so a bad draft
 tensor refuses the request before the target loads any of it, on every release.
 Whole-parameter writes (load_format="direct") are validated the same way and return the written groups to checkpoint
 layout first, so they are exact outside a begin/end session too.
@@ -30,15 +30,7 @@ from .. import aside, hookimpl, layer_state
 from ..compat import features
 from ..errors import WeightUpdateRefused
 from ..targets import HookTarget
-from ..updates import (
-    batched_writes,
-    bucket_validation,
-    checked_writes,
-    checkpoint_headers,
-    request_checks,
-    rollback,
-    undo,
-)
+from ..updates import bucket_validation, checkpoint_headers, request, rollback, undo
 
 logger = logging.getLogger("sglang_trtllm_moe")
 
@@ -89,60 +81,42 @@ PARTLY_WRITTEN = (
 
 
 def check_buckets_around(original, owner, *args, **kwargs):
-    """Validate each list `model.load_weights` gets during the entry point before it loads any of it, and record
-    what was validated (checked_writes.Checked) so the loader hooks do not check those writes again; against the
-    layers of the other runners the same scheduler request loads after it (builtins/runner_requests.py). Whatever
-    raises inside is answered (False, message), never raised into the scheduler; a custom loader's request is put
-    back first (updates/undo.py)."""
+    """Validate each list `model.load_weights` gets during the entry point before it loads any of it (against the
+    layers of every runner the same scheduler request loads after it, one verdict of all ranks), then write it:
+    the request object (updates/request.py) does both; here are SGLang's arguments and answers. Whatever raises
+    inside is answered (False, message), never raised into the scheduler; a custom loader's request is put back
+    first (updates/undo.py)."""
     model = model_of(owner)
     stepped = aside.at_update(model)  # a layer the plugin stepped aside for, which SGLang cannot keep exact
     if stepped:
         return False, stepped
     real = _own_load_weights(model)
-    req = request_checks.current()
-    others = req.others(model) if req is not None else []
-    if real is None or not (bucket_validation.managed_modules(model) or others):
-        # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
-        return original(owner, *args, **kwargs)
-    # the request's record of this model, where an earlier runner's entry point may have checked tensors for it
-    record = req.record(model) if req is not None else checked_writes.Checked()
-
-    def check_bucket(named):
-        """Against this model's layers, then the request's other runners' (each into its own record: its entry
-        point, when its turn comes, skips what was checked here and its loader hooks find the writes validated)."""
-        bucket_validation.check_bucket(model, named, skip=record.ids, record=record)
-        if req is not None:
-            for other in others:
-                req.check_bucket(other, named)
-
-    refused: list[Exception] = []
-    named = args[0] if args else kwargs.get("named_tensors")
-    load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
-    # a loader of the user's (--custom-weight-loader): nothing checked up front (its lists to load_weights are), what
-    # it writes copied first (undo.py), written by SGLang's loader: one `copy_` per destination, as it may expect
-    custom = isinstance(load_format, str) and load_format not in ("direct", "flattened_bucket")
-    try:
+    with request.for_model(model) as req:
+        if real is None or not req.concerns(model):
+            # no loader to wrap (a model updated only by direct writes), or nothing of the plugin's in it: SGLang's own
+            return original(owner, *args, **kwargs)
+        refused: list = []
+        named = args[0] if args else kwargs.get("named_tensors")
+        load_format = args[1] if len(args) > 1 else kwargs.get("load_format")
+        # a loader of the user's (--custom-weight-loader): nothing checked up front (its lists to load_weights are),
+        # what it writes copied first (undo.py), written by SGLang's loader: one `copy_` per destination, as it may
+        # expect
+        custom = isinstance(load_format, str) and load_format not in ("direct", "flattened_bucket")
         if isinstance(named, (list, tuple)) and load_format is None:  # "direct": checked by check_direct_before
-            # tensors handed in directly are checked before SGLang touches them (it moves them to its device first,
-            # which fails raw for a meta tensor); the same objects reaching load_weights are not checked twice (the
-            # record's ids), nor again in the loader hooks (the record)
+            # checked before SGLang touches the tensors (the same objects reaching load_weights are not checked twice,
+            # nor again in the loader hooks: the request's record), and another rank's expert tensors never reach
+            # SGLang here (it would unwrap each, then drop it)
             try:
-                check_bucket(named)
+                mine = req.entry(model, named)
             except bucket_validation.BucketRefused as e:
                 return False, str(e)
+            if mine is not named:
+                args, kwargs = _with_named(mine, args, kwargs)
 
         def load_weights(weights, *a, **k):
             if guard is not None:  # a custom loader's first chunk: the parameters outside the MoE layers copied
                 guard.save_rest()
-            if isinstance(weights, (list, tuple)):  # an iterator may reuse its buffers: left to the per-shard check
-                try:
-                    check_bucket(weights)
-                except bucket_validation.BucketRefused as e:
-                    refused.append(e)
-                    raise
-                if batched_writes.enabled() and not custom:  # managed layers' experts batched; the rest: SGLang
-                    weights = batched_writes.write(list(weights), bucket_validation.expert_targets(model, weights))
-            return real(weights, *a, **k)
+            return req.load(model, real, weights, refused, *a, batched=not custom, **k)
 
         rollback.forget(model)  # served weights from tensors: no longer reproducible from disk loads
         with undo.guarded(model, bucket_validation.managed_modules(model).values(), on=custom) as guard:
@@ -153,8 +127,6 @@ def check_buckets_around(original, owner, *args, **kwargs):
                 return False, _failed(e, guard)
             if guard is not None and (refused or not result[0]):  # SGLang caught it: the copies put back
                 return False, f"{refused[0] if refused else result[1]}\n{guard.restore()}"
-    finally:
-        _release(req, model, record)
     if refused:  # SGLang caught it (and says "partially updated"): nothing of the bucket was written
         return False, str(refused[0])
     return result
@@ -173,52 +145,45 @@ def _failed(e: Exception, guard) -> str:
     return f"{what}\n{guard.restore() if guard is not None else partly}".rstrip()
 
 
-def _release(req, model, record) -> None:
-    """The entry point of `model` is over: its record closed (the request's, where it runs inside one)."""
-    if req is not None:
-        req.release(model)
-    else:
-        record.close()
+def _with_named(named, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The entry point's arguments with `named` as its named tensors."""
+    if args:
+        return (named, *args[1:]), kwargs
+    return args, {**kwargs, "named_tensors": named}
 
 
 def check_disk_around(original, owner, model_path, load_format=None, weight_name_filter=None, *args, **kwargs):
     """A disk update, whole or not at all. Before SGLang restores or loads anything (its rollback would re-read the
     same path): the checkpoint is refused if any file is cut short or any tensor of a managed layer is malformed —
-    names, dtypes and shapes from the headers, every scale's values from the files (bucket_validation.
-    check_checkpoint). Then a way back is prepared (rollback.py); if SGLang's load still fails, or raises, the
-    served weights are put back and the update answers (False, message)."""
+    names, dtypes and shapes from the headers, every scale's values from the files (the request's
+    `check_checkpoint`, one verdict of all ranks). Then a way back is prepared (rollback.py); if SGLang's load still
+    fails, or raises, the served weights are put back and the update answers (False, message)."""
     model = model_of(owner)
     stepped = aside.at_update(model)
     if stepped:
         return False, stepped
-    req = request_checks.current()
-    others = req.others(model) if req is not None else []
-    if model is None or not (bucket_validation.managed_modules(model) or others):
-        return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
-    names = None
-    files = checkpoint_headers.files_of(model_path, load_format)
-    checked = rollback.fingerprint(model_path) if files else None  # the files as the pre-check is about to read them
-    # what the pre-check read from the files: while SGLang loads them, the loader hooks check the structure of each
-    # write, not its values again (if a file changes meanwhile, the fingerprint below puts the served weights back)
-    record = req.record(model) if req is not None else checked_writes.Checked()
-    try:
-        if files:
-            try:
-                read = (model_path, load_format, weight_name_filter)
-                headers = _check_checkpoint(req, model, record, files, read, checked)
-            except bucket_validation.BucketRefused as e:
-                return False, str(e)
+    with request.for_model(model) as req:
+        if model is None or not req.concerns(model):
+            return original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
+        names = None
+        files = checkpoint_headers.files_of(model_path, load_format)
+        checked = rollback.fingerprint(model_path) if files else None  # the files as the pre-check reads them
+        # while SGLang loads them, the loader hooks check the structure of each write the pre-check validated, not
+        # its values again (if a file changes meanwhile, the fingerprint below puts the served weights back)
+        try:
+            headers = req.check_checkpoint(model, files, (model_path, load_format, weight_name_filter), checked)
+        except bucket_validation.BucketRefused as e:
+            return False, str(e)
+        if headers is not None:
             names = frozenset(n for n, _ in headers.tensors)
         net = rollback.prepare(model, names)
         try:
-            with _batched_from_files(model, names is not None):
+            with _batched_from_files(req, model, names is not None):
                 result = original(owner, model_path, load_format, weight_name_filter, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - SGLang's load or its rollback raised: the scheduler must live
             logger.exception("sglang-trtllm-moe: update_weights_from_disk(%r) raised", model_path)
-            _release(req, model, record)
+            req.release(model)
             return _put_back(net, original, owner, f"Failed to update weights: {type(e).__name__}: {e}", ())
-    finally:
-        _release(req, model, record)
     ok, message = result[0], str(result[1])
     if ok and checked is not None and rollback.fingerprint(model_path) != checked:
         # a file removed, added or rewritten while SGLang loaded: what it loaded is not what was checked (SGLang
@@ -242,50 +207,18 @@ def check_disk_around(original, owner, model_path, load_format=None, weight_name
     return result
 
 
-def _check_checkpoint(req, model, record, files, read: tuple, fingerprint):
-    """The checkpoint `read` (model_path, load_format, weight_name_filter) against `model`'s layers, then the
-    request's other runners' (those SGLang loads after this one, or loaded before it); a runner the request already
-    checked these files for (unchanged since) is not read again. Raises BucketRefused; returns `model`'s headers."""
-    model_path, _, weight_name_filter = read
-    key = request_checks.checkpoint_key(*read)
-    what = f"checkpoint {model_path}"
-    headers = None
-    for m in (model, *(req.others(model) if req is not None else ())):
-        seen = req.checkpoint(m, key, fingerprint) if req is not None else None
-        if seen is None:
-            rec = record if m is model else req.record(m)
-            seen = bucket_validation.check_checkpoint(m, files, keep=weight_name_filter, what=what, record=rec)
-            if req is not None:
-                req.checked_checkpoint(m, key, fingerprint, seen)
-        if m is model:
-            headers = seen
-    return headers
-
-
 @contextlib.contextmanager
-def _batched_from_files(model, checked: bool):
-    """While a disk update whose checkpoint passed the pre-check loads: the expert tensors of managed layers that
-    SGLang's iterator yields, each the one the pre-check validated (checked_writes.read_from_files), are written
-    batched (batched_writes.stream); everything else goes through the model's own loader, in order."""
+def _batched_from_files(req, model, checked: bool):
+    """While a disk update whose checkpoint passed the pre-check loads: the model's `load_weights` writes the expert
+    tensors the pre-check validated batched (the request's `load_from_files`); everything else goes through the
+    model's own loader, in order."""
     real = _own_load_weights(model)
-    if not checked or real is None or not batched_writes.enabled():
+    if not checked or real is None:
         yield
         return
 
-    def target_of(item):
-        if type(item) is not tuple or len(item) != 2:
-            return None
-        target = bucket_validation.expert_targets(model, (item,))[0]
-        if target is None:
-            return None
-        param = getattr(target[0], target[1], None)
-        ok = param is not None and checked_writes.read_from_files(param, item[1], target[2], target[3])
-        return target if ok else None
-
     def load_weights(weights, *a, **k):
-        if not isinstance(weights, (list, tuple)):
-            weights = batched_writes.stream(weights, target_of)
-        return real(weights, *a, **k)
+        return req.load_from_files(model, real, weights, *a, **k)
 
     with _load_weights_as(model, load_weights):
         yield
@@ -321,8 +254,9 @@ def check_direct_before(model, named_tensors, *args, **kwargs):
     copies whole parameters; the entry point's flush prepares them again)."""
     named_tensors = list(named_tensors)
     rollback.forget(model)
-    for layer, name in bucket_validation.check_bucket(model, named_tensors, direct=True):
-        layer_state.before_write(layer, name, None)
+    with request.for_model(model) as req:
+        for layer, name in req.check(model, named_tensors, direct=True).writes:
+            layer_state.before_write(layer, name, None)
     return (model, named_tensors, *args), kwargs
 
 

@@ -6,7 +6,10 @@ hidden and intermediate scaled to fit the machine) is loaded by SGLang's ModelRu
 
 * ``tensor``: ``begin_weight_update``; ``update_weights_from_tensor`` once per bucket (the whole model, every
   tensor, in buckets of about ``bucket_mib``); ``end_weight_update`` (the flush of every written expert);
-* ``disk``: ``update_weights_from_disk`` of a second checkpoint directory (the whole model).
+* ``disk``: ``update_weights_from_disk`` of a second checkpoint directory (the whole model);
+* ``flattened`` (not run unless asked: ``--flows tensor,flattened``): the ``tensor`` flow with each bucket sent as
+  RL frameworks send them, one ``FlattenedTensorBucket`` (``load_format="flattened_bucket"``): SGLang hands the
+  model views of one buffer (what an IPC buffer or a distributed broadcast hands it too).
 
 Each flow runs in four modes, interleaved (order rotated per repeat), in the same process:
 
@@ -209,7 +212,12 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
     def disk_update():
         m.update_from_disk(dir_b)
 
-    updates = {"tensor": tensor_update, "disk": disk_update}
+    def flattened_update():
+        with m.session():
+            for b in buckets:
+                m.update_from_tensor(b, load_format="flattened_bucket")
+
+    updates = {"tensor": tensor_update, "disk": disk_update, "flattened": flattened_update}
     clock = Clock(m.model)
 
     from ..updates import batched_writes
@@ -278,7 +286,7 @@ def _run_in(work, quant, experts, hidden, intermediate, repeats, bucket_mib, flo
                 entry[f"overhead_pct_vs_unhooked_{clock_kind}"] = round(100 * (plug - u) / u, 1)
         if "unhooked" not in rows:
             entry["unhooked"] = "not exact on this flow (writes land on prepared experts): not run"
-        n_buckets = len(buckets) if flow == "tensor" else 1
+        n_buckets = 1 if flow == "disk" else len(buckets)
         for mode in ("plugin", "per_tensor", "bypassed"):
             with contexts[mode](), counting(m.model) as c:
                 updates[flow]()
@@ -343,7 +351,9 @@ def bench_rows(reports: list[dict]) -> list[dict]:
         label = f"{rep['quant']}, {rep['moe_layers']} MoE layers x {rep['experts']} experts, H {rep['hidden']}"
         for flow, e in rep["flows"].items():
             p, b = e["modes"]["plugin"], e["modes"]["bypassed"]
-            what = "tensor buckets in a session" if flow == "tensor" else "from disk"
+            what = {"tensor": "tensor buckets in a session", "flattened": "flattened buckets in a session"}.get(
+                flow, "from disk"
+            )
             key = "without_layout_cpu_s_median"
             rows.append(
                 dict(

@@ -23,11 +23,11 @@ from .layers import patched
 def bypass():
     """The plugin's checks and their bookkeeping replaced by pass-throughs (a context manager):
 
-    * ``bucket_validation.managed_modules`` -> {}: the entry-point hooks (builtins/weight_updates.py
-      `check_buckets_around`, `check_disk_around`) skip the whole-bucket check, the `load_weights` wrapper that
-      checks each list SGLang loads, the request's record of what was checked (checked_writes.Checked) and the id set of
-      checked tensors, and the disk path's pre-check; ``checkpoint_headers.files_of`` -> [] (no listing of the
-      checkpoint directory for its headers);
+    * ``request.UpdateRequest.concerns`` -> False: the entry-point hooks (builtins/weight_updates.py
+      `check_buckets_around`, `check_disk_around`) skip the request object altogether — the whole-bucket check,
+      the `load_weights` wrapper that checks each list SGLang loads and writes its expert tensors batched, the
+      request's record of what was checked (checked_writes.Checked), the verdict of the ranks, and the disk path's
+      pre-check; ``checkpoint_headers.files_of`` -> [] (no listing of the checkpoint directory for its headers);
     * ``validation.check_write`` -> (the parameter's name, int(expert_id)) for a managed or watched layer, None
       otherwise: only what the loader hooks need to route the write (no name / shard / expert / device / dtype /
       shape / value checks); ``validation.check_local_expert`` -> int(expert_id).
@@ -36,7 +36,7 @@ def bypass():
     before a write into a prepared expert; the layout callbacks) and the flushes — the layout work that keeps the
     layer exact."""
     from ..layer_state import observed, state_of
-    from ..updates import bucket_validation, checkpoint_headers, layer_params, validation
+    from ..updates import checkpoint_headers, layer_params, request, validation
 
     def check_write(layer, param, loaded, weight_name, shard_id, expert_id, scope="local", headers=False, values=True):
         st = state_of(layer)
@@ -46,7 +46,7 @@ def bypass():
         return layer_params.param_name(layer, param, fmt), int(expert_id)
 
     return patched(
-        (bucket_validation, "managed_modules", lambda model: {}),
+        (request.UpdateRequest, "concerns", lambda self, model: False),
         (checkpoint_headers, "files_of", lambda *a, **k: []),
         (validation, "check_write", check_write),
         (validation, "check_local_expert", lambda layer, param, name, expert_id, shard_id: int(expert_id)),
@@ -97,12 +97,12 @@ def unhooked(model):
 
 
 def unhooked_exact(flow: str, model) -> bool:
-    """Whether `unhooked` leaves `model` exact in `flow`: always in a session (tensor); on disk only where no layer
-    has the plugin's layout state (every MoE layer prepared by SGLang itself)."""
+    """Whether `unhooked` leaves `model` exact in `flow`: always in a session (tensor, flattened); on disk only where
+    no layer has the plugin's layout state (every MoE layer prepared by SGLang itself)."""
     from .. import layer_state
     from .models import moe_layers
 
-    return flow == "tensor" or all(layer_state.state_of(m) is None for m in moe_layers(model).values())
+    return flow != "disk" or all(layer_state.state_of(m) is None for m in moe_layers(model).values())
 
 
 # ---- where the time goes, in every mode ---------------------------------------------------------------------------
@@ -114,8 +114,9 @@ class Clock:
 
     * ``layout``: the plugin's layout work: `layer_state.flush` (prepare of the dirty experts, kernel scalars) and
       every `WeightFormat.unprepare_` (before a write into a prepared expert, at begin_weight_update);
-    * ``entry_checks``: the entry points' whole-request checks: `bucket_validation.check_bucket` (tensor buckets, and
-      the disk path's check of the checkpoint: `check_checkpoint`) and `checkpoint_headers.files_of` (listing it);
+    * ``entry_checks``: the entry points' whole-request checks: the request's `check` (tensor buckets: every runner's
+      tensors, their values, the verdict of the ranks) and `check_checkpoint` (the disk path's check of the
+      checkpoint), and `checkpoint_headers.files_of` (listing it);
     * ``loader_checks``: `validation.check_write` / `check_local_expert` called by the loader hooks (per write);
     * ``batched_writes``: `batched_writes.write` (the expert tensors of managed layers written per group, their
       un-prepare included: that part is counted in ``layout`` too)
@@ -125,7 +126,7 @@ class Clock:
 
     def __init__(self, model):
         from .. import layer_state
-        from ..updates import batched_writes, bucket_validation, checked_writes, checkpoint_headers, validation
+        from ..updates import batched_writes, checked_writes, checkpoint_headers, request, validation
         from .models import moe_layers
 
         self.reset()
@@ -135,9 +136,9 @@ class Clock:
         self._targets: list[tuple[Any, str, str]] = [(layer_state, "flush", "layout")]
         self._targets += [(f, "unprepare_", "layout") for f in fmts.values()]
         self._targets += [
-            (bucket_validation, "check_bucket", "entry_checks"),
+            (request.UpdateRequest, "check", "entry_checks"),
             (checkpoint_headers, "files_of", "entry_checks"),
-            (bucket_validation, "check_checkpoint", "entry_checks"),
+            (request.UpdateRequest, "check_checkpoint", "entry_checks"),
             (validation, "check_write", "loader_checks"),
             (checked_writes, "checked_write", "loader_checks"),
             (validation, "check_local_expert", "loader_checks"),
@@ -210,11 +211,20 @@ SYNCS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist")
 
 @contextlib.contextmanager
 def counting(model):
-    """Counters for one update (untimed): FusedMoE.weight_loader calls, check_write calls per source and per
+    """Counters for one update (untimed): FusedMoE.weight_loader calls, the writes checked per source (a request's
+    checks: `bucket_validation.check_items`, one per runner and list; the loader hooks: `check_write`) and per
     written (layer, parameter, shard, expert), value checks, and tensor-to-Python conversions in the validation
-    path (inside check_write / check_tensor / value_checks.find_bad / check_bucket / check_local_expert /
-    expert_index) and outside it."""
-    from ..updates import batched_writes, bucket_validation, checked_writes, layer_params, validation, value_checks
+    path (inside check_items / check_values / check_write / check_tensor / value_checks.find_bad /
+    check_local_expert / expert_index) and outside it."""
+    from ..updates import (
+        batched_writes,
+        bucket_validation,
+        checked_writes,
+        checkpoint_checks,
+        layer_params,
+        validation,
+        value_checks,
+    )
     from .models import moe_layers
 
     c: dict = {"loader_calls": 0, "check_write": Counter(), "per_write": Counter(), "syncs_in_validation": Counter()}
@@ -233,25 +243,28 @@ def counting(model):
 
         @functools.wraps(fn)
         def wrapper(*a, **k):
-            if tag is not None:
+            if tag is not None and tag != "bucket":
                 with lock:
                     if tag == "bad_value":
                         c["bad_value_calls"] += 1
-                    elif tag == "bucket":
-                        c["bucket_checks"] += 1
                     else:
-                        args = a[1:] if tag == "entry" else a  # check_planned(plan, layer, ...)
-                        layer, param, _, _, shard, expert = args[:6]
-                        scope = k.get("scope", args[6] if len(args) > 6 else "local")
-                        src = "bucket" if tag == "entry" else f"loader/{scope}"
-                        c["check_write"][src] += 1
+                        layer, param, _, _, shard, expert = a[:6]
+                        scope = k.get("scope", a[6] if len(a) > 6 else "local")
+                        c["check_write"][f"loader/{scope}"] += 1
                         key = (id(layer), layer_params.param_name(layer, param), shard, expert)
                         c["per_write"][key] += 1
             tls.depth = depth() + 1
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
             finally:
                 tls.depth = depth() - 1
+            if tag == "bucket":  # a request's check of one list for one runner: what it checked
+                with lock:
+                    c["bucket_checks"] += 1
+                    for _, t in out.checked:
+                        c["check_write"]["bucket"] += 1
+                        c["per_write"][(id(t.ps.layer), t.ps.pname, t.ps.shard, t.expert)] += 1
+            return out
 
         return wrapper
 
@@ -265,13 +278,13 @@ def counting(model):
 
     pairs: list[tuple[Any, str, Any]] = [
         (validation, "check_write", in_validation(validation.check_write, "loader")),
-        (bucket_validation, "check_planned", in_validation(bucket_validation.check_planned, "entry")),
-        (bucket_validation, "check_bucket", in_validation(bucket_validation.check_bucket, "bucket")),
+        (bucket_validation, "check_items", in_validation(bucket_validation.check_items, "bucket")),
+        (bucket_validation, "check_values", in_validation(bucket_validation.check_values)),
         (validation, "check_tensor", in_validation(validation.check_tensor)),
         (bucket_validation, "check_tensor", in_validation(bucket_validation.check_tensor)),
         (value_checks, "find_bad", in_validation(value_checks.find_bad, "bad_value")),
         (value_checks, "bad_one", in_validation(value_checks.bad_one, "bad_value")),
-        (bucket_validation, "check_checkpoint", in_validation(bucket_validation.check_checkpoint)),
+        (checkpoint_checks, "checkpoint_findings", in_validation(checkpoint_checks.checkpoint_findings)),
         (validation, "check_local_expert", in_validation(validation.check_local_expert)),
         (checked_writes, "checked_write", in_validation(checked_writes.checked_write)),
         (validation, "expert_index", in_validation(validation.expert_index)),

@@ -30,26 +30,44 @@ Python value.
 
 A load that replaced `torch.Tensor.copy_` sees every write as SGLang's loader makes it: while `torch.Tensor.copy_`
 is not torch's own (`copy_replaced`; verl's delta loader masks NaN sources with one and records every destination
-with another), `write` leaves the whole list to SGLang's per-tensor loader — one `copy_` per destination, through
-the replacement — and traces nothing (a trace runs SGLang's loader on meta tensors, which a replacement would see).
-The entry points also leave a request naming a custom loader (`load_format`) to it (builtins/weight_updates.py).
+with another), the request (updates/request.py `writes_batched`) leaves the whole list to SGLang's per-tensor
+loader — one `copy_` per destination, through the replacement — and traces nothing (a trace runs SGLang's loader on
+meta tensors, which a replacement would see). The entry points also leave a request naming a custom loader
+(`load_format`) to it (builtins/weight_updates.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import types
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from .. import layer_attrs, layer_state
 from ..formats.base import WeightFormat
-from . import undo
-from .slot_plans import SlotPlan, StandIn, slot_plan, unwrapped
+from . import slot_plans, undo
+from .name_index import OTHER, Index, ParamShard, Target
+from .slot_plans import SlotPlan, local_slots, own_loader, slot_plan
+from .slot_writes import Shard, apply, shard_of
+
+__all__ = [
+    "batches",
+    "copy_replaced",
+    "counts",
+    "disabled",
+    "dropped",
+    "enabled",
+    "local_slots",
+    "plan_of",
+    "set_enabled",
+    "step_aside",
+    "stream",
+    "without_others",
+    "write",
+]
 
 #: switched off: every tensor goes through SGLang's per-tensor loader (set_enabled)
 _ON = [True]
@@ -64,18 +82,15 @@ def set_enabled(on: bool) -> bool:
     return prev
 
 
-#: why the plugin stepped aside for batched writes in this process (capabilities.py: its slot trace would not find
-#: SGLang's write), or None
-_ASIDE: list[str | None] = [None]
-
-
 def step_aside(why: str | None) -> None:
-    """Set (or clear) the reason the batched writer leaves every tensor to SGLang's loader (aside.at_update)."""
-    _ASIDE[0] = why
+    """Set (or clear) why the batched writer leaves every tensor to SGLang's loader (aside.at_update: capabilities.py
+    found SGLang's write where the slot trace would not see it). The name index then knows no expert's slots either
+    (slot_plans.set_untraceable): every rank checks every expert and SGLang's loader drops another rank's."""
+    slot_plans.set_untraceable(why)
 
 
 def enabled() -> bool:
-    return _ON[0] and _ASIDE[0] is None
+    return _ON[0] and slot_plans.traceable()
 
 
 #: torch's own `Tensor.copy_` (a method of TensorBase; `torch.Tensor` defines none of its own)
@@ -106,25 +121,17 @@ def counts() -> dict[str, int]:
         return dict(_COUNTS)
 
 
+def count_stepped_aside(n: int) -> None:
+    """`n` tensors of a list left whole to SGLang's loader while `torch.Tensor.copy_` is replaced."""
+    _count(stepped_aside=n)
+
+
 def _count(**kw: int) -> None:
     with _COUNTS_LOCK:
         _COUNTS.update(kw)
 
 
-# ---- SGLang's own loader, run on a stand-in ------------------------------------------------------------------------
-
-
-def local_slots(layer, param, weight_name: str, shard_id: str, expert_id: int, tensor) -> tuple[int, ...]:
-    """The slots of `param`'s first dimension SGLang's own `FusedMoE.weight_loader` writes checkpoint expert
-    `expert_id` into on this rank (none: another rank's expert; several: EPLB replicas)."""
-    slots: list[int] = []
-
-    def record(*args, **kwargs):
-        slots.append(kwargs["expert_id"] if "expert_id" in kwargs else args[4])
-
-    loader = unwrapped(type(layer).weight_loader)
-    loader(StandIn(layer, record), param, tensor, weight_name, shard_id, expert_id)
-    return tuple(int(s) for s in slots)
+# ---- where SGLang's loader puts a tensor's bytes (traced once) ----------------------------------------------------
 
 
 def plan_of(layer, param, pname: str, weight_name: str, shard_id: str, loaded: torch.Tensor) -> SlotPlan | None:
@@ -152,61 +159,112 @@ def plan_of(layer, param, pname: str, weight_name: str, shard_id: str, loaded: t
     return plan
 
 
+def _plan(sh: Shard, layer, param, ps: ParamShard, t: torch.Tensor):
+    geometry = (t.shape, t.stride(), t.dtype)
+    got = sh.plans.get(geometry)
+    if got is None:
+        plan = plan_of(layer, param, ps.pname, ps.weight_name, ps.shard, t)
+        whole = ()
+        if plan is not None:
+            shape, stride = tuple(t.shape), tuple(t.stride())
+            whole = tuple(
+                op.kind == "copy" and op.src.offset == 0 and op.src.shape == shape and op.src.stride == stride
+                for op in plan.ops
+            )
+        got = sh.plans[geometry] = (plan, whole)
+    return got
+
+
 # ---- a bucket ----------------------------------------------------------------------------------------------------
 
 
-def _own_loader(layer, param) -> bool:
-    """`param` is loaded by `layer`'s own FusedMoE.weight_loader (not a replacement someone installed)."""
-    wl = getattr(param, "weight_loader", None)
-    return (
-        isinstance(wl, types.MethodType)
-        and wl.__self__ is layer
-        and unwrapped(wl.__func__) is unwrapped(getattr(type(layer), "weight_loader", None))
-    )
-
-
-def _routed(layer) -> int | None:
-    """The checkpoint expert ids of routed experts are below this (fused shared experts follow)."""
-    n = getattr(layer, "_num_global_routed", None)
-    if n is None:
-        total = getattr(layer, "num_experts", None)
-        if total is None:
-            return None
-        n = int(total) - int(getattr(layer, "num_fused_shared_experts", 0) or 0)
-    return int(n)
-
-
-def write(items: list, targets: list) -> list:
-    """Write the expert tensors of managed layers among `items` (a validated bucket: (name, tensor) pairs) batched;
-    `targets[i]`: (layer, parameter name, shard id, checkpoint expert id) of items[i], or None. Returns the items
-    left for the model's own `load_weights`, in order (all of them while `copy_replaced()`)."""
-    if not enabled():
-        return items
-    if torch.Tensor.copy_ is not _TORCH_COPY:
-        _count(stepped_aside=len(items))
-        return items
-    by_layer: dict[int, tuple] = {}
-    for i, target in enumerate(targets):
-        if target is None:
+def write(items: list, index: Index, batched: bool = True) -> list:
+    """The expert tensors of managed layers among `items` (a validated bucket: (name, tensor) pairs), resolved by the
+    model's name `index`: another rank's experts dropped (SGLang's own loader drops them), the rest written batched
+    per (layer, parameter) — or, `batched` False (the request's per-tensor path), left to SGLang's loader. Returns
+    the items left for the model's own `load_weights`, in order."""
+    get, known = index.get, index.targets.get
+    rest: list[int] = []
+    groups: dict[int, tuple] = {}  # id(layer) -> (layer, {ParamShard: [(index, tensor, Target)]})
+    dropped = 0
+    for i, item in enumerate(items):
+        name = item[0] if isinstance(item, (list, tuple)) and len(item) == 2 else None
+        target = known(name, _MISS) if type(name) is str else None
+        if target is _MISS:
+            target = get(name)  # type: ignore[arg-type]  # (a str: known() was asked)
+        if target is None or target is OTHER:
+            rest.append(i)
             continue
-        layer = target[0]
-        entry = by_layer.get(id(layer))
-        if entry is None:
-            entry = by_layer[id(layer)] = (layer, *_written_here(layer), [])
-        if entry[2] is not None:
-            entry[3].append(i)
-    taken: set[int] = set()
-    for layer, st, fmt, indices in by_layer.values():
+        slots = target.slots
+        if slots is None or not batched:
+            if slots is not None and not slots:
+                dropped += 1  # another rank's expert: SGLang's loader would write nothing of it here
+            else:
+                rest.append(i)
+            continue
+        if not slots:
+            dropped += 1
+            continue
+        ps = target.ps
+        layer_groups = groups.get(id(ps.layer))
+        if layer_groups is None:
+            layer_groups = groups[id(ps.layer)] = (ps.layer, {})
+        shards: dict = layer_groups[1]
+        entries = shards.get(ps)
+        if entries is None:
+            entries = shards[ps] = []
+        entries.append((i, item[1], target))
+    written = 0
+    for layer, shards in groups.values():
+        st, fmt = _written_here(layer)
         if fmt is None:
+            rest += [i for entries in shards.values() for i, _, _ in entries]
             continue
         with layer_state.locked(layer):
             undo.before_write(layer)  # a guarded request: the layer copied before its first write
-            done = _write_layer(layer, st, fmt, items, targets, indices)
-        taken |= done
-        _count(left=len(indices) - len(done))
-    if not taken:
+            left, n = _write_layer(layer, st, fmt, shards)
+        rest += left
+        written += n
+        _count(left=len(left))
+    if dropped and batched:  # (the counters are the batched path's)
+        _count(dropped=dropped)
+    if not written and not dropped:
         return items
-    return [item for i, item in enumerate(items) if i not in taken]
+    if len(rest) == len(items):
+        return items
+    rest.sort()
+    return [items[i] for i in rest]
+
+
+def without_others(items: list, index: Index, batched: bool = True) -> tuple[list, list[int] | None]:
+    """`items` ((name, tensor) pairs) without the expert tensors another rank holds (name_index.Target.slots == ():
+    SGLang's own loader would write nothing of them here), and the indices kept (None: all of them)."""
+    get, known = index.get, index.targets.get
+    kept: list[int] = []
+    for i, item in enumerate(items):
+        name = item[0] if isinstance(item, (list, tuple)) and len(item) == 2 else None
+        target = known(name, _MISS) if type(name) is str else None
+        if target is _MISS:
+            target = get(name)  # type: ignore[arg-type]  # (a str: known() was asked)
+        if target is None or target.__class__ is not Target or target.slots is None or target.slots:
+            kept.append(i)
+    if len(kept) == len(items):
+        return items, None
+    if batched:
+        _count(dropped=len(items) - len(kept))
+    return [items[i] for i in kept], kept
+
+
+def dropped(items: list, elsewhere: list[int], batched: bool = True) -> tuple[list, list[int] | None]:
+    """`items` without those at `elsewhere` (expert tensors another rank holds, found by a request's check), and the
+    indices kept (None: all of them)."""
+    if not elsewhere:
+        return items, None
+    gone = set(elsewhere)
+    kept = [i for i in range(len(items)) if i not in gone]
+    if batched:
+        _count(dropped=len(gone))
+    return [items[i] for i in kept], kept
 
 
 #: a disk update's expert tensors are written in chunks of about this many bytes (`stream`): the iterator's CPU
@@ -214,29 +272,40 @@ def write(items: list, targets: list) -> list:
 STREAM_CHUNK_BYTES = 256 << 20
 
 
-def stream(weights, target_of, chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator:
-    """A disk update's iterator of (name, tensor), as SGLang hands it to `model.load_weights`: the items `target_of`
-    resolves ((layer, parameter name, shard id, checkpoint expert id): an expert tensor the pre-check validated
-    from the files) are collected and written batched about every `chunk_bytes`; every other item, and whatever a
-    chunk could not take, is yielded on to the model's loader. Everything is written by the time the iterator ends
-    (before the model's `load_weights` returns and SGLang prepares the layers)."""
+def stream(weights, index: Index, validated: Callable, chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator:
+    """A disk update's iterator of (name, tensor), as SGLang hands it to `model.load_weights`: another rank's expert
+    tensors are dropped (never read from their files: SGLang's tensors are views of the mapped files); the expert
+    tensors `validated(name, tensor, target)` accepts — the pre-check validated them from the files; it answers the
+    tensor to write (the values the pre-check read, where it kept them) or None — are collected and written batched
+    about every `chunk_bytes`; every other item, and whatever a chunk could not take, is yielded on to the model's
+    loader. Everything is written by the time the iterator ends (before the model's `load_weights` returns and SGLang
+    prepares the layers)."""
     pending: list = []
-    targets: list = []
     size = 0
+    dropped = 0
+    get = index.get
     for item in weights:
-        target = target_of(item)
-        if target is None:
+        name = item[0] if type(item) is tuple and len(item) == 2 else None
+        target = get(name) if type(name) is str else None
+        if target is None or target.__class__ is not Target or target.slots is None:
             yield item
             continue
-        pending.append(item)
-        targets.append(target)
-        t = item[1]
+        if not target.slots:
+            dropped += 1  # another rank's expert
+            continue
+        t = validated(name, item[1], target)
+        if t is None:
+            yield item
+            continue
+        pending.append((name, t))
         size += t.numel() * t.element_size()
         if size >= chunk_bytes:
-            yield from write(pending, targets)
-            pending, targets, size = [], [], 0
+            yield from write(pending, index)
+            pending, size = [], 0
     if pending:
-        yield from write(pending, targets)
+        yield from write(pending, index)
+    if dropped:
+        _count(dropped=dropped)
 
 
 def batches(layer) -> bool:
@@ -255,127 +324,84 @@ def _written_here(layer) -> tuple:
     return (None, fmt) if fmt is not None and fmt.batched_where_sglang_prepares and not fmt.fused else (None, None)
 
 
-_UNSEEN = object()
-
-
-class _Param:
-    """What one (parameter, shard id) of a layer needs for a bucket's writes, looked up once per bucket."""
-
-    __slots__ = ("param", "pname", "weight_name", "global_ids", "plans")
-
-    def __init__(self, param, pname: str, weight_name: str):
-        self.param, self.pname, self.weight_name = param, pname, weight_name
-        self.global_ids = bool(getattr(param, "_sglang_require_global_experts", False))
-        self.plans: dict = {}
-
-
-def _write_layer(layer, st, fmt, items: list, targets: list, indices: list[int]) -> set[int]:
-    """One layer's writes of a bucket (under its lock, where the plugin manages it: `st`). Returns the indices
-    written (or dropped, as SGLang drops another rank's experts); the others are left to SGLang's loader."""
-    routed = _routed(layer)
-    if routed is None:
-        return set()
+def _write_layer(layer, st, fmt, shards: dict) -> tuple[list[int], int]:
+    """One layer's writes of a bucket (under its lock, where the plugin manages it: `st`). Returns (the indices left
+    to SGLang's loader, how many were written)."""
     viewed: set[str] = set()
     if st is not None and st.views:
         # the groups' parameters seen as SGLang loads them while they are written (BF16's prepared view is 4-D)
-        viewed = {st.groups[targets[i][1]] for i in indices if targets[i][1] in st.groups}
+        viewed = {st.groups[ps.pname] for ps in shards if ps.pname in st.groups}
         for group in viewed:
             fmt.on_layout(layer, group, all_prepared=False)
     try:
-        return _write_experts(layer, st, fmt, routed, items, targets, indices)
+        return _write_shards(layer, st, fmt, shards)
     finally:
         for group in viewed:
             if st.all_prepared(group):  # nothing of it written after all: shown as prepared again
                 fmt.on_layout(layer, group, all_prepared=True)
 
 
-def _write_experts(layer, st, fmt, routed: int, items: list, targets: list, indices: list[int]) -> set[int]:
-    prefix = getattr(layer, layer_attrs.PREFIX, None) or "experts"
+def _write_shards(layer, st, fmt, shards: dict) -> tuple[list[int], int]:
     converts = type(fmt).converted_by_sglang is not WeightFormat.converted_by_sglang
     params = layer._parameters
-    infos: dict = {}
-    slots_of: dict = {}
     refused: set[str] = set()  # parameters with a tensor that keeps the per-tensor path: all of theirs do
-    pending: list[tuple] = []  # (index, _Param, slots, plan, tensor)
-    dropped: list[int] = []
-    for i in indices:
-        _, pname, shard, expert = targets[i]
-        if pname in refused:
+    # (id(param), plan) -> [ParamShard, param, plan, whole, Shard, {slot: tensor}]: shards whose writes are the
+    # same plan (an input scale written alike from w1 and w3) are one group, in the bucket's order
+    groups: dict = {}
+    for ps, entries in shards.items():
+        if ps.pname in refused:
             continue
-        info = infos.get((pname, shard), _UNSEEN)
-        if info is _UNSEEN:
-            param = params.get(pname)
-            ok = param is not None and _own_loader(layer, param)
-            info = infos[(pname, shard)] = _Param(param, pname, f"{prefix}.{pname}") if ok else None
-        tensor = items[i][1]
-        if (
-            info is None
-            or not isinstance(tensor, torch.Tensor)
-            or type(expert) is not int
-            or not 0 <= expert < routed
-            or (converts and fmt.converted_by_sglang(layer, pname, tensor, expert, "global"))
-        ):
-            refused.add(pname)
+        param = params.get(ps.pname)
+        if param is None or not own_loader(layer, param):
+            refused.add(ps.pname)
             continue
-        key = (expert, info.global_ids)
-        slots = slots_of.get(key)
-        if slots is None:
-            try:
-                slots = slots_of[key] = local_slots(layer, info.param, info.weight_name, shard, expert, tensor)
-            except Exception:  # noqa: BLE001 - SGLang's mapping on this release: leave it to its own loader
-                refused.add(pname)
-                continue
-        if not slots:
-            dropped.append(i)  # another EP rank's expert: SGLang's loader writes nothing of it here either
-            continue
-        geometry = (tensor.shape, tensor.stride(), tensor.dtype)
-        plan = info.plans.get(geometry, _UNSEEN)
-        if plan is _UNSEEN:
-            plan = info.plans[geometry] = plan_of(layer, info.param, pname, info.weight_name, shard, tensor)
-        if plan is None:
-            refused.add(pname)
-            continue
-        pending.append((i, info, slots, plan, tensor))
-    groups = _groups(pending, refused)
+        sh = shard_of(ps, param)
+        for _, t, target in entries:
+            if not isinstance(t, torch.Tensor) or (
+                converts and fmt.converted_by_sglang(layer, ps.pname, t, target.expert, "global")
+            ):
+                refused.add(ps.pname)
+                break
+            plan, whole = _plan(sh, layer, param, ps, t)
+            if plan is None:
+                refused.add(ps.pname)
+                break
+            g = groups.get((id(param), plan))
+            if g is None:
+                g = groups[(id(param), plan)] = [ps, param, plan, whole, sh, {}]
+            w = g[5]
+            for s in target.slots:
+                w.pop(s, None)  # the last write of a slot wins, as in SGLang's loop
+                w[s] = t
+    _overlapping(groups, refused)
+    groups = {k: g for k, g in groups.items() if g[0].pname not in refused}
+    left = [i for ps, entries in shards.items() if ps.pname in refused for i, _, _ in entries]
     if not groups:
-        return set(dropped)
+        return left, 0
     if st is not None:  # the written experts of each layout group back to checkpoint layout: one call per group
         ids: dict[str, set] = {}
         for g in groups.values():
             group = st.groups.get(g[0].pname)
             if group is not None:
-                ids.setdefault(group, set()).update(g[2])
+                ids.setdefault(group, set()).update(g[5])
         for group, experts in ids.items():
             back = [e for e in sorted(experts) if e < st.num_experts and st.is_prepared(group, e)]
             if back:
                 layer_state.unprepare_locked(layer, st, group, back)
         st.scalars_dirty = True
-    for info, plan, writes in groups.values():
-        _apply(info.param, plan, writes)
-    written = [p[0] for p in pending if p[1].pname not in refused]
-    _count(tensors=len(written), dropped=len(dropped), groups=len(groups))
-    return set(written) | set(dropped)
+    for _, param, plan, whole, sh, writes in groups.values():
+        apply(param, plan, whole, sh, writes)
+    n = sum(len(entries) for ps, entries in shards.items() if ps.pname not in refused)
+    _count(tensors=n, groups=len(groups))
+    return left, n
 
 
-def _groups(pending: list[tuple], refused: set[str]) -> dict:
-    """{(parameter, plan): (_Param, plan, {slot: tensor})} of the pending writes of parameters not refused: the last
-    write of a slot wins (SGLang's order). A parameter whose plans overlap inside a slot they share is added to
-    `refused` (the order across its plans matters: SGLang's per-tensor path keeps it)."""
-    groups: dict = {}
-    for _, info, slots, plan, tensor in pending:
-        if info.pname in refused:
-            continue
-        key = (id(info.param), plan)
-        g = groups.get(key)
-        if g is None:
-            g = groups[key] = (info, plan, {})
-        writes: dict = g[2]
-        for s in slots:
-            writes.pop(s, None)
-            writes[s] = tensor
+def _overlapping(groups: dict, refused: set[str]) -> None:
+    """A parameter whose plans overlap inside a slot they share is added to `refused` (the order across its plans
+    matters: SGLang's per-tensor path keeps it)."""
     per_param: dict = {}
-    for info, plan, writes in groups.values():
-        per_param.setdefault(info.pname, []).append((plan.span, set(writes)))
+    for ps, _, plan, _, _, writes in groups.values():
+        per_param.setdefault(ps.pname, []).append((plan.span, set(writes)))
     for pname, spans in per_param.items():
         for a in range(len(spans)):
             for b in range(a + 1, len(spans)):
@@ -383,36 +409,6 @@ def _groups(pending: list[tuple], refused: set[str]) -> dict:
                 (lo2, hi2), s2 = spans[b]
                 if lo1 < hi2 and lo2 < hi1 and s1 & s2:
                     refused.add(pname)
-    return {k: g for k, g in groups.items() if g[0].pname not in refused}
 
 
-_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
-_FOREACH_ZERO = getattr(torch, "_foreach_zero_", None)
-
-
-def _apply(param, plan: SlotPlan, writes: dict) -> None:
-    """Every write of `plan` for every (slot, tensor) of `writes`, one foreach call per write of the plan."""
-    data = param.data
-    base, step = data.storage_offset(), int(data.stride(0))
-    slots = list(writes)
-    tensors = list(writes.values())
-    for op in plan.ops:
-        d = op.dst
-        dsts = [data.as_strided(d.shape, d.stride, base + s * step + d.offset) for s in slots]
-        if op.kind == "copy":
-            g = op.src
-            srcs = [t.as_strided(g.shape, g.stride, t.storage_offset() + g.offset) for t in tensors]
-            if _FOREACH_COPY is not None:
-                _FOREACH_COPY(dsts, srcs)
-            else:
-                for a, b in zip(dsts, srcs, strict=True):
-                    a.copy_(b)
-        elif op.kind == "zero":
-            if _FOREACH_ZERO is not None:
-                _FOREACH_ZERO(dsts)
-            else:
-                for a in dsts:
-                    a.zero_()
-        else:
-            for a in dsts:
-                a.fill_(op.value)
+_MISS = object()

@@ -4,134 +4,335 @@ headers) that targets a managed layer is checked before any of it is loaded.
 
 SGLang loads a list in order: a bad 5th tensor would leave the first four written, and a disk update restores
 every layer before it reads the first tensor. One bad tensor refuses the whole request (`BucketRefused`); the entry
-point hooks (builtins/weight_updates.py) return it as (False, message). Each tensor is checked by the same rules as
-one loader write (validation.py); the values of a whole request are checked at once (value_checks.py: at most one
-device synchronisation per device), and a checkpoint directory's from its files, one tensor at a time."""
+point hooks (builtins/weight_updates.py, through updates/request.py) return it as (False, message). Each tensor is
+checked by the same rules as one loader write (its parameter's write plan, write_plans.py: the name's own checks once
+per name and plan, the tensor's device, dtype and shape per tensor; the full checks of validation.py only to explain a
+refusal); the values of a whole request are checked at once (value_checks.py: at most one device synchronisation per
+device), and a checkpoint directory's from its files, one tensor at a time.
+
+Rank-local (`local_only`, where a request's ranks answer it together: updates/verdicts.py): a tensor of an expert
+this rank does not hold (name_index.Target.slots == ()) costs a look-up and is not checked here — the rank that holds
+it checks it, and every rank refuses what any rank refused."""
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 
-from .. import layer_attrs, layer_state
 from ..errors import WeightUpdateRefused
 from ..layer_state import layer_name, state_of
-from . import checkpoint_headers, value_checks
+from . import value_checks
 from .checked_writes import Checked
-from .layer_params import PROJECTIONS, format_of, managed_names, param_name, param_view
+from .layer_params import format_of, managed_names, param_name, param_view
+from .name_index import OTHER, Target, expert_targets, index_of, layer_at, managed_modules
 from .refusal import NOTHING_WRITTEN, Refusal, ValueJob
+from .slot_writes import storage_of
 from .validation import check_planned, check_tensor, validate_fused
 from .write_plans import plan_of
+
+__all__ = [
+    "BucketRefused",
+    "Findings",
+    "check_bucket",
+    "check_items",
+    "check_values",
+    "expert_targets",
+    "managed_modules",
+    "refusal_text",
+    "value_refusal",
+]
 
 
 class BucketRefused(WeightUpdateRefused):
     """A whole update bucket refused before any of it was loaded."""
 
 
-class _ModelCache:
-    """What a model's requests look up again and again: its managed layers (one walk of `named_modules`), and what
-    each checkpoint name below them resolves to. Valid while no layer is attached or observed anywhere
-    (layer_state.generation)."""
+class Findings:
+    """What one model's check of a request found, before its values are checked: `problems` ((index of the item,
+    message)), `writes` (a direct write's (layer, parameter name) pairs), `jobs` (value checks: (tensor, rule, index,
+    ValueJob, Target or run)), `resolved` (indices of the items whose names resolve to a layer here: checked, or
+    another rank's), `checked` ((index, Target) of the expert tensors checked and accepted), `elsewhere` (indices of
+    the expert tensors another rank holds), `whole` (every item was a (name, tensor) pair: nothing left to check once
+    SGLang unwraps it)."""
 
-    #: names resolved per model at most (a bound on the cache; names past it are resolved every time)
-    MAX_NAMES = 1 << 20
+    __slots__ = ("problems", "writes", "jobs", "resolved", "checked", "elsewhere", "whole")
 
-    def __init__(self, generation: int, layers: dict):
-        self.generation = generation
-        self.layers = layers
-        #: checkpoint name -> [layer, param name, shard id, expert id, its write plan] | None (not an expert tensor of
-        #: a layer here)
-        self.targets: dict = {}
-
-
-_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CACHES_LOCK = threading.Lock()
-
-
-def _cache_of(model) -> _ModelCache:
-    gen = layer_state.generation()
-    try:
-        c = _CACHES.get(model)
-    except TypeError:  # not weak-referenceable / hashable: nothing cached
-        return _ModelCache(gen, _managed_modules(model))
-    if c is None or c.generation != gen:
-        c = _ModelCache(gen, _managed_modules(model))
-        with _CACHES_LOCK:
-            _CACHES[model] = c
-    return c
+    def __init__(self):
+        self.problems: list[tuple[int, str]] = []
+        self.writes: list = []
+        self.jobs: list[tuple] = []
+        self.resolved: list[int] = []
+        self.checked: list[tuple[int, Target]] = []
+        self.elsewhere: list[int] = []
+        self.whole = True
 
 
-def managed_modules(model) -> dict[str, object]:
-    """{name prefix: layer} of every FusedMoE under `model` the plugin manages or watches: its module path, the
-    checkpoint prefix SGLang's model code built it with, and the path from "layers." on where only one layer has
-    it (checkpoints name the model root their own way: Nemotron-H's "backbone." is SGLang's "model."). Walked once
-    per model (again after a layer anywhere is attached or observed)."""
-    return _cache_of(model).layers
+def _epoch() -> int:
+    _EPOCH[0] += 1
+    return _EPOCH[0]
 
 
-def _managed_modules(model) -> dict[str, object]:
-    out: dict[str, object] = {}
-    tails: dict[str, list] = {}
-    for path, m in model.named_modules():
-        if format_of(m) is not None:
-            out[path] = m
-            prefix = getattr(m, layer_attrs.PREFIX, None)
-            if prefix:
-                out.setdefault(prefix, m)
-            tail = _from_layers(path)
-            if tail:
-                tails.setdefault(tail, []).append(m)
-    for tail, ms in tails.items():
-        if len(ms) == 1:
-            out.setdefault(tail, ms[0])
-    for alias, m in _nextn_aliases(model, out).items():
-        out.setdefault(alias, m)
+_EPOCH = [0]
+_MISS = object()
+
+
+def check_items(
+    model,
+    named_tensors,
+    direct: bool = False,
+    skip=frozenset(),
+    headers: bool = False,
+    local_only: bool = False,
+    index=None,
+) -> Findings:
+    """Every item of a request that targets a layer of `model` the plugin manages or watches, checked but for its
+    values (`check_values` next). direct / skip / headers: as `check_bucket`. local_only: a tensor of another rank's
+    expert is not checked (its rank checks it). index: the model's name index, current (name_index.index_of). Never
+    raises for an item: what an item's check raises is that item's refusal."""
+    out = Findings()
+    idx = index if index is not None else index_of(model)
+    if not idx.layers:
+        out.whole = all(type(it) is tuple and len(it) == 2 and isinstance(it[1], torch.Tensor) for it in named_tensors)
+        return out
+    get, known = idx.get, idx.targets.get
+    epoch = _epoch()
+    problems, jobs, resolved, elsewhere = out.problems, out.jobs, out.resolved, out.elsewhere
+    runs: dict = {}  # ParamShard -> its open _Run (None: its views are not of one buffer)
+    tensor_class = torch.Tensor
+    for i, item in enumerate(named_tensors):
+        if type(item) is not tuple or len(item) != 2:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                out.whole = False
+                continue
+        name, tensor = item
+        if tensor.__class__ is not tensor_class and not isinstance(tensor, tensor_class):
+            out.whole = False
+        if type(name) is not str:
+            if not isinstance(name, str):
+                continue
+        if skip and id(tensor) in skip:
+            continue
+        if direct:  # parameter names only: "<layer>.<param>"
+            if layer_at(idx.layers, name.rpartition(".")[0]) is not None:
+                resolved.append(i)
+                _check_other(idx.layers, i, name, tensor, direct, out)
+            continue
+        target = known(name, _MISS)
+        if target is _MISS:
+            target = get(name)
+        if target is None:
+            continue  # not an expert tensor of a managed layer: SGLang's behaviour
+        resolved.append(i)
+        if target is OTHER:
+            _check_other(idx.layers, i, name, tensor, direct, out)
+            continue
+        slots = target.slots
+        if slots is not None and not slots:
+            elsewhere.append(i)
+            if local_only:
+                continue  # another rank's expert: that rank checks it (and SGLang's loader drops it here)
+        try:
+            _check_expert(i, name, tensor, target, epoch, headers, runs, out)
+        except Exception as e:  # noqa: BLE001 - a check that raised refuses its tensor (never the whole loop)
+            problems.append((i, f"{name}: the check raised {type(e).__name__}: {e}"))
+    for run in runs.values():
+        if run is not None:
+            run.job(jobs)
     return out
 
 
-#: where SGLang's NextN / MTP draft classes (`*NextN`: DeepSeek-V3/V4, GLM-5, Hunyuan, LongCat) build their one
-#: decoder layer; their loaders read it from the checkpoint's "model.layers.{N}." (N = num_hidden_layers, 0 for a
-#: one-layer config: deepseek_common/deepseek_weight_loader.py `_initialize_nextn_conf`)
-NEXTN_DECODER = "model.decoder."
+def _check_expert(i: int, name: str, tensor, target: Target, epoch: int, headers: bool, runs: dict, out: Findings):
+    """One expert tensor of a request (check_items' loop)."""
+    ps = target.ps
+    if ps.epoch != epoch:  # the parameter and its plan, looked up once per request
+        ps.epoch, ps.param = epoch, ps.layer._parameters.get(ps.pname)
+        ps.plan = plan_of(ps.layer, ps.param) if ps.param is not None else None
+    plan = ps.plan
+    if plan is None or plan.rule is None:
+        layer, fmt = ps.layer, format_of(ps.layer)
+        if ps.param is None or fmt is None:
+            out.problems.append(
+                (
+                    i,
+                    f"{layer_name(layer)}: {name}: no parameter {ps.pname} of this layer takes it "
+                    f"(its checkpoint parameters: {managed_names(layer, fmt)})",
+                )
+            )
+            return
+        if fmt.load_rule(param_name(layer, ps.param, fmt)) is None:
+            return  # a parameter the format does not load (compressed-tensors' weight_shape): SGLang's loader's
+    if not isinstance(tensor, torch.Tensor):
+        return  # unwrapped later by SGLang; the per-shard check applies
+    if plan is not None and target.ok is not plan and plan.name_ok(name, ps.shard, target.expert, "global"):
+        target.ok = plan  # the name's own checks (weight name, shard, expert range), once per name and plan
+    if plan is not None and target.ok is plan and not plan.converts:
+        view = tensor._base is not None
+        if view:  # a view of a buffer: the next of a run of this shard's (the first's geometry)?
+            run = runs.get(ps, _MISS)
+            if run is None:
+                view = False  # this shard's views are not of one buffer in this request: no runs
+            elif run is not _MISS:
+                took = run.takes(tensor)
+                if took:
+                    run.members.append((i, target, tensor))
+                    out.checked.append((i, target))
+                    return
+                if took is None:
+                    run.job(out.jobs)
+                    runs[ps], view = None, False
+        code = plan.tensor_code(tensor, headers)  # the tensor's own: device, dtype, shape; its value rule
+        if code is not None:
+            if view:
+                old = runs.get(ps)
+                if old is not None:
+                    old.job(out.jobs)
+                runs[ps] = _Run(tensor, code, i, target)
+            elif code and tensor.numel():
+                out.jobs.append((tensor, code, i, target))
+            out.checked.append((i, target))
+            return
+    # everything else (a write SGLang converts, a refusal): the plan's whole path, which explains a refusal
+    found: list = []
+    try:
+        hit = check_planned(plan, ps.layer, ps.param, tensor, name, ps.shard, target.expert, "global", headers, found)
+    except WeightUpdateRefused as e:
+        out.problems.append((i, str(e)))
+        return
+    for job in found:
+        job.name = name
+        out.jobs.append((job.tensor, job.code, i, job))
+    if hit is not None:
+        out.checked.append((i, target))
 
 
-def _nextn_aliases(model, found: dict) -> dict:
-    """The checkpoint names of a speculative draft's MoE layers: without them a request's draft experts resolve to
-    no layer here, and are checked only write by write in the loader hook (a bad one after good ones: a partial
-    write)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or not type(model).__name__.endswith("NextN") or not getattr(cfg, "num_nextn_predict_layers", 0):
-        return {}
-    n = 0 if cfg.num_hidden_layers == 1 else cfg.num_hidden_layers
-    head = f"model.layers.{n}."
-    return {head + path[len(NEXTN_DECODER) :]: m for path, m in found.items() if path.startswith(NEXTN_DECODER)}
+class _Run:
+    """Tensors of one ParamShard, accepted in a request's order, that are views of one storage at a constant positive
+    byte stride with the first one's shape, strides and dtype (one buffer: a flattened bucket, an IPC buffer, a
+    distributed broadcast): each one costs a few comparisons, and their values are checked as one strided view."""
+
+    __slots__ = ("shape", "dtype", "stride", "code", "last", "step", "where", "members")
+
+    def __init__(self, tensor: torch.Tensor, code: str, i: int, target: Target):
+        self.code = code
+        self.shape, self.dtype, self.stride = tensor.shape, tensor.dtype, tensor.stride()
+        self.last, self.step = tensor.data_ptr(), 0
+        self.where: int | None = None
+        #: (index, Target, tensor) of every tensor of the run, the first first
+        self.members = [(i, target, tensor)]
+
+    def takes(self, tensor: torch.Tensor) -> bool | None:
+        """Is `tensor` (a view) the next of the run? (It then is.) None: it is of another storage than the run's
+        first (the request's tensors of this shard are then taken one by one)."""
+        if tensor.dtype is not self.dtype or tensor.shape != self.shape or tensor.stride() != self.stride:
+            return False
+        p = tensor.data_ptr()
+        d = p - self.last
+        if d <= 0 or (self.step and d != self.step) or d % tensor.element_size():
+            return False
+        if self.where is None:  # a second tensor: the first one's storage (asked only now)
+            self.where = storage_of(self.members[0][2])
+        if storage_of(tensor) != self.where:
+            return None
+        self.step, self.last = d, p
+        return True
+
+    def job(self, jobs: list) -> None:
+        """The run's value check: one job of its strided view (or of its one tensor)."""
+        if not self.code:
+            return
+        i, target, t = self.members[0]
+        if not t.numel():
+            return
+        if len(self.members) == 1:
+            jobs.append((t, self.code, i, target))
+            return
+        view = t.as_strided(
+            (len(self.members), *self.shape), (self.step // t.element_size(), *self.stride), t.storage_offset()
+        )
+        jobs.append((view, self.code, i, self))
+
+    def refusals(self) -> list[tuple[int, str]]:
+        """(index, refusal) of each tensor of the run whose values break its rule (one read-back each: refusals
+        only)."""
+        out = []
+        for i, target, t in self.members:
+            if value_checks.bad_one(t, self.code):
+                out.append((i, value_refusal((t, self.code, i, target))))
+        return out
 
 
-def _from_layers(path: str) -> str | None:
-    at = path.find("layers.")
-    return path[at:] if at > 0 and path[at - 1] == "." else None
+def check_values(findings: Findings) -> None:
+    """The values of every job of `findings` at once (value_checks.find_bad: at most one device synchronisation per
+    device); a refusal per bad one, added to its problems."""
+    jobs = findings.jobs
+    if not jobs:
+        return
+    bad = value_checks.find_bad([(j[0], j[1]) for j in jobs])
+    for b in bad:
+        job = jobs[b]
+        if isinstance(job[3], _Run):
+            findings.problems.extend(job[3].refusals())
+        else:
+            findings.problems.append((job[2], value_refusal(job)))
+    findings.problems.sort(key=lambda p: p[0])
 
 
-def _layer_at(layers: dict, path: str):
-    layer = layers.get(path)
-    if layer is None:
-        tail = _from_layers(path)
-        layer = layers.get(tail) if tail else None
-    return layer
+def value_refusal(job, tensor: torch.Tensor | None = None) -> str:
+    """The refusal of a value job (its values, or `tensor`: its values read from the files)."""
+    maker = job[3]
+    if isinstance(maker, ValueJob):
+        return maker.refusal(tensor)
+    ps = maker.ps
+    vj = ValueJob(job[0], job[1], ps.plan.rule, (ps.layer, ps.plan.name, ps.shard, maker.expert))
+    return vj.refusal(tensor)
 
 
-def _resolve(layer, rest: str):
-    """A checkpoint name below a managed layer, "<expert>.<projection>.<suffix>" -> (param name, shard id, expert
-    id); None when it is not of that form."""
-    parts = rest.split(".")
-    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in PROJECTIONS:
-        return None
-    shard = PROJECTIONS[parts[1]]
-    if shard == "w3" and not format_of(layer).is_gated(layer):
-        shard = "w1"  # non-gated checkpoints name their one GEMM1 projection up_proj; SGLang loads it as w1
-    return f"{'w2' if shard == 'w2' else 'w13'}_{parts[2]}", shard, int(parts[0])
+def check_bucket(
+    model,
+    named_tensors,
+    direct: bool = False,
+    skip=frozenset(),
+    headers: bool = False,
+    what: str = "weight-update bucket",
+    record: Checked | None = None,
+    local_only: bool = False,
+) -> list:
+    """Validate every tensor of an update bucket that targets a managed layer of `model` before any of the bucket
+    is loaded: one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt).
+    Names below a managed layer that no parameter of it takes are refused too; other names are left to SGLang. The
+    values of all tensors are checked at once, after their names, dtypes and shapes (at most one device
+    synchronisation per device of the bucket: value_checks.find_bad). This rank's verdict alone: a request whose
+    ranks answer together checks through updates/request.py.
+
+    direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
+    direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
+    bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
+    skip: ids of tensors already checked (the same objects, handed on by SGLang).
+    headers: the tensors are a checkpoint's meta tensors (checkpoint_headers.read_headers): their values are not
+    checked here (check_checkpoint reads them).
+    record: a `checked_writes.Checked` of the request: once the whole bucket passed, every expert write it validated is
+    recorded there, so the loader hooks do not check it again."""
+    found = check_items(model, named_tensors, direct, skip, headers, local_only)
+    if not headers:
+        check_values(found)
+    if found.problems:
+        raise BucketRefused(refusal_text(found.problems, what, len(named_tensors)))
+    if record is not None and not headers:
+        record.add_checked(named_tensors, found.checked)
+    return found.writes
+
+
+def refusal_text(problems: list[tuple[int, str]], what: str, n: int, refused: int | None = None) -> str:
+    """The message of a whole request of `n` tensors refused for `problems` ((index, message), the first tensor
+    first; `refused` of them in all, where more were refused than named)."""
+    texts = [p.removesuffix(NOTHING_WRITTEN) for _, p in problems]  # said once for the whole request below
+    count = max(len(texts), refused or 0)
+    more = f" (and {count - 3} more)" if count > 3 else ""
+    return (
+        f"refused the whole {what} ({n} tensors, {count} refused): "
+        + " | ".join(texts[:3])
+        + more
+        + "; nothing of it was written"
+    )
 
 
 def _check_full(layer, fmt, pname, param, tensor, name, jobs: list) -> None:
@@ -146,286 +347,48 @@ def _check_full(layer, fmt, pname, param, tensor, name, jobs: list) -> None:
     )
 
 
-def check_bucket(
-    model,
-    named_tensors,
-    direct: bool = False,
-    skip=frozenset(),
-    headers: bool = False,
-    what: str = "weight-update bucket",
-    record: Checked | None = None,
-) -> list:
-    """Validate every tensor of an update bucket that targets a managed layer before any of the bucket is loaded:
-    one bad tensor refuses the whole bucket (SGLang would load the ones before it, then fail or corrupt). Names
-    below a managed layer that no parameter of it takes are refused too; other names are left to SGLang. The values
-    of all tensors are checked at once, after their names, dtypes and shapes (at most one device synchronisation
-    per device of the bucket: value_checks.find_bad).
-
-    direct=False: checkpoint names as `model.load_weights` takes them (`<layer>.<expert>.<projection>.<suffix>`).
-    direct=True: parameter names (`<layer>.<param>`, load_format="direct"); returns the (layer, param name) pairs the
-    bucket writes, which the caller returns to checkpoint layout before SGLang writes them whole.
-    skip: ids of tensors already checked (the same objects, handed on by SGLang).
-    headers: the tensors are a checkpoint's meta tensors (checkpoint_headers.read_headers): their values are not
-    checked here (check_checkpoint reads them).
-    record: a `checked_writes.Checked` of the request: once the whole bucket passed, every expert write it validated is
-    recorded there, so the loader hooks do not check it again."""
-    entries: list | None = [] if record is not None and not headers else None
-    problems, writes, jobs = _check_items(model, named_tensors, direct, skip, headers, entries)
-    if not headers:
-        problems += [jobs[i].refusal() for i in value_checks.find_bad([(j.tensor, j.code) for j in jobs])]
-    _raise(problems, what, len(named_tensors))
-    if entries:
-        record.add_tensors(entries)  # type: ignore[union-attr]
-    return writes
-
-
-def check_checkpoint(
-    model, files, keep=None, what: str = "checkpoint", record: Checked | None = None
-) -> checkpoint_headers.Headers:
-    """A disk update's checkpoint directory, whole, before SGLang touches the model: every file readable and as long
-    as its header says; every tensor that targets a managed layer checked from its header (name, shard, expert,
-    dtype, shape) as `check_bucket` checks a tensor; then the values of every one of them that has a value rule
-    (every scale, of any size, 1-byte scales on their bytes), read one tensor at a time. Raises BucketRefused;
-    returns the headers. record: a `checked_writes.Checked` of the disk update: once the whole checkpoint passed, the
-    (parameter, shard, expert) of every tensor whose values were read and checked here is recorded there, so the
-    loader hooks check only the structure of SGLang's writes of them while the update runs (the caller makes sure
-    the files did not change meanwhile: rollback.fingerprint)."""
-    headers = checkpoint_headers.read_headers(files, keep)
-    entries: list | None = [] if record is not None else None
-    problems, _, jobs = _check_items(model, headers.tensors, False, frozenset(), True, entries)
-    problems = headers.problems + problems + _unpaired_halves(model, headers.tensors)
-    if not problems and jobs:
-        wanted = {j.name: j for j in jobs}
-        try:
-            problems += _check_read_values(headers, wanted)
-        except OSError as e:
-            problems.append(f"{type(e).__name__}: {e}")
-    _raise(problems, what, len(headers.tensors))
-    if entries:  # every value of theirs with a value rule was read and checked above
-        record.add_from_files(entries)  # type: ignore[union-attr]
-    return headers
-
-
-def _unpaired_halves(model, named_tensors) -> list[str]:
-    """Gated experts of a format that converts w1 and w3 source writes together (`WeightFormat.pairs_sources`:
-    nvfp4_online) with one half in the checkpoint: SGLang's loader would hold that half, write nothing of the
-    expert, and still hold it in the next update (which then fails: "got two w1 tensors"). A tensor bucket may hold
-    one half (its partner can come in a later call of the same session, where SGLang pairs them); a checkpoint is
-    the whole request."""
-    if not any((f := format_of(m)) is not None and f.pairs_sources for m in _cache_of(model).layers.values()):
-        return []  # no layer here pairs its sources: nothing to look at (one pass over the layers)
-    halves: dict = {}
-    items = [it for it in named_tensors if isinstance(it, (list, tuple)) and len(it) == 2]
-    for (name, tensor), target in zip(items, expert_targets(model, items), strict=True):
-        if target is None or target[2] not in ("w1", "w3") or not isinstance(tensor, torch.Tensor):
-            continue
-        layer, pname, shard, expert = target
-        fmt = format_of(layer)
-        if fmt is None or not fmt.pairs_sources or not fmt.is_gated(layer):
-            continue
-        if fmt.converted_by_sglang(layer, pname, tensor, expert, "global"):
-            halves.setdefault((id(layer), expert), (layer, expert, name, {}))[3][shard] = name
-    return [
-        f"{layer_name(layer)}: expert {expert}: "
-        f"{'w1 (gate) without w3 (up)' if 'w1' in got else 'w3 (up) without w1 (gate)'} ({first}); expected both "
-        "halves of a gated expert in the checkpoint (SGLang quantizes them together, with one scale, and holds a "
-        "half alone unwritten)"
-        for layer, expert, first, got in halves.values()
-        if len(got) == 1
-    ]
-
-
-def _check_read_values(headers, wanted: dict) -> list[str]:
-    """The values of the jobs' tensors, read from the checkpoint's files: checked at once per chunk read (at most
-    checkpoint_headers.CHUNK_BYTES held); the refusals of those that break their rule."""
-    problems: list[str] = []
-    held: list = []
-    size = 0
-
-    def check():
-        bad = value_checks.find_bad([(t, wanted[n].code) for n, t in held])
-        problems.extend(wanted[held[i][0]].refusal(held[i][1]) for i in bad)
-        held.clear()
-
-    for name, tensor in checkpoint_headers.read_tensors(headers, list(wanted)):
-        held.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= checkpoint_headers.CHUNK_BYTES:
-            check()
-            size = 0
-    if held:
-        check()
-    return problems
-
-
-def _raise(problems: list[str], what: str, n: int) -> None:
-    if problems:
-        problems = [p.removesuffix(NOTHING_WRITTEN) for p in problems]  # said once for the whole request below
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise BucketRefused(
-            f"refused the whole {what} ({n} tensors, {len(problems)} refused): "
-            + " | ".join(problems[:3])
-            + more
-            + "; nothing of it was written"
-        )
-
-
-def _check_items(
-    model, named_tensors, direct: bool, skip, headers: bool, entries: list | None = None
-) -> tuple[list[str], list, list[ValueJob]]:
-    """(problems, direct writes, value jobs) of a request's tensors: everything but the values. entries: where to
-    append (tensor, param, shard id, expert id, (parameter name, "." + name, local expert count), checkpoint name,
-    layer) of every expert write checked."""
-    cache = _cache_of(model)
-    layers = cache.layers
-    problems: list[str] = []
-    writes: list = []
-    jobs: list[ValueJob] = []
-    if not layers:
-        return problems, writes, jobs
-    current: set = set()  # ids of the write plans found current during this call (nothing changes them meanwhile)
-    for item in named_tensors:
-        if type(item) is not tuple or len(item) != 2:
-            if not isinstance(item, (list, tuple)) or len(item) != 2:
-                continue
-        name, tensor = item
-        if type(name) is not str:
-            if not isinstance(name, str):
-                continue
-        if skip and id(tensor) in skip:
-            continue
-        if direct:  # parameter names only: "<layer>.<param>"
-            if _layer_at(layers, name.rpartition(".")[0]) is not None:
-                _check_other(layers, name, tensor, direct, jobs, problems, writes)
-            continue
-        target = _cached_target(cache, name)
-        if target is None:
-            continue  # not an expert tensor of a managed layer: SGLang's behaviour
-        if target is _OTHER:
-            _check_other(layers, name, tensor, direct, jobs, problems, writes)
-            continue
-        layer, pname, shard, expert, plan = target
-        param = layer._parameters.get(pname)
-        if plan is None or plan.param() is not param or id(plan) not in current:
-            # the plan resolved with the name, checked current once per request (write_plans.plan_of)
-            plan = target[4] = plan_of(layer, param) if param is not None else None
-            if plan is not None:
-                current.add(id(plan))
-        if plan is None or plan.rule is None:
-            fmt = format_of(layer)
-            if param is None or fmt is None:
-                problems.append(
-                    f"{layer_name(layer)}: {name}: no parameter {pname} of this layer takes it "
-                    f"(its checkpoint parameters: {managed_names(layer, fmt)})"
-                )
-                continue
-            if fmt.load_rule(param_name(layer, param, fmt)) is None:
-                continue  # a parameter the format does not load (compressed-tensors' weight_shape): SGLang's loader's
-        if not isinstance(tensor, torch.Tensor):
-            continue  # unwrapped later by SGLang; the per-shard check applies
-        n_jobs = len(jobs)
-        try:
-            checked = check_planned(plan, layer, param, tensor, name, shard, expert, "global", headers, jobs)
-        except WeightUpdateRefused as e:
-            problems.append(str(e))
-            continue
-        if len(jobs) > n_jobs:  # (one job per tensor at most)
-            jobs[-1].name = name
-        if entries is not None and checked is not None:
-            hit = plan.hit if plan is not None and plan.name == checked[0] else (checked[0], "." + checked[0], 0)
-            entries.append((tensor, param, shard, checked[1], hit, name, layer))
-    return problems, writes, jobs
-
-
-def expert_targets(model, named_tensors) -> list:
-    """What each item of a request targets, in order: (layer, parameter name, shard id, checkpoint expert id) for an
-    expert tensor of a layer the plugin manages or watches (a `model.load_weights` name,
-    "<layer>.<expert>.<projection>.<suffix>"), else None. The names are resolved as `check_bucket` resolves them
-    (cached per model: after a request's check these are dict look-ups)."""
-    cache = _cache_of(model)
-    layers = cache.layers
-    out: list = []
-    if not layers:
-        return [None] * len(named_tensors)
-    for item in named_tensors:
-        name = item[0] if isinstance(item, (list, tuple)) and len(item) == 2 else None
-        if type(name) is not str:
-            out.append(None)
-            continue
-        target = _cached_target(cache, name)
-        out.append(None if target is None or target is _OTHER else (target[0], target[1], target[2], target[3]))
-    return out
-
-
-#: `_ModelCache.targets` markers: not resolved yet; a "<layer>.<param>" name (checked by `_check_other`)
-_UNSEEN = object()
-_OTHER = object()
-
-
-def _cached_target(cache, name: str):
-    """`_target` of `name`, remembered per model (up to `MAX_NAMES` names): a request's names resolve once."""
-    target = cache.targets.get(name, _UNSEEN)
-    if target is _UNSEEN:
-        target = _target(cache.layers, name)
-        if len(cache.targets) < cache.MAX_NAMES:
-            cache.targets[name] = target
-    return target
-
-
-def _target(layers: dict, name: str):
-    """What a checkpoint name (model.load_weights' form) targets: [layer, param name, shard id, expert id, None] for
-    "<layer>.<expert>.<projection>.<suffix>" below a managed layer; `_OTHER` for "<layer>.<param>"; None for every
-    other name."""
-    path, _, pname = name.rpartition(".")
-    if _layer_at(layers, path) is not None:
-        return _OTHER
-    head = name.rsplit(".", 3)
-    layer = _layer_at(layers, head[0]) if len(head) == 4 else None
-    if layer is None:
-        return None
-    hit = _resolve(layer, name[len(head[0]) + 1 :])
-    if hit is None:
-        return None
-    return [layer, *hit, None]  # the last: the parameter's write plan, once looked up
-
-
-def _check_other(layers: dict, name: str, tensor, direct: bool, jobs: list, problems: list, writes: list) -> None:
+def _check_other(layers: dict, i: int, name: str, tensor, direct: bool, out: Findings) -> None:
     """A "<layer>.<param>" name: a fused checkpoint tensor of all experts (gpt-oss), a whole-parameter write
     (load_format="direct"), or a parameter name where model.load_weights takes checkpoint names (refused)."""
     path, _, pname = name.rpartition(".")
-    layer = _layer_at(layers, path)
+    layer = layer_at(layers, path)
     fmt = format_of(layer)
     param = layer._parameters.get(pname)
     fused_param = fmt.fused_checkpoint_names.get(pname) if param is None and not direct else None
-    if fused_param is not None:  # a checkpoint tensor of all experts (gpt-oss): dtype and values here;
-        # its shape once the model's loader has narrowed it to this rank (validate_fused at the write)
-        n_jobs = len(jobs)
-        try:
-            validate_fused(layer, fused_param, layer._parameters[fused_param], tensor, shape=False, values=jobs)
-        except WeightUpdateRefused as e:
-            problems.append(str(e))
-        for job in jobs[n_jobs:]:
-            job.name = name
-        return
-    if param is None:
-        if direct:
-            problems.append(
-                f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
-                f"(its checkpoint parameters: {managed_names(layer, fmt)})"
-            )
-        return
-    own = param_name(layer, param, fmt)
-    if fmt.load_rule(own) is None:
-        return  # a parameter the format does not load (kernel scalars): SGLang's behaviour
-    if not direct:
-        problems.append(
-            f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
-            f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
-            f"through load_format='direct'"
-        )
-        return
+    found: list = []
     try:
-        _check_full(layer, fmt, own, param, tensor, name, jobs)
-        writes.append((layer, own))
+        if fused_param is not None:  # a checkpoint tensor of all experts (gpt-oss): dtype and values here;
+            # its shape once the model's loader has narrowed it to this rank (validate_fused at the write)
+            validate_fused(layer, fused_param, layer._parameters[fused_param], tensor, shape=False, values=found)
+            return
+        if param is None:
+            if direct:
+                out.problems.append(
+                    (
+                        i,
+                        f"{layer_name(layer)}: {name}: the layer has no parameter {pname} "
+                        f"(its checkpoint parameters: {managed_names(layer, fmt)})",
+                    )
+                )
+            return
+        own = param_name(layer, param, fmt)
+        if fmt.load_rule(own) is None:
+            return  # a parameter the format does not load (kernel scalars): SGLang's behaviour
+        if not direct:
+            out.problems.append(
+                (
+                    i,
+                    f"{layer_name(layer)}: {name} is a parameter name; model.load_weights takes "
+                    f"checkpoint names (<layer>.<expert>.<projection>.<suffix>) — whole parameters go "
+                    f"through load_format='direct'",
+                )
+            )
+            return
+        _check_full(layer, fmt, own, param, tensor, name, found)
+        out.writes.append((layer, own))
     except WeightUpdateRefused as e:
-        problems.append(str(e))
+        out.problems.append((i, str(e)))
+    finally:
+        for job in found:
+            job.name = name
+            out.jobs.append((job.tensor, job.code, i, job))

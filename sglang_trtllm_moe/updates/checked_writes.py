@@ -28,43 +28,68 @@ class Checked:
     the request runs (and only then: `close()`, the entry point's end in a finally), keyed by the objects themselves
     (held, so no id is reused meanwhile). A write matches only when it is the same tensor object written into the
     same parameter with the same shard and expert id as checked — a tensor the model's loader re-creates or
-    re-routes is checked again in the hook; a tensor is never re-checked for being re-sent."""
+    re-routes is checked again in the hook; a tensor is never re-checked for being re-sent.
+
+    What a check hands over is kept as it came (the request's items and what was checked of them) and turned into
+    the look-up tables only when a loader hook first asks (`checked_write`): the expert tensors a request writes
+    batched never reach a hook, and cost no entry here."""
 
     def __init__(self):
         #: (id(tensor), id(param), shard id, expert id) -> (tensor, param, (parameter name, its "."-prefixed form,
         #: local expert count)) of writes validated whole
         self.tensors: dict = {}
-        #: ids of those tensors (what the request's later checks skip)
+        #: ids of the tensors the request's checks resolved (checked here, or another rank's: what later checks of
+        #: the same request skip)
         self.ids: set = set()
         #: (id(param), shard id, expert id) -> (param, dtype, shape, (parameter name, "." + name, local expert count))
         #: of checkpoint tensors the disk pre-check validated: header, and values read from the files
         self.from_files: dict = {}
+        self._pending: list = []  # (items, [(index, Target)], files?) not turned into tables yet
+        self._lock = threading.Lock()
         self._on = False
         #: closed by its request's end: a late call through the request's load_weights wrapper (another thread
         #: that looked it up while the request ran) records nothing, and its writes are checked in the hooks
         self._closed = False
 
-    def add_tensors(self, entries) -> None:
-        """entries: (tensor, param, shard id, expert id, (parameter name, "." + name, local expert count), ...) of
-        writes validated whole."""
+    def add_checked(self, items, checked, resolved=()) -> None:
+        """`checked`: (index, name_index.Target) of the items (name, tensor) validated whole; `resolved`: indices of
+        every item whose name resolved to a layer of the plugin's (what later checks of the request skip)."""
         if self._closed:
             return
-        tensors, ids = self.tensors, self.ids
-        for t, param, shard, expert, hit, *_ in entries:
-            tensors[(id(t), id(param), shard, expert)] = (t, param, hit)
-            ids.add(id(t))
-        self._activate(_ACTIVE)
+        if resolved:
+            self.ids.update(id(items[i][1]) for i in resolved)
+        if checked:
+            with self._lock:
+                self._pending.append((items, checked, False))
+            self._activate(_ACTIVE)
 
-    def add_from_files(self, entries) -> None:
-        """entries: (header's meta tensor, param, shard id, expert id, (parameter name, "." + name, local expert
-        count), ...) of the checkpoint tensors the disk pre-check validated from their headers and whose values
-        (where their kind has a value rule) it read from the files and checked."""
-        if self._closed:
+    def add_from_files(self, header_tensors, checked) -> None:
+        """`checked`: (index, name_index.Target) of the checkpoint's header tensors (name, meta tensor) the disk
+        pre-check validated from their headers and whose values (where their kind has a value rule) it read from
+        the files and checked."""
+        if self._closed or not checked:
             return
-        files = self.from_files
-        for meta, param, shard, expert, hit, *_ in entries:
-            files[(id(param), shard, expert)] = (param, meta.dtype, meta.shape, hit)
+        with self._lock:
+            self._pending.append((header_tensors, checked, True))
         self._activate(_FROM_FILES)
+
+    def tables(self) -> Checked:
+        """The look-up tables, current (what was handed over since turned into entries)."""
+        if self._pending:
+            with self._lock:
+                pending, self._pending = self._pending, []
+                for items, checked, files in pending:
+                    for i, target in checked:
+                        ps = target.ps
+                        param, plan = ps.param, ps.plan
+                        if param is None or plan is None:
+                            continue
+                        t = items[i][1]
+                        if files:
+                            self.from_files[(id(param), ps.shard, target.expert)] = (param, t.dtype, t.shape, plan.hit)
+                        else:
+                            self.tensors[(id(t), id(param), ps.shard, target.expert)] = (t, param, plan.hit)
+        return self
 
     def _activate(self, table: list) -> None:
         with _CHECKED_LOCK:
@@ -80,12 +105,15 @@ class Checked:
             for table in (_ACTIVE, _FROM_FILES):
                 table[:] = [r for r in table if r is not self]
             self._on = False
+        with self._lock:
+            self._pending.clear()
         self.tensors.clear()
         self.ids.clear()
         self.from_files.clear()
 
     def __len__(self) -> int:
-        return len(self.tensors) + len(self.from_files)
+        t = self.tables()
+        return len(t.tensors) + len(t.from_files)
 
 
 def checked_write(param, loaded, weight_name, shard_id, expert_id) -> tuple[str, str, int] | None:
@@ -104,7 +132,7 @@ def checked_write(param, loaded, weight_name, shard_id, expert_id) -> tuple[str,
     if _ACTIVE:
         key = (id(loaded), id(param), shard_id, expert_id)
         for rec in _ACTIVE:
-            v = rec.tensors.get(key)
+            v = rec.tables().tensors.get(key)
             if v is not None:
                 hit = v[2]
                 break
@@ -121,7 +149,7 @@ def _file_hit(param, loaded, shard_id, expert_id) -> tuple[str, str, int] | None
     its header (the first record that knows the slot decides)."""
     slot = (id(param), shard_id, expert_id)
     for rec in _FROM_FILES:
-        v = rec.from_files.get(slot)
+        v = rec.tables().from_files.get(slot)
         if v is not None:
             cpu = loaded.__class__ is torch.Tensor and loaded.is_cpu
             if cpu and v[0] is param and loaded.dtype is v[1] and loaded.shape == v[2]:
@@ -142,7 +170,7 @@ def values_from_files(param, shard_id, expert_id) -> bool:
     if not _FROM_FILES:
         return False
     key = (id(param), shard_id, expert_id)
-    return any(key in rec.from_files for rec in _FROM_FILES)
+    return any(key in rec.tables().from_files for rec in _FROM_FILES)
 
 
 def mark_validated(param, loaded, name: str | None = None, local_experts: int = 0):

@@ -5,7 +5,7 @@ tensors whose values validation checks — the values, read one tensor at a time
 `update_weights_from_disk` lets SGLang return every layer to checkpoint layout before it reads the first tensor
 (0.5.23 `restore_weights_before_loading`), and on a failure it rolls back by loading the same path again: one
 malformed tensor leaves the model in checkpoint layout, or half old and half new. So the whole directory is checked
-before SGLang touches the model (bucket_validation.check_checkpoint): names, dtypes and shapes from the headers; a
+before SGLang touches the model (checkpoint_checks.check_checkpoint): names, dtypes and shapes from the headers; a
 file shorter than its header says (a shard still being written, a copy cut short) refused; and every scale of a
 layer the plugin manages or watches read and value-checked (all of them, of any size: NVFP4 block scales are 1/8 of
 the packed weight bytes, FP8 block scales 1/16384 of the weight's), streamed: at most `CHUNK_BYTES` of values held at
@@ -64,7 +64,8 @@ def files_of(model_path, load_format) -> list[str]:
 class Headers:
     """What the headers of a checkpoint's files say."""
 
-    #: (name, meta tensor of the header's dtype and shape), file by file, in header order
+    #: (name, meta tensor of the header's dtype and shape: one object per dtype and shape), file by file, in header
+    #: order
     tensors: list[tuple[str, torch.Tensor]]
     #: name -> the file holding it
     file_of: dict[str, str]
@@ -93,6 +94,7 @@ def read_headers(files: Iterable[str], keep: Callable[[str], bool] | None = None
     """Every tensor of `files` whose name `keep` accepts (all when None) as a meta tensor, and a problem for every file
     that is shorter than its header says or whose header cannot be read."""
     out = Headers([], {}, [])
+    metas: dict = {}  # (dtype, shape) -> one meta tensor for every tensor of that header (read only: shared)
     for path in files:
         try:
             header, start = _header(path)
@@ -118,7 +120,10 @@ def read_headers(files: Iterable[str], keep: Callable[[str], bool] | None = None
                     f"{int(offsets[1]) - int(offsets[0])} bytes"
                 )
                 continue
-            out.tensors.append((name, torch.empty(shape, dtype=dtype, device="meta")))
+            meta = metas.get((dtype, shape))
+            if meta is None:
+                meta = metas[(dtype, shape)] = torch.empty(shape, dtype=dtype, device="meta")
+            out.tensors.append((name, meta))
             out.file_of[name] = path
             out.spans[name] = (start + int(offsets[0]), start + int(offsets[1]))
         if size < end:

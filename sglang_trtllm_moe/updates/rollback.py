@@ -4,7 +4,7 @@ SGLang's `update_weights_from_disk` records the new path (`model_config.model_pa
 failure "rolls back" by loading that same path again (every release 0.5.11 - 0.5.23): the bad checkpoint a second
 time — which fails again, the exception leaves the scheduler and the server is killed — or, for a shard deleted in
 the meantime, whatever is left of it: half old, half new, answered "Rolling back to original weights". The
-plugin's pre-check (bucket_validation.check_checkpoint) refuses everything it can see before SGLang touches the
+plugin's pre-check (checkpoint_checks.check_checkpoint) refuses everything it can see before SGLang touches the
 model; this is the net for what it cannot: a shard deleted or cut after the check, an I/O error mid-read, a bug.
 Upstream would need: roll back to the *previous* source, or keep what it overwrites (see `Net`).
 

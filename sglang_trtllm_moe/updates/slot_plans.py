@@ -13,6 +13,20 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+#: why SGLang's loader cannot be traced in this process (capabilities.py: the batched-writes group stepped aside), or
+#: None
+_UNTRACEABLE: list[str | None] = [None]
+
+
+def set_untraceable(why: str | None) -> None:
+    """Set (or clear) why no trace of SGLang's loader is to be trusted here (batched_writes.step_aside)."""
+    _UNTRACEABLE[0] = why
+
+
+def traceable() -> bool:
+    """A trace of SGLang's loader finds its writes (plans, local slots) in this process."""
+    return _UNTRACEABLE[0] is None
+
 
 def unwrapped(fn):
     """A function without the hook wrappers around it (`__wrapped__` chain)."""
@@ -49,6 +63,29 @@ class StandIn:
 
     def __setattr__(self, name: str, value) -> None:
         self.__dict__[name] = value
+
+
+def local_slots(layer, param, weight_name: str, shard_id: str, expert_id: int, tensor) -> tuple[int, ...]:
+    """The slots of `param`'s first dimension SGLang's own `FusedMoE.weight_loader` writes checkpoint expert
+    `expert_id` into on this rank (none: another rank's expert; several: EPLB replicas)."""
+    slots: list[int] = []
+
+    def record(*args, **kwargs):
+        slots.append(kwargs["expert_id"] if "expert_id" in kwargs else args[4])
+
+    loader = unwrapped(type(layer).weight_loader)
+    loader(StandIn(layer, record), param, tensor, weight_name, shard_id, expert_id)
+    return tuple(int(s) for s in slots)
+
+
+def own_loader(layer, param) -> bool:
+    """`param` is loaded by `layer`'s own FusedMoE.weight_loader (not a replacement someone installed)."""
+    wl = getattr(param, "weight_loader", None)
+    return (
+        isinstance(wl, types.MethodType)
+        and wl.__self__ is layer
+        and unwrapped(wl.__func__) is unwrapped(getattr(type(layer), "weight_loader", None))
+    )
 
 
 class Geometry(NamedTuple):

@@ -168,18 +168,7 @@ class WritePlan:
         self.shapes = ShapeRule(layer, fmt, rule, view, gated).shapes
 
     def accepts(self, layer, param, loaded, weight_name, shard_id, expert_id, scope, headers, values):
-        if type(weight_name) is not str:
-            return None
-        # SGLang's mapped name ends in the parameter's; a checkpoint name ("...experts.3.gate_proj.weight_scale")
-        # ends in a suffix that names no other parameter
-        if not weight_name.endswith(self.dot_name) and named_parameter(weight_name) in self.managed:
-            return None
-        if type(shard_id) is not str or shard_id not in self.shards or type(expert_id) is not int:
-            return None
-        n = self.global_n if scope == "global" else self.local_n
-        if n and not 0 <= expert_id < n:
-            return None
-        if not isinstance(loaded, torch.Tensor):
+        if not self.name_ok(weight_name, shard_id, expert_id, scope) or not isinstance(loaded, torch.Tensor):
             return None
         if self.converts and self.fmt.converted_by_sglang(layer, self.name, loaded, expert_id, scope):
             shape = self.fmt.converted_shape(layer, self.name, loaded)
@@ -192,28 +181,49 @@ class WritePlan:
                 job = ValueJob(loaded, self.fmt.source_values, self.rule, (layer, self.name, shard_id, expert_id))  # type: ignore[arg-type]
                 values.append(job)
             return self.name, expert_id
-        dev = loaded.device
-        if dev not in self.devices and not (headers and dev.type == "meta"):
+        code = self.tensor_code(loaded, headers)
+        if code is None:
             return None
+        if values is False or not code or not loaded.numel():
+            return self.name, expert_id
+        if isinstance(values, list):
+            values.append(ValueJob(loaded, code, self.rule, (layer, self.name, shard_id, expert_id)))  # type: ignore[arg-type]
+        elif loaded.device.type != "meta" and not (scope == "global" and values_from_files(param, shard_id, expert_id)):
+            if value_checks.bad_one(loaded, code):
+                return None  # the full checks refuse it, naming the value
+        return self.name, expert_id
+
+    def name_ok(self, weight_name, shard_id, expert_id, scope: str) -> bool:
+        """A write's own checks, before its tensor's: `weight_name` names this parameter (SGLang's mapped name ends
+        in the parameter's; a checkpoint name, "...experts.3.gate_proj.weight_scale", ends in a suffix that names no
+        other parameter), its shard id is one this parameter takes, its expert id an int in range for `scope`."""
+        if type(weight_name) is not str:
+            return False
+        if not weight_name.endswith(self.dot_name) and named_parameter(weight_name) in self.managed:
+            return False
+        if type(shard_id) is not str or shard_id not in self.shards or type(expert_id) is not int:
+            return False
+        n = self.global_n if scope == "global" else self.local_n
+        return not n or 0 <= expert_id < n
+
+    def tensor_code(self, loaded: torch.Tensor, headers: bool = False) -> str | None:
+        """A plain (not converted) write of tensor `loaded`: None when its device, dtype or shape is not accepted;
+        else the value rule its values must pass ("": none). headers: a meta tensor stands for a checkpoint tensor
+        whose values are read later."""
+        if not loaded.is_cpu:  # (the CPU is always accepted: what disk loads deliver)
+            dev = loaded.device
+            if dev not in self.devices and not (headers and dev.type == "meta"):
+                return None
         dt = loaded.dtype
         ok = self.dtypes.get(dt)
         if ok is None:
             ok = self.dtypes[dt] = self.rule.accepts_dtype(dt, self.dtype)  # type: ignore[union-attr]
         if not ok or self.shapes is None or loaded.shape not in self.shapes:
             return None
-        if values is False:
-            return self.name, expert_id
-        code = self.codes.get(dt, 0)
-        if code == 0:
-            code = self.codes[dt] = self.rule.value_rule(self.dtype, dt)  # type: ignore[union-attr]
-        if code is None or not loaded.numel():
-            return self.name, expert_id
-        if isinstance(values, list):
-            values.append(ValueJob(loaded, code, self.rule, (layer, self.name, shard_id, expert_id)))  # type: ignore[arg-type]
-        elif dev.type != "meta" and not (scope == "global" and values_from_files(param, shard_id, expert_id)):
-            if value_checks.bad_one(loaded, code):
-                return None  # the full checks refuse it, naming the value
-        return self.name, expert_id
+        code = self.codes.get(dt)
+        if code is None:
+            code = self.codes[dt] = self.rule.value_rule(self.dtype, dt) or ""  # type: ignore[union-attr]
+        return code
 
 
 def plan_of(layer, param) -> WritePlan | None:

@@ -372,12 +372,12 @@ def check_unresolved(w: Draft) -> dict:
     switched off here, as for a model whose names the plugin does not know) and a bad tensor after good ones, which
     the loader hook refuses mid-load: answered (False, message), not raised; every managed layer laid out; a good
     update after it gives a fresh load's bytes."""
-    from sglang_trtllm_moe.updates import bucket_validation
+    from sglang_trtllm_moe.updates import name_index
 
     payload = bad_expert_bucket(w, 7)
-    real = bucket_validation._nextn_aliases
-    bucket_validation._nextn_aliases = lambda model, found: {}
-    bucket_validation._CACHES.clear()
+    real = name_index.nextn_aliases
+    name_index.nextn_aliases = lambda model, found: {}
+    name_index.forget()
     try:
         raised, outs = "", []
         try:
@@ -385,8 +385,8 @@ def check_unresolved(w: Draft) -> dict:
         except Exception as e:  # noqa: BLE001 - what the check is about
             raised = f"{type(e).__name__}: {e}"[:300]
     finally:
-        bucket_validation._nextn_aliases = real
-        bucket_validation._CACHES.clear()
+        name_index.nextn_aliases = real
+        name_index.forget()
     unclean = [n for n, m in w.moe_layers().items() if not _clean(m)]
     ptrs = w.pointers()
     after = w.tensors(_nextn_tensors(w, 8), "all")

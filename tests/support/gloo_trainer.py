@@ -20,7 +20,7 @@ def ordered(named) -> list[tuple[str, torch.Tensor]]:
     return sorted(pairs, key=lambda kv: (-kv[1].element_size(), kv[0]))
 
 
-def trainer(port: int, buckets: list[list[tuple[str, torch.Tensor]]], group: str = GROUP) -> None:
+def trainer(port: int, buckets: list[list[tuple[str, torch.Tensor]]], group: str = GROUP, world_size: int = 2) -> None:
     import os
 
     code = 1
@@ -31,7 +31,7 @@ def trainer(port: int, buckets: list[list[tuple[str, torch.Tensor]]], group: str
 
         torch.set_num_threads(1)
         pg = init_custom_process_group(
-            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=group
+            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world_size, rank=0, group_name=group
         )
         for bucket in buckets:
             dist.broadcast(FlattenedTensorBucket(named_tensors=bucket).get_flattened_tensor(), src=0, group=pg)
@@ -52,13 +52,14 @@ def request_fields(bucket: list[tuple[str, torch.Tensor]], group: str = GROUP) -
 
 
 @contextlib.contextmanager
-def running(buckets: list[list[tuple[str, torch.Tensor]]], group: str = GROUP):
-    """`trainer` in a forked process on a free local port, for the block: yields (port, the process). At the end it
-    is joined (killed if it has not finished in 120 s); the caller asserts its exit code."""
+def running(buckets: list[list[tuple[str, torch.Tensor]]], group: str = GROUP, world_size: int = 2):
+    """`trainer` in a forked process on a free local port, for the block (rank 0 of `world_size`: the engine's ranks
+    join as 1, 2, ...): yields (port, the process). At the end it is joined (killed if it has not finished in 120 s);
+    the caller asserts its exit code."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = multiprocessing.get_context("fork").Process(target=trainer, args=(port, buckets, group))
+    proc = multiprocessing.get_context("fork").Process(target=trainer, args=(port, buckets, group, world_size))
     proc.start()
     try:
         yield port, proc

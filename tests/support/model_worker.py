@@ -787,13 +787,14 @@ class Worker:
 
         import safetensors
 
-        from sglang_trtllm_moe.updates import bucket_validation
+        from sglang_trtllm_moe.updates import request
 
-        real_check, real_open = bucket_validation.check_checkpoint, safetensors.safe_open
+        # the fault comes right after the update request's check of the checkpoint (updates/request.py)
+        real_check, real_open = request.UpdateRequest.check_checkpoint, safetensors.safe_open
         armed: dict = {}
 
-        def check_then(model, files, *a, **k):
-            headers = real_check(model, files, *a, **k)
+        def check_then(req, model, files, *a, **k):
+            headers = real_check(req, model, files, *a, **k)
             fault = armed.get("after_check")
             if fault is not None:
                 fault()
@@ -828,7 +829,7 @@ class Worker:
         }
         new = self.full(7)
         out: dict = {}
-        bucket_validation.check_checkpoint, safetensors.safe_open = check_then, safe_open
+        request.UpdateRequest.check_checkpoint, safetensors.safe_open = check_then, safe_open  # type: ignore[method-assign]
         try:
             for served in ("from_disk", "from_tensors"):
                 for case, fault in faults.items():
@@ -867,7 +868,7 @@ class Worker:
                     }
                     m.update_from_disk(self.write_tensors(self.intended))  # a good update afterwards
         finally:
-            bucket_validation.check_checkpoint, safetensors.safe_open = real_check, real_open
+            request.UpdateRequest.check_checkpoint, safetensors.safe_open = real_check, real_open  # type: ignore[method-assign]
         back = self.compare(m, self.intended, m.pointers())
         expected = {"truncated": "refused first"}
         ok = all(

@@ -9,7 +9,8 @@ group runs a whole list of scenarios, re-initialising the model-parallel groups 
 
 Usage: python -m tests.support.multirank_worker JOB_FILE RANK WORLD_SIZE PORT OUT_DIR
 JOB_FILE (torch.save) holds {"scenarios": [...]}; each scenario is a dict with name, tp, ep, spec (MoeSpec fields),
-seed, x, logits and optionally rl_update = {"experts": [...], "seed": int}. Results go to OUT_DIR/rank{R}.pt as
+seed, x, logits and optionally rl_update = {"experts": [...], "seed": int}, or a `verdict` entry (the update paths'
+cross-rank verdict: tests/support/verdict_worker.py). Results go to OUT_DIR/rank{R}.pt as
 {name: {...}} (an "error" entry when SGLang or the plugin refused the scenario on this rank).
 """
 
@@ -70,6 +71,11 @@ def _as_bytes(t):
 def run_scenario(sc: dict) -> dict:
     from sglang_trtllm_moe import layer_state
     from sglang_trtllm_moe.sandbox import layers as cpu_layers
+
+    if sc.get("verdict"):  # the cross-rank verdict of update requests: tests/support/verdict_worker.py
+        from . import verdict_worker
+
+        return verdict_worker.run(sc, _build_loaded)
 
     spec = cpu_layers.MoeSpec(**sc["spec"])
     tensors = checkpoint(spec, sc["seed"])
@@ -208,6 +214,7 @@ _LAST_CALL: dict = {}
 def main(argv):
     job_file, rank, world, port, out_dir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     os.environ["SGLANG_TRTLLM_MOE_EMULATE"] = "1"
+
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo collectives crawl
     from sglang.srt.plugins import load_plugins
 
