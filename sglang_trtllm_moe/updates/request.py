@@ -279,12 +279,12 @@ class UpdateRequest:
         loader? The one place that decides it, at each load of the request."""
         return batched_writes.enabled() and not batched_writes.copy_replaced()
 
-    def load(self, model, real, weights, refused: list, *args, **kwargs):
+    def load(self, model, real, weights, refused: list, *args, batched: bool = True, **kwargs):
         """What the model's `load_weights` does while the request's entry point runs: a list is checked whole (what
         this request did not check already; nothing where the entry point's check covered it), then another rank's
         experts are dropped, this rank's written batched (or left to SGLang's loader: `writes_batched`), and the rest
         goes to the model's own loader in order. An iterator (which may reuse its buffers) is left to the per-shard
-        checks."""
+        checks. `batched` False (a custom loader's request): this rank's experts too go to SGLang's loader."""
         if isinstance(weights, (list, tuple)):
             checked = self._covers(model, weights)
             if checked is not None:
@@ -298,7 +298,7 @@ class UpdateRequest:
             if batched_writes.copy_replaced():  # the whole list to SGLang's loader, through the replacement
                 batched_writes.count_stepped_aside(len(weights))
             else:
-                weights = batched_writes.write(list(weights), self.index(model), self.writes_batched())
+                weights = batched_writes.write(list(weights), self.index(model), batched and self.writes_batched())
         return real(weights, *args, **kwargs)
 
     def load_from_files(self, model, real, weights, *args, **kwargs):
