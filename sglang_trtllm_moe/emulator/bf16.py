@@ -10,6 +10,7 @@ from ..kernel_api import WeightLayout
 from .common import (
     activate,
     check_local,
+    gemm,
     gemm1_rows,
     is_gated,
     round_bf16,
@@ -69,13 +70,13 @@ def _bf16_impl(
         w1 = _bf16_weights(gemm1_weights, M, H, inv1, e)
         w2 = _bf16_weights(gemm2_weights, H, inter, inv2, e)
         h = activate(
-            rows @ w1.t(),
+            gemm(rows, w1),
             act,
             alpha=scalar_or_none(gemm1_alpha, e),
             beta=scalar_or_none(gemm1_beta, e),
             limit=scalar_or_none(gemm1_clamp_limit, e),
         )
-        return round_bf16(round_bf16(h) @ w2.t())  # the FC1 epilogue writes bf16; GEMM2 output is bf16
+        return round_bf16(gemm(round_bf16(h), w2))  # the FC1 epilogue writes bf16; GEMM2 output is bf16
 
     return run_experts(
         hidden_states.float(),

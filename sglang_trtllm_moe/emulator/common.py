@@ -281,3 +281,20 @@ def expert_sf(sf: torch.Tensor, e: int, n_experts: int, rows: int, cols: int) ->
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
+
+
+#: the fewest rows a CPU GEMM of the emulator runs with (zero rows appended, dropped after)
+GEMM_MIN_ROWS = 8
+
+
+def gemm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`rows @ w.t()` in fp32, every row rounded the same whatever the row count. CPU BLAS picks its kernel by the
+    number of rows, and a small-M kernel may round the last fp32 bit differently (measured: torch 2.13's MKL on an
+    AVX2 AMD EPYC, 1-3 rows vs 4 or more), so a decode step of 3 requests would differ from the same rows
+    prefilled — the batch invariance tests/test_models.py asserts. Fewer than GEMM_MIN_ROWS rows on the CPU are
+    padded with zero rows (a static shape: CUDA-graph safe); elsewhere the product is taken as is."""
+    n = rows.shape[0]
+    if rows.device.type != "cpu" or n >= GEMM_MIN_ROWS:
+        return rows @ w.t()
+    padded = torch.cat([rows, rows.new_zeros(GEMM_MIN_ROWS - n, rows.shape[1])])
+    return (padded @ w.t())[:n]

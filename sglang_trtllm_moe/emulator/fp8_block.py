@@ -19,6 +19,7 @@ from .common import (
     activate,
     check_local,
     expert_sf,
+    gemm,
     is_gated,
     round_bf16,
     row_inverses,
@@ -93,7 +94,7 @@ def _fp8_block_impl(
     def expert(e, rows, _w):
         w1 = quant.fp8_block_dequantize(w1_all[e], gemm1_weights_scale[e])
         w2 = quant.fp8_block_dequantize(w2_all[e], gemm2_weights_scale[e])
-        a1 = _block_requant(rows @ w1.t())  # GEMM1 writes e4m3 + per-128-column dequant scales
+        a1 = _block_requant(gemm(rows, w1))  # GEMM1 writes e4m3 + per-128-column dequant scales
         h = activate(
             a1,
             act,
@@ -102,7 +103,7 @@ def _fp8_block_impl(
             limit=scalar_or_none(gemm1_clamp_limit, e),
             valid_intermediate=valid_intermediate_size,
         )
-        return round_bf16(_block_requant(h) @ w2.t())
+        return round_bf16(gemm(_block_requant(h), w2))
 
     out = run_experts(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
     if valid_hidden_size is not None:
@@ -173,7 +174,7 @@ def _mxfp8_impl(
         s1 = expert_sf(gemm1_weights_scale, e, E, M, H // 32).index_select(0, inv1)
         w2 = unshuffle_rows(gemm2_weights[e], inv2)
         s2 = expert_sf(gemm2_weights_scale, e, E, H, inter // 32).index_select(0, inv2)
-        a1 = rows @ quant.mxfp8_dequantize(w1, s1).t()
+        a1 = gemm(rows, quant.mxfp8_dequantize(w1, s1))
         h = activate(
             a1,
             act,
@@ -183,7 +184,7 @@ def _mxfp8_impl(
             valid_intermediate=valid_intermediate_size,
         )
         hq, hs = quant.mxfp8_quantize(round_bf16(h))
-        return round_bf16(quant.mxfp8_dequantize(hq, hs) @ quant.mxfp8_dequantize(w2, s2).t())
+        return round_bf16(gemm(quant.mxfp8_dequantize(hq, hs), quant.mxfp8_dequantize(w2, s2)))
 
     out = run_experts(x, ids, weights, local_expert_offset, local_num_experts, expert, H, None, routing_replay_out)
     if valid_hidden_size is not None:

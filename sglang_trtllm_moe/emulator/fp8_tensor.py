@@ -9,6 +9,7 @@ from .. import quant
 from .common import (
     activate,
     check_local,
+    gemm,
     gemm1_rows,
     is_gated,
     round_bf16,
@@ -56,12 +57,12 @@ def _fp8_tensor_impl(
     def expert(e, rows, slot_w):
         w1 = unshuffle_rows(gemm1_weights[e], inv1).float()
         w2 = unshuffle_rows(gemm2_weights[e], inv2).float()
-        a1 = rows @ w1.t()
+        a1 = gemm(rows, w1)
         if use_routing_scales_on_input:  # Llama4: routing weight scales GEMM1 (per-token scale), not the output
             a1 = a1 * slot_w.unsqueeze(1)
         h = activate(a1, act, scalar(output1_scales_gate_scalar, e, 1.0), scalar(output1_scales_scalar, e, 1.0))
         hq = quant.fp8_quantize(h, 1.0)  # re-quantized to e4m3 with scale 1 (output1 scale already holds 1/a2)
-        return round_bf16((hq.float() @ w2.t()) * scalar(output2_scales_scalar, e, 1.0))
+        return round_bf16(gemm(hq.float(), w2) * scalar(output2_scales_scalar, e, 1.0))
 
     return run_experts(
         hidden_states.float(),

@@ -20,7 +20,7 @@ import torch
 
 from .. import layouts, quant
 from ..kernel_api import ActivationType
-from .common import activate, check_local, round_bf16, row_inverses, run_experts, scalar_or_none, unshuffle_rows
+from .common import activate, check_local, gemm, round_bf16, row_inverses, run_experts, scalar_or_none, unshuffle_rows
 from .entry_points import entry_points
 
 SWIGLU = int(ActivationType.Swiglu)
@@ -94,13 +94,13 @@ def _mxint4_impl(
             0,
         )
         h = activate(
-            rows @ w1.t(),
+            gemm(rows, w1),
             SWIGLU,
             alpha=scalar_or_none(gemm1_alpha, e),
             beta=scalar_or_none(gemm1_beta, e),
             limit=scalar_or_none(gemm1_clamp_limit, e),
         )
-        return round_bf16(round_bf16(h) @ w2.t())  # the intermediate and GEMM2's output are bf16
+        return round_bf16(gemm(round_bf16(h), w2))  # the intermediate and GEMM2's output are bf16
 
     out = run_experts(
         hidden_states.float(), ids, weights, local_expert_offset, n, expert, H, output, routing_replay_out

@@ -26,6 +26,7 @@ from .common import (
     activate,
     check_local,
     expert_sf,
+    gemm,
     gemm1_rows,
     is_gated,
     round_bf16,
@@ -154,7 +155,7 @@ def _fp4_impl(
         s1 = expert_sf(gemm1_weights_scale, e, E, M, H // block).index_select(0, inv1)
         w2 = unshuffle_rows(gemm2_weights[e], inv2)
         s2 = expert_sf(gemm2_weights_scale, e, E, H, inter // block).index_select(0, inv2)
-        a1 = rows @ dequant_w(w1, s1).t()
+        a1 = gemm(rows, dequant_w(w1, s1))
         if gemm1_bias is not None:
             a1 = a1 + gemm1_bias[e].float().index_select(0, inv1)
         h = activate(
@@ -167,7 +168,7 @@ def _fp4_impl(
             limit=scalar_or_none(gemm1_clamp_limit, e),
             valid_intermediate=valid_intermediate_size,
         )
-        a2 = requant(h) @ dequant_w(w2, s2).t()
+        a2 = gemm(requant(h), dequant_w(w2, s2))
         if gemm2_bias is not None:
             a2 = a2 + gemm2_bias[e].float().index_select(0, inv2)
         return round_bf16(a2 * scalar(output2_scale_scalar, e, 1.0))
