@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..layer_state import layer_name
-from . import checkpoint_headers, value_checks
-from .bucket_validation import BucketRefused, check_items, refusal_text, value_refusal
+from . import bucket_validation, checkpoint_headers, value_checks
+from .bucket_validation import BucketRefused, refusal_text, value_refusal
 from .checked_writes import Checked
 from .layer_params import format_of
 from .name_index import expert_targets, managed_modules
@@ -42,7 +42,7 @@ def checkpoint_findings(model, files, keep=None, local_only: bool = False, heade
     update to write them instead of reading them again (`KeptValues`)."""
     if headers is None:
         headers = checkpoint_headers.read_headers(files, keep)
-    found = check_items(model, headers.tensors, headers=True, local_only=local_only)
+    found = bucket_validation.check_items(model, headers.tensors, headers=True, local_only=local_only)
     found.problems[:0] = [(-1, p) for p in headers.problems]
     found.problems += [(-1, p) for p in _unpaired_halves(model, headers.tensors)]
     if not found.problems and found.jobs:
