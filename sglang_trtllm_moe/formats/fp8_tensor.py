@@ -201,14 +201,6 @@ FP8_TENSOR_MODELOPT = Fp8PerTensor(
     gate_first=True,
     quantizations={TRTLLM: frozenset({"modelopt_fp8"})},
     checkpoint=Checkpoint("modelopt_fp8"),
-    example=Example(
-        "fp8_modelopt",
-        {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}},
-        "modelopt_quant.ModelOptFp8Config",
-        "random_fp8_checkpoint",
-    ),
-    #: quantized Mixtral other than SGLang `fp8` / compressed-tensors is QuantMixtralForCausalLM (no FusedMoE)
-    tiny=TinyCheckpoint("fp8", ("qwen3_moe", "deepseek_v3", "nemotron_h")),
 )
 #: SGLang `fp8` with static activation scales and no weight_block_size
 FP8_TENSOR = Fp8PerTensor(
@@ -217,8 +209,4 @@ FP8_TENSOR = Fp8PerTensor(
     gate_first=False,
     quantizations={TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})},
     checkpoint=Checkpoint("fp8", activation_scheme="static"),
-    example=Example(
-        "fp8_tensor", {"quant_method": "fp8", "activation_scheme": "static"}, "fp8.Fp8Config", "random_fp8_checkpoint"
-    ),
-    tiny=TinyCheckpoint("fp8_static", ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")),
 )

@@ -45,16 +45,6 @@ class Mxfp4GptOss(WeightFormat):
     title = "MXFP4 (mxfp4, gpt-oss)"
     kernel = "fp4_block_scale"
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
-    #: gpt-oss: SwiGLU with its alpha and clamp, bf16 biases
-    example = Example(
-        "mxfp4_gptoss",
-        {"quant_method": "mxfp4"},
-        "mxfp4.Mxfp4Config",
-        "random_gptoss_checkpoint",
-        routing=False,
-        layer_kwargs={"activation": "silu", "with_bias": True, "gemm1_alpha": ALPHA, "gemm1_clamp_limit": LIMIT},
-    )
-    tiny = NoTinyCheckpoint("no tiny gpt-oss model yet: tests/test_mxfp4_gptoss_layer.py builds its layers directly")
     upstream_verdicts = (
         defer.Verdict(
             defer.CPU_ORACLE.releases,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import formats
-from ..compat.cpu_nvfp4 import torch_nvfp4_quantize
+from .nvfp4_quantizer import torch_nvfp4_quantize
 from ..formats import Example, WeightFormat
 from . import layer_checkpoints
 from .layer_checkpoints import (
@@ -273,7 +273,7 @@ def checkpoint_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def online_quantizer():
-    """flashinfer's NVFP4 quantizer as the CPU stand-in (compat/cpu_nvfp4.py) while SGLang's nvfp4_online loader or
+    """flashinfer's NVFP4 quantizer as the CPU stand-in (nvfp4_quantizer.py) while SGLang's nvfp4_online loader or
     leaf runs (a no-op where the CPU sandbox installed it process-wide)."""
     import flashinfer
 
