@@ -8,8 +8,8 @@ The JSON form is a stable contract (tests and CI read it): keys `enabled` (bool)
 `extensions`, `errors`, `capabilities` (per capability group: {capability, status in active|stepped_aside|
 not_applicable|undecided|off, serves, why, needs, targets, format, consequence}: capabilities.py),
 `extension_points` ({patches, official, points}: extension_points.py), `tally` ({state: count} of `targets`),
-`switches` ({`emulator`: bool, `sandbox`: what the test-only CPU sandbox did or "", `env`: every SGLANG_TRTLLM_MOE_*
-variable set in this process}).
+`switches` ({`emulator`: bool, `set_up`: {extension: what it set up in this process} — the test-only CPU sandbox's
+line when its two switches are set —, `env`: every SGLANG_TRTLLM_MOE_* variable set in this process}).
 
 Hooks are applied when their module is imported (installer.py), so a fresh process holds most of them as
 `not_imported`; `doctor` imports every hooked module first (as a scheduler building a MoE model would), so its
@@ -97,8 +97,9 @@ def report(load: bool = True, import_targets: bool | None = None) -> dict:
 
 
 def _summary(st) -> dict:
-    """The tally of the hook targets' states and the switches in force (the emulator, the test-only CPU sandbox and
-    every SGLANG_TRTLLM_MOE_* variable of this process): what a bug report needs at a glance."""
+    """The tally of the hook targets' states and the switches in force (the emulator, what extensions set up in this
+    process — the test-only CPU sandbox with its two switches — and every SGLANG_TRTLLM_MOE_* variable of this
+    process): what a bug report needs at a glance."""
     import os
 
     from . import env
@@ -107,7 +108,7 @@ def _summary(st) -> dict:
     for t in st.target_report() if st.enabled else []:
         tally[t["state"]] = tally.get(t["state"], 0) + 1
     variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SGLANG_TRTLLM_MOE_")}
-    switches = {"emulator": env.emulating(), "sandbox": getattr(st, "sandbox", "") or "", "env": variables}
+    switches = {"emulator": env.emulating(), "set_up": dict(st.set_up), "env": variables}
     return {"tally": tally, "switches": switches}
 
 
@@ -117,10 +118,10 @@ def summary_lines(r: dict) -> list[str]:
     counts = [(s, r["tally"].get(s, 0)) for s in shown] + [(s, n) for s, n in r["tally"].items() if s not in shown]
     sw = r["switches"]
     kernels = "emulated (SGLANG_TRTLLM_MOE_EMULATE=1)" if sw["emulator"] else "TRT-LLM-Gen (SM 10.x GPUs only)"
-    sandbox = "on (SGLang sees a faked SM100 GPU; CPU stand-ins)" if sw["sandbox"] else "off"
+    set_up = "; ".join(f"{name} ({line})" for name, line in sw["set_up"].items()) or "nothing"
     return [
         "tally: " + ", ".join(f"{n} {state.replace('_', ' ')}" for state, n in counts),
-        f"kernels: {kernels}; test-only CPU sandbox: {sandbox}",
+        f"kernels: {kernels}; set up by extensions: {set_up}",
         "SGLANG_TRTLLM_MOE_* set: " + (", ".join(f"{k}={v}" for k, v in sw["env"].items()) or "none"),
     ]
 

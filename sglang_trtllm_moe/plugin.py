@@ -1,10 +1,11 @@
 """`register()`: what SGLang's `load_plugins()` calls through the `sglang.srt.plugins` entry point.
 
 It builds a pluggy PluginManager, registers the built-in capability modules exactly as extensions are registered,
-loads extensions from our own entry-point group (filtered by SGLANG_TRTLLM_MOE_LOAD_PLUGINS), collects the SGLang
-hook targets they declare for the running release and hands them to SGLang's HookRegistry. It never raises into
-SGLang: a failure of the plugin itself is logged once and the plugin stands down; a failing extension is recorded
-and skipped, the built-ins keep working.
+loads extensions from our own entry-point group (filtered by SGLANG_TRTLLM_MOE_LOAD_PLUGINS; the entry points this
+distribution declares itself are parts of the plugin and always loaded), collects the SGLang hook targets they
+declare for the running release, hands them to SGLang's HookRegistry, and then lets every extension set the process
+up (`process_setup`). It never raises into SGLang: a failure of the plugin itself is logged once and the plugin
+stands down; a failing extension is recorded and skipped, the built-ins keep working.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 import pluggy
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from . import PROJECT_NAME, env, hookspecs, installer
@@ -27,6 +29,9 @@ logger = logging.getLogger(PROJECT_NAME)
 ENV_DISABLE = "SGLANG_TRTLLM_MOE_DISABLE"
 ENV_LOAD_PLUGINS = "SGLANG_TRTLLM_MOE_LOAD_PLUGINS"
 EXTENSION_GROUP = PROJECT_NAME
+#: this distribution: the extensions it declares in its own entry-point group are parts of the plugin (each switched
+#: on by its own settings), loaded whatever SGLANG_TRTLLM_MOE_LOAD_PLUGINS allows of third-party ones
+DISTRIBUTION = "sglang-trtllm-moe"
 
 #: Built-in capabilities that are not a weight format's, registered the same way as extensions (one module per
 #: capability). Each format declares its own hook module (`WeightFormat.hook_module`): `builtin_modules()`.
@@ -74,8 +79,8 @@ class PluginState:
     not_applicable: list[HookTarget] = field(default_factory=list)
     extensions: list[Extension] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    #: the test-only CPU sandbox (compat.cpu_sandbox), when both of its switches are set: what it did; "" otherwise
-    sandbox: str = ""
+    #: what each extension set up in this process (`process_setup`), by its entry-point name; empty when none did
+    set_up: dict[str, str] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -135,12 +140,20 @@ def _allowlist() -> set[str] | None:
     return {x.strip() for x in raw.split(",") if x.strip()}  # empty string: none
 
 
-def _load_extensions(pm: pluggy.PluginManager) -> list[Extension]:
+def _ours(dist: str | None) -> bool:
+    return dist is not None and canonicalize_name(dist) == DISTRIBUTION
+
+
+def load_extensions(pm: pluggy.PluginManager) -> list[Extension]:
+    """Register every extension of our entry-point group with `pm` (as `ext:<name>`), each isolated: one that fails
+    to load is recorded and skipped. Third-party ones are filtered by SGLANG_TRTLLM_MOE_LOAD_PLUGINS; this
+    distribution's own are parts of the plugin and always registered. `register()` and the command line both call
+    it."""
     allowed = _allowlist()
     out = []
     for ep in importlib.metadata.entry_points(group=EXTENSION_GROUP):
         dist = ep.dist.name if ep.dist else None
-        if allowed is not None and ep.name not in allowed:
+        if allowed is not None and ep.name not in allowed and not _ours(dist):
             out.append(Extension(ep.name, ep.value, dist, "skipped", f"not in {ENV_LOAD_PLUGINS}"))
             continue
         try:
@@ -184,31 +197,21 @@ def _collect_targets(pm: pluggy.PluginManager, release: Version, st: PluginState
     return collected
 
 
-def _sandbox(st: PluginState) -> None:
-    """The test-only CPU sandbox (SGLANG_TRTLLM_MOE_EMULATE=1 with SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100): this process
-    sees an SM100 GPU and gets the CPU stand-ins (compat.cpu_sandbox). After the hook targets are installed, so the
-    modules the stand-ins import are hooked as they load. Without the switch nothing is imported (torch, SGLang)."""
-    from .compat import cpu_sandbox  # a few names; its functions import what they need
-
-    if not os.environ.get(cpu_sandbox.ENV_FAKE_SM, "").strip():
-        return
-    try:
-        done = cpu_sandbox.activate_from_env()
-    except Exception as e:  # noqa: BLE001 - a test switch must not take the plugin down; say what to fix
-        msg = f"the test-only CPU sandbox was not activated: {type(e).__name__}: {e}"
-        logger.error("sglang-trtllm-moe: %s", msg)
-        st.errors.append(msg)
-        return
-    if done is None:
-        msg = (
-            f"{cpu_sandbox.ENV_FAKE_SM} is set without SGLANG_TRTLLM_MOE_EMULATE=1: the test-only CPU sandbox is off "
-            "(a faked SM100 without the emulator would reach the kernels); set both, or neither"
-        )
-        logger.warning("sglang-trtllm-moe: %s", msg)
-        st.errors.append(msg)
-        return
-    st.sandbox = done
-    logger.info("sglang-trtllm-moe: %s", done)
+def _set_up_process(pm: pluggy.PluginManager, release: Version, st: PluginState) -> None:
+    """Each extension's `process_setup`, one at a time (a failing one is recorded, the others and the built-ins
+    keep working). After the hook targets are installed, so the modules a set-up imports are hooked as they load."""
+    for impl in pm.hook.process_setup.get_hookimpls():
+        name = impl.plugin_name.removeprefix("ext:")
+        try:
+            done = impl.function(release=release)
+        except Exception as e:  # noqa: BLE001 - an extension's set-up must not take the plugin down; say what to fix
+            msg = f"extension {name!r} did not set this process up: {type(e).__name__}: {e}"
+            logger.warning("sglang-trtllm-moe: %s", msg)
+            st.errors.append(msg)
+            continue
+        if done:
+            st.set_up[name] = str(done)
+            logger.info("sglang-trtllm-moe: %s", done)
 
 
 def register() -> None:
@@ -235,7 +238,7 @@ def register() -> None:
         pm.add_hookspecs(hookspecs)
         for mod in builtin_modules():
             pm.register(importlib.import_module(mod), name=mod)
-        st.extensions = _load_extensions(pm)
+        st.extensions = load_extensions(pm)
         targets = _collect_targets(pm, release, st)
 
         for t in targets:
@@ -246,7 +249,7 @@ def register() -> None:
 
         installer.install(st.targets, source=_current_plugin_source.get())
         st.status = "enabled"
-        _sandbox(st)
+        _set_up_process(pm, release, st)
         logger.info(
             "sglang-trtllm-moe: enabled on sglang %s: %d hook targets registered, %d not applicable, %d extensions",
             st.release.version,
@@ -273,4 +276,4 @@ def reset_for_tests() -> None:
     capabilities.reset_for_tests()
 
 
-__all__ = ["register", "state", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]
+__all__ = ["load_extensions", "register", "state", "PluginState", "LANDED", "MISSING", "NOT_APPLICABLE", "NOT_IMPORTED"]

@@ -1,4 +1,4 @@
-"""Every named release flag (compat/features.py: the product's; compat/sandbox_releases.py: the CPU
+"""Every named release flag (compat/features.py: the product's; sandbox/releases.py: the CPU
 sandbox's; tests/support/releases.py: the test fixtures') against the installed SGLang's own code.
 
 A flag is a claim ("on these releases, SGLang does X"); here each claim is checked by looking at what the installed
@@ -14,7 +14,8 @@ import inspect
 
 import pytest
 
-from sglang_trtllm_moe.compat import features, sandbox_releases
+from sglang_trtllm_moe.compat import features
+from sglang_trtllm_moe.sandbox import releases as sandbox_releases
 
 from .support import releases as support_releases
 

@@ -1,7 +1,8 @@
-"""The test-only CPU sandbox (compat/cpu_sandbox.py): with SGLANG_TRTLLM_MOE_EMULATE=1 and
+"""The test-only CPU sandbox (sandbox/activation.py, sandbox/standins.py), an extension of the plugin registered in
+its own entry-point group (sandbox/extension.py): with SGLANG_TRTLLM_MOE_EMULATE=1 and
 SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100 in the environment, the plugin's own `register()` — which SGLang's
-`load_plugins()` runs first in every process it starts — makes the process see an SM100 GPU and applies the CPU
-stand-ins; nothing of the harness on PYTHONPATH. Without both switches nothing of it happens (a normal process pays
+`load_plugins()` runs first in every process it starts — lets the extension make the process see an SM100 GPU and
+apply the CPU stand-ins (`process_setup`); nothing of the harness on PYTHONPATH. Without both switches nothing of it happens (a normal process pays
 nothing: no torch import from it; tests/test_standins.py checks no stand-in is active then), and a wrong value is
 refused with a message that names the fix.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES
 
 from .support.helpers import last_json, run_python
 
@@ -31,7 +32,7 @@ PROBE = """
     except Exception:
         mm = False
     st = state()
-    print(json.dumps({"status": st.status, "sandbox": st.sandbox, "errors": st.errors, "mm_dtype": mm,
+    print(json.dumps({"status": st.status, "sandbox": st.set_up.get("sandbox", ""), "errors": st.errors, "mm_dtype": mm,
                       "vllm_stub": "vllm._custom_ops" in sys.modules, "sm": device_from_sglang().sm}))
 """
 
@@ -62,14 +63,16 @@ def test_an_sm_the_sandbox_cannot_fake_is_refused_with_the_fix():
 
 
 def test_register_without_the_switches_imports_neither_torch_nor_sglang_layers():
-    """Start-up stays free: the switch is read from the environment before anything of the sandbox is imported."""
+    """Start-up stays free: the extension's set-up reads the switch from the environment before anything of the
+    sandbox is imported, and the extension is the sandbox's entry point in the plugin's own group."""
     code = """
-        import json, sys
-        from sglang_trtllm_moe import plugin
-        plugin._sandbox(plugin.PluginState())
-        print(json.dumps({"torch": "torch" in sys.modules, "topk": "sglang.srt.layers.moe.topk" in sys.modules}))
+        import importlib.metadata, json, sys
+        ep = [e for e in importlib.metadata.entry_points(group="sglang_trtllm_moe") if e.name == "sandbox"]
+        done = ep[0].load().process_setup(release=None)
+        print(json.dumps({"done": done, "torch": "torch" in sys.modules,
+                          "topk": "sglang.srt.layers.moe.topk" in sys.modules}))
     """
-    assert last_json(run_python(code)) == {"torch": False, "topk": False}
+    assert last_json(run_python(code)) == {"done": None, "torch": False, "topk": False}
 
 
 ENGINE = """
@@ -87,9 +90,7 @@ ENGINE = """
 """
 
 
-@pytest.mark.sglang(
-    str(ENGINE_RELEASES), reason="sglang.Engine's CPU spawn flow (compat/sandbox_releases.py ENGINE_RELEASES)"
-)
+@pytest.mark.sglang(str(ENGINE_RELEASES), reason="sglang.Engine's CPU spawn flow (sandbox/releases.py ENGINE_RELEASES)")
 def test_a_plain_sglang_engine_serves_through_the_plugin(tmp_path):
     pytest.importorskip("xgrammar", reason="sglang.Engine's detokenizer imports xgrammar (ci/releases.tsv pin)")
     from sglang_trtllm_moe.sandbox import checkpoints as ck

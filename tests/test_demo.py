@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
+from sglang_trtllm_moe.sandbox.releases import RL_LOOP_RELEASES
 
 pytestmark = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
     reason="the demo drives sglang.Engine through its weight-update sessions and weight-checker request "
-    "(compat/sandbox_releases.py RL_LOOP_RELEASES)",
+    "(sandbox/releases.py RL_LOOP_RELEASES)",
 )
 
 STEPS = (

@@ -38,12 +38,12 @@ pytestmark = pytest.mark.sglang(
 
 # The tensor test serializes CPU tensors in this process as SGLang's client does. Once any test of the session has run
 # SGLang's monkey_patch_torch_reductions (its tensor update path does), SGLang's reducer raises IndexError for a CPU
-# tensor unless the CPU sandbox's stand-in was in place first (compat/cpu_sandbox.py
+# tensor unless the CPU sandbox's stand-in was in place first (sandbox/standins.py
 # cpu_tensors_through_the_reduction_patch; idempotent): installed at collection, before any test runs.
 if features.DISTRIBUTED_UPDATE_SKIPS_DRAFT.present():
-    from sglang_trtllm_moe.compat import cpu_sandbox
+    from sglang_trtllm_moe.sandbox import standins
 
-    cpu_sandbox.cpu_tensors_through_the_reduction_patch()
+    standins.cpu_tensors_through_the_reduction_patch()
 
 SPEC = cpu_layers.MoeSpec(num_experts=4, hidden=256, intermediate=128)
 

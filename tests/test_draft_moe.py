@@ -39,13 +39,13 @@ import json
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
+from sglang_trtllm_moe.sandbox.releases import MODEL_RUNNER_RELEASES
 
 from .support.helpers import last_json, run_module
 
 pytestmark = pytest.mark.sglang(
     str(MODEL_RUNNER_RELEASES),
-    reason="sandbox.models spells SGLang's runner set-up of these releases (compat/sandbox_releases.py "
+    reason="sandbox.models spells SGLang's runner set-up of these releases (sandbox/releases.py "
     "MODEL_RUNNER_RELEASES); the draft runner and the update manager's selector come with them",
 )
 

@@ -21,14 +21,14 @@ import json
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
+from sglang_trtllm_moe.sandbox.releases import RL_LOOP_RELEASES
 
 from .support.helpers import last_json, run_module
 
 pytestmark = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
     reason="sglang.Engine's weight-update sessions (begin/end_weight_update), "
-    "the weight-checker request and the Engine's spawn flow (compat/sandbox_releases.py RL_LOOP_RELEASES)",
+    "the weight-checker request and the Engine's spawn flow (sandbox/releases.py RL_LOOP_RELEASES)",
 )
 
 MODELS = ("qwen3_moe:nvfp4", "nemotron_h:nvfp4")

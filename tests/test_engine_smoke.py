@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES, RL_LOOP_RELEASES
+from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES, RL_LOOP_RELEASES
 
 from .support.helpers import last_json, run_module
 
@@ -23,14 +23,14 @@ SMOKE_RELEASES = ENGINE_RELEASES & SpecifierSet(f"<{min(s.version for s in RL_LO
 SMOKE = pytest.mark.sglang(
     str(SMOKE_RELEASES),
     reason="sglang.Engine as sandbox/engine.py drives it; from RL_LOOP_RELEASES on tests/test_engine.py runs the "
-    "whole RL loop instead (compat/sandbox_releases.py)",
+    "whole RL loop instead (sandbox/releases.py)",
 )
 #: the INT4 W4A16 smoke (issue #51: compressed-tensors group 32, as Kimi-K2 ships it) where the whole RL loop runs on
 #: the other formats; every flow of a Kimi-K2-style DeepSeek-V3 in INT4 runs through SGLang's ModelRunner in
 #: tests/test_models.py
 INT4 = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
-    reason="the INT4 Engine smoke runs on the release the RL loop's Engine tests run on (compat/sandbox_releases.py "
+    reason="the INT4 Engine smoke runs on the release the RL loop's Engine tests run on (sandbox/releases.py "
     "RL_LOOP_RELEASES); older releases run the NVFP4 smoke",
 )
 

@@ -16,6 +16,7 @@ import pytest
 
 from sglang_trtllm_moe import capabilities
 from sglang_trtllm_moe.compat import features
+from sglang_trtllm_moe.sandbox.format_examples import example_of
 
 from .support import faults, sglang_runtime
 
@@ -81,7 +82,7 @@ def kinds_for(path: str) -> list[str]:
     groups = _groups_of(path)
     fmts = [g.fmt for g in groups if g.fmt]
     if fmts:
-        return list(dict.fromkeys(by_name(f).example.kind for f in fmts))[:3]
+        return list(dict.fromkeys(example_of(by_name(f)).kind for f in fmts))[:3]
     if any(g.name in _prep_closure() for g in groups):
         return ["nvfp4", "bf16"]
     return ["nvfp4"]
@@ -178,7 +179,7 @@ def test_a_name_the_plugin_reaches_that_is_gone_steps_its_capability_aside(probe
         row = _doctor_row(probe.group)
         assert row["status"] == capabilities.STEPPED_ASIDE and probe.name in row["why"][0], row
         group = next(g for g in capabilities.all_groups() if g.name == probe.group)
-        kinds = [by_name(group.fmt).example.kind] if group.fmt else ["nvfp4", "bf16"]
+        kinds = [example_of(by_name(group.fmt)).kind] if group.fmt else ["nvfp4", "bf16"]
         before = batched_writes.counts().get("tensors", 0)
         results = {kind: faults.run(kind) for kind in kinds}
         bad = {k: faults.failures(v) for k, v in results.items() if faults.failures(v)}

@@ -1,7 +1,7 @@
 """Rules of the house the code itself can be checked against (issue #30), read from the runtime package's source.
 
 * One place per release fact: a release-range literal (">=0.5.16", "<0.5.21", ...) appears in the runtime package
-  only inside `compat/` (named flags with range and why, the defer table, the resolution adapters). A hook target
+  only inside `compat/` (the sandbox's in `sandbox/releases.py`) (named flags with range and why, the defer table, the resolution adapters). A hook target
   names its range through a flag (`releases=features.X.releases`) or leaves it empty (every release the plugin runs
   on: `compat.releases.OLDEST_SUPPORTED` is that fact). Prose in docstrings may name releases.
 * Shared helpers have one public home: no module imports another module's underscore name (a private *module*, such
@@ -19,6 +19,12 @@
 * `compat/` is the bottom layer (issue #38): its modules import nothing of the package outside `compat/` (at module
   level or inside a function), except the leaf modules of `COMPAT_MAY_IMPORT`, which themselves import nothing of
   the package. What sits above (formats, selection, the runner) hands compat what it needs, never the other way.
+* The sandbox is fenced (issue #54): `sandbox/` is an extension of the plugin, registered through the plugin's own
+  entry-point group as a third-party one is (setup.cfg). The runtime (every module outside `sandbox/`) neither
+  imports it (at module level, inside a function, through `importlib`) nor names it in code: no string of the
+  runtime other than a docstring says "sandbox" or names a function or class the sandbox defines (prose in
+  docstrings and comments may point at it). And `compat/` holds release facts only: each of its modules is listed
+  in `COMPAT_MODULES` with the facts it holds, and none reads the sandbox's switch (SGLANG_TRTLLM_MOE_TEST_FAKE_SM).
 
 Each rule has an allowlist of files that wait for work in progress, each entry saying what it waits for; an entry
 whose file no longer breaks the rule fails, so the list only shrinks.
@@ -40,7 +46,7 @@ NAME = PACKAGE.name
 RELEASE_RANGE = re.compile(r"(?:[<>]=?|==|!=|~=)\s*\d+\.\d+")
 
 #: files (relative to the package) whose release-range literals wait for other work: what for
-#: (none: the CPU sandbox's ranges are compat/sandbox_releases.py's, init_rank is tests/support/sglang_runtime.py's)
+#: (none: the CPU sandbox's ranges are sandbox/releases.py's, init_rank is tests/support/sglang_runtime.py's)
 PENDING_RELEASE_LITERALS: dict[str, str] = {}
 
 #: files whose underscore imports wait for other work: what for
@@ -53,12 +59,28 @@ MAX_LINES = 450
 #: files over MAX_LINES that wait for their split: what for
 PENDING_LONG_MODULES: dict[str, str] = {}
 
+#: compat/'s modules and the release facts each holds: a new module there says what release difference it is for
+COMPAT_MODULES = {
+    "compat/__init__.py": "the release check's public names (check_release, ReleaseStatus)",
+    "compat/releases.py": "the releases the plugin runs on, tested or not (OLDEST_SUPPORTED, the tested list)",
+    "compat/features.py": "every release difference the product meets, a named flag with range and why",
+    "compat/defer.py": "per format and release: whether SGLang's own update path keeps the bytes exact",
+    "compat/platform.py": "how each release resolves its MoE runner backend (the resolution adapters)",
+    "compat/fake_platform.py": "how each release asks which GPU this is (explain --sm N fakes that answer)",
+    "compat/routed_experts.py": "how each release reports the experts a request routed to",
+    "compat/update_runners.py": "which release runs which weight-update entry points",
+}
+
+#: the sandbox's own release facts (what only standing SGLang up on a CPU meets), named flags like compat/'s
+SANDBOX_RELEASES = "sandbox/releases.py"
+
+#: the sandbox's switch for a faked GPU: read by the sandbox only (compat/ holds release facts, not test switches)
+SANDBOX_SWITCH = "SGLANG_TRTLLM_MOE_TEST_FAKE_SM"
+
 #: modules outside compat/ that compat/ may import: leaves that import nothing of the package themselves
 #: (test_compat_leaves_are_leaves holds them to that)
 COMPAT_MAY_IMPORT = {
-    f"{NAME}.env": "the plugin's switches (cpu_sandbox asks SGLANG_TRTLLM_MOE_EMULATE)",
     f"{NAME}.layer_attrs": "the attribute names the plugin sets on SGLang's objects (platform's REQUESTED_ATTR)",
-    f"{NAME}.quant": "the pure-torch quantizers (cpu_nvfp4: the CPU sandbox's stand-in for flashinfer's NVFP4 one)",
 }
 
 
@@ -194,6 +216,39 @@ def upward_imports(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
     ]
 
 
+def sandbox_names() -> set[str]:
+    """The functions and classes only the sandbox's modules define at their top level, by name — the distinctive
+    ones (two underscores or more, e.g. `random_nvfp4_checkpoint`: `main`, `run` or `server_args` say nothing of
+    where they live)."""
+
+    def defined(paths) -> set[str]:
+        return {
+            node.name
+            for path in paths
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.strip("_").count("_") >= 2
+        }
+
+    sandbox = set((PACKAGE / "sandbox").rglob("*.py"))
+    return defined(sandbox) - defined(set(PACKAGE.rglob("*.py")) - sandbox)
+
+
+def sandbox_uses(rel: str, tree: ast.Module, names: set[str]) -> list[tuple[int, str]]:
+    """A runtime module's imports of the sandbox, and its strings (docstrings aside) that say "sandbox" or name a
+    function or class of it."""
+    if rel.startswith("sandbox/"):
+        return []
+    out = [(line, mod) for line, mod in package_imports(rel, tree) if mod.startswith(f"{NAME}.sandbox")]
+    docs = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if "sandbox" in node.value.lower() or node.value in names:
+                out.append((node.lineno, repr(node.value[:80])))
+        elif isinstance(node, ast.Attribute) and node.attr == "sandbox":
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(set(out))
+
+
 def private_attributes(sources: list[tuple[str, ast.Module]]) -> dict[str, set[str]]:
     """The private attribute names the package's classes define -> the files defining them."""
     out: dict[str, set[str]] = {}
@@ -302,7 +357,7 @@ def _check(finder, pending: dict[str, str], what: str) -> None:
 
 def test_release_ranges_live_in_compat():
     def finder(rel: str, tree: ast.Module) -> list[tuple[int, str]]:
-        return [] if rel.startswith("compat/") else release_literals(tree)
+        return [] if rel.startswith("compat/") or rel == SANDBOX_RELEASES else release_literals(tree)
 
     _check(finder, PENDING_RELEASE_LITERALS, "release-range literals")
 
@@ -332,6 +387,47 @@ def test_no_runtime_module_over_the_line_limit():
 
 def test_compat_imports_nothing_above_it():
     _check(upward_imports, {}, "imports of the package above compat/")
+
+
+def test_the_runtime_neither_imports_nor_names_the_sandbox():
+    names = sandbox_names()
+    assert "random_nvfp4_checkpoint" in names  # the finder sees the sandbox's functions
+    _check(lambda rel, tree: sandbox_uses(rel, tree, names), {}, "uses of the sandbox by the runtime")
+
+
+def test_the_sandbox_is_an_extension_of_the_plugin():
+    """Registered in the plugin's own entry-point group (setup.cfg), as a third-party extension is."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    group = {
+        line.split("=")[0].strip(): line.split("=", 1)[1].strip()
+        for line in cfg["options.entry_points"]["sglang_trtllm_moe"].strip().splitlines()
+    }
+    assert group.get("sandbox") == f"{NAME}.sandbox.extension", group
+
+
+def test_compat_holds_release_facts_only():
+    present = sorted(p.relative_to(PACKAGE).as_posix() for p in (PACKAGE / "compat").glob("*.py"))
+    assert present == sorted(COMPAT_MODULES), (
+        f"compat/ holds {present}, COMPAT_MODULES lists {sorted(COMPAT_MODULES)}: compat/ is for release facts; "
+        "a stand-in or a test switch belongs in sandbox/, a new release fact is listed with what it holds"
+    )
+    readers = [p.name for p in (PACKAGE / "compat").glob("*.py") if SANDBOX_SWITCH in p.read_text()]
+    assert not readers, f"{readers} read the sandbox's switch {SANDBOX_SWITCH}: that is sandbox/activation.py's"
+
+
+def test_the_sandbox_use_finder():
+    src = (
+        'from .sandbox import layers\n'
+        'def f():\n    """The CPU sandbox (prose is fine)."""\n'
+        '    import importlib\n    importlib.import_module("sglang_trtllm_moe.sandbox.standins")\n'
+        '    return "random_nvfp4_checkpoint", st.sandbox\n'
+    )
+    hits = sandbox_uses("cli.py", ast.parse(src), {"random_nvfp4_checkpoint"})
+    assert [line for line, _ in hits] == [1, 5, 5, 6, 6], hits
+    assert sandbox_uses("sandbox/layers.py", ast.parse(src), set()) == []
 
 
 def test_compat_leaves_are_leaves():
@@ -373,7 +469,7 @@ def test_the_upward_import_finder():
     src = (
         "from . import features\n"
         "from .releases import installed_version\n"
-        "from .. import env, layer_attrs\n"
+        "from .. import layer_attrs, env\n"
         "from ..formats import BF16\n"
         "def f():\n"
         "    from ..runner import emulating\n"
@@ -383,6 +479,7 @@ def test_the_upward_import_finder():
     )
     hits = upward_imports("compat/defer.py", ast.parse(src))
     assert hits == [
+        (3, f"{NAME}.env"),
         (4, f"{NAME}.formats"),
         (6, f"{NAME}.runner"),
         (7, NAME),

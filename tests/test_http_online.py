@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES
+from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES
 
 from .support import http_client
 from .support import http_server as hs
@@ -38,7 +38,7 @@ from .support.helpers import REPO
 pytestmark = pytest.mark.sglang(
     str(ENGINE_RELEASES),
     reason="the README's CPU server recipe: SGLang's HTTP server with begin/end weight-update sessions and the "
-    "weight-checker endpoint (compat/sandbox_releases.py ENGINE_RELEASES)",
+    "weight-checker endpoint (sandbox/releases.py ENGINE_RELEASES)",
 )
 
 ARCH, QUANT = "qwen3_moe", "nvfp4_online"

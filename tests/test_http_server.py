@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
+from sglang_trtllm_moe.sandbox.releases import RL_LOOP_RELEASES
 
 from .support import http_client
 from .support import http_server as hs
@@ -50,7 +50,7 @@ from .support.helpers import REPO
 pytestmark = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
     reason="the README's CPU server recipe: SGLang's HTTP server with begin/end weight-update sessions, "
-    "weight versions per token span and the weight-checker endpoint (compat/sandbox_releases.py RL_LOOP_RELEASES)",
+    "weight versions per token span and the weight-checker endpoint (sandbox/releases.py RL_LOOP_RELEASES)",
 )
 
 ARCH, QUANT = "qwen3_moe", "nvfp4"

@@ -27,7 +27,7 @@ import sys
 import pytest
 
 from sglang_trtllm_moe.compat import features
-from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
+from sglang_trtllm_moe.sandbox.releases import MODEL_RUNNER_RELEASES
 
 from .support.helpers import REPO, last_json
 from .support.model_worker import CHECKSUM_JOBS, JOBS, job_key
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.sglang(
     str(MODEL_RUNNER_RELEASES),
     reason="sandbox.models spells SGLang's runner set-up of these releases "
     "(bench_one_batch flow: bootstrap.init_parallel_runtime, "
-    "runtime_context.publish; compat/sandbox_releases.py MODEL_RUNNER_RELEASES); older releases set up the process "
+    "runtime_context.publish; sandbox/releases.py MODEL_RUNNER_RELEASES); older releases set up the process "
     "differently",
 )
 

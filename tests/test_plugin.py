@@ -119,8 +119,11 @@ def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
     r, calls = lines[-2], lines[-1]
-    assert [e["name"] for e in r["extensions"]] == ["demo"]
-    assert r["extensions"][0]["state"] == "loaded" and r["extensions"][0]["dist"] == "trtllm-moe-demo-ext"
+    ext = {e["name"]: e for e in r["extensions"]}
+    # the plugin's own sandbox is an extension of its group too (setup.cfg), registered the same way
+    assert sorted(ext) == ["demo", "sandbox"], ext
+    assert ext["demo"]["state"] == "loaded" and ext["demo"]["dist"] == "trtllm-moe-demo-ext"
+    assert ext["sandbox"]["state"] == "loaded" and ext["sandbox"]["value"] == "sglang_trtllm_moe.sandbox.extension"
     ext_targets = [t for t in r["targets"] if t["source"] == "ext:demo"]
     assert len(ext_targets) == 1 and ext_targets[0]["state"] == "landed"
     assert calls["ext_calls"] == 1
@@ -136,7 +139,9 @@ def test_extension_allowlist(tmp_path, allow, expected):
         modules={"demo_ext_mod": EXT_MODULE},
     )
     r = last_json(run_python(LOAD_AND_REPORT, env={"SGLANG_TRTLLM_MOE_LOAD_PLUGINS": allow}, pythonpath=[tmp_path]))
-    assert r["extensions"][0]["state"] == expected
+    ext = {e["name"]: e for e in r["extensions"]}
+    assert ext["demo"]["state"] == expected
+    assert ext["sandbox"]["state"] == "loaded"  # the plugin's own part: SGLANG_TRTLLM_MOE_LOAD_PLUGINS filters others
     assert any(t["source"] == "ext:demo" for t in r["targets"]) == (expected == "loaded")
 
 
@@ -301,7 +306,7 @@ def test_doctor_cli_json_loads_the_plugin_through_sglang_and_proves_every_target
     every = [t["state"] for t in r["targets"]]  # a target hooked twice (BEFORE and AFTER) counts twice
     assert r["tally"] == {s: every.count(s) for s in set(every)}, r["tally"]
     ours = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_TRTLLM_MOE_")}
-    assert r["switches"] == {"emulator": env.emulating(), "sandbox": "", "env": ours}, r["switches"]
+    assert r["switches"] == {"emulator": env.emulating(), "set_up": {}, "env": ours}, r["switches"]
     # the text form, with the emulator switched on: the tally line and the switches in force
     text = subprocess.run(
         [sys.executable, "-m", "sglang_trtllm_moe", "doctor"],
@@ -313,7 +318,7 @@ def test_doctor_cli_json_loads_the_plugin_through_sglang_and_proves_every_target
     assert text.returncode == 0 and "enabled" in text.stdout and "[        landed]" in text.stdout
     tally = ", ".join(f"{r['tally'].get(s, 0)} {s.replace('_', ' ')}" for s in ("landed", "missing", "not_applicable"))
     assert f"\ntally: {tally}\n" in text.stdout, text.stdout[-2000:]
-    assert "\nkernels: emulated (SGLANG_TRTLLM_MOE_EMULATE=1); test-only CPU sandbox: off\n" in text.stdout
+    assert "\nkernels: emulated (SGLANG_TRTLLM_MOE_EMULATE=1); set up by extensions: nothing\n" in text.stdout
     assert "SGLANG_TRTLLM_MOE_EMULATE=1" in text.stdout.rsplit("SGLANG_TRTLLM_MOE_* set: ", 1)[1]
 
 
@@ -341,12 +346,14 @@ LAZY = probes.section(
 
 def test_load_plugins_imports_no_hooked_module_and_no_harness_and_hooks_land_on_import():
     """Start-up is free (issue: +2.7-4.0 s and +138 MiB in every launcher/detokenizer): SGLang's load_plugins()
-    with the plugin imports none of the modules it hooks and nothing of the CPU harness; a hook lands when its
+    with the plugin imports none of the modules it hooks and nothing of the CPU harness but its extension's entry
+    point (sandbox/extension.py: the switch is read before anything else of it is imported); a hook lands when its
     module is imported, before anything can use it."""
     r = probes.result("plain", LAZY)
     hooked = set(r["modules"].values())
     assert not hooked & set(r["added"]), sorted(hooked & set(r["added"]))
-    assert not [m for m in r["added"] if m.startswith("sglang_trtllm_moe.sandbox")]
+    sandbox = [m for m in r["added"] if m.startswith("sglang_trtllm_moe.sandbox")]
+    assert sandbox == ["sglang_trtllm_moe.sandbox", "sglang_trtllm_moe.sandbox.extension"], sandbox
     assert set(r["after_load"].values()) <= {"not_imported", "landed", "not_applicable"}, r["after_load"]
     fused = [t for t, m in r["modules"].items() if m == "sglang.srt.layers.moe.fused_moe_triton.layer"]
     assert fused and all(r["after_load"][t] == "not_imported" for t in fused)

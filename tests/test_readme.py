@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
+from sglang_trtllm_moe.sandbox.releases import RL_LOOP_RELEASES
 
 from .support.helpers import REPO
 
@@ -64,7 +64,7 @@ def test_the_readme_has_a_runnable_example_and_it_compiles():
 @pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
     reason='the README example drives sglang.Engine(device="cpu") with begin/end '
-    "weight-update sessions and the weight-checker request (compat/sandbox_releases.py RL_LOOP_RELEASES)",
+    "weight-update sessions and the weight-checker request (sandbox/releases.py RL_LOOP_RELEASES)",
 )
 @pytest.mark.parametrize("index", range(len(runnable_blocks(README.read_text()))))
 def test_readme_example_runs(tmp_path, index):

@@ -41,9 +41,10 @@ import pytest
 from sglang_trtllm_moe import emulator, formats, kernel_api, layouts
 from sglang_trtllm_moe.compat import defer
 from sglang_trtllm_moe.compat.releases import TESTED
-from sglang_trtllm_moe.formats import BACKENDS, FORMATS, NoTinyCheckpoint, TinyCheckpoint
+from sglang_trtllm_moe.formats import BACKENDS, FORMATS
 from sglang_trtllm_moe.formats.load_rules import BYTE_CODES, KINDS, VALUE_RULES
 from sglang_trtllm_moe.plugin import builtin_modules
+from sglang_trtllm_moe.sandbox.format_examples import NoTinyCheckpoint, TinyCheckpoint, example_of, tiny_of
 from sglang_trtllm_moe.selection import problem_from_hf_config
 
 from .support import format_examples
@@ -86,10 +87,10 @@ def _hf_config(fmt) -> tuple[dict, str | None]:
     """(a checkpoint config holding `fmt`, the `--quantization` it is served with: None = its own config's)."""
     from sglang_trtllm_moe.sandbox import checkpoint_configs, tiny_spec
 
-    if isinstance(fmt.tiny, TinyCheckpoint):
-        spec = tiny_spec.TinySpec(quant=fmt.tiny.quant)  # an online quant: only its --quantization names it
+    if isinstance(tiny_of(fmt), TinyCheckpoint):
+        spec = tiny_spec.TinySpec(quant=tiny_of(fmt).quant)  # an online quant: only its --quantization names it
         return checkpoint_configs.config(spec), spec.quantization
-    return format_examples.hf_config(fmt), fmt.example.quantization  # the format's own example
+    return format_examples.hf_config(fmt), example_of(fmt).quantization  # the format's own example
 
 
 def test_names_are_unique():
@@ -114,8 +115,6 @@ def test_0_required_members_are_declared_by_role():
     from sglang_trtllm_moe.formats import base, roles
 
     assert roles.required_members(base.WeightFormat) == (
-        "example",
-        "tiny",
         "name",
         "title",
         "quantizations",
@@ -217,7 +216,7 @@ def test_7_a_layer_kind_in_the_harness(fmt):
 
     from .test_registry_consistency import KINDS as HARNESS_KINDS
 
-    kind = fmt.example.kind
+    kind = example_of(fmt).kind
     assert layers.LAYERS[kind].format is fmt, kind
     if fmt.name in NO_TRTLLM_LAYER:
         assert kind not in HARNESS_KINDS, f"{fmt.name} has a kind now: drop its exception"
@@ -258,23 +257,25 @@ def test_9_reliability_table_names_every_parameter(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_10_a_tiny_checkpoint(fmt):
-    """The format's own `tiny` names its quant (which sandbox/tiny_spec.py derives) and the checkpoint of that quant
-    is held in this format; or it says why it has none, and no tiny checkpoint holds it."""
+    """The sandbox's tiny checkpoint of the format (format_examples.TINY) names its quant (which sandbox/tiny_spec.py
+    derives) and the checkpoint of that quant is held in this format; or it says why it has none, and no tiny
+    checkpoint holds it."""
     from sglang_trtllm_moe.sandbox import tiny_spec
 
     tiny = _tiny_formats()
-    if isinstance(fmt.tiny, NoTinyCheckpoint):
-        assert fmt.tiny.why, fmt.name
+    if isinstance(tiny_of(fmt), NoTinyCheckpoint):
+        assert tiny_of(fmt).why, fmt.name
         assert fmt.name not in tiny, f"{fmt.name} has a tiny checkpoint ({tiny[fmt.name]}) now: declare it"
         return
-    assert isinstance(fmt.tiny, TinyCheckpoint), (fmt.name, fmt.tiny)
-    assert fmt.tiny.quant in tiny_spec.QUANTS, (fmt.name, tiny_spec.QUANTS)
-    assert tiny.get(fmt.name) == fmt.tiny.quant, f"{fmt.name}: the tiny {fmt.tiny.quant} checkpoint is not held in it"
-    for arch in fmt.tiny.archs:
-        assert fmt.tiny.quant in tiny_spec.SUPPORTED[arch], (fmt.name, arch)
-    if fmt.tiny.stored is not None:
-        spec = tiny_spec.TinySpec(quant=fmt.tiny.quant)
-        assert spec.stored == fmt.tiny.stored and spec.server_args() == {"quantization": spec.quantization}, spec
+    own = tiny_of(fmt)
+    assert isinstance(own, TinyCheckpoint), (fmt.name, own)
+    assert own.quant in tiny_spec.QUANTS, (fmt.name, tiny_spec.QUANTS)
+    assert tiny.get(fmt.name) == own.quant, f"{fmt.name}: the tiny {own.quant} checkpoint is not held in it"
+    for arch in own.archs:
+        assert own.quant in tiny_spec.SUPPORTED[arch], (fmt.name, arch)
+    if tiny_of(fmt).stored is not None:
+        spec = tiny_spec.TinySpec(quant=tiny_of(fmt).quant)
+        assert spec.stored == tiny_of(fmt).stored and spec.server_args() == {"quantization": spec.quantization}, spec
         assert spec.quantization in {q for qs in fmt.quantizations.values() for q in qs}, (fmt.name, spec)
 
 

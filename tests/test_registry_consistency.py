@@ -15,6 +15,7 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, formats, kernel_api, layer_state
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.format_examples import example_of
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement
 
 from .support import format_examples, sglang_runtime
@@ -23,7 +24,7 @@ from .support import format_examples, sglang_runtime
 #: the format's own example) and its maker; every format of the registry that SGLang builds on flashinfer_trtllm
 #: (gpt-oss MXFP4 is built on its own backend only: test_registry_completeness NO_TRTLLM_LAYER)
 KINDS = {
-    f.example.kind: (format_examples.checkpoint(f), cpu_layers.LAYERS[f.example.kind].checkpoint)
+    example_of(f).kind: (format_examples.checkpoint(f), cpu_layers.LAYERS[example_of(f).kind].checkpoint)
     for f in formats.FORMATS
     if f is not formats.MXFP4_GPTOSS
 }

@@ -20,8 +20,8 @@ import torch
 
 from sglang_trtllm_moe import TrtllmLayerError, layer_state
 from sglang_trtllm_moe.builtins import remote_instance
-from sglang_trtllm_moe.compat.sandbox_releases import MODEL_RUNNER_RELEASES
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox.releases import MODEL_RUNNER_RELEASES
 
 from .support import remote_instance as R
 from .support import sglang_runtime

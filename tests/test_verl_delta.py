@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from sglang_trtllm_moe.compat.sandbox_releases import ENGINE_RELEASES, RL_LOOP_RELEASES
+from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES, RL_LOOP_RELEASES
 
 from .support import http_client, matrix
 from .support import http_server as hs
@@ -67,7 +67,7 @@ _ENGINE: dict = {}
 @pytest.mark.sglang(
     str(ENGINE_ONLY),
     reason="sglang.Engine as sandbox/engine.py drives it; from RL_LOOP_RELEASES on the HTTP recipe runs the flow "
-    "(compat/sandbox_releases.py)",
+    "(sandbox/releases.py)",
 )
 @pytest.mark.skipif(
     _INSTALLED is not None and str(_INSTALLED) not in ENGINE_SAMPLE and ENGINE_ONLY.contains(_INSTALLED),
@@ -210,7 +210,7 @@ def _answers(http, label: str) -> list[dict]:
 
 HTTP_MARK = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
-    reason="the README's CPU server recipe with begin/end weight-update sessions (compat/sandbox_releases.py "
+    reason="the README's CPU server recipe with begin/end weight-update sessions (sandbox/releases.py "
     "RL_LOOP_RELEASES)",
 )
 

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from sglang_trtllm_moe.compat.sandbox_releases import RL_LOOP_RELEASES
+from sglang_trtllm_moe.sandbox.releases import RL_LOOP_RELEASES
 
 from .support.helpers import REPO
 from .support.http_server import free_port
@@ -29,7 +29,7 @@ from .support.http_server import free_port
 pytestmark = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
     reason="sglang.Engine with begin/end weight-update sessions and the weight-checker request (the sandbox's "
-    "Engine flow: compat/sandbox_releases.py RL_LOOP_RELEASES)",
+    "Engine flow: sandbox/releases.py RL_LOOP_RELEASES)",
 )
 
 PROMPTS = [[5, 17, 42, 99], [100, 200, 300, 400], [3, 9, 27, 81, 243, 480, 11, 13, 15]]

@@ -1,9 +1,8 @@
 """Make SGLang see a GPU of a given SM on a machine without one: the one place that fakes a platform.
 
-The product needs it itself: `explain --sm N` runs SGLang's own resolution as it would run on such a GPU, and the
-test-only CPU sandbox (`compat.cpu_sandbox.activate_from_env`: SGLANG_TRTLLM_MOE_EMULATE=1 with
-SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100) makes every process SGLang starts see a B200; the CPU sandbox (sandbox/) uses the
-same functions. How a release asks "which GPU is this?" is a release difference (compat.features.PLATFORM_OVERRIDE):
+The product needs it itself: `explain --sm N` runs SGLang's own resolution as it would run on such a GPU (a test
+harness that fakes a GPU for a whole process uses the same `rebind` / `legacy_tables`). How a release asks "which
+GPU is this?" is a release difference (compat.features.PLATFORM_OVERRIDE):
 0.5.19+ read `runtime_context.get_platform()`, which `override_platform(**facts)` fakes; before, lru-cached
 `is_sm100_supported()`-style functions in `sglang.srt.utils.common` are imported by name into many modules, so the
 fake is bound wherever the original is.
@@ -77,7 +76,7 @@ def _answer(value: object) -> _Answer:
     return _Answer(value)
 
 
-def _rebind(table_from: dict, table_to: dict) -> None:
+def rebind(table_from: dict, table_to: dict) -> None:
     """In every loaded sglang module (and `common` itself, so later imports bind it), each name bound to
     table_from[name] is rebound to table_to[name] — what HookRegistry's `_propagate_patch` does for its hooks."""
     for mod in list(sys.modules.values()):
@@ -88,7 +87,9 @@ def _rebind(table_from: dict, table_to: dict) -> None:
                 setattr(mod, name, table_to[name])
 
 
-def _legacy_tables(values: dict) -> tuple[dict, dict]:
+def legacy_tables(values: dict) -> tuple[dict, dict]:
+    """Before 0.5.19: (the probe functions of `sglang.srt.utils.common` named in `values`, their stand-ins answering
+    `values[name]`), for `rebind`."""
     from sglang.srt.utils import common
 
     originals = {name: getattr(common, name) for name in values if hasattr(common, name)}
@@ -99,13 +100,13 @@ def _legacy_tables(values: dict) -> tuple[dict, dict]:
 def fake_platform(sm: int) -> Iterator[None]:
     """SGLang sees an SM `sm` GPU inside the block; everything as it was after."""
     if not features.PLATFORM_OVERRIDE.present():
-        originals, fakes = _legacy_tables(_probe_values(sm))
-        _rebind(originals, fakes)
+        originals, fakes = legacy_tables(_probe_values(sm))
+        rebind(originals, fakes)
         try:
             yield
         finally:
             # also the modules first imported inside the block: they copied the fakes by name and must not keep them
-            _rebind(fakes, originals)
+            rebind(fakes, originals)
         return
     from sglang.srt import runtime_context as rc
 
@@ -120,29 +121,4 @@ def _known_facts(rc, sm: int) -> dict:
     return {k: v for k, v in platform_facts(sm).items() if not known or k in known}
 
 
-#: what the CPU harness fakes for a whole process before 0.5.19 (a B200, without faking its device capability)
-_B200_PROBES = {
-    "is_sm100_supported": True,
-    "is_blackwell_supported": True,
-    "is_blackwell": True,
-    "is_sm90_supported": False,
-    "is_sm120_supported": False,
-}
-
-
-def fake_blackwell() -> None:
-    """For the rest of the process, SGLang sees a Blackwell (SM100) GPU (the CPU harness's processes)."""
-    if features.PLATFORM_OVERRIDE.present():
-        from sglang.srt.runtime_context import override_platform
-
-        override_platform(is_blackwell=True, is_sm100=True).install()
-        return
-    # the modules whose import-time platform checks matter, loaded before the facts are rebound
-    import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
-    import sglang.srt.layers.quantization.fp8  # noqa: F401  (0.5.14: flashinfer_trtllm is circular alone)
-    import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401
-
-    _rebind(*_legacy_tables(_B200_PROBES))
-
-
-__all__ = ["fake_blackwell", "fake_platform", "platform_facts"]
+__all__ = ["fake_platform", "legacy_tables", "platform_facts", "rebind"]

@@ -8,7 +8,7 @@ every release the plugin runs on); release-range literals live in compat/ only (
 lists the files still pending). This module holds the facts that decide where a hook applies and what the
 product must do once it runs (hooks, `explain`'s faked platform). What only the CPU sandbox or the test fixtures
 need to know (how a process is stood up on each release) is named the same way apart from the product's flags:
-compat/sandbox_releases.py (the sandbox's), tests/support/releases.py (the test fixtures').
+sandbox/releases.py (the sandbox's), tests/support/releases.py (the test fixtures').
 """
 
 from __future__ import annotations

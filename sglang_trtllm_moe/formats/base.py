@@ -14,8 +14,6 @@ to `roles.MUST` (the registry refuses a format that leaves one unset, naming it:
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from ..compat import defer
 from .records import (
     BACKENDS,
@@ -23,26 +21,18 @@ from .records import (
     TRTLLM,
     TRTLLM_ROUTED,
     Checkpoint,
-    Example,
     KernelCall,
     Layer,
-    NoTinyCheckpoint,
     ParamLayout,
     Support,
-    TinyCheckpoint,
 )
-from .roles import MUST, Checking, Kernel, Layout, Loading, Serving, missing, set_scalar_
+from .roles import Checking, Kernel, Layout, Loading, Serving, missing, set_scalar_
 
 
 class WeightFormat(Serving, Layout, Loading, Kernel, Checking):
-    """Base of every format: all five roles (see each role's docstring for its MUST / MAY members), and MUST
-    define `example`: a layer of the format as SGLang builds it from a checkpoint (`records.Example`), from which
-    the CPU harness and the tests derive their kinds; and `tiny`: its tiny whole-model checkpoint in the CPU sandbox
-    (`records.TinyCheckpoint`), or why it has none (`records.NoTinyCheckpoint`)."""
-
-    REQUIRED: ClassVar[tuple[str, ...]] = ("example", "tiny")
-    example: Example = MUST
-    tiny: TinyCheckpoint | NoTinyCheckpoint = MUST
+    """Base of every format: all five roles (see each role's docstring for its MUST / MAY members). How the CPU
+    sandbox builds a layer or a tiny checkpoint of a format is the sandbox's own table, keyed by the format's name
+    (`sglang_trtllm_moe/sandbox/format_examples.py`): nothing here serves only tests."""
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"
@@ -65,13 +55,10 @@ __all__ = [
     "TRTLLM",
     "TRTLLM_ROUTED",
     "Checkpoint",
-    "Example",
     "KernelCall",
     "Layer",
-    "NoTinyCheckpoint",
     "ParamLayout",
     "Support",
-    "TinyCheckpoint",
     "WeightFormat",
     "check_complete",
     "set_scalar_",

@@ -23,11 +23,9 @@ from .base import (
     TRTLLM,
     TRTLLM_ROUTED,
     Checkpoint,
-    Example,
     KernelCall,
     Layer,
     ParamLayout,
-    TinyCheckpoint,
     WeightFormat,
 )
 
@@ -39,8 +37,6 @@ class Bf16(WeightFormat):
     title = "BF16 (unquantized)"
     kernel = "bf16"
     hook_module = "sglang_trtllm_moe.builtins.bf16_hooks"
-    example = Example("bf16", {}, None, "random_bf16_checkpoint", routing=False)
-    tiny = TinyCheckpoint("bf16", ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral"))
     upstream_verdicts = (
         defer.Verdict(
             features.BF16_LOAD_RESTORES_LAYOUT.releases,

@@ -25,8 +25,6 @@ The kernel: SwiGLU only (the launcher fixes it; SGLang asserts a gated layer), B
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..compat import defer
@@ -35,39 +33,13 @@ from .base import (
     SUPPORTED,
     TRTLLM,
     Checkpoint,
-    Example,
     KernelCall,
     Layer,
     ParamLayout,
     Support,
-    TinyCheckpoint,
     WeightFormat,
 )
 
-#: Kimi-K2's `quantization_config` (llm-compressor W4A16, group 32, symmetric, static, no activation quantization)
-EXAMPLE_CONFIG: dict[str, Any] = {
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "ignore": [],
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "strategy": "group",
-                "group_size": 32,
-                "symmetric": True,
-                "dynamic": False,
-                "actorder": None,
-                "observer": "minmax",
-            },
-            "input_activations": None,
-            "output_activations": None,
-        }
-    },
-    "kv_cache_scheme": None,
-}
 #: the byte XOR that turns compressed-tensors' nibbles (w/s + 8) into the kernel's (w/s), and back
 NIBBLE_SIGN = 0x88
 #: the kernel's block of K is 128 bytes: 256 INT4 values, on both GEMMs' K (hidden for w13, intermediate for w2)
@@ -98,15 +70,6 @@ class CtInt4(WeightFormat):
     # validation (LoadRule, derived): int32 words only (uint8 / int8 bytes would be value-converted by copy_), scales
     # any 16/32/64-bit float (SGLang's copy_ converts, as its loader does), finite and >= 0 (a zero group scale is a
     # zero block: SGLang's padded loading zero-fills the pad groups the same way)
-    example = Example(
-        "ct_int4",
-        EXAMPLE_CONFIG,
-        "compressed_tensors.compressed_tensors.CompressedTensorsConfig",
-        "random_ct_int4_checkpoint",
-        capability_probe=True,
-        intermediate=K_BLOCK,
-    )
-    tiny = TinyCheckpoint("ct_int4", ("deepseek_v3", "qwen3_moe"))
     #: measured on every release: SGLang's prep reads flashinfer's CPU index helpers only (its CUDA-only interleave is
     #: the torch swizzle, sandbox/sglang_oracle.py), which the oracle flashinfer of 0.5.11 - 0.5.15 has too
     upstream_verdicts = (

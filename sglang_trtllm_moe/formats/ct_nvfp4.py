@@ -18,36 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..compat import defer
-from .base import TRTLLM, Checkpoint, Example, Layer, ParamLayout, Support, TinyCheckpoint, WeightFormat
+from .base import TRTLLM, Checkpoint, Layer, ParamLayout, Support, WeightFormat
 from .nvfp4 import NvFp4
-
-#: the config.json `quantization_config` of an llm-compressor NVFP4 (W4A4, tensor_group, group 16) checkpoint
-EXAMPLE_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "nvfp4-pack-quantized",
-    "ignore": [],
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "float",
-                "strategy": "tensor_group",
-                "group_size": 16,
-                "symmetric": True,
-                "dynamic": False,
-            },
-            "input_activations": {
-                "num_bits": 4,
-                "type": "float",
-                "strategy": "tensor_group",
-                "group_size": 16,
-                "symmetric": True,
-                "dynamic": "local",
-            },
-        }
-    },
-}
 
 
 class CtNvFp4(NvFp4):
@@ -69,14 +41,6 @@ class CtNvFp4(NvFp4):
         "w13_input_global_scale",
         "w2_input_global_scale",
     )
-    example = Example(
-        "ct_nvfp4",
-        EXAMPLE_CONFIG,
-        "compressed_tensors.compressed_tensors.CompressedTensorsConfig",
-        "random_ct_nvfp4_checkpoint",
-        capability_probe=True,
-    )
-    tiny = TinyCheckpoint("ct_nvfp4", ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral"))
     upstream_verdicts = (
         defer.Verdict(
             defer.CPU_ORACLE.releases,

@@ -23,12 +23,10 @@ from .base import (
     TRTLLM,
     TRTLLM_ROUTED,
     Checkpoint,
-    Example,
     KernelCall,
     Layer,
     ParamLayout,
     Support,
-    TinyCheckpoint,
     WeightFormat,
 )
 
@@ -58,14 +56,6 @@ class Fp8Block(WeightFormat):
     title = "FP8 128x128 block (fp8)"
     kernel = "fp8_block_scale"
     hook_module = "sglang_trtllm_moe.builtins.fp8_hooks"
-    example = Example(
-        "fp8_block",
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]},
-        "fp8.Fp8Config",
-        "random_fp8_checkpoint",
-    )
-    #: DeepSeek-V3's recipe (the sandbox's only block-FP8 architecture)
-    tiny = TinyCheckpoint("fp8_block", ("deepseek_v3",))
     upstream_verdicts = (
         defer.Verdict(
             defer.EVERY_RELEASE.releases,

@@ -28,11 +28,9 @@ from .base import (
     TRTLLM,
     TRTLLM_ROUTED,
     Checkpoint,
-    Example,
     KernelCall,
     Layer,
     ParamLayout,
-    TinyCheckpoint,
     WeightFormat,
 )
 
@@ -71,12 +69,8 @@ class Fp8PerTensor(WeightFormat):
         gate_first: bool,
         quantizations: dict,
         checkpoint: Checkpoint,
-        example: Example,
-        tiny: TinyCheckpoint,
     ):
         self.name = name
-        self.example = example
-        self.tiny = tiny
         self.title = title
         #: True when the loader stores w13 as [gate; up] (ModelOpt), False for [up; gate] (Fp8MoEMethod)
         self.gate_first = gate_first
@@ -201,14 +195,6 @@ FP8_TENSOR_MODELOPT = Fp8PerTensor(
     gate_first=True,
     quantizations={TRTLLM: frozenset({"modelopt_fp8"})},
     checkpoint=Checkpoint("modelopt_fp8"),
-    example=Example(
-        "fp8_modelopt",
-        {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}},
-        "modelopt_quant.ModelOptFp8Config",
-        "random_fp8_checkpoint",
-    ),
-    #: quantized Mixtral other than SGLang `fp8` / compressed-tensors is QuantMixtralForCausalLM (no FusedMoE)
-    tiny=TinyCheckpoint("fp8", ("qwen3_moe", "deepseek_v3", "nemotron_h")),
 )
 #: SGLang `fp8` with static activation scales and no weight_block_size
 FP8_TENSOR = Fp8PerTensor(
@@ -217,8 +203,4 @@ FP8_TENSOR = Fp8PerTensor(
     gate_first=False,
     quantizations={TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})},
     checkpoint=Checkpoint("fp8", activation_scheme="static"),
-    example=Example(
-        "fp8_tensor", {"quant_method": "fp8", "activation_scheme": "static"}, "fp8.Fp8Config", "random_fp8_checkpoint"
-    ),
-    tiny=TinyCheckpoint("fp8_static", ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")),
 )

@@ -29,7 +29,7 @@ import torch
 from .. import layer_attrs, layouts
 from ..compat import defer
 from ..layouts.maps import cached, norm_device
-from .base import Checkpoint, Example, KernelCall, Layer, NoTinyCheckpoint, ParamLayout, WeightFormat
+from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .load_rules import NONNEGATIVE
 from .mxfp8 import MX_BLOCK
 
@@ -51,24 +51,6 @@ class Mxfp4Experts(WeightFormat):
     title = "MXFP4 experts (fp8 config, is_fp4_experts)"
     kernel = "fp4_block_scale"
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
-    #: an FP8 [128, 128] config with the routed experts in MXFP4 (DeepSeek-V4, MiMo-V2): SGLang's model loader
-    #: copies ModelConfig.is_fp4_experts (from `routed_experts_quant_method`) onto the parsed Fp8Config
-    example = Example(
-        "mxfp4_experts",
-        {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-            "routed_experts_quant_method": "mxfp4",
-        },
-        "fp8.Fp8Config",
-        "random_mxfp4_experts_checkpoint",
-        config_attrs={"is_fp4_experts": True},
-        layer_kwargs_if_accepted={"swiglu_limit": 10.0},  # DeepSeek-V4's; SGLang <= 0.5.18 asserts it is set
-    )
-    tiny = NoTinyCheckpoint(
-        "no tiny DeepSeek-V4 / MiMo-V2 model yet: tests/test_mxfp4_experts_layer.py builds its layers"
-    )
     upstream_verdicts = (
         defer.Verdict(
             defer.CPU_ORACLE.releases,

@@ -29,7 +29,7 @@ import torch
 from .. import layouts
 from ..compat import defer
 from ..layouts.maps import cached, norm_device
-from .base import Checkpoint, Example, KernelCall, Layer, NoTinyCheckpoint, ParamLayout, WeightFormat
+from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
 from .load_rules import UE8M0_BYTES
 from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
 from .mxfp8 import MX_BLOCK, ue8m0_tolerance
@@ -45,16 +45,6 @@ class Mxfp4GptOss(WeightFormat):
     title = "MXFP4 (mxfp4, gpt-oss)"
     kernel = "fp4_block_scale"
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
-    #: gpt-oss: SwiGLU with its alpha and clamp, bf16 biases
-    example = Example(
-        "mxfp4_gptoss",
-        {"quant_method": "mxfp4"},
-        "mxfp4.Mxfp4Config",
-        "random_gptoss_checkpoint",
-        routing=False,
-        layer_kwargs={"activation": "silu", "with_bias": True, "gemm1_alpha": ALPHA, "gemm1_clamp_limit": LIMIT},
-    )
-    tiny = NoTinyCheckpoint("no tiny gpt-oss model yet: tests/test_mxfp4_gptoss_layer.py builds its layers directly")
     upstream_verdicts = (
         defer.Verdict(
             defer.CPU_ORACLE.releases,

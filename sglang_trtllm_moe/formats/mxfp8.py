@@ -24,10 +24,8 @@ from .base import (
     TRTLLM,
     TRTLLM_ROUTED,
     Checkpoint,
-    Example,
     KernelCall,
     Layer,
-    NoTinyCheckpoint,
     ParamLayout,
     Support,
     WeightFormat,
@@ -58,10 +56,6 @@ class Mxfp8(WeightFormat):
     title = "MXFP8 (mxfp8)"
     kernel = "fp8_block_scale"
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
-    example = Example(
-        "mxfp8", {"quant_method": "mxfp8", "activation_scheme": "dynamic"}, "fp8.Fp8Config", "random_mxfp8_checkpoint"
-    )
-    tiny = NoTinyCheckpoint("no tiny MXFP8 model yet: tests/test_mxfp8_layer.py builds its layers directly")
     upstream_verdicts = (
         defer.Verdict(
             defer.CPU_ORACLE.releases,

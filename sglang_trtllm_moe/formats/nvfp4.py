@@ -20,12 +20,10 @@ from .base import (
     TRTLLM,
     TRTLLM_ROUTED,
     Checkpoint,
-    Example,
     KernelCall,
     Layer,
     ParamLayout,
     Support,
-    TinyCheckpoint,
     WeightFormat,
 )
 
@@ -35,15 +33,6 @@ class NvFp4(WeightFormat):
     title = "NVFP4 (modelopt_fp4)"
     kernel = "fp4_block_scale"
     hook_module = "sglang_trtllm_moe.builtins.nvfp4_hooks"
-    example = Example(
-        "nvfp4",
-        {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "group_size": 16}},
-        "modelopt_quant.ModelOptFp4Config",
-        "random_nvfp4_checkpoint",
-        routing=False,
-    )
-    #: quantized Mixtral other than SGLang `fp8` / compressed-tensors is QuantMixtralForCausalLM (no FusedMoE)
-    tiny = TinyCheckpoint("nvfp4", ("qwen3_moe", "deepseek_v3", "nemotron_h"))
     upstream_verdicts: tuple[defer.Verdict, ...] = (
         defer.Verdict(
             defer.EVERY_RELEASE.releases,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import defer, features
-from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, Example, KernelCall, Layer, Support, TinyCheckpoint
+from .base import TRTLLM, TRTLLM_ROUTED, Checkpoint, KernelCall, Layer, Support
 from .load_rules import FINITE
 from .nvfp4 import NvFp4
 
@@ -51,15 +51,6 @@ class NvFp4Online(NvFp4):
     non_gated_activations = frozenset({"relu2"})
     #: the per-token non-gated kernel's hidden alignment (SGLang's `trtllm_nvfp4_hidden_alignment`)
     NON_GATED_HIDDEN_ALIGN = 512
-    example = Example(
-        "nvfp4_online",
-        {"quant_method": "nvfp4_online"},
-        "nvfp4_online.NvFp4OnlineConfig",
-        "random_bf16_checkpoint",
-        routing=False,
-    )
-    #: a plain BF16 checkpoint served with `--quantization nvfp4_online`
-    tiny = TinyCheckpoint("nvfp4_online", ("qwen3_moe",), stored="bf16")
     upstream_verdicts: tuple[defer.Verdict, ...] = (
         defer.Verdict(
             defer.CPU_ORACLE.releases,
@@ -199,19 +190,6 @@ class NvFp4OnlineTensor(NvFp4Online):
     upstream_path = "--quantization modelopt_fp4 quantizes a checkpoint without NVFP4 metadata online"
     #: an FP8 checkpoint too (SGLang's make_modelopt_fp4_online_config_from_fp8, 0.5.18+): dequantized, then quantized
     online_sources = frozenset({"fp8"})
-    #: a BF16 checkpoint (no quantization_config) served with --quantization modelopt_fp4: SGLang's model loader
-    #: builds its config with ModelOptFp4Config.for_online_weight_quantization
-    example = Example(
-        "nvfp4_online_tensor",
-        {},
-        "modelopt_quant.ModelOptFp4Config",
-        "random_bf16_checkpoint",
-        routing=False,
-        quantization="modelopt_fp4",
-        sglang_factory="for_online_weight_quantization",
-    )
-    #: the same BF16 checkpoint served with `--quantization modelopt_fp4`
-    tiny = TinyCheckpoint("nvfp4_online_tensor", ("qwen3_moe",), stored="bf16")
     upstream_verdicts = (
         defer.Verdict(
             features.MODELOPT_FP4_ONLINE.releases,

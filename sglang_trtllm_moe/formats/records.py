@@ -5,8 +5,7 @@ import them without importing a whole format.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,71 +89,3 @@ class KernelCall:
     on_kernel: bool
     #: activation scales when the dispatcher already quantized `hidden` (a2a pre-quantized input), else None
     hidden_scale: Any = None
-
-
-@dataclass(frozen=True)
-class Example:
-    """A layer of the format as SGLang builds it from a checkpoint, declared by the format: the CPU harness
-    (`sandbox.layers.LAYERS`), the registry's detection check and the layer tests derive their kinds from it, so a
-    new format is not listed again in them.
-
-    SGLang's own config class parses `quantization_config` (`sglang_config.from_config`), as its model loader does."""
-
-    #: the harness's name of such a layer (`MoeSpec.fmt`, test ids)
-    kind: str
-    #: a checkpoint's config.json `quantization_config` in this format; for a format SGLang quantizes as it loads,
-    #: the config `--quantization <name>` yields on a checkpoint that has none
-    quantization_config: Mapping[str, Any]
-    #: SGLang's config class, "<module under sglang.srt.layers.quantization>.<class>"; None: unquantized (SGLang
-    #: picks UnquantizedFusedMoEMethod)
-    sglang_config: str | None
-    #: the sandbox/layer_checkpoints function making a random calibrated checkpoint of such a layer
-    checkpoint: str
-    #: the `--quantization` a server is started with for such a checkpoint, where the checkpoint's config does not
-    #: name it (SGLang quantizes a checkpoint that has no such config as it loads); None: the config's own
-    quantization: str | None = None
-    #: a classmethod of `sglang_config` that builds the config without a checkpoint's (the model loader's call for
-    #: `--quantization X` on a checkpoint without one), called with no argument; None: `from_config`
-    sglang_factory: str | None = None
-    #: attributes SGLang's model loader sets on the parsed config from the model's config (e.g. `is_fp4_experts`,
-    #: copied from ModelConfig)
-    config_attrs: Mapping[str, Any] = field(default_factory=dict)
-    #: the layer declares the softmax-renormalize router TopK(renormalize=True) implements (model code passes one;
-    #: ModelOptFp8MoEMethod only takes flashinfer_trtllm when the layer declares it, compressed-tensors' trtllm
-    #: apply asserts one)
-    routing: bool = True
-    #: FusedMoE keywords of such a layer (under the caller's)
-    layer_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    #: FusedMoE keywords passed where the release's FusedMoE takes them (e.g. DeepSeek-V4's swiglu_limit)
-    layer_kwargs_if_accepted: Mapping[str, Any] = field(default_factory=dict)
-    #: SGLang's config probes torch.cuda's capability while the layer is built (compressed-tensors): the harness
-    #: answers "SM100" for the build on a box without CUDA
-    capability_probe: bool = False
-    #: the intermediate size of the harness's layers (`MoeSpec`) and tiny models of this format by default: a multiple
-    #: of what its kernel's layout needs (INT4's 128-byte K blocks: 256)
-    intermediate: int = 128
-
-
-@dataclass(frozen=True)
-class TinyCheckpoint:
-    """The format's tiny whole-model checkpoint in the CPU sandbox, declared by the format: sandbox/tiny_spec.py
-    derives its quants (`QUANTS`), the architectures each is built for (`SUPPORTED`) and how an online one is served
-    (`ONLINE`) from the registry, and the CLI's `tiny-checkpoint --quant` lists them, so a format whose checkpoint is
-    written in an encoding the sandbox already writes (BF16 for an online format) edits nothing there. A new stored
-    encoding also needs its writers: sandbox/checkpoints.py (the tensors) and checkpoint_configs.py (config.json)."""
-
-    #: the sandbox's name of the quant (`TinySpec.quant`, `tiny-checkpoint --quant`, test ids)
-    quant: str
-    #: the sandbox's architectures (sandbox/tiny_spec.py ARCHS) SGLang builds with FusedMoE layers in this quant
-    archs: tuple[str, ...]
-    #: a format SGLang quantizes as it loads: the quant the checkpoint's tensors and config.json are written in (one
-    #: the sandbox writes, e.g. "bf16"); a server is started with the format's one SGLang quantization
-    #: (`--quantization`, `quantizations`). None: the checkpoint is written in `quant` itself
-    stored: str | None = None
-
-
-@dataclass(frozen=True)
-class NoTinyCheckpoint:
-    """Why a format has no tiny whole-model checkpoint (its layer tests build its layers directly)."""
-
-    why: str

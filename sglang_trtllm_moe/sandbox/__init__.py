@@ -6,7 +6,7 @@ Optional and never imported by `register()` (a test asserts it): nothing here ru
 What users may call is `__all__` (README "Try it on a CPU"): tiny checkpoints of SGLang's MoE model classes
 (`TinySpec`, `checkpoint` — the tensors —, `write` — a model directory; `sglang-trtllm-moe tiny-checkpoint` writes
 the same), and `TinyEngine`, `sglang.Engine(device="cpu")` on such a checkpoint through the Engine's public API
-(`EngineUnavailable` when this release or environment cannot run it: compat/sandbox_releases.py ENGINE_RELEASES).
+(`EngineUnavailable` when this release or environment cannot run it: releases.py ENGINE_RELEASES).
 The modules behind them and the rest (`runtime`, `layers`, `models`, `demo`, `bench*`, `rl_loop`, ...) serve the
 demo, the benchmarks and the tests; they promise nothing to users. The names load on first use: importing the
 package imports neither torch nor SGLang.

@@ -377,7 +377,7 @@ def run(
 def model_update_rows(experts: int, repeats: int) -> list[dict]:
     """The model-level update rows (bench_update.run at its "small" size, `experts` per layer), or one row saying why
     they are not measured on this release."""
-    from ..compat.sandbox_releases import MODEL_RUNNER_RELEASES as SUPPORTED_RELEASES
+    from .releases import MODEL_RUNNER_RELEASES as SUPPORTED_RELEASES
     from .runtime import release
 
     if release() not in SUPPORTED_RELEASES:

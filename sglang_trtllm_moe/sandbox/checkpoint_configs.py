@@ -8,8 +8,8 @@ import json
 import os
 from typing import Any
 
-from ..formats.ct_int4 import EXAMPLE_CONFIG as CT_INT4_EXAMPLE
-from ..formats.ct_nvfp4 import EXAMPLE_CONFIG as CT_NVFP4_EXAMPLE
+from .format_examples import CT_INT4_CONFIG as CT_INT4_EXAMPLE
+from .format_examples import CT_NVFP4_CONFIG as CT_NVFP4_EXAMPLE
 from .tiny_spec import Q_LORA, QK_NOPE, QK_ROPE, V_HEAD, TinySpec, layer_prefix, moe_prefix
 
 # ---- config.json and quant configs ---------------------------------------------------------------------------------

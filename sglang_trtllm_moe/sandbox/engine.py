@@ -5,7 +5,7 @@
 spawns its scheduler and detokenizer processes itself; they get the CPU stand-ins, the faked SM100 and the emulated
 kernels from the plugin itself — SGLang's load_plugins() runs its register() first in every process it starts, and
 with the test-only switches SGLANG_TRTLLM_MOE_EMULATE=1 and SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100 (inherited) it
-activates the CPU sandbox (compat/cpu_sandbox.py) — and single-threaded torch through OMP_NUM_THREADS. What it
+activates the CPU sandbox (activation.py) — and single-threaded torch through OMP_NUM_THREADS. What it
 offers is only what the Engine offers:
 
 | method | Engine API |
@@ -26,7 +26,7 @@ offers is only what the Engine offers:
 | state | `Engine.save_sharded_model(path=...)`: the scheduler writes model.state_dict() (the prepared bytes) as
   safetensors; read back here, byte for byte |
 
-Release support: compat/sandbox_releases.py ENGINE_RELEASES (every release: start-up, generate, updates, read-back;
+Release support: releases.py ENGINE_RELEASES (every release: start-up, generate, updates, read-back;
 tests/test_engine_smoke.py on each), with the server arguments of each release (`engine_args()`: BF16_GEMM_TORCH).
 The RL loop the demo runs on it (sessions, the weight checker, a fresh ModelRunner load as the reference):
 sandbox/rl_loop.py, RL_LOOP_RELEASES.
@@ -43,13 +43,13 @@ import tempfile
 import torch
 
 from ..compat.features import UPDATE_SESSIONS
-from ..compat.sandbox_releases import (
+from . import models
+from .releases import (
     BF16_GEMM_TORCH,
     DETOKENIZER_IMPORTS_XGRAMMAR,
     ENGINE_RELEASES,
     SAVE_SHARDED_MODEL_TAKES_PARAMS,
 )
-from . import models
 
 #: the faked SM the Engine's processes run with
 FAKE_SM = 100
@@ -63,8 +63,8 @@ def prepare_process(workdir: str | None = None) -> None:
     """This process as the Engine's launcher needs it; its children get the same through the plugin's own
     register() (the test-only switches, set here in the environment they inherit). `workdir` is unused (kept for
     callers of the spawn-path era)."""
-    from ..compat.cpu_sandbox import ENV_FAKE_SM
     from ..runner import ENV_EMULATE
+    from .activation import ENV_FAKE_SM
     from .runtime import release
 
     if release() not in ENGINE_RELEASES:

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from .. import formats
-from ..compat.cpu_nvfp4 import torch_nvfp4_quantize
-from ..formats import Example, WeightFormat
+from ..formats import WeightFormat
 from . import layer_checkpoints
+from .format_examples import Example, example_of
 from .layer_checkpoints import (
     DOWN,
     GATE,
@@ -44,6 +44,7 @@ from .layer_checkpoints import (
     random_mxfp8_checkpoint,
     random_nvfp4_checkpoint,
 )
+from .nvfp4_quantizer import torch_nvfp4_quantize
 
 GPTOSS_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale", "w2_weight_bias")
 
@@ -62,7 +63,7 @@ class MoeSpec:
 
     def __post_init__(self) -> None:
         if not self.intermediate:
-            self.intermediate = self.kind.format.example.intermediate
+            self.intermediate = example_of(self.kind.format).intermediate
 
     @property
     def shards(self) -> tuple[str, ...]:
@@ -132,15 +133,15 @@ class LayerKind:
 
     @classmethod
     def of(cls, fmt: WeightFormat) -> LayerKind:
-        ex = fmt.example
+        ex = example_of(fmt)
         checkpoint = getattr(layer_checkpoints, ex.checkpoint)
         return cls(fmt, _sglang_config(ex), checkpoint, ex.routing, _layer_kwargs(ex), ex.capability_probe)
 
 
 #: every kind of layer the harness builds, by `MoeSpec.fmt`: one per registered format
-LAYERS: dict[str, LayerKind] = {f.example.kind: LayerKind.of(f) for f in formats.FORMATS}
+LAYERS: dict[str, LayerKind] = {example_of(f).kind: LayerKind.of(f) for f in formats.FORMATS}
 if len(LAYERS) != len(formats.FORMATS):
-    raise AssertionError(f"two formats declare one example kind: {[f.example.kind for f in formats.FORMATS]}")
+    raise AssertionError(f"two formats declare one example kind: {[example_of(f).kind for f in formats.FORMATS]}")
 
 
 def kind_of(format_name: str) -> str:
@@ -273,7 +274,7 @@ def checkpoint_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def online_quantizer():
-    """flashinfer's NVFP4 quantizer as the CPU stand-in (compat/cpu_nvfp4.py) while SGLang's nvfp4_online loader or
+    """flashinfer's NVFP4 quantizer as the CPU stand-in (nvfp4_quantizer.py) while SGLang's nvfp4_online loader or
     leaf runs (a no-op where the CPU sandbox installed it process-wide)."""
     import flashinfer
 

@@ -14,9 +14,9 @@ scheduler's `deserialize_own_rank` does; tensor and distributed updates run insi
 (the 0.5.23 scheduler refuses them outside one); `end_weight_update(run_post_load=...)` gets the scheduler's value.
 
 Every SGLang model class needs a platform the CPU box is not: the process fakes an SM100 platform (runtime.py) and
-applies the same-math stand-ins (compat/cpu_sandbox.py). Emulated kernels: SGLANG_TRTLLM_MOE_EMULATE=1 (set by `init`).
+applies the same-math stand-ins (standins.py). Emulated kernels: SGLANG_TRTLLM_MOE_EMULATE=1 (set by `init`).
 
-Release support: compat/sandbox_releases.py MODEL_RUNNER_RELEASES (the bench_one_batch flow above). Older releases
+Release support: releases.py MODEL_RUNNER_RELEASES (the bench_one_batch flow above). Older releases
 spell publishing, bootstrap and the runner differently; they raise NotImplementedError naming the release.
 """
 
@@ -28,7 +28,7 @@ from array import array
 
 import torch
 
-from ..compat.sandbox_releases import MODEL_RUNNER_RELEASES
+from .releases import MODEL_RUNNER_RELEASES
 
 _STATE: dict = {}
 
@@ -100,13 +100,13 @@ def prepare_process(preload: bool = False, runner: bool = True) -> None:
     os.environ.setdefault("SGLANG_TRTLLM_MOE_EMULATE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads()))
     torch.set_num_threads(threads())
-    from ..compat import cpu_sandbox
+    from . import activation, standins
 
-    cpu_sandbox.apply(with_sglang=False)
+    standins.apply(with_sglang=False)
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    cpu_sandbox.activate()
+    activation.activate()
     _STATE["prepared"] = True
     if preload:
         import importlib

@@ -144,8 +144,8 @@ def rl_loop(
     buckets; flattened buckets), a partial disk update, the weight checker, a corrupted update caught. Every state
     the Engine serves is read back (save_sharded_model) and compared byte for byte, with its greedy tokens, to a
     fresh get_model() of the checkpoint intended, computed by SGLang's ModelRunner in a forked process."""
-    from ..compat.sandbox_releases import RL_LOOP_RELEASES
     from . import checkpoints as ck
+    from .releases import RL_LOOP_RELEASES
     from .runtime import release
 
     if release() not in RL_LOOP_RELEASES:

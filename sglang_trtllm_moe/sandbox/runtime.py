@@ -4,8 +4,8 @@ SGLang's FusedMoE and quant methods read a published ServerArgs, model-parallel 
 the demo or the benchmark needs that state in one process without a GPU: gloo world of size 1, a faked Blackwell
 platform (the quant methods refuse NVFP4 elsewhere), and the MoE config initialised from the chosen backend.
 How each step is spelled changed between releases (read from the wheels: `runtime_context` exists from 0.5.14,
-`override_platform` from 0.5.19, `SpawnRanks` from 0.5.21), so each step asks a flag (compat/sandbox_releases.py; the
-platform: compat/fake_platform.py):
+`override_platform` from 0.5.19, `SpawnRanks` from 0.5.21), so each step asks a flag (releases.py; the
+platform: activation.py):
 
 - fake SM100: < 0.5.19 rebind `is_sm100_supported` / `is_blackwell_supported` (lru-cached module globals, imported
   by name into ~10 modules); >= 0.5.19 `runtime_context.override_platform(...).install()`
@@ -28,7 +28,7 @@ import os
 
 from packaging.version import Version
 
-from ..compat import sandbox_releases as releases
+from . import releases
 
 _INITIALISED: dict = {}
 
@@ -52,8 +52,8 @@ def release() -> Version:
 
 def keep_swizzle_on_cpu() -> None:
     """SGLang's `swizzle_blockscale` without its hard-coded `.cuda()` (only where CUDA is absent): the CPU sandbox's
-    stand-in (compat/cpu_sandbox.py), which the Engine's spawned scheduler gets from register()."""
-    from ..compat.cpu_sandbox import nvfp4_placeholder_swizzle_on_cpu
+    stand-in (standins.py), which the Engine's spawned scheduler gets from register()."""
+    from .standins import nvfp4_placeholder_swizzle_on_cpu
 
     nvfp4_placeholder_swizzle_on_cpu()
 
@@ -74,13 +74,13 @@ def _publish(server_args) -> None:
 
 
 def fake_platform_once() -> None:
-    """For the rest of the process SGLang sees an SM100 GPU (compat.fake_platform.fake_blackwell), and NVFP4
+    """For the rest of the process SGLang sees an SM100 GPU (activation.fake_blackwell), and NVFP4
     `create_weights` runs without one where the release needs it (`keep_swizzle_on_cpu`); once per process."""
     if _INITIALISED.get("platform"):
         return
     import torch
 
-    from ..compat.fake_platform import fake_blackwell
+    from .activation import fake_blackwell
 
     fake_blackwell()
     if releases.SWIZZLE_MOVES_TO_CUDA.present() and not torch.cuda.is_available():

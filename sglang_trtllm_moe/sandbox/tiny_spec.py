@@ -2,8 +2,8 @@
 released checkpoints spell them. One place for them: the weights (checkpoints.py) and the configs
 (checkpoint_configs.py) both read them from here.
 
-Which quants there are, the architectures each is built for and how an online one is served are the formats'
-(`WeightFormat.tiny`, formats/records.py `TinyCheckpoint`), derived here: a format whose checkpoint is stored in a
+Which quants there are, the architectures each is built for and how an online one is served are the sandbox's
+per-format table (format_examples.py `TINY`), derived here: a format whose checkpoint is stored in a
 quant the sandbox already writes edits nothing in the sandbox; a new stored encoding adds its writers to
 checkpoints.py (the tensors) and checkpoint_configs.py (config.json)."""
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..formats import FORMATS, TinyCheckpoint, WeightFormat
+from ..formats import FORMATS, WeightFormat
+from .format_examples import TinyCheckpoint, example_of, tiny_of
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "nemotron_h", "mixtral")
 
@@ -24,9 +25,9 @@ def _served_as(fmt: WeightFormat) -> str:
     return str(names.pop())
 
 
-#: every format's tiny checkpoint (`WeightFormat.tiny`, formats/): the registry is the one list of them
+#: every format's tiny checkpoint (format_examples.TINY), in registry order
 _TINY: tuple[tuple[WeightFormat, TinyCheckpoint], ...] = tuple(
-    (f, f.tiny) for f in FORMATS if isinstance(f.tiny, TinyCheckpoint)
+    (f, t) for f in FORMATS if isinstance(t := tiny_of(f), TinyCheckpoint)
 )
 
 #: the quants: those written in their own encoding (the writers of checkpoints.py / checkpoint_configs.py), then those
@@ -34,18 +35,18 @@ _TINY: tuple[tuple[WeightFormat, TinyCheckpoint], ...] = tuple(
 QUANTS = tuple(t.quant for _, t in _TINY if t.stored is None) + tuple(t.quant for _, t in _TINY if t.stored)
 
 #: quants served with a `--quantization` of their own: the checkpoint holds the experts in another quant (its
-#: tensors and config.json are that quant's), the server quantizes them as they load (the format's `tiny.stored`
+#: tensors and config.json are that quant's), the server quantizes them as they load (its `TinyCheckpoint.stored`
 #: and its one SGLang quantization). E.g. nvfp4_online: a plain BF16 checkpoint served with `--quantization
 #: nvfp4_online`; nvfp4_online_tensor: the same checkpoint served with `--quantization modelopt_fp4`
 ONLINE = {t.quant: (t.stored, _served_as(f)) for f, t in _TINY if t.stored}
 
 #: the MoE intermediate size of each quant's tiny models (its format's `Example.intermediate`: 128, or what its
 #: kernel's layout needs)
-MOE_INTERMEDIATE = {t.quant: f.example.intermediate for f, t in _TINY}
+MOE_INTERMEDIATE = {t.quant: example_of(f).intermediate for f, t in _TINY}
 
-#: (arch, quant) pairs SGLang builds with FusedMoE layers (each format's `tiny.archs`). Quantized Mixtral other than
-#: `fp8` / compressed-tensors is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear layers, no
-#: FusedMoE); DeepSeek block FP8 is the only block recipe here.
+#: (arch, quant) pairs SGLang builds with FusedMoE layers (each format's `TinyCheckpoint.archs`). Quantized Mixtral
+#: other than `fp8` / compressed-tensors is built as QuantMixtralForCausalLM (model_loader/utils.py: per-expert linear
+#: layers, no FusedMoE); DeepSeek block FP8 is the only block recipe here.
 SUPPORTED = {arch: tuple(q for q in QUANTS for _, t in _TINY if t.quant == q and arch in t.archs) for arch in ARCHS}
 
 

@@ -5,7 +5,7 @@ buckets, send one bad bucket — each state read back and compared byte for byte
 The fresh load is the Engine's own: it starts on checkpoint A, so its first state *is* a fresh load of A, and every
 update that ends on A must give those bytes and those greedy tokens back. B is reached both ways (disk, then tensors
 from A) and the two must agree byte for byte. No second process: SGLang's ModelRunner set-up that the full RL loop
-(sandbox/rl_loop.py) uses as its reference is spelled for 0.5.21+ only (compat/sandbox_releases.py).
+(sandbox/rl_loop.py) uses as its reference is spelled for 0.5.21+ only (sandbox/releases.py).
 
     python -m tests.support.engine_smoke [ARCH:QUANT]      one JSON line: {"steps": [...], "release": ...}
 

@@ -786,7 +786,7 @@ Read from the wheels (`pip download --no-deps sglang==V`) and confirmed by the m
 | FusedMoE rounds the intermediate up to 128 for flashinfer_trtllm (per half for w13) | < 0.5.23 (0.5.23 aligns NVFP4 in create_weights) | nothing to do: prepared in place at SGLang's size |
 | weight updates live in `ModelRunner` / `WeightUpdater`; `update_weights_from_distributed` renamed `load_weights_from_distributed`; begin/end sessions | < 0.5.16 / >= 0.5.16; 0.5.21; >= 0.5.21 | `builtins/weight_updates.py` targets per range |
 | platform facts: `is_sm100_supported()`-style globals / `runtime_context.override_platform` | < 0.5.19 / >= 0.5.19 | `compat/fake_platform.py` (`explain --sm`, the CPU sandbox) |
-| ServerArgs published by `set_global_server_args_for_scheduler` / `publish(ranks=SpawnRanks)` | < 0.5.21 / >= 0.5.21 | `sandbox/runtime.py` (`compat/sandbox_releases.py` PUBLISH_WITH_RANKS) |
+| ServerArgs published by `set_global_server_args_for_scheduler` / `publish(ranks=SpawnRanks)` | < 0.5.21 / >= 0.5.21 | `sandbox/runtime.py` (`sandbox/releases.py` PUBLISH_WITH_RANKS) |
 | `swizzle_blockscale` ends in `.cuda()` (NVFP4 `create_weights` cannot run without a GPU) | < 0.5.20 | `sandbox/runtime.py` neutralises `.cuda()` for that call on CUDA-less boxes only |
 | MXFP8 leaf quantizes with `flashinfer.mxfp8_quantize` / `fp8_utils.flashinfer_mxfp8_quantize`; SwiGLU alpha/beta/clamp tensors (`_flashinfer_trtllm_gemm1_*`) | < 0.5.17 / >= 0.5.17; >= 0.5.18 | `formats/mxfp8.py`, `compat/features.py` (MXFP8_*) |
 | non-gated MXFP8 w13 allocated with 2I rows and sliced at SGLang's prep (new storage) | < 0.5.19 | left to SGLang with one log line |

@@ -1,5 +1,5 @@
 """What the test fixtures know about SGLang releases (tests/support/sglang_runtime.py): named flags like
-compat/features.py (the product's) and compat/sandbox_releases.py (the CPU sandbox's), checked against the
+compat/features.py (the product's) and sandbox/releases.py (the CPU sandbox's), checked against the
 installed SGLang's code by tests/test_compat_features.py."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A speculative target + draft behind SGLang's own scheduler and spec worker of releases before 0.5.21, at the layer.
 
-The sandbox stands a whole draft ModelRunner up from 0.5.21 only (compat/sandbox_releases.MODEL_RUNNER_RELEASES);
+The sandbox stands a whole draft ModelRunner up from 0.5.21 only (sandbox/releases.MODEL_RUNNER_RELEASES);
 what decides which runner an update reaches before 0.5.21 is SGLang's scheduler entry points and spec worker, and
 those run here as the release has them:
 
@@ -21,7 +21,7 @@ those run here as the release has them:
 
 Stand-ins, each for a CUDA-only or process-level piece an update never reads: the __init__s above, `flush_cache`
 (the KV cache), the metrics collector (None), the scheduler's weight-version record, and before 0.5.13 an
-import-only `sgl_kernel.kvcacheio` (compat/cpu_sandbox.py: the scheduler module imports it; no CPU build exists).
+import-only `sgl_kernel.kvcacheio` (sandbox/standins.py: the scheduler module imports it; no CPU build exists).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-from sglang_trtllm_moe.compat import cpu_sandbox, features
+from sglang_trtllm_moe.compat import features
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
+from sglang_trtllm_moe.sandbox import standins
 
 from . import sglang_runtime
 
@@ -69,8 +70,8 @@ def runner(model):
 
 
 def tp_worker(model_runner):
-    # before 0.5.13 the managers import sgl_kernel.kvcacheio at module level (no CPU build): compat/cpu_sandbox.py
-    cpu_sandbox.sgl_kernel_kvcacheio_import_stub()
+    # before 0.5.13 the managers import sgl_kernel.kvcacheio at module level (no CPU build): sandbox/standins.py
+    standins.sgl_kernel_kvcacheio_import_stub()
     from sglang.srt.managers.tp_worker import TpModelWorker
 
     w = object.__new__(TpModelWorker)
@@ -91,7 +92,7 @@ def worker_class(kind: str):
     """SGLang's class for `kind`, or None where this release has none (the v1 EAGLEWorker is gone from 0.5.13)."""
     import importlib
 
-    cpu_sandbox.sgl_kernel_kvcacheio_import_stub()  # the speculative modules import the managers (tp_worker above)
+    standins.sgl_kernel_kvcacheio_import_stub()  # the speculative modules import the managers (tp_worker above)
     module, name, _ = WORKERS[kind]
     try:
         found = importlib.import_module(f"sglang.srt.speculative.{module}")

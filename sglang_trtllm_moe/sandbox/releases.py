@@ -2,9 +2,10 @@
 up on each release (named flags, as compat/features.py holds the product's; tests/test_compat_features.py checks
 each against the installed SGLang's code), and which releases the model and Engine harnesses speak.
 
-Apart from compat/features.py because the product never reads these (only sandbox/runtime.py, models.py, engine.py,
-bench.py and the tests' release markers do); in compat/ because every release-range literal of the package lives
-there (tests/test_house_rules.py).
+Apart from compat/features.py because the product never reads these (only the sandbox's runtime.py, standins.py,
+models.py, engine.py, bench.py and the tests' release markers do): the sandbox is an extension of the plugin, and this
+is its one place for release facts, as compat/ is the runtime's (tests/test_house_rules.py: a release-range literal
+lives in compat/ or here).
 
 "Add an SGLang release" (docs/ARCHITECTURE.md) reads this module with compat/features.py: a flag whose fact moved
 gets its range widened or closed; the two harness ranges are open-ended, so a new release is in them until the model
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 from packaging.specifiers import SpecifierSet
 
-from .features import Feature
+from ..compat.features import Feature
 
-# ---- how a process is stood up (sandbox/runtime.py) ------------------------------------------------------------
+# ---- how a process is stood up (runtime.py, standins.py) ------------------------------------------------------------
 
 PUBLISH_WITH_RANKS = Feature(
     ">=0.5.21",

@@ -1,5 +1,5 @@
 """A CPU stand-in of the test sandbox for numerics, not for CUDA: SGLang's `torch_native` attention made
-batch-invariant (compat/cpu_sandbox.py installs it with the others; docs/TESTING.md's stand-in table)."""
+batch-invariant (standins.py installs it with the others; docs/TESTING.md's stand-in table)."""
 
 from __future__ import annotations
 

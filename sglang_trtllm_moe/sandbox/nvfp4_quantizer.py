@@ -6,12 +6,12 @@ input to CUDA). The plugin's pure-torch quantizers (`quant.py`, a leaf) compute 
 of it — linear scales, no shuffle, 16-element blocks; per token (`per_token_activation=True`), the plain recipe, or
 the 4over6 recipe (MSE or MAE, e4m3 max 448, exact math under FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1) — and
 anything else raises NotImplementedError instead of computing something else. One function, used two ways: the
-layer harness patches it in around a load (`sandbox/layers.py` `online_quantizer`), and the CPU sandbox installs it
-process-wide (`cpu_sandbox.flashinfer_nvfp4_quantize_on_cpu`) so whole models, `sglang.Engine` and the HTTP server
+layer harness patches it in around a load (`layers.py` `online_quantizer`), and the CPU sandbox installs it
+process-wide (`standins.flashinfer_nvfp4_quantize_on_cpu`) so whole models, `sglang.Engine` and the HTTP server
 serve `nvfp4_online` on a CPU. The test-only sandbox on a real GPU below SM100 (the lent H200, faking an SM100) routes
-CUDA tensors here too (`route_flashinfer_quantizer(cuda=True)`): flashinfer's FP4 quantization kernels are compiled
-for SM100+ only (quantization.cuh: their bodies under `__CUDA_ARCH__ >= 1000`; on SM90 they return unwritten
-buffers, docs/measurements/gpu-h200-0.5.17-nvfp4-quantizers.json) and its cute-dsl backend needs the CuTe DSL.
+CUDA tensors here too (`route_flashinfer_quantizer(cuda=True)`, `activation.below_sm100`): flashinfer's FP4 quantization
+kernels are compiled for SM100+ only (quantization.cuh: their bodies under `__CUDA_ARCH__ >= 1000`; on SM90 they return
+unwritten buffers, docs/measurements/gpu-h200-0.5.17-nvfp4-quantizers.json) and its cute-dsl backend needs the CuTe DSL.
 """
 
 from __future__ import annotations
