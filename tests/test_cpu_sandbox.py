@@ -2,9 +2,9 @@
 its own entry-point group (sandbox/extension.py): with SGLANG_TRTLLM_MOE_EMULATE=1 and
 SGLANG_TRTLLM_MOE_TEST_FAKE_SM=100 in the environment, the plugin's own `register()` — which SGLang's
 `load_plugins()` runs first in every process it starts — lets the extension make the process see an SM100 GPU and
-apply the CPU stand-ins (`process_setup`); nothing of the harness on PYTHONPATH. Without both switches nothing of it happens (a normal process pays
-nothing: no torch import from it; tests/test_standins.py checks no stand-in is active then), and a wrong value is
-refused with a message that names the fix.
+apply the CPU stand-ins (`process_setup`); nothing of the harness on PYTHONPATH. Without both switches nothing of
+it happens (a normal process pays nothing: no torch import from it; tests/test_standins.py checks no stand-in is
+active then), and a wrong value is refused with a message that names the fix.
 
 A plain `sglang.Engine(device="cpu", ...)` script with the two switches serves through the plugin's path (its
 decision line and "prepared in place" lines in SGLang's log); the HTTP server's recipe: tests/test_http_server.py.
