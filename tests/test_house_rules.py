@@ -3,7 +3,8 @@
 * One place per release fact: a release-range literal (">=0.5.16", "<0.5.21", ...) appears in the runtime package
   only inside `compat/` (named flags with range and why, the defer table, the resolution adapters; the sandbox's own
   in `sandbox/releases.py`). A hook target names its range through a flag (`releases=features.X.releases`) or leaves
-  it empty (every release the plugin runs on: `compat.releases.OLDEST_SUPPORTED` is that fact). Prose in docstrings may name releases.
+  it empty (every release the plugin runs on: `compat.releases.OLDEST_SUPPORTED` is that fact).
+  Prose in docstrings may name releases.
 * Shared helpers have one public home: no module imports another module's underscore name (a private *module*, such
   as `layouts/_triton.py`, may be imported inside its package), nor reads one as an attribute.
 * Another module's objects by their public names: no module reads (or writes) `obj._name` — or names it in a string
