@@ -421,7 +421,7 @@ def test_compat_holds_release_facts_only():
 
 def test_the_sandbox_use_finder():
     src = (
-        'from .sandbox import layers\n'
+        "from .sandbox import layers\n"
         'def f():\n    """The CPU sandbox (prose is fine)."""\n'
         '    import importlib\n    importlib.import_module("sglang_trtllm_moe.sandbox.standins")\n'
         '    return "random_nvfp4_checkpoint", st.sandbox\n'
