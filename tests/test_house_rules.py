@@ -416,7 +416,7 @@ def test_compat_holds_release_facts_only():
         "a stand-in or a test switch belongs in sandbox/, a new release fact is listed with what it holds"
     )
     readers = [p.name for p in (PACKAGE / "compat").glob("*.py") if SANDBOX_SWITCH in p.read_text()]
-    assert not readers, f"{readers} read the sandbox's switch {SANDBOX_SWITCH}: that is sandbox/activation.py's"
+    assert not readers, f"{readers} read the sandbox's switch {SANDBOX_SWITCH}: that is sandbox/switches.py's"
 
 
 def test_the_sandbox_use_finder():

@@ -353,7 +353,7 @@ def test_load_plugins_imports_no_hooked_module_and_no_harness_and_hooks_land_on_
     hooked = set(r["modules"].values())
     assert not hooked & set(r["added"]), sorted(hooked & set(r["added"]))
     sandbox = [m for m in r["added"] if m.startswith("sglang_trtllm_moe.sandbox")]
-    assert sandbox == ["sglang_trtllm_moe.sandbox", "sglang_trtllm_moe.sandbox.extension"], sandbox
+    assert sandbox == [f"sglang_trtllm_moe.sandbox{m}" for m in ("", ".extension", ".switches")], sandbox
     assert set(r["after_load"].values()) <= {"not_imported", "landed", "not_applicable"}, r["after_load"]
     fused = [t for t, m in r["modules"].items() if m == "sglang.srt.layers.moe.fused_moe_triton.layer"]
     assert fused and all(r["after_load"][t] == "not_imported" for t in fused)

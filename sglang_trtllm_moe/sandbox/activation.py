@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from .. import env
-from .extension import ENV_FAKE_SM
+from .switches import ENV_FAKE_SM
 
 #: what the sandbox fakes for a whole process before 0.5.19 (a B200, without faking its device capability)
 B200_PROBES = {

@@ -16,13 +16,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .. import hookimpl
+from .switches import ENV_FAKE_SM  # read before anything else of the sandbox is imported: without it, nothing more
 
 if TYPE_CHECKING:
     from packaging.version import Version
-
-#: the test-only switch: the SM every process SGLang starts fakes (with SGLANG_TRTLLM_MOE_EMULATE=1; SM100 only).
-#: Read here, before anything else of the sandbox is imported: a process without it imports nothing more.
-ENV_FAKE_SM = "SGLANG_TRTLLM_MOE_TEST_FAKE_SM"
 
 
 @hookimpl
