@@ -3,6 +3,7 @@
 Oracles: SGLang 0.5.23's own BF16 trtllm preparation (`UnquantizedFusedMoEMethod.process_weights_after_loading`,
 reached at `__wrapped__`), flashinfer's `prepare_trtllm_bf16_weights` (pure torch), SGLang's own DeepSeek routing
 (`biased_grouped_topk_impl`), and a float MoE written here from the checkpoint tensors.
+The scenarios every format shares (updates, refusals, the checker, threads, ...): tests/test_layer_contract.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import TrtllmLayerError, layer_state, layouts
+from sglang_trtllm_moe import layer_state, layouts
 from sglang_trtllm_moe.compat import features
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
@@ -209,38 +210,6 @@ def test_routed_scaling_factor_reaches_the_kernel_on_the_logits_path(monkeypatch
     assert rel(outs[2.5], 2.5 * outs[1.0].float()) < 0.01
 
 
-def test_without_emulator_on_cpu_the_runner_says_what_to_do(monkeypatch):
-    from sglang_trtllm_moe.runner import KernelUnavailableError
-
-    monkeypatch.delenv("SGLANG_TRTLLM_MOE_EMULATE", raising=False)
-    spec = cpu_layers.MoeSpec(fmt="bf16")
-    layer = prepared_layer(spec)
-    x = torch.randn(2, spec.hidden).to(torch.bfloat16)
-    with pytest.raises(KernelUnavailableError) as e:  # never SGLang's CPU path reading kernel-layout bytes
-        _forward(layer, x, torch.randn(2, spec.num_experts))
-    assert "SGLANG_TRTLLM_MOE_EMULATE=1" in str(e.value) and "model.layers.0.mlp.experts" in str(e.value)
-
-
-@pytest.mark.parametrize(
-    "spec",
-    [
-        pytest.param(cpu_layers.MoeSpec(fmt="bf16", activation="gelu"), id="gelu"),
-        pytest.param(cpu_layers.MoeSpec(fmt="bf16", hidden=96), id="hidden96"),
-    ],
-)
-def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec):
-    layer = loaded_layer(spec)
-    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    with pytest.raises(TrtllmLayerError) as e:
-        layer.quant_method.process_weights_after_loading(layer)
-    msg = str(e.value)
-    assert "model.layers.0.mlp.experts" in msg and "Fix:" in msg
-    assert ("'gelu'" in msg) if spec.activation == "gelu" else ("w13_weight" in msg and "multiple of 64" in msg)
-    assert layer_state.state_of(layer) is None
-    for n, p in layer.named_parameters():
-        assert torch.equal(as_bytes(p), as_bytes(before[n])), f"{n} was modified by a refused prep"
-
-
 # ---- RL updates through SGLang's WeightUpdater -------------------------------------------------------------------
 
 RL_SPEC = cpu_layers.MoeSpec(intermediate=96, fmt="bf16")  # gated, padded 96 -> 128 per half
@@ -259,25 +228,6 @@ def assert_same_as_fresh(model, intended):
 
 def pointers(model):
     return {n: (p.data_ptr(), tuple(p.shape)) for n, p in model.named_parameters()}
-
-
-def test_partial_update_from_tensor_is_exact_and_storage_stable():
-    base, new = ckpt(RL_SPEC, 0), ckpt(RL_SPEC, 7)
-    model = prepared_model(base)
-    ptrs = pointers(model)
-    st = layer_state.state_of(model.experts)
-    before = st.experts_prepared_total
-    one = {k: v for k, v in new.items() if k.startswith("experts.5.")}
-    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(one).items()))
-    assert ok, msg
-    assert st.clean and st.experts_prepared_total - before == 2  # expert 5's w13 and w2, nothing else
-    assert pointers(model) == ptrs
-    assert_same_as_fresh(model, {**base, **one})
-    # again, the whole layer: still exact, still the same storage and [E, M, K] shapes
-    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(new).items()))
-    assert ok, msg
-    assert pointers(model) == ptrs
-    assert_same_as_fresh(model, new)
 
 
 def test_sglang_restore_hooks_are_harmless_and_loader_free_refits_get_checkpoint_layout():

@@ -6,6 +6,7 @@ Oracles: SGLang's own preparation of the release (`process_weights_after_loading
 flashinfer's own CPU functions: sandbox/sglang_oracle.py) for the bytes; compressed-tensors' own `pack_to_int32` for
 the checkpoint encoding; a float MoE on the checkpoint dequantized here for the forward. flashinfer's own test
 reference for the kernel is checked in tests/test_emulator.py.
+The scenarios every format shares (updates, refusals, the checker, threads, ...): tests/test_layer_contract.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_trtllm_moe import TrtllmLayerError, layer_state, quant
+from sglang_trtllm_moe import layer_state, quant
 from sglang_trtllm_moe.formats import CT_INT4, KernelCall
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox import sglang_oracle
@@ -121,22 +122,6 @@ def test_exact_inverse(spec):
         assert torch.equal(as_bytes(getattr(layer, n)), as_bytes(getattr(loaded, n))), n
 
 
-def test_unservable_layers_are_one_clear_error_and_change_nothing():
-    for spec, words in (
-        (cpu_layers.MoeSpec(num_experts=2, hidden=384, fmt="ct_int4"), ("hidden 384", "256")),
-        (cpu_layers.MoeSpec(num_experts=2, hidden=256, intermediate=128, fmt="ct_int4"), ("intermediate 128", "256")),
-    ):
-        layer = loaded_layer(spec, ckpt(spec))
-        before = {n: as_bytes(p).clone() for n, p in layer.named_parameters()}
-        with pytest.raises(TrtllmLayerError) as e:
-            layer.quant_method.process_weights_after_loading(layer)
-        msg = str(e.value)
-        assert "model.layers.0.mlp.experts" in msg and "Fix:" in msg and all(w in msg for w in words), msg
-        assert layer_state.state_of(layer) is None
-        for n, p in layer.named_parameters():
-            assert torch.equal(as_bytes(p), before[n]), f"{n} was modified by a refused prep"
-
-
 def test_selection_and_its_reasons():
     """The scheme SGLang serves with CompressedTensorsMxInt4MoE is this format; other INT schemes say why not."""
     from sglang_trtllm_moe.formats import Checkpoint, for_checkpoint
@@ -222,32 +207,6 @@ def assert_fresh(model, intended):
 
 def pointers(model):
     return {n: p.data_ptr() for n, p in model.named_parameters()}
-
-
-def test_tensor_updates_one_expert_half_a_projection_and_whole_equal_a_fresh_load():
-    base = ckpt(RL_SPEC, 0)
-    model = prepared_model(base)
-    ptrs = pointers(model)
-    st = layer_state.state_of(model.experts)
-    intended = dict(base)
-    one = ckpt(RL_SPEC, 7, experts=[2])
-    before = st.experts_prepared_total
-    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(one).items()))
-    assert ok, msg
-    assert st.experts_prepared_total - before == 2  # expert 2's w13 and w2 groups only
-    intended.update(one)
-    assert_fresh(model, intended)
-    # half a projection: expert 1's gate rows only (its up rows, interleaved with them in the kernel, are kept)
-    gate = {k: v for k, v in ckpt(RL_SPEC, 8, experts=[1]).items() if ".gate_proj." in k}
-    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(gate).items()))
-    assert ok, msg
-    intended.update(gate)
-    assert_fresh(model, intended)
-    whole = ckpt(RL_SPEC, 9)
-    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(whole).items()))
-    assert ok, msg
-    assert_fresh(model, whole)
-    assert pointers(model) == ptrs
 
 
 def test_disk_updates_whole_and_one_expert_equal_a_fresh_load():

@@ -6,6 +6,7 @@ flashinfer's CUDA-only scale interleave replaced by SGLang's pure-torch `swizzle
 tests/support/sglang_runtime.py does), SGLang's `prepare_static_weights_for_trtllm_fp4_moe` where the scheme itself
 cannot serve the layer (non-gated), and a float MoE from flashinfer's own CPU NVFP4 dequant
 (tests/support/moe_reference.py).
+The scenarios every format shares (updates, refusals, the checker, threads, ...): tests/test_layer_contract.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import TrtllmLayerError, layer_state
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 
 from .support import sglang_runtime
@@ -206,51 +207,6 @@ def test_different_gate_and_up_global_scales_are_kept(monkeypatch):
     upstream_prep(upstream, monkeypatch)
     up_out, _ = _forward(upstream, x, logits)
     assert rel(up_out, ref) > 1.0  # up half 4x too large
-
-
-def test_unservable_layer_on_explicit_trtllm_is_one_clear_error():
-    for spec, words in (
-        (cpu_layers.MoeSpec(fmt="ct_nvfp4", activation="relu2", gated=True), ("'relu2'", "gated")),
-        (cpu_layers.MoeSpec(fmt="ct_nvfp4", hidden=192), ("w2_weight_scale", "128x4")),
-    ):
-        layer = loaded_layer(spec, ckpt(spec))
-        before = {n: as_bytes(p).clone() for n, p in layer.named_parameters()}
-        with pytest.raises(TrtllmLayerError) as e:
-            layer.quant_method.process_weights_after_loading(layer)
-        msg = str(e.value)
-        assert "model.layers.0.mlp.experts" in msg and "Fix:" in msg and all(w in msg for w in words), msg
-        assert layer_state.state_of(layer) is None
-        for n, p in layer.named_parameters():
-            assert torch.equal(as_bytes(p), before[n]), f"{n} was modified by a refused prep"
-
-
-# ---- RL: partial update through SGLang's WeightUpdater ------------------------------------------------------------
-
-RL_SPEC = cpu_layers.MoeSpec(intermediate=96, fmt="ct_nvfp4")
-updater = sglang_runtime.updater
-
-
-def prepared_model(tensors):
-    return sglang_runtime.prepared_model(RL_SPEC, tensors)
-
-
-def test_partial_update_from_tensor_is_exact_and_storage_stable():
-    base, new = ckpt(RL_SPEC, 0), ckpt(RL_SPEC, 7)
-    model = prepared_model(base)
-    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    st = layer_state.state_of(model.experts)
-    before = st.experts_prepared_total
-    one = {k: v for k, v in new.items() if k.startswith("experts.5.")}
-    # by checkpoint name (weight_packed, ...): upstream deletes those Parameters in its prep, so this has nowhere to go
-    ok, msg = updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(one).items()))
-    assert ok, msg
-    assert st.clean and st.experts_prepared_total - before == 2  # expert 5's w13 and w2 groups only
-    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
-    fresh = prepared_model({**base, **one})
-    for n in PREPARED:
-        assert torch.equal(as_bytes(getattr(model.experts, n)), as_bytes(getattr(fresh.experts, n))), n
-    for n in SCALARS + ("g1_alphas_up",):
-        assert torch.equal(getattr(model.experts, n).data, getattr(fresh.experts, n).data), n
 
 
 @pytest.mark.requires_sm100

@@ -7,6 +7,7 @@ Facts these tests pin (SGLang 0.5.23, read in its code and measured here):
 * ModelOptFp8MoEMethod loads w13 as [gate; up] (scale columns [gate, up]); Fp8MoEMethod on flashinfer_trtllm has
   its shard ids swapped by FusedMoE._weight_loader_impl, so w13 (and block scale rows) load as [up; gate] with scale
   columns [up, gate] — the kernel's order (flashinfer's own prepare_trtllm_fp8_block_weights takes [up, gate]).
+The scenarios every format shares (updates, refusals, the checker, threads, ...): tests/test_layer_contract.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import TrtllmLayerError, layer_state
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.compat import features
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox.layers import DOWN, GATE, UP, MoeSpec
@@ -352,54 +353,6 @@ def test_forward_through_sglang_layer_with_emulator_matches_dequantized_referenc
     assert float((bad.float() - ref).norm() / ref.norm()) > 0.5
 
 
-# ---- (d) RL: partial update through SGLang's WeightUpdater -------------------------------------------------------
-
-_updater = sglang_runtime.updater
-
-
-_model = sglang_runtime.prepared_model
-
-
-@pytest.mark.parametrize(
-    "spec",
-    [
-        pytest.param(MoeSpec(intermediate=96, fmt="fp8_modelopt"), id="fp8_modelopt-gated-I96"),
-        pytest.param(
-            MoeSpec(intermediate=200, activation="relu2", gated=False, fmt="fp8_tensor"), id="fp8_tensor-relu2-I200"
-        ),
-        pytest.param(MoeSpec(intermediate=96, fmt="fp8_block"), id="fp8_block-gated-I96"),
-    ],
-)
-def test_partial_update_from_tensor_equals_fresh_load_and_keeps_storage(spec):
-    """A one-expert update through the release's own update_weights_from_tensor (WeightUpdater, or ModelRunner
-    before 0.5.16): every parameter byte-identical to a fresh load of the mixed checkpoint, the same Parameter
-    objects on the same storage, each still carrying SGLang's weight_loader (the next update needs it)."""
-    model = _model(spec, cpu_layers.random_fp8_checkpoint(spec, seed=0))
-    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    objs = dict(model.named_parameters())
-    st = layer_state.state_of(model.experts)
-    before = st.experts_prepared_total
-    new = cpu_layers.random_fp8_checkpoint(spec, seed=5, experts=[3])
-    ok, msg = _updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(new).items()))
-    assert ok, msg
-    assert st.clean and st.experts_prepared_total - before == 2  # expert 3's w13 and w2 groups, nothing else
-    intended = dict(cpu_layers.random_fp8_checkpoint(spec, seed=0))
-    intended.update(new)
-    fresh = _model(spec, intended)
-    names = BLOCK_WEIGHTS if spec.fmt == "fp8_block" else TENSOR_WEIGHTS + SCALARS + ("w13_input_scale_max",)
-    for n in names:
-        assert torch.equal(as_bytes(getattr(model.experts, n)), as_bytes(getattr(fresh.experts, n))), (
-            f"{n} differs from a fresh load"
-        )
-    theirs = dict(fresh.named_parameters())
-    loaded_by_sglang = {n for n, p in cpu_layers.TinyMoeModel(spec).named_parameters() if hasattr(p, "weight_loader")}
-    assert {"experts.w13_weight", "experts.w2_weight"} <= loaded_by_sglang
-    for n, p in model.named_parameters():
-        assert p is objs[n] and torch.equal(as_bytes(p), as_bytes(theirs[n])), f"{n} differs from a fresh load"
-        assert n not in loaded_by_sglang or hasattr(p, "weight_loader"), f"{n} lost SGLang's weight_loader"
-    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
-
-
 # ---- (e) real kernel --------------------------------------------------------------------------------------------
 
 
@@ -424,40 +377,3 @@ def test_real_kernel_matches_emulator_on_the_same_prepared_bytes(spec, monkeypat
     monkeypatch.setenv("SGLANG_TRTLLM_MOE_EMULATE", "1")
     emu = _forward(layer, x, logits, bypass=True).float()
     assert float((real - emu).norm() / emu.norm()) < 0.03
-
-
-# ---- (f) what the kernels cannot serve ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "spec, reason",
-    [
-        pytest.param(
-            MoeSpec(intermediate=128, activation="relu2", gated=False, fmt="fp8_block"), "SwiGLU", id="block-relu2"
-        ),
-        pytest.param(
-            MoeSpec(intermediate=128, activation="gelu", gated=True, fmt="fp8_modelopt"), "'gelu'", id="tensor-gelu"
-        ),
-    ],
-)
-def test_unservable_layer_on_explicit_trtllm_is_one_clear_error(spec, reason):
-    layer = loaded_layer(spec)
-    before = {n: as_bytes(p).clone() for n, p in layer.named_parameters()}
-    with pytest.raises(TrtllmLayerError) as e:
-        layer.quant_method.process_weights_after_loading(layer)
-    msg = str(e.value)
-    assert "model.layers.0.mlp.experts" in msg and reason in msg and "Fix:" in msg, msg
-    assert layer_state.state_of(layer) is None
-    for n, b in before.items():
-        assert torch.equal(as_bytes(getattr(layer, n)), b), f"{n} was modified by a refused prep"
-
-
-def test_without_emulator_on_cpu_the_runner_says_what_to_do(monkeypatch):
-    from sglang_trtllm_moe.runner import KernelUnavailableError
-
-    monkeypatch.delenv("SGLANG_TRTLLM_MOE_EMULATE", raising=False)
-    spec = MoeSpec(intermediate=128, fmt="fp8_block")
-    layer = prepared(spec)
-    with pytest.raises(KernelUnavailableError) as e:
-        _forward(layer, torch.randn(2, spec.hidden).to(torch.bfloat16), torch.randn(2, spec.num_experts), True)
-    assert "SGLANG_TRTLLM_MOE_EMULATE=1" in str(e.value) and "model.layers.0.mlp.experts" in str(e.value)

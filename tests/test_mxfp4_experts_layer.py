@@ -7,6 +7,7 @@ Oracles: SGLang's own preparation of the same checkpoint (new Parameters: the by
 own `prepare_trtllm_fp4_weights(MXFP4 x MXFP8)`, SGLang's `MXFP4QuantizeUtil.dequantize`, and a fresh load after
 every RL update. SGLang itself cannot take an RL update here: its prep replaces the Parameters without
 `weight_loader` (AttributeError on the next load, pinned below).
+The scenarios every format shares (updates, refusals, the checker, threads, ...): tests/test_layer_contract.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import checker, layer_state
-from sglang_trtllm_moe.errors import WeightUpdateRefused
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox import sglang_oracle
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
@@ -168,30 +168,6 @@ def _mixed(base, new, experts):
     return {k: (new[k] if int(k.split(".")[1]) in experts else v) for k, v in base.items()}
 
 
-@pytest.mark.parametrize(
-    "intermediate", [pytest.param(128, id="I128"), pytest.param(96, id="I96-padded", marks=PADDED)]
-)
-def test_one_expert_update_equals_a_fresh_load_of_the_mixed_checkpoint(intermediate):
-    spec = spec_of(intermediate)
-    base = cpu_layers.random_checkpoint(spec, 0)
-    new = cpu_layers.random_checkpoint(spec, 1, scale_dtype=torch.float32)  # an RL trainer sending float32 scales
-    model = sglang_runtime.prepared_model(spec, base)
-    layer = model.experts
-    objs = {n: (p, p.data_ptr(), p.weight_loader) for n, p in layer.named_parameters()}
-    st = layer_state.state_of(layer)
-    before = st.experts_prepared_total
-    one = {k: v for k, v in new.items() if k.startswith("experts.2.")}
-    ok, msg = sglang_runtime.updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(one).items()))
-    assert ok, msg
-    assert st.clean and st.experts_prepared_total - before == 2
-    for n, (obj, ptr, loader) in objs.items():
-        p = getattr(layer, n)
-        assert p is obj and p.data_ptr() == ptr and p.weight_loader is loader, n
-    fresh = sglang_runtime.prepared_model(spec, _mixed(base, new, {2}))
-    assert_same_bytes(layer, fresh.experts, "a fresh load of the mixed checkpoint")
-    assert bool((layer.w13_weight_scale_inv.data.view(torch.uint8) != 0).all())  # pad scales stay 1.0 (127)
-
-
 def test_one_expert_update_equals_sglang_own_preparation_and_sglang_alone_cannot_reload():
     spec = spec_of(128)
     base, new = cpu_layers.random_checkpoint(spec, 0), cpu_layers.random_checkpoint(spec, 1)
@@ -203,38 +179,6 @@ def test_one_expert_update_equals_sglang_own_preparation_and_sglang_alone_cannot
     upstream = sglang_prepared(spec, base)  # SGLang alone: its Parameters were replaced without weight_loader
     with pytest.raises(AttributeError):
         cpu_layers.load_checkpoint(upstream, one, spec.num_experts)
-
-
-@pytest.mark.parametrize("bad", ["uint8-scale", "bf16-weight", "fp8-weight-routed-expert", "shape"])
-def test_refused_update_leaves_every_byte(bad):
-    spec = spec_of(128)
-    model = sglang_runtime.prepared_model(spec, cpu_layers.random_checkpoint(spec, 0))
-    layer = model.experts
-    snap = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    new = cpu_layers.random_checkpoint(spec, 1, experts=[1])
-    if bad == "uint8-scale":  # raw UE8M0 bytes as uint8: SGLang would store the integers as scale values
-        param, t, shard = layer.w13_weight_scale_inv, new["experts.1.up_proj.weight_scale_inv"].view(torch.uint8), "w3"
-    elif bad == "bf16-weight":
-        param, t, shard = layer.w13_weight, new["experts.1.gate_proj.weight"].to(torch.bfloat16), "w1"
-    elif bad == "fp8-weight-routed-expert":  # FP8 is only requantized by SGLang for fused *shared* experts
-        param, t, shard = (
-            layer.w2_weight,
-            torch.zeros(spec.hidden, spec.intermediate // 2, dtype=torch.float8_e4m3fn),
-            "w2",
-        )
-    else:
-        param, t, shard = layer.w2_weight, new["experts.1.down_proj.weight"][:-32], "w2"
-    name = next(n for n, p in layer.named_parameters() if p is param)
-    with pytest.raises(ValueError) as e:
-        layer.weight_loader(param, t, weight_name=name, shard_id=shard, expert_id=1)
-    msg = str(e.value)
-    assert "model.layers.0.mlp.experts" in msg and "nothing was written" in msg, msg
-    assert isinstance(e.value, WeightUpdateRefused) and "expected" in msg, msg
-    if bad == "uint8-scale":  # names what to send instead
-        assert "float8_e8m0fnu" in msg and "float32" in msg, msg
-    for n, p in layer.named_parameters():
-        assert torch.equal(as_bytes(p), as_bytes(snap[n])), f"{n} changed"
-    assert layer_state.state_of(layer).clean
 
 
 # ---- emulator -----------------------------------------------------------------------------------------------------
@@ -277,56 +221,6 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, intermedi
     layer_state.state_of(layer).fmt.unprepare_(layer, "w13", list(range(spec.num_experts)))
     bad, _ = sglang_runtime.forward(layer, x, logits)
     assert float((bad.float() - ref).norm() / ref.norm()) > 0.5
-
-
-# ---- weight checker -----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.sglang(">=0.5.16", reason="SGLang's weight checker (utils.weight_checker_comparator) exists from 0.5.16")
-def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
-    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
-
-    from .support.sglang_runtime import weight_checker
-
-    spec = spec_of(128)
-    good = cpu_layers.random_checkpoint(spec, 8)
-    model = cpu_layers.TinyMoeModel(spec)
-    model.load_weights(cpu_layers.checkpoint_names(good).items())
-    layer = model.experts
-    ck = {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}
-    layer.quant_method.process_weights_after_loading(layer)
-    for name, scale in (("w13_weight", "w13_weight_scale_inv"), ("w2_weight", "w2_weight_scale_inv")):
-        live = checker.live_side(layer, name)
-        assert live.scale_name == scale
-        got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
-        want = torch.stack(
-            [
-                MXFP4QuantizeUtil.dequantize(
-                    ck[name][e].view(torch.uint8), torch.float32, ck[scale][e].view(torch.uint8), [1, 32]
-                ).reshape(got.shape[1:])
-                for e in range(spec.num_experts)
-            ]
-        )
-        assert torch.equal(got, want.float()), name
-        ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
-        assert checker.compare_layout(ckpt_side, live).equal
-        assert not checker.compare_raw(ckpt_side, live).equal
-    wc = weight_checker(model)
-    wc.handle("snapshot", role="target")
-    cpu_layers.load_checkpoint(layer, {k: v for k, v in good.items() if k.startswith("experts.1.")}, spec.num_experts)
-    layer_state.flush_all()
-    wc.handle("compare", role="target")
-    wc.handle("snapshot", role="target")
-    key = "experts.2.up_proj.weight"
-    w = good[key].clone()
-    w.view(torch.uint8)[5, 3] ^= 0x11
-    cpu_layers.load_checkpoint(layer, {key: w}, spec.num_experts)
-    layer_state.flush_all()
-    with pytest.raises(Exception) as err:
-        wc.handle("compare", role="target")
-    msg = str(err.value)
-    # checkpoint layout [gate; up]: up row 5 is row 128 + 5
-    assert "w13_weight[expert 2, row 133, col 3]" in msg and "in experts [2]" in msg and " 1 of " in msg, msg[-600:]
 
 
 # ---- the real kernel (SM100) ----------------------------------------------------------------------------------------
@@ -373,17 +267,3 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
         outs.append((out[0] if isinstance(out, (list, tuple)) else out).float())
     rel = float((outs[0] - outs[1]).norm() / outs[1].norm())
     assert rel < 0.05, rel
-
-
-# ---- thread safety ------------------------------------------------------------------------------------------------
-
-
-def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
-    """Shards of the same experts (float32 scales converted by SGLang's copy_ into the e8m0 storage) written from 8
-    threads while another flushes; tests/test_concurrency.py's rounds, on MXFP4 experts."""
-    from .test_concurrency import _race_round
-
-    spec = spec_of(128, experts=8)
-    make = lambda s, seed: cpu_layers.random_checkpoint(s, seed, scale_dtype=torch.float32)  # noqa: E731
-    wrong = {r: bad for r in range(3) if (bad := _race_round(spec, make, PARAMS, r, True))}
-    assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"

@@ -6,6 +6,7 @@ prep builds new Parameters (scales viewed e4m3, biases fp32), after which its lo
 tensor, and forcing the original loader value-converts every scale byte (pinned below). Oracles: SGLang's own prep
 of the same checkpoint, FlashInfer's own w3_w1 / w2 permute indices on the de-interleaved [up; gate] checkpoint,
 SGLang's MXFP4QuantizeUtil.dequantize, and a fresh load after every update.
+The scenarios every format shares (updates, refusals, the checker, threads, ...): tests/test_layer_contract.py.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import checker, layer_state
-from sglang_trtllm_moe.errors import WeightUpdateRefused
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.formats import mxfp4_gptoss
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox import sglang_oracle
@@ -156,28 +156,6 @@ def test_reload_then_sglang_prep_equals_sglang_prep_of_the_new_checkpoint_and_sg
         cpu_layers.load_fused(upstream, new)
 
 
-@pytest.mark.parametrize("bad", ["e8m0-scale", "bf16-weight", "experts", "too-wide"])
-def test_refused_fused_write_leaves_every_byte(bad):
-    model = _model(cpu_layers.random_checkpoint(SPEC, 0))
-    layer = model.experts
-    snap = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    new = cpu_layers.random_checkpoint(SPEC, 1)
-    name, t = {
-        "e8m0-scale": ("w13_weight_scale", new["w13_weight_scale"].view(torch.float8_e8m0fnu)),
-        "bf16-weight": ("w2_weight", new["w2_weight"].to(torch.bfloat16)),
-        "experts": ("w13_weight", new["w13_weight"][:3]),
-        "too-wide": ("w2_weight_bias", torch.zeros(SPEC.num_experts, 512)),
-    }[bad]
-    param = getattr(layer, name)
-    with pytest.raises(WeightUpdateRefused) as e:
-        param.weight_loader(param, t, weight_name=name, shard_id=None, expert_id=None)
-    msg = str(e.value)
-    assert "model.layers.0.mlp.experts" in msg and "nothing was written" in msg and "all experts at once" in msg, msg
-    for n, p in layer.named_parameters():
-        assert torch.equal(as_bytes(p), as_bytes(snap[n])), f"{n} changed"
-    assert layer_state.state_of(layer).clean  # refused before the group was un-prepared
-
-
 # ---- emulator -----------------------------------------------------------------------------------------------------
 
 
@@ -227,60 +205,6 @@ def test_emulated_forward_matches_the_dequantized_reference(precision, monkeypat
     assert float((bad.float() - ref).norm() / ref.norm()) > 0.5
 
 
-# ---- weight checker -----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.sglang(">=0.5.16", reason="SGLang's weight checker (utils.weight_checker_comparator) exists from 0.5.16")
-def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
-    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
-
-    from .support.sglang_runtime import weight_checker
-
-    good = cpu_layers.random_checkpoint(SPEC, 8)
-    model = cpu_layers.TinyMoeModel(SPEC)
-    model.load_weights(cpu_layers.checkpoint_names(good).items())
-    layer = model.experts
-    ck = {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}
-    layer.quant_method.process_weights_after_loading(layer)
-    for name, scale in (
-        ("w13_weight", "w13_weight_scale"),
-        ("w2_weight", "w2_weight_scale"),
-        ("w13_weight_bias", None),
-        ("w2_weight_bias", None),
-    ):
-        live = checker.live_side(layer, name)
-        assert live.scale_name == scale
-        got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
-        if scale is None:
-            want = ck[name].unsqueeze(-1)
-        else:
-            want = torch.stack(
-                [
-                    MXFP4QuantizeUtil.dequantize(ck[name][e], torch.float32, ck[scale][e], [1, 32]).reshape(
-                        got.shape[1:]
-                    )
-                    for e in range(SPEC.num_experts)
-                ]
-            )
-        assert torch.equal(got, want.float()), name
-        ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
-        assert checker.compare_layout(ckpt_side, live).equal
-    wc = weight_checker(model)
-    wc.handle("snapshot", role="target")
-    cpu_layers.load_fused(layer, good)  # the same weights again: a correct (whole-layer) update
-    layer_state.flush_all()
-    wc.handle("compare", role="target")
-    wc.handle("snapshot", role="target")
-    w = good["w13_weight"].clone()
-    w[2, 11, 3] ^= 0x11  # expert 2, checkpoint row 11 (up_5 in the interleaved order)
-    cpu_layers.load_fused(layer, {"w13_weight": w})
-    layer_state.flush_all()
-    with pytest.raises(Exception) as err:
-        wc.handle("compare", role="target")
-    msg = str(err.value)
-    assert "w13_weight[expert 2, row 11, col 3]" in msg and "in experts [2]" in msg and " 1 of " in msg, msg[-600:]
-
-
 # ---- the real kernel (SM100) ----------------------------------------------------------------------------------------
 
 
@@ -318,49 +242,3 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(precision):
         outs.append((out[0] if isinstance(out, (list, tuple)) else out).float())
     rel = float((outs[0] - outs[1]).norm() / outs[1].norm())
     assert rel < 0.05, rel
-
-
-# ---- thread safety ------------------------------------------------------------------------------------------------
-
-
-def test_concurrent_fused_writes_with_a_flusher_equal_a_fresh_load():
-    """The six fused tensors written from six threads while another flushes: each write un-prepares its whole group
-    under the layer's lock, so no writer sees (or leaves) a half-laid-out group."""
-    for r in range(3):
-        _fused_writes_with_a_flusher_round(r)
-
-
-def _fused_writes_with_a_flusher_round(r):
-    """One round of the test above (its threads are all joined before it returns)."""
-    import threading
-
-    base, new = cpu_layers.random_checkpoint(SPEC, 10 * r), cpu_layers.random_checkpoint(SPEC, 10 * r + 1)
-    layer = prepared_layer(SPEC, base)
-    barrier = threading.Barrier(len(new) + 1)
-    done, errors = threading.Event(), []
-
-    def write(name):
-        try:
-            barrier.wait()
-            cpu_layers.load_fused(layer, {name: new[name]})
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    def flush():
-        try:
-            barrier.wait()
-            while not done.is_set():
-                layer_state.flush(layer)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=write, args=(n,)) for n in new] + [threading.Thread(target=flush)]
-    for t in threads:
-        t.start()
-    for t in threads[:-1]:
-        t.join()
-    done.set()
-    threads[-1].join()
-    assert not errors, errors[0]
-    layer_state.flush(layer)
-    assert_same_bytes(layer, prepared_layer(SPEC, new), f"a fresh load (round {r})")

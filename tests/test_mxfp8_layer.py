@@ -7,6 +7,7 @@ CPU with flashinfer's index helpers and a torch 128x4 interleave: sandbox/cpu_la
 checkpoint after every RL update. Facts pinned (read in SGLang's code, measured here): FusedMoE's loader swaps the
 w1/w3 shard ids for Fp8MoEMethod on the trtllm backends, so w13 loads [up; gate] per 128-padded half with pad rows
 and pad scale bytes zeroed; SGLang's own prep re-shuffles every expert at every flush (the RL bug this fixes).
+The scenarios every format shares (updates, refusals, the checker, threads, ...): tests/test_layer_contract.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_trtllm_moe import checker, layer_state
-from sglang_trtllm_moe.errors import WeightUpdateRefused
+from sglang_trtllm_moe import layer_state
 from sglang_trtllm_moe.sandbox import layers as cpu_layers
 from sglang_trtllm_moe.sandbox import sglang_oracle
 from sglang_trtllm_moe.sandbox.layers import MoeSpec
@@ -145,33 +145,8 @@ def test_prepared_bytes_equal_flashinfer_prepare_trtllm_fp8_block_weights():
 # ---- RL updates -----------------------------------------------------------------------------------------------------
 
 
-def _model(backend, spec, ck):
-    sglang_runtime.ensure(backend)
-    return sglang_runtime.prepared_model(spec, ck)
-
-
 def _mixed(base, new, experts):
     return {k: (new[k] if int(k.split(".")[1]) in experts else v) for k, v in base.items()}
-
-
-@pytest.mark.parametrize("backend", [TRTLLM, ROUTED])
-def test_one_expert_update_equals_a_fresh_load_of_the_mixed_checkpoint(backend):
-    spec = MoeSpec(num_experts=4, intermediate=96, fmt="mxfp8")
-    base, new = cpu_layers.random_checkpoint(spec, 0), cpu_layers.random_checkpoint(spec, 1)
-    model = _model(backend, spec, base)
-    layer = model.experts
-    objs = {n: (p, p.data_ptr(), p.weight_loader) for n, p in layer.named_parameters()}
-    st = layer_state.state_of(layer)
-    before = st.experts_prepared_total
-    one = {k: v for k, v in new.items() if k.startswith("experts.2.")}
-    ok, msg = sglang_runtime.updater(model).update_weights_from_tensor(list(cpu_layers.checkpoint_names(one).items()))
-    assert ok, msg
-    assert st.clean and st.experts_prepared_total - before == 2  # expert 2's w13 and w2 groups, nothing else
-    for n, (obj, ptr, loader) in objs.items():
-        p = getattr(layer, n)
-        assert p is obj and p.data_ptr() == ptr and p.weight_loader is loader, n
-    fresh = _model(backend, spec, _mixed(base, new, {2}))
-    assert_same_bytes(layer, fresh.experts, "a fresh load of the mixed checkpoint")
 
 
 def test_one_expert_update_equals_sglang_own_preparation_of_the_mixed_checkpoint():
@@ -191,35 +166,6 @@ def test_one_expert_update_equals_sglang_own_preparation_of_the_mixed_checkpoint
     cpu_layers.load_checkpoint(stale, one, spec.num_experts)
     sglang_oracle.sglang_prepare(stale)
     assert not torch.equal(as_bytes(stale.w13_weight[0]), as_bytes(upstream.w13_weight[0]))
-
-
-@pytest.mark.parametrize("bad", ["e8m0-scale", "bf16-weight", "shape"])
-def test_refused_update_leaves_every_byte(bad):
-    spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
-    model = _model(TRTLLM, spec, cpu_layers.random_checkpoint(spec, 0))
-    layer = model.experts
-    snap = {n: p.detach().clone() for n, p in layer.named_parameters()}
-    new = cpu_layers.random_checkpoint(spec, 1, experts=[1])
-    if bad == "e8m0-scale":  # UE8M0 bytes as float8_e8m0fnu: the uint8 parameter would store the integers 2^k
-        param, t, shard = (
-            layer.w13_weight_scale_inv,
-            new["experts.1.up_proj.weight_scale_inv"].view(torch.float8_e8m0fnu),
-            "w3",
-        )
-    elif bad == "bf16-weight":
-        param, t, shard = layer.w13_weight, new["experts.1.gate_proj.weight"].to(torch.bfloat16), "w1"
-    else:
-        param, t, shard = layer.w2_weight, new["experts.1.down_proj.weight"][:-32], "w2"
-    name = next(n for n, p in layer.named_parameters() if p is param)
-    with pytest.raises(ValueError) as e:
-        layer.weight_loader(param, t, weight_name=name, shard_id=shard, expert_id=1)
-    assert "model.layers.0.mlp.experts" in str(e.value) and "nothing was written" in str(e.value)
-    assert isinstance(e.value, WeightUpdateRefused) and "expected" in str(e.value)
-    if bad == "e8m0-scale":  # names what to send instead
-        assert "torch.uint8" in str(e.value), str(e.value)
-    for n, p in layer.named_parameters():
-        assert torch.equal(as_bytes(p), as_bytes(snap[n])), f"{n} changed"
-    assert layer_state.state_of(layer).clean
 
 
 # ---- emulator -----------------------------------------------------------------------------------------------------
@@ -292,59 +238,6 @@ def test_emulated_forward_matches_the_dequantized_reference(backend, spec, act, 
     assert float((bad.float() - ref).norm() / ref.norm()) > 0.5
 
 
-# ---- weight checker -----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.sglang(
-    ">=0.5.16",
-    reason="SGLang's weight checker (utils.weight_checker_comparator) and its pure-torch "
-    "MXFP8 dequantizer (mxfp8_block_convert) exist from 0.5.16",
-)
-def test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte():
-    from sglang.srt.layers.quantization.mxfp8_block_convert import dequant_mxfp8_2d_to_bf16
-
-    from .support.sglang_runtime import weight_checker
-
-    spec = MoeSpec(num_experts=4, intermediate=128, fmt="mxfp8")
-    good = cpu_layers.random_checkpoint(spec, 8)
-    sglang_runtime.ensure(TRTLLM)
-    model = cpu_layers.TinyMoeModel(spec)
-    model.load_weights(cpu_layers.checkpoint_names(good).items())
-    layer = model.experts
-    ck = {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}
-    layer.quant_method.process_weights_after_loading(layer)
-    for name, scale in (("w13_weight", "w13_weight_scale_inv"), ("w2_weight", "w2_weight_scale_inv")):
-        live = checker.live_side(layer, name)
-        assert live.scale_name == scale
-        got = torch.cat([v for _, v, _ in checker.iter_dequantized(live)])
-        want = torch.stack(
-            [dequant_mxfp8_2d_to_bf16(ck[name][e], ck[scale][e]).float() for e in range(spec.num_experts)]
-        )
-        assert torch.equal(got, want), name
-        ckpt_side = checker.snapshot_side(layer, name, ck, checkpoint=True)
-        assert checker.compare_layout(ckpt_side, live).equal
-        assert not checker.compare_raw(ckpt_side, live).equal  # the kernel layout moved the bytes
-
-    # SGLang's flow (snapshot, update, compare): re-sending the same expert passes; a flipped byte of expert 2 is
-    # located in checkpoint coordinates
-    wc = weight_checker(model)
-    wc.handle("snapshot", role="target")
-    cpu_layers.load_checkpoint(layer, {k: v for k, v in good.items() if k.startswith("experts.1.")}, spec.num_experts)
-    layer_state.flush_all()
-    wc.handle("compare", role="target")
-    wc.handle("snapshot", role="target")
-    key = "experts.2.gate_proj.weight"
-    w = good[key].clone()
-    w.view(torch.uint8)[5, 3] ^= 0x11
-    cpu_layers.load_checkpoint(layer, {key: w}, spec.num_experts)
-    layer_state.flush_all()
-    with pytest.raises(Exception) as err:
-        wc.handle("compare", role="target")
-    msg = str(err.value)
-    # gate rows follow the 128 up rows in the loaded [up; gate] layout
-    assert "w13_weight[expert 2, row 133, col 3]" in msg and "in experts [2]" in msg and " 1 of " in msg, msg[-600:]
-
-
 # ---- the real kernel (SM100) ----------------------------------------------------------------------------------------
 
 
@@ -392,24 +285,6 @@ def test_kernel_matches_the_emulator_on_the_same_prepared_bytes(backend):
         outs.append((out[0] if isinstance(out, (list, tuple)) else out).float())
     rel = float((outs[0] - outs[1]).norm() / outs[1].norm())
     assert rel < 0.05, rel
-
-
-# ---- thread safety ------------------------------------------------------------------------------------------------
-
-
-def test_concurrent_shard_writes_with_a_flusher_equal_a_fresh_load():
-    """SGLang's threaded loader: shards of the same experts written from 8 threads while another flushes (the
-    per-layer lock makes un-prepare + write one step); tests/test_concurrency.py's rounds, on MXFP8."""
-    from .test_concurrency import _race_round
-
-    sglang_runtime.ensure(TRTLLM)
-    spec = MoeSpec(num_experts=8, intermediate=128, fmt="mxfp8")
-    wrong = {
-        r: bad
-        for r in range(3)
-        if (bad := _race_round(spec, lambda s, seed: cpu_layers.random_checkpoint(s, seed), PARAMS, r, True))
-    }
-    assert not wrong, f"rounds with bytes different from a fresh load (round: parameters): {wrong}"
 
 
 # ---- layers the plugin does not take -------------------------------------------------------------------------------

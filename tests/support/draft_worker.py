@@ -265,7 +265,7 @@ def _ok(out) -> bool:
 def check_built(w: Draft) -> dict:
     """The draft is SGLang's NextN class with one FusedMoE layer, and the plugin owns it as it owns the target's
     layers of the same format (compat/defer.py): prepared in place, or prepared by SGLang and observed."""
-    from .model_worker import _runner_backends, expected_owner, owner
+    from .model_base import _runner_backends, expected_owner, owner
 
     layers = w.moe_layers()
     runners = _runner_backends(layers)  # what each layer runs on, as this release records it

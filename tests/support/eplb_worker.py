@@ -142,7 +142,8 @@ def run(arch: str, quant: str, workdir: str) -> dict:
     from sglang_trtllm_moe import layer_state
     from sglang_trtllm_moe.sandbox import models
 
-    from .model_worker import PROMPTS, Worker
+    from .model_base import PROMPTS
+    from .model_worker import Worker
 
     w = Worker(arch, quant, workdir)
     e = w.spec.num_experts

@@ -38,7 +38,17 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         ),
     ),
     ("runtime", "CPU runtime", (("tests/test_compat_release.py::test_single_process_runtime", None),)),
-    ("nvfp4", "NVFP4 prep", (("tests/test_nvfp4_layer.py", None), ("tests/test_ct_nvfp4_layer.py", None))),
+    # the layer contract (tests/test_layer_contract.py) counts for each format by its case ids
+    (
+        "nvfp4",
+        "NVFP4 prep",
+        (
+            ("tests/test_nvfp4_layer.py", None),
+            ("tests/test_ct_nvfp4_layer.py", None),
+            ("tests/test_layer_contract.py", "[nvfp4"),
+            ("tests/test_layer_contract.py", "[ct_nvfp4"),
+        ),
+    ),
     # online NVFP4: layers on every release; a whole BF16 model served with --quantization nvfp4_online (0.5.21+) and
     # the README's server recipe (0.5.23)
     (
@@ -50,8 +60,8 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_http_online.py", None),
         ),
     ),
-    ("fp8", "FP8 prep", (("tests/test_fp8_layer.py", None),)),
-    ("bf16", "BF16 prep", (("tests/test_bf16_layer.py", None),)),
+    ("fp8", "FP8 prep", (("tests/test_fp8_layer.py", None), ("tests/test_layer_contract.py", "[fp8_"))),
+    ("bf16", "BF16 prep", (("tests/test_bf16_layer.py", None), ("tests/test_layer_contract.py", "[bf16"))),
     (
         "relu2",
         "relu2",
@@ -60,6 +70,8 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_fp8_layer.py", "relu2"),
             ("tests/test_bf16_layer.py", "relu2"),
             ("tests/test_ct_nvfp4_layer.py", "relu2"),
+            ("tests/test_layer_contract.py", "[fp8_tensor-relu2"),
+            ("tests/test_layer_contract.py", "[fp8_block-relu2"),
         ),
     ),
     ("rl_disk", "RL update: disk", (("tests/test_rl_updates.py::test_full_update_from_disk", None),)),
@@ -80,11 +92,20 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
             ("tests/test_rl_updates.py::test_w2_only", None),
             ("tests/test_mxfp8_layer.py::test_one_expert_update", None),
             ("tests/test_mxfp4_experts_layer.py::test_one_expert_update", None),
+            ("tests/test_layer_contract.py::test_one_expert_update", "[mxfp"),
         ),
     ),
-    ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None),)),
-    ("mxfp4_experts", "MXFP4 experts prep", (("tests/test_mxfp4_experts_layer.py", None),)),
-    ("mxfp4_gptoss", "gpt-oss MXFP4 prep", (("tests/test_mxfp4_gptoss_layer.py", None),)),
+    ("mxfp8", "MXFP8 prep", (("tests/test_mxfp8_layer.py", None), ("tests/test_layer_contract.py", "[mxfp8"))),
+    (
+        "mxfp4_experts",
+        "MXFP4 experts prep",
+        (("tests/test_mxfp4_experts_layer.py", None), ("tests/test_layer_contract.py", "[mxfp4_experts")),
+    ),
+    (
+        "mxfp4_gptoss",
+        "gpt-oss MXFP4 prep",
+        (("tests/test_mxfp4_gptoss_layer.py", None), ("tests/test_layer_contract.py", "[mxfp4_gptoss")),
+    ),
     # INT4 W4A16 group 32 (compressed-tensors, Kimi-K2) on trtllm_mxint4_block_scale_moe: layers on every release
     # (SGLang's CompressedTensorsMxInt4MoE exists on each); a whole DeepSeek-V3 model where the model tests run
     (
@@ -92,6 +113,7 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         "INT4 W4A16 prep",
         (
             ("tests/test_ct_int4_layer.py", None),
+            ("tests/test_layer_contract.py", "[ct_int4"),
             ("tests/test_models.py", "ct_int4"),
             ("tests/test_engine_smoke.py::test_int4_engine_smoke", None),
         ),
@@ -113,9 +135,7 @@ CAPABILITIES: tuple[tuple[str, str, tuple], ...] = (
         "concurrent loaders",
         (
             ("tests/test_concurrency.py", None),
-            ("tests/test_mxfp8_layer.py::test_concurrent", None),
-            ("tests/test_mxfp4_experts_layer.py::test_concurrent", None),
-            ("tests/test_mxfp4_gptoss_layer.py::test_concurrent", None),
+            ("tests/test_layer_contract.py::test_concurrent", None),
         ),
     ),
     ("defer", "defer table", (("tests/test_defer.py", None),)),
@@ -300,6 +320,30 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         "upstream in 0.5.12",
     ),
     Requirement(
+        "tests/test_layer_contract.py::test_one_expert_update_equals_a_fresh_load_in_place[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
+        "tests/test_layer_contract.py::test_refused_write_leaves_every_byte[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
+        "tests/test_layer_contract.py::test_checker_dequantizes_like_sglang_passes_a_correct_update_and_locates_a_flipped_byte[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
+        "tests/test_layer_contract.py::test_concurrent_writes_with_a_flusher_equal_a_fresh_load[mxfp4_experts",
+        ">=0.5.12",
+        "Mxfp4FlashinferTrtllmMoEMethod (MXFP4 experts on an FP8 config: DeepSeek-V4, MiMo-V2) arrives "
+        "upstream in 0.5.12",
+    ),
+    Requirement(
         "tests/test_checker.py::test_layout_aware_tolerance",
         ">=0.5.15",
         "WeightChecker.handle(action, allow_quant_error) (SGLang's tolerance for quantization error) arrives "
@@ -365,6 +409,24 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     Requirement(
         "tests/test_fp8_layer.py",
+        "capability:fp8-prep",
+        "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
+        "(builtins/fp8_hooks.py releases=)",
+    ),
+    Requirement(
+        "tests/test_layer_contract.py::test_one_expert_update_equals_a_fresh_load_in_place[fp8_",
+        "capability:fp8-prep",
+        "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
+        "(builtins/fp8_hooks.py releases=)",
+    ),
+    Requirement(
+        "tests/test_layer_contract.py::test_unservable_layer_on_explicit_trtllm_is_one_clear_error[fp8_",
+        "capability:fp8-prep",
+        "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
+        "(builtins/fp8_hooks.py releases=)",
+    ),
+    Requirement(
+        "tests/test_layer_contract.py::test_without_emulator_on_cpu_the_runner_says_what_to_do[fp8_",
         "capability:fp8-prep",
         "the plugin's FP8 (per-tensor / block) preparation hooks are not registered on this release "
         "(builtins/fp8_hooks.py releases=)",
