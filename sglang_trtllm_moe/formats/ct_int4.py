@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import quant
 from ..compat import defer
 from ..kernel_api import RoutingMethodType
 from .base import (
@@ -43,6 +44,7 @@ from .base import (
     TinyCheckpoint,
     WeightFormat,
 )
+from .encodings import Calibration, Encoding, Tensors, compressed_tensors_config, grid_dequantize
 
 #: Kimi-K2's `quantization_config` (llm-compressor W4A16, group 32, symmetric, static, no activation quantization)
 EXAMPLE_CONFIG: dict[str, Any] = {
@@ -74,10 +76,39 @@ NIBBLE_SIGN = 0x88
 K_BLOCK = 256
 
 
+def _pack_quantized(w: torch.Tensor, calib: Calibration) -> Tensors:
+    """One projection as Kimi-K2 ships it: int32 words (w/s + 8), bf16 scales per 32, its [out, in] shape."""
+    packed, scale = quant.int4_quantize(w)
+    return {
+        "weight_packed": packed,
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32),
+    }
+
+
+def _int4_grid(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 words `[E, M, K/8]` (w/s + 8) x bf16 scales `[E, M, K/32]` -> values and one INT4 step (the scale)
+    per value."""
+    if weight.dtype != torch.int32:
+        return grid_dequantize(weight, scale)
+    return quant.int4_dequantize(weight, scale), scale.float().repeat_interleave(quant.INT4_GROUP, dim=-1)
+
+
+#: compressed-tensors INT4 W4A16, symmetric, group 32: `weight_packed` int32, `weight_scale` bf16, `weight_shape`
+INT4_G32 = Encoding(
+    "ct_int4",
+    "mxint4_block_scale",
+    _pack_quantized,
+    lambda t: quant.int4_dequantize(t["weight_packed"], t["weight_scale"]),
+    grid=_int4_grid,
+    quant_config=compressed_tensors_config(EXAMPLE_CONFIG),
+)
+
+
 class CtInt4(WeightFormat):
     name = "ct_int4"
     title = "INT4 W4A16 group 32 (compressed-tensors pack-quantized)"
-    kernel = "mxint4_block_scale"
+    encoding = INT4_G32
     hook_module = "sglang_trtllm_moe.builtins.int4_hooks"
     #: SGLang's only path for this scheme's MoE layers on the TRT-LLM-Gen kernels (its scheme asserts
     #: is_flashinfer_trtllm(): no routed path)
@@ -180,18 +211,6 @@ class CtInt4(WeightFormat):
         if name.endswith("_weight_packed"):
             return name[: -len("_packed")] + "_scale"
         return super().scale_of(name)
-
-    def dequantize_param(
-        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """int32 words `[E, M, K/8]` (w/s + 8) x bf16 scales `[E, M, K/32]` -> values and one INT4 step (the
-        scale) per value."""
-        from .. import quant
-
-        if scale is None or weight.dtype != torch.int32:
-            return super().dequantize_param(name, weight, scale)
-        step = scale.float().repeat_interleave(quant.INT4_GROUP, dim=-1)
-        return quant.int4_dequantize(weight, scale), step
 
     # ---- the kernel ---------------------------------------------------------------------------------------------
     def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
