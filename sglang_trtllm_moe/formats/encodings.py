@@ -5,12 +5,12 @@ An `Encoding` is data plus functions, read by everything that used to branch on 
 checkpoint writers (`quantize`: one projection's float weight -> its checkpoint tensors; `dequantize`: back;
 `quant_config` / `hf_quant_config`: what config.json says; sandbox/checkpoints.py, checkpoint_configs.py and
 layer_checkpoints.py), and the runner's family (`kernel`: the TRT-LLM-Gen entry-point family that consumes it, a
-format's default `kernel`). The math is `quant.py`'s (pure torch, shared with the emulator).
+format's `kernel`). The math is `quant.py`'s (pure torch, shared with the emulator).
 
-Where an encoding lives: with the one format module that stores it (`ct_int4.INT4_G32`, `ct_nvfp4.CT_NVFP4_WEIGHTS`,
-`nvfp4.MODELOPT_NVFP4`, ...); here when several format modules store it (`MXFP4`). This module is also the one
-place for helpers formats share (`swiglu_limits`, `block_scaled_intermediate`, `mxfp4_activations`): format
-modules import it and `base`, never each other (a variant subclasses its parent in the parent's family).
+Where an encoding lives: with the one format module that stores it (`nvfp4.MODELOPT_NVFP4`,
+`ct_nvfp4.CT_NVFP4_WEIGHTS`, `fp8_block.DEEPSEEK_FP8`, ...); here when several format modules store it (`MXFP4`).
+This module is also the one place for helpers formats share (`swiglu_limits`, `block_scaled_intermediate`,
+`mxfp4_activations`): format modules import it and `base`, never each other (a variant subclasses its parent).
 """
 
 from __future__ import annotations

@@ -13,14 +13,11 @@ experts; router):
   sigmoid + correction bias
 - mixtral: MixtralForCausalLM; `model.layers.N.block_sparse_moe.experts.E.w{1,2,3}`; gated SwiGLU; softmax top-k
 
-Formats (`quant`): `nvfp4` (ModelOpt NVFP4: `weight` packed e2m1, `weight_scale` e4m3 per 16, `weight_scale_2`,
-`input_scale`), `ct_nvfp4` (llm-compressor compressed-tensors NVFP4: `weight_packed`, `weight_scale`,
-`weight_global_scale`, `input_global_scale`), `ct_int4` (compressed-tensors INT4 W4A16 group 32, as Kimi-K2 ships:
-`weight_packed` int32, `weight_scale` bf16, `weight_shape`; moe intermediate 256, the kernel's K block), `fp8`
-(ModelOpt FP8 per-tensor, static input scales), `fp8_static`
-(`quant_method: fp8`, per-tensor, static: the FP8 format Mixtral's FusedMoE class takes), `fp8_block` (DeepSeek
-128x128 block FP8, `weight_scale_inv`), `bf16`, `nvfp4_online` (a BF16 checkpoint, served with `--quantization
-nvfp4_online`: `TinySpec.server_args()`).
+Formats (`quant`): every format's tiny checkpoint (`WeightFormat.tiny`; `tiny_spec.QUANTS`), its experts written in
+the stored encoding of that name (`WeightFormat.encoding`, formats/encodings.py: the tensors' names, dtypes and
+scales are the encoding's `quantize`, config.json's quant config its `quant_config`); a format SGLang quantizes as it
+loads (`nvfp4_online`) is stored in another's (a BF16 checkpoint, served with `--quantization nvfp4_online`:
+`TinySpec.server_args()`).
 
 Only the routed experts are quantized. Attention, dense MLPs, shared experts, routers, embeddings and lm_head stay
 BF16 and are listed in the quant config's exclude/ignore list, as real mixed-precision checkpoints list what they

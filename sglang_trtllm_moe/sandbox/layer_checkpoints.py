@@ -175,7 +175,7 @@ def encoded_checkpoint(encoding: Encoding) -> Maker:
 
 def __getattr__(name: str) -> Maker:
     """`random_<encoding>_checkpoint` of every registered encoding this module has no maker of its own for (e.g.
-    `random_ct_int4_checkpoint`, `random_bf16_checkpoint`, `random_mxfp8_checkpoint`): `encoded_checkpoint`."""
+    `random_bf16_checkpoint`, `random_mxfp8_checkpoint`): `encoded_checkpoint`."""
     for fmt in FORMATS:
         if name == f"random_{fmt.encoding.name}_checkpoint":
             return encoded_checkpoint(fmt.encoding)
