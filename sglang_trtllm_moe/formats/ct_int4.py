@@ -25,6 +25,7 @@ The kernel: SwiGLU only (the launcher fixes it; SGLang asserts a gated layer), B
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -151,6 +152,21 @@ class CtInt4(WeightFormat):
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "compressed-tensors" and checkpoint.quant_scheme == "mxint4"
+
+    def config_scheme(self, weights: Mapping[str, Any], input_activations: Any) -> str | None:
+        """SGLang's `CompressedTensorsConfig._is_mxint4a16` (with `_is_wNa16_group_channel`, which it is asked under):
+        INT4 weights per group of 32, symmetric, static, no activation quantization — the scheme it serves with
+        CompressedTensorsMxInt4MoE on flashinfer_trtllm (Kimi-K2's): "mxint4"."""
+        mxint4a16 = (
+            weights.get("type") == "int"
+            and weights.get("num_bits") == 4
+            and weights.get("strategy") == "group"
+            and weights.get("group_size") == 32
+            and bool(weights.get("symmetric", True))
+            and not weights.get("dynamic", False)
+            and not input_activations
+        )
+        return "mxint4" if mxint4a16 else None
 
     def refusal(self, checkpoint: Checkpoint) -> str | None:
         scheme = checkpoint.quant_scheme or ""

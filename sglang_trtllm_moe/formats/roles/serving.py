@@ -7,7 +7,7 @@ layout check (`layout.Layout.check_layout`) asks `supports_activation` of it too
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ... import layouts
 from ..records import SUPPORTED, Checkpoint, Support
@@ -17,7 +17,8 @@ class Serving:
     """Its MUST members are `Spec`'s (formats/base.py): `name`, `title`, `quantizations`, `hook_module`,
     `describes(checkpoint)`; MAY there: `gated_activations`, `non_gated_activations`, `intermediate_align`.
 
-    MAY define here: `hidden_align` (default 128), `activation_note`, `online_sources`, `own_backend`, `refusal`, and
+    MAY define here: `hidden_align` (default 128), `activation_note`, `online_sources`, `own_backend`, `refusal`,
+    `config_scheme` (a compressed-tensors scheme the generic detection does not name), and
     any `supports_*` predicate whose rule differs. Each predicate answers `(ok, reason)` (`Support`); selection asks
     them all, each under its reason code."""
 
@@ -44,6 +45,12 @@ class Serving:
     #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None
+
+    def config_scheme(self, weights: Mapping[str, Any], input_activations: Any) -> str | None:
+        """The `Checkpoint.quant_scheme` this format's checkpoints declare in a compressed-tensors config group
+        (its `weights` and `input_activations` entries: selection/hf_config.py asks every format first), or None:
+        the group is not this format's to name."""
+        return None
 
     def refusal(self, checkpoint: Checkpoint) -> str | None:
         """Why a checkpoint of this format's quantization that the format does not describe is not prepared (a
