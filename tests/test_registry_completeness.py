@@ -118,12 +118,10 @@ def test_0_required_members_are_declared_by_role():
         "name",
         "title",
         "quantizations",
-        "gated_activations",
-        "intermediate_align",
-        "hook_module",
+        "encoding",
         "params",
+        "hook_module",
         "upstream_verdicts",
-        "kernel",
     )
     assert base.WeightFormat.__abstractmethods__ == {"describes", "kernel_args"}
     for fmt in FORMATS:
@@ -138,9 +136,9 @@ def test_0_required_members_are_declared_by_role():
 
     class Unnamed(type(formats.BF16)):
         title = roles.MUST
-        kernel = roles.MUST
+        encoding = roles.MUST
 
-    with pytest.raises(TypeError, match=r"does not define: title, kernel$"):
+    with pytest.raises(TypeError, match=r"does not define: title, encoding$"):
         base.check_complete(Unnamed())
 
 

@@ -28,6 +28,15 @@ from .base import (
     ParamLayout,
     WeightFormat,
 )
+from .encodings import Calibration, Encoding, Tensors
+
+
+def _bf16(w: torch.Tensor, calib: Calibration) -> Tensors:
+    return {"weight": w.to(torch.bfloat16)}
+
+
+#: BF16, unquantized (no quant config)
+BF16_WEIGHTS = Encoding("bf16", "bf16", _bf16, lambda t: t["weight"].float())
 
 BLOCK_K_BYTES = 128
 
@@ -35,7 +44,7 @@ BLOCK_K_BYTES = 128
 class Bf16(WeightFormat):
     name = "bf16"
     title = "BF16 (unquantized)"
-    kernel = "bf16"
+    encoding = BF16_WEIGHTS
     hook_module = "sglang_trtllm_moe.builtins.bf16_hooks"
     upstream_verdicts = (
         defer.Verdict(

@@ -25,8 +25,12 @@ The kernel: SwiGLU only (the launcher fixes it; SGLang asserts a gated layer), B
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
+from .. import quant
 from ..compat import defer
 from ..kernel_api import RoutingMethodType
 from .base import (
@@ -39,6 +43,7 @@ from .base import (
     Support,
     WeightFormat,
 )
+from .encodings import Calibration, Encoding, Tensors, compressed_tensors_config, grid_dequantize
 
 #: the byte XOR that turns compressed-tensors' nibbles (w/s + 8) into the kernel's (w/s), and back
 NIBBLE_SIGN = 0x88
@@ -46,10 +51,65 @@ NIBBLE_SIGN = 0x88
 K_BLOCK = 256
 
 
+def _pack_quantized(w: torch.Tensor, calib: Calibration) -> Tensors:
+    """One projection as Kimi-K2 ships it: int32 words (w/s + 8), bf16 scales per 32, its [out, in] shape."""
+    packed, scale = quant.int4_quantize(w)
+    return {
+        "weight_packed": packed,
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32),
+    }
+
+
+def _int4_grid(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 words `[E, M, K/8]` (w/s + 8) x bf16 scales `[E, M, K/32]` -> values and one INT4 step (the scale)
+    per value."""
+    if weight.dtype != torch.int32:
+        return grid_dequantize(weight, scale)
+    return quant.int4_dequantize(weight, scale), scale.float().repeat_interleave(quant.INT4_GROUP, dim=-1)
+
+
+#: Kimi-K2's `quantization_config` (llm-compressor W4A16, group 32, symmetric, static, no activation quantization)
+EXAMPLE_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "ignore": [],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "strategy": "group",
+                "group_size": 32,
+                "symmetric": True,
+                "dynamic": False,
+                "actorder": None,
+                "observer": "minmax",
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
+    "kv_cache_scheme": None,
+}
+
+
+#: compressed-tensors INT4 W4A16, symmetric, group 32: `weight_packed` int32, `weight_scale` bf16, `weight_shape`
+INT4_G32 = Encoding(
+    "ct_int4",
+    "mxint4_block_scale",
+    _pack_quantized,
+    lambda t: quant.int4_dequantize(t["weight_packed"], t["weight_scale"]),
+    grid=_int4_grid,
+    quant_config=compressed_tensors_config(EXAMPLE_CONFIG),
+)
+
+
 class CtInt4(WeightFormat):
     name = "ct_int4"
     title = "INT4 W4A16 group 32 (compressed-tensors pack-quantized)"
-    kernel = "mxint4_block_scale"
+    encoding = INT4_G32
     hook_module = "sglang_trtllm_moe.builtins.int4_hooks"
     #: SGLang's only path for this scheme's MoE layers on the TRT-LLM-Gen kernels (its scheme asserts
     #: is_flashinfer_trtllm(): no routed path)
@@ -83,6 +143,21 @@ class CtInt4(WeightFormat):
 
     def describes(self, checkpoint: Checkpoint) -> bool:
         return checkpoint.quantization == "compressed-tensors" and checkpoint.quant_scheme == "mxint4"
+
+    def config_scheme(self, weights: Mapping[str, Any], input_activations: Any) -> str | None:
+        """SGLang's `CompressedTensorsConfig._is_mxint4a16` (with `_is_wNa16_group_channel`, which it is asked under):
+        INT4 weights per group of 32, symmetric, static, no activation quantization — the scheme it serves with
+        CompressedTensorsMxInt4MoE on flashinfer_trtllm (Kimi-K2's): "mxint4"."""
+        mxint4a16 = (
+            weights.get("type") == "int"
+            and weights.get("num_bits") == 4
+            and weights.get("strategy") == "group"
+            and weights.get("group_size") == 32
+            and bool(weights.get("symmetric", True))
+            and not weights.get("dynamic", False)
+            and not input_activations
+        )
+        return "mxint4" if mxint4a16 else None
 
     def refusal(self, checkpoint: Checkpoint) -> str | None:
         scheme = checkpoint.quant_scheme or ""
@@ -143,18 +218,6 @@ class CtInt4(WeightFormat):
         if name.endswith("_weight_packed"):
             return name[: -len("_packed")] + "_scale"
         return super().scale_of(name)
-
-    def dequantize_param(
-        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """int32 words `[E, M, K/8]` (w/s + 8) x bf16 scales `[E, M, K/32]` -> values and one INT4 step (the
-        scale) per value."""
-        from .. import quant
-
-        if scale is None or weight.dtype != torch.int32:
-            return super().dequantize_param(name, weight, scale)
-        step = scale.float().repeat_interleave(quant.INT4_GROUP, dim=-1)
-        return quant.int4_dequantize(weight, scale), step
 
     # ---- the kernel ---------------------------------------------------------------------------------------------
     def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:

@@ -17,14 +17,71 @@ from __future__ import annotations
 
 import torch
 
+from .. import quant
 from ..compat import defer
 from .base import TRTLLM, Checkpoint, Layer, ParamLayout, Support, WeightFormat
+from .encodings import Calibration, Encoding, Tensors, compressed_tensors_config, nvfp4_grid
 from .nvfp4 import NvFp4
+
+
+def _llm_compressor_nvfp4(w: torch.Tensor, calib: Calibration) -> Tensors:
+    """One projection as llm-compressor writes it: gate and up share one global scale (fused), down its own; its
+    global scales are quantize scales (the inverses of ModelOpt's weight_scale_2 / input_scale)."""
+    gs = float(quant.FP8_E4M3_MAX * 6 / (w.abs().max() if calib.down else calib.gate_up_amax))
+    packed, sf = quant.nvfp4_quantize(w, gs)
+    return {
+        "weight_packed": packed,
+        "weight_scale": sf,
+        "weight_global_scale": torch.tensor([gs], dtype=torch.float32),
+        "input_global_scale": torch.tensor([quant.FP8_E4M3_MAX * 6 / calib.input_amax], dtype=torch.float32),
+    }
+
+
+#: the config.json `quantization_config` of an llm-compressor NVFP4 (W4A4, tensor_group, group 16) checkpoint
+EXAMPLE_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "ignore": [],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": "local",
+            },
+        }
+    },
+}
+
+
+#: compressed-tensors NVFP4: `weight_packed`, `weight_scale` e4m3 per 16, `weight_global_scale`,
+#: `input_global_scale` (quantize scales)
+CT_NVFP4_WEIGHTS = Encoding(
+    "ct_nvfp4",
+    "fp4_block_scale",
+    _llm_compressor_nvfp4,
+    lambda t: quant.nvfp4_dequantize(t["weight_packed"], t["weight_scale"], float(t["weight_global_scale"])),
+    grid=nvfp4_grid,
+    quant_config=compressed_tensors_config(EXAMPLE_CONFIG),
+)
 
 
 class CtNvFp4(NvFp4):
     name = "ct_nvfp4"
     title = "NVFP4 (compressed-tensors nvfp4)"
+    encoding = CT_NVFP4_WEIGHTS
     #: SGLang has no routed path for compressed-tensors (handle_moe_kernel_config asserts)
     quantizations = {TRTLLM: frozenset({"compressed-tensors"})}
     #: SGLang's own prepared FP4-leaf layers are read as ModelOpt NVFP4 (the same bytes), not as this format

@@ -15,11 +15,11 @@ supports ActivationType::Swiglu" for anything else, trtllm_fused_moe_kernel_laun
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
-from ..compat import defer, features
+from .. import quant
+from ..compat import defer
 from .base import (
-    SUPPORTED,
     TRTLLM,
     TRTLLM_ROUTED,
     Checkpoint,
@@ -29,32 +29,49 @@ from .base import (
     Support,
     WeightFormat,
 )
+from .encodings import (
+    Calibration,
+    Encoding,
+    Tensors,
+    Unquantized,
+    block_scaled_intermediate,
+    swiglu_limits,
+)
 
-BLOCK = 128
+BLOCK = quant.FP8_BLOCK
 
 
-def swiglu_limits(quant_info: Any) -> dict:  # SGLang QuantInfo (no type information)
-    """The block-scale kernel family's SwiGLU alpha / beta / clamp arguments from SGLang's FP8 QuantInfo (None where
-    this release's QuantInfo carries none: features.FP8_QUANT_INFO_SWIGLU)."""
-    names = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
-    if not features.FP8_QUANT_INFO_SWIGLU.present():
-        return dict.fromkeys(names)
-    return {n: getattr(quant_info, n) for n in names}
+def _deepseek_fp8(w: torch.Tensor, calib: Calibration) -> Tensors:
+    """One projection: e4m3 `weight` and fp32 `weight_scale_inv` per 128x128 block."""
+    q, s = quant.fp8_block_quantize(w)
+    return {"weight": q, "weight_scale_inv": s}
 
 
-def block_scaled_intermediate(per_rank: int) -> Support:
-    """`supports_intermediate` of the fp8 block-scale kernel family (DeepSeek FP8, MXFP8): the checkpoint's per-rank
-    share of the intermediate must already be a multiple of the 128-wide scale block (a TP split inside a block
-    would cut its scale; selection does not pad these)."""
-    if per_rank % BLOCK:
-        return False, f"intermediate per rank {per_rank} is not a multiple of the 128x128 FP8 scale block"
-    return SUPPORTED
+def _block_config(unquantized: Unquantized) -> dict:
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+        "fmt": "e4m3",
+        "ignored_layers": list(unquantized.modules),
+    }
+
+
+#: DeepSeek 128x128 block FP8 (`quant_method: fp8`, `weight_block_size`)
+DEEPSEEK_FP8 = Encoding(
+    "fp8_block",
+    "fp8_block_scale",
+    _deepseek_fp8,
+    lambda t: quant.fp8_block_dequantize(t["weight"], t["weight_scale_inv"]),
+    quant_config=_block_config,
+    random_std=0.02,
+)
 
 
 class Fp8Block(WeightFormat):
     name = "fp8_block"
     title = "FP8 128x128 block (fp8)"
-    kernel = "fp8_block_scale"
+    encoding = DEEPSEEK_FP8
     hook_module = "sglang_trtllm_moe.builtins.fp8_hooks"
     upstream_verdicts = (
         defer.Verdict(

@@ -20,8 +20,12 @@ layer). With s_gate == s_up these are SGLang's numbers bit for bit (same float o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import torch
 
+from .. import quant
 from ..compat import defer
 from ..layouts.maps import cached, norm_device
 from .base import (
@@ -33,6 +37,41 @@ from .base import (
     ParamLayout,
     WeightFormat,
 )
+from .encodings import Calibration, Encoding, Tensors, Unquantized, modelopt_config, modelopt_hf_config
+
+
+def _per_tensor(w: torch.Tensor, calib: Calibration) -> Tensors:
+    """One projection: e4m3 `weight`, its fp32 dequantization `weight_scale` (amax / 448) and static `input_scale`
+    (the GEMM input's amax / 448)."""
+    scale = (w.abs().max() / quant.FP8_E4M3_MAX).to(torch.float32)
+    return {
+        "weight": quant.fp8_quantize(w, scale),
+        "weight_scale": scale,
+        "input_scale": torch.tensor(calib.input_amax / quant.FP8_E4M3_MAX, dtype=torch.float32),
+    }
+
+
+def _fp8_static_config(unquantized: Unquantized) -> dict:
+    return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": list(unquantized.modules)}
+
+
+def _per_tensor_dequantize(t: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return quant.fp8_dequantize(t["weight"], t["weight_scale"])
+
+
+#: ModelOpt FP8 per-tensor, static input scales (the sandbox's `fp8`)
+MODELOPT_FP8 = Encoding(
+    "fp8",
+    "fp8_per_tensor_scale",
+    _per_tensor,
+    _per_tensor_dequantize,
+    quant_config=modelopt_config("FP8"),
+    hf_quant_config=modelopt_hf_config,
+)
+#: SGLang `fp8` per-tensor, static (the sandbox's `fp8_static`): the same tensors, Fp8Config's config
+FP8_STATIC = Encoding(
+    "fp8_static", "fp8_per_tensor_scale", _per_tensor, _per_tensor_dequantize, quant_config=_fp8_static_config
+)
 
 
 def _swap_halves_map(m: int) -> torch.Tensor:
@@ -42,7 +81,8 @@ def _swap_halves_map(m: int) -> torch.Tensor:
 class Fp8PerTensor(WeightFormat):
     params = (ParamLayout("w13_weight", "w13"), ParamLayout("w2_weight", "w2"))
     scalar_params = ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale")
-    kernel = "fp8_per_tensor_scale"
+    #: per format (set in __init__): the same tensors, each format its own config.json
+    ENCODINGS: ClassVar[dict[str, Encoding]] = {"fp8_tensor_modelopt": MODELOPT_FP8, "fp8_tensor": FP8_STATIC}
     hook_module = "sglang_trtllm_moe.builtins.fp8_hooks"
     #: SGLang's FP8 trtllm path (flashinfer_trtllm.py `_SUPPORTED_FP8_ACTIVATIONS` and get_activation_type): gated
     #: SwiGLU, non-gated silu / relu2; flashinfer's per-tensor launcher takes any of them from 0.6.8
@@ -71,6 +111,7 @@ class Fp8PerTensor(WeightFormat):
         checkpoint: Checkpoint,
     ):
         self.name = name
+        self.encoding = self.ENCODINGS[name]
         self.title = title
         #: True when the loader stores w13 as [gate; up] (ModelOpt), False for [up; gate] (Fp8MoEMethod)
         self.gate_first = gate_first

@@ -30,26 +30,17 @@ from .. import layer_attrs, layouts
 from ..compat import defer
 from ..layouts.maps import cached, norm_device
 from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .encodings import FLASHINFER_MXFP4, MX_BLOCK, MXFP4, mxfp4_activations
 from .load_rules import NONNEGATIVE
-from .mxfp8 import MX_BLOCK
 
-FLASHINFER_MXFP4 = "flashinfer_mxfp4"
 UE8M0_ONE = 127
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def fp4_step(packed: torch.Tensor) -> torch.Tensor:
-    """One e2m1 grid step above each code's magnitude, per unpacked value."""
-    steps = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0], device=packed.device)
-    u8 = packed.view(torch.uint8)
-    codes = torch.stack([u8 & 0x07, (u8 >> 4) & 0x07], dim=-1).flatten(-2)
-    return steps[codes.long()]
 
 
 class Mxfp4Experts(WeightFormat):
     name = "mxfp4_experts"
     title = "MXFP4 experts (fp8 config, is_fp4_experts)"
-    kernel = "fp4_block_scale"
+    encoding = MXFP4
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
     upstream_verdicts = (
         defer.Verdict(
@@ -187,18 +178,6 @@ class Mxfp4Experts(WeightFormat):
             return f"w13 {tuple(layer.w13_weight.shape)}: the MXFP4 kernel needs 2 x I % 256 == 0 and H % 128 == 0"
         return None
 
-    # ---- checker ----------------------------------------------------------------------------------------------------
-    def dequantize_param(
-        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed e2m1 `[E, M, K/2]` x linear UE8M0 `[E, M, K/32]` -> values and one e2m1 step per value."""
-        from .. import quant
-        from .mxfp8 import ue8m0_tolerance
-
-        if scale is None:
-            return super().dequantize_param(name, weight, scale)
-        return quant.mxfp4_dequantize(weight, scale), ue8m0_tolerance(fp4_step(weight), scale)
-
     # ---- the kernel -------------------------------------------------------------------------------------------------
     def routes_in_kernel(self, call: KernelCall) -> bool:
         # SGLang's apply routes bypassed logits in the kernel only with the method its configure_bypassed_topk chose
@@ -237,35 +216,6 @@ class Mxfp4Experts(WeightFormat):
             local_num_experts=qi.local_num_experts,
             **routing,
         )
-
-
-def mxfp4_activations(call: KernelCall, precision: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(hidden_states, hidden_states_scale) for the MXFP4 kernels: "default" = MXFP8 with a linear [T, H/32] scale
-    viewed as float8_e4m3fn (SGLang's views), "bf16" = the activations zero-padded to the kernel's hidden size."""
-    x = call.hidden
-    if precision == "bf16":
-        if x.shape[-1] != hidden:
-            x = torch.nn.functional.pad(x, (0, hidden - x.shape[-1]))
-        return x, None
-    if precision != "default":
-        raise NotImplementedError(f"flashinfer_mxfp4_moe_precision {precision!r} (default = MXFP8, or bf16)")
-    if call.hidden_scale is not None:
-        hs, sf = x, call.hidden_scale
-    elif call.on_kernel:
-        from ..compat import features
-
-        if features.MXFP8_QUANTIZE_IN_FP8_UTILS.present():
-            from sglang.srt.layers.quantization.fp8_utils import flashinfer_mxfp8_quantize as mxq
-        else:
-            from flashinfer import mxfp8_quantize as mxq
-        hs, sf = mxq(x, False, alignment=hidden)
-    else:
-        from .. import quant
-
-        if x.shape[-1] != hidden:
-            x = torch.nn.functional.pad(x, (0, hidden - x.shape[-1]))
-        hs, sf = quant.mxfp8_quantize(x)
-    return hs, sf.view(torch.uint8).view(torch.float8_e4m3fn).reshape(hs.shape[0], -1)
 
 
 MXFP4_EXPERTS = Mxfp4Experts()

@@ -30,9 +30,8 @@ from .. import layouts
 from ..compat import defer
 from ..layouts.maps import cached, norm_device
 from .base import Checkpoint, KernelCall, Layer, ParamLayout, WeightFormat
+from .encodings import FLASHINFER_MXFP4, MX_BLOCK, MXFP4, grid_dequantize, mxfp4_activations
 from .load_rules import UE8M0_BYTES
-from .mxfp4_experts import FLASHINFER_MXFP4, fp4_step, mxfp4_activations
-from .mxfp8 import MX_BLOCK, ue8m0_tolerance
 
 #: SGLang's Mxfp4MoEMethod (no type information)
 QuantMethod = Any
@@ -43,7 +42,7 @@ ALPHA, LIMIT = 1.702, 7.0
 class Mxfp4GptOss(WeightFormat):
     name = "mxfp4_gptoss"
     title = "MXFP4 (mxfp4, gpt-oss)"
-    kernel = "fp4_block_scale"
+    encoding = MXFP4
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
     upstream_verdicts = (
         defer.Verdict(
@@ -168,13 +167,10 @@ class Mxfp4GptOss(WeightFormat):
     def dequantize_param(
         self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from .. import quant
-
+        """The biases are dense (compared on their own); the weights MXFP4 (the encoding's grid)."""
         if name.endswith("_bias"):
-            return super().dequantize_param(name, weight.unsqueeze(-1), None)
-        if scale is None:
-            return super().dequantize_param(name, weight, scale)
-        return quant.mxfp4_dequantize(weight, scale), ue8m0_tolerance(fp4_step(weight), scale)
+            return grid_dequantize(weight.unsqueeze(-1), None)
+        return super().dequantize_param(name, weight, scale)
 
     # ---- scalars ----------------------------------------------------------------------------------------------------
     def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import quant
 from ..compat import defer, features
 from .base import (
     TRTLLM,
@@ -30,31 +31,38 @@ from .base import (
     Support,
     WeightFormat,
 )
-from .fp8_block import block_scaled_intermediate, swiglu_limits
+from .encodings import (
+    MX_BLOCK,
+    Calibration,
+    Encoding,
+    Tensors,
+    block_scaled_intermediate,
+    mxfp8_grid,
+    swiglu_limits,
+)
 from .load_rules import UE8M0_BYTES
 
-MX_BLOCK = 32
+
+def _mxfp8(w: torch.Tensor, calib: Calibration) -> Tensors:
+    """One projection: e4m3 `weight` and uint8 UE8M0 `weight_scale_inv` per 32 columns."""
+    q, s = quant.mxfp8_quantize(w)
+    return {"weight": q, "weight_scale_inv": s}
 
 
-def ue8m0_tolerance(values_tol: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    from .. import quant
-
-    return values_tol * quant.ue8m0_to_float(scale).repeat_interleave(MX_BLOCK, dim=-1)
-
-
-def e4m3_step(q: torch.Tensor) -> torch.Tensor:
-    """One e4m3 grid step at each value (subnormal step below the smallest normal)."""
-    finfo = torch.finfo(torch.float8_e4m3fn)
-    x = q.float().abs()
-    _, exp = torch.frexp(x)
-    step = torch.exp2((exp - 1).float()) * finfo.eps
-    return torch.where(x < finfo.smallest_normal, torch.full_like(x, finfo.smallest_normal * finfo.eps), step)
+#: MXFP8: e4m3, a UE8M0 byte per 32 (`quant_method: mxfp8`)
+MXFP8_WEIGHTS = Encoding(
+    "mxfp8",
+    "fp8_block_scale",
+    _mxfp8,
+    lambda t: quant.mxfp8_dequantize(t["weight"], t["weight_scale_inv"]),
+    grid=mxfp8_grid,
+)
 
 
 class Mxfp8(WeightFormat):
     name = "mxfp8"
     title = "MXFP8 (mxfp8)"
-    kernel = "fp8_block_scale"
+    encoding = MXFP8_WEIGHTS
     hook_module = "sglang_trtllm_moe.builtins.mx_hooks"
     upstream_verdicts = (
         defer.Verdict(
@@ -129,16 +137,6 @@ class Mxfp8(WeightFormat):
                     f"{n} is {tuple(t.shape)} {t.dtype}, expected uint8 UE8M0 bytes [{e}, {rows}, {cols // MX_BLOCK}]"
                 )
         return None
-
-    def dequantize_param(
-        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """e4m3 `[E, M, K]` x linear UE8M0 bytes `[E, M, K/32]` -> values and one e4m3 step per value."""
-        from .. import quant
-
-        if scale is None:
-            return super().dequantize_param(name, weight, scale)
-        return quant.mxfp8_dequantize(weight, scale), ue8m0_tolerance(e4m3_step(weight), scale)
 
     def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
         """Activations MXFP8 (uint8 scales [T, H/32], linear, not transposed), weights shuffled MajorK, MxFp8."""

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import quant
 from ..compat import defer, features
 from .base import (
     TRTLLM,
@@ -26,12 +27,38 @@ from .base import (
     Support,
     WeightFormat,
 )
+from .encodings import Calibration, Encoding, Tensors, modelopt_config, modelopt_hf_config, nvfp4_grid
+
+
+def _modelopt_nvfp4(w: torch.Tensor, calib: Calibration) -> Tensors:
+    """One projection as ModelOpt writes it: its own global scale (weight_scale_2 = its inverse, a dequantization
+    scale), the static input scale amax / (448 * 6)."""
+    gs = float(quant.FP8_E4M3_MAX * 6 / w.abs().max())
+    packed, sf = quant.nvfp4_quantize(w, gs)
+    return {
+        "weight": packed,
+        "weight_scale": sf,
+        "weight_scale_2": torch.tensor(1.0 / gs, dtype=torch.float32),
+        "input_scale": torch.tensor(calib.input_amax / (quant.FP8_E4M3_MAX * 6), dtype=torch.float32),
+    }
+
+
+#: ModelOpt NVFP4: `weight` packed e2m1, `weight_scale` e4m3 per 16, `weight_scale_2` and `input_scale` fp32
+MODELOPT_NVFP4 = Encoding(
+    "nvfp4",
+    "fp4_block_scale",
+    _modelopt_nvfp4,
+    lambda t: quant.nvfp4_dequantize(t["weight"], t["weight_scale"], 1.0 / float(t["weight_scale_2"])),
+    grid=nvfp4_grid,
+    quant_config=modelopt_config("NVFP4", group_size=quant.NVFP4_BLOCK),
+    hf_quant_config=modelopt_hf_config,
+)
 
 
 class NvFp4(WeightFormat):
     name = "nvfp4"
     title = "NVFP4 (modelopt_fp4)"
-    kernel = "fp4_block_scale"
+    encoding = MODELOPT_NVFP4
     hook_module = "sglang_trtllm_moe.builtins.nvfp4_hooks"
     upstream_verdicts: tuple[defer.Verdict, ...] = (
         defer.Verdict(
@@ -71,24 +98,6 @@ class NvFp4(WeightFormat):
                 "MoE method (silu / relu2 only before 0.5.13; it asserts on any other activation)"
             )
         return super().supports_activation(activation, gated)
-
-    def dequantize_param(
-        self, name: str, weight: torch.Tensor, scale: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed e2m1 `[E, M, K/2]` x linear e4m3 `[E, M, K/16]` -> `[E, M, K]` (global scale_2 excluded: it is a
-        scalar parameter). Tolerance: the e2m1 grid step above each code's magnitude, times its block scale. The
-        negative-zero code dequantizes to +0.0, as flashinfer's CPU dequantizer gives it (the weight checker's
-        checksum hashes these values' bytes)."""
-        from .. import quant
-
-        if scale is None:
-            return super().dequantize_param(name, weight, scale)
-        values = quant.nvfp4_dequantize(weight, scale, 1.0) + 0.0
-        steps = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0], device=weight.device)
-        u8 = weight.view(torch.uint8)
-        codes = torch.stack([u8 & 0x07, (u8 >> 4) & 0x07], dim=-1).flatten(-2)
-        sf = scale.view(torch.float8_e4m3fn).float() if scale.dtype == torch.uint8 else scale.float()
-        return values, steps[codes.long()] * sf.repeat_interleave(16, dim=-1)
 
     def dequant_scales(self, layer: Layer) -> dict[str, torch.Tensor]:
         """ModelOpt's weight_scale_2 is the dequantization scale (gate / up columns in the stored order of

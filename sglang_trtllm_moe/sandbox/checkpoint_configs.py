@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
-from .format_examples import CT_INT4_CONFIG as CT_INT4_EXAMPLE
-from .format_examples import CT_NVFP4_CONFIG as CT_NVFP4_EXAMPLE
+from ..formats import FORMATS
+from ..formats.encodings import Encoding, Unquantized
 from .tiny_spec import Q_LORA, QK_NOPE, QK_ROPE, V_HEAD, TinySpec, layer_prefix, moe_prefix
+
+#: every stored encoding of the registry by its name (`Encoding.name`, the tiny quant a checkpoint is stored in)
+ENCODINGS: dict[str, Encoding] = {f.encoding.name: f.encoding for f in FORMATS}
 
 # ---- config.json and quant configs ---------------------------------------------------------------------------------
 
@@ -63,51 +65,26 @@ def _ignored_layers_fp8(spec: TinySpec) -> list[str]:
     return out
 
 
+def encoding(spec: TinySpec) -> Encoding:
+    """The encoding a tiny checkpoint of `spec` stores its experts in (`spec.stored`: the registry's encoding of
+    that name, `WeightFormat.encoding`)."""
+    try:
+        return ENCODINGS[spec.stored]
+    except KeyError:
+        raise ValueError(f"no format stores its experts as {spec.stored!r}; encodings: {sorted(ENCODINGS)}") from None
+
+
 def quantization_config(spec: TinySpec) -> dict | None:
-    q = spec.stored
-    if q == "bf16":
-        return None
-    if q in ("nvfp4", "fp8"):
-        algo = "NVFP4" if q == "nvfp4" else "FP8"
-        cfg: dict[str, Any] = {
-            "quant_method": "modelopt",
-            "quant_algo": algo,
-            "ignore": _excluded_modules(spec),
-            "producer": {"name": "modelopt", "version": "0.29.0"},
-        }
-        if q == "nvfp4":
-            cfg["group_size"] = 16
-        return cfg
-    if q in ("ct_nvfp4", "ct_int4"):  # llm-compressor's configs: what stays BF16 as "re:" patterns (Kimi-K2's style)
-        ignore = _excluded_modules(spec)
-        return {
-            **(CT_NVFP4_EXAMPLE if q == "ct_nvfp4" else CT_INT4_EXAMPLE),
-            "quantization_status": "compressed",
-            "ignore": [("re:.*" + i.replace(".", r"\.").replace("*", ".*") + ".*") for i in ignore],
-        }
-    if q == "fp8_static":
-        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": _ignored_layers_fp8(spec)}
-    if q == "fp8_block":
-        return {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-            "fmt": "e4m3",
-            "ignored_layers": _ignored_layers_fp8(spec),
-        }
-    raise ValueError(q)
+    """config.json's `quantization_config`: the encoding's (`Encoding.quant_config`), naming what stays BF16."""
+    unquantized = Unquantized(tuple(_excluded_modules(spec)), tuple(_ignored_layers_fp8(spec)))
+    return encoding(spec).quant_config(unquantized)
 
 
 def hf_quant_config(spec: TinySpec) -> dict | None:
-    """ModelOpt's hf_quant_config.json (the legacy file SGLang still reads first for ModelOpt checkpoints)."""
-    if spec.stored not in ("nvfp4", "fp8"):
-        return None
+    """ModelOpt's hf_quant_config.json (the legacy file SGLang still reads first for ModelOpt checkpoints), where
+    the encoding writes one (`Encoding.hf_quant_config`)."""
     qc = quantization_config(spec)
-    assert qc is not None  # ModelOpt formats have one
-    body = {"quant_algo": qc["quant_algo"], "kv_cache_quant_algo": None, "exclude_modules": qc["ignore"]}
-    if spec.stored == "nvfp4":
-        body["group_size"] = 16
-    return {"producer": qc["producer"], "quantization": body}
+    return None if qc is None else encoding(spec).hf_quant_config(qc)
 
 
 def config(spec: TinySpec, with_quant: bool = True) -> dict:

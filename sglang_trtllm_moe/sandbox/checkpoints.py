@@ -13,14 +13,11 @@ experts; router):
   sigmoid + correction bias
 - mixtral: MixtralForCausalLM; `model.layers.N.block_sparse_moe.experts.E.w{1,2,3}`; gated SwiGLU; softmax top-k
 
-Formats (`quant`): `nvfp4` (ModelOpt NVFP4: `weight` packed e2m1, `weight_scale` e4m3 per 16, `weight_scale_2`,
-`input_scale`), `ct_nvfp4` (llm-compressor compressed-tensors NVFP4: `weight_packed`, `weight_scale`,
-`weight_global_scale`, `input_global_scale`), `ct_int4` (compressed-tensors INT4 W4A16 group 32, as Kimi-K2 ships:
-`weight_packed` int32, `weight_scale` bf16, `weight_shape`; moe intermediate 256, the kernel's K block), `fp8`
-(ModelOpt FP8 per-tensor, static input scales), `fp8_static`
-(`quant_method: fp8`, per-tensor, static: the FP8 format Mixtral's FusedMoE class takes), `fp8_block` (DeepSeek
-128x128 block FP8, `weight_scale_inv`), `bf16`, `nvfp4_online` (a BF16 checkpoint, served with `--quantization
-nvfp4_online`: `TinySpec.server_args()`).
+Formats (`quant`): every format's tiny checkpoint (`format_examples.TINY`; `tiny_spec.QUANTS`), its experts written in
+the stored encoding of that name (`WeightFormat.encoding`, formats/encodings.py: the tensors' names, dtypes and
+scales are the encoding's `quantize`, config.json's quant config its `quant_config`); a format SGLang quantizes as it
+loads (`nvfp4_online`) is stored in another's (a BF16 checkpoint, served with `--quantization nvfp4_online`:
+`TinySpec.server_args()`).
 
 Only the routed experts are quantized. Attention, dense MLPs, shared experts, routers, embeddings and lm_head stay
 BF16 and are listed in the quant config's exclude/ignore list, as real mixed-precision checkpoints list what they
@@ -51,8 +48,14 @@ import zlib
 
 import torch
 
-from .. import quant
-from .checkpoint_configs import config, hf_quant_config, quantization_config, write_tokenizer  # noqa: F401 (API)
+from ..formats.encodings import Calibration
+from .checkpoint_configs import (  # noqa: F401 (API)
+    config,
+    encoding,
+    hf_quant_config,
+    quantization_config,
+    write_tokenizer,
+)
 from .tiny_spec import (  # noqa: F401 (re-exported: the checkpoint API in one module)
     ARCHS,
     DOWN,
@@ -124,15 +127,11 @@ def _calibrate(spec: TinySpec, layer: int, expert: int, ws: dict[str, torch.Tens
     return float(x.abs().max()), float(a2.abs().max())
 
 
-def _nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    gs = float(quant.FP8_E4M3_MAX * 6 / w.abs().max())
-    packed, sf = quant.nvfp4_quantize(w, gs)
-    return packed, sf, gs
-
-
 def quantized_experts(spec: TinySpec, layers=None, experts=None, roles=None) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of the routed experts in `spec.quant`, by full checkpoint name."""
+    """The checkpoint tensors of the routed experts in `spec.stored`'s encoding (`Encoding.quantize`), by full
+    checkpoint name."""
     fl = float_experts(spec, layers, experts, None)  # all roles: calibration needs both halves
+    enc = encoding(spec)
     out: dict[str, torch.Tensor] = {}
     by_expert: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for base, w in fl.items():
@@ -142,73 +141,26 @@ def quantized_experts(spec: TinySpec, layers=None, experts=None, roles=None) -> 
         by_expert.setdefault((layer, e), {})[role] = w
     for (layer, e), ws in by_expert.items():
         x_amax, a_amax = _calibrate(spec, layer, e, ws)
-        gemm1 = [r for r in ws if r != DOWN]
-        fused_gs = float(quant.FP8_E4M3_MAX * 6 / max(float(ws[r].abs().max()) for r in gemm1))
+        gate_up_amax = max(float(ws[r].abs().max()) for r in ws if r != DOWN)
         for role, w in ws.items():
             if roles is not None and role not in roles:
                 continue
             base = expert_base(spec, layer, e, role)
-            in_amax = a_amax if role == DOWN else x_amax
-            q = spec.stored
-            if q == "nvfp4":
-                packed, sf, gs = _nvfp4(w)
-                out[f"{base}.weight"] = packed
-                out[f"{base}.weight_scale"] = sf
-                out[f"{base}.weight_scale_2"] = torch.tensor(1.0 / gs, dtype=torch.float32)
-                out[f"{base}.input_scale"] = torch.tensor(in_amax / (quant.FP8_E4M3_MAX * 6), dtype=torch.float32)
-            elif q == "ct_nvfp4":
-                # llm-compressor fuses the gate/up global scale; its scales are quantize scales (inverse of ModelOpt's)
-                gs = fused_gs if role != DOWN else float(quant.FP8_E4M3_MAX * 6 / w.abs().max())
-                packed, sf = quant.nvfp4_quantize(w, gs)
-                out[f"{base}.weight_packed"] = packed
-                out[f"{base}.weight_scale"] = sf
-                out[f"{base}.weight_global_scale"] = torch.tensor([gs], dtype=torch.float32)
-                out[f"{base}.input_global_scale"] = torch.tensor(
-                    [quant.FP8_E4M3_MAX * 6 / in_amax], dtype=torch.float32
-                )
-            elif q == "ct_int4":  # Kimi-K2's names: int32 words (w/s + 8), bf16 scales per 32, the shape
-                out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = quant.int4_quantize(w)
-                out[f"{base}.weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int32)
-            elif q in ("fp8", "fp8_static"):
-                scale = (w.abs().max() / quant.FP8_E4M3_MAX).to(torch.float32)
-                out[f"{base}.weight"] = quant.fp8_quantize(w, scale)
-                out[f"{base}.weight_scale"] = scale
-                out[f"{base}.input_scale"] = torch.tensor(in_amax / quant.FP8_E4M3_MAX, dtype=torch.float32)
-            elif q == "fp8_block":
-                qw, s = quant.fp8_block_quantize(w)
-                out[f"{base}.weight"] = qw
-                out[f"{base}.weight_scale_inv"] = s
-            elif q == "bf16":
-                out[f"{base}.weight"] = w.to(torch.bfloat16)
-            else:  # pragma: no cover - TinySpec validates
-                raise ValueError(q)
+            calib = Calibration(a_amax if role == DOWN else x_amax, gate_up_amax, role == DOWN)
+            out.update({f"{base}.{suffix}": t for suffix, t in enc.quantize(w, calib).items()})
     return out
 
 
 def dequantize_experts(spec: TinySpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`{base}.weight` float32 of every expert projection in `tensors` (what the kernels compute with)."""
-    out = {}
-    bases = {n.rsplit(".", 1)[0] for n in tensors if ".experts." in n}
-    for b in sorted(bases):
-        q = spec.stored
-        if q == "nvfp4":
-            w = quant.nvfp4_dequantize(
-                tensors[f"{b}.weight"], tensors[f"{b}.weight_scale"], 1.0 / float(tensors[f"{b}.weight_scale_2"])
-            )
-        elif q == "ct_nvfp4":
-            w = quant.nvfp4_dequantize(
-                tensors[f"{b}.weight_packed"], tensors[f"{b}.weight_scale"], float(tensors[f"{b}.weight_global_scale"])
-            )
-        elif q == "ct_int4":
-            w = quant.int4_dequantize(tensors[f"{b}.weight_packed"], tensors[f"{b}.weight_scale"])
-        elif q in ("fp8", "fp8_static"):
-            w = quant.fp8_dequantize(tensors[f"{b}.weight"], tensors[f"{b}.weight_scale"])
-        elif q == "fp8_block":
-            w = quant.fp8_block_dequantize(tensors[f"{b}.weight"], tensors[f"{b}.weight_scale_inv"])
-        else:
-            w = tensors[f"{b}.weight"].float()
-        out[f"{b}.weight"] = w
-    return out
+    """`{base}.weight` float32 of every expert projection in `tensors` (what the kernels compute with:
+    `Encoding.dequantize`)."""
+    enc = encoding(spec)
+    by_base: dict[str, dict[str, torch.Tensor]] = {}
+    for n, t in tensors.items():
+        if ".experts." in n:
+            base, suffix = n.rsplit(".", 1)
+            by_base.setdefault(base, {})[suffix] = t
+    return {f"{b}.weight": enc.dequantize(by_base[b]) for b in sorted(by_base)}
 
 
 def checkpoint(spec: TinySpec, layers=None, experts=None, roles=None, dense: bool = True) -> dict[str, torch.Tensor]:

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import formats
+from ..formats.ct_int4 import EXAMPLE_CONFIG as CT_INT4_CONFIG
 from ..formats.ct_int4 import K_BLOCK
+from ..formats.ct_nvfp4 import EXAMPLE_CONFIG as CT_NVFP4_CONFIG
 from ..formats.fp8_block import BLOCK
 from ..formats.mxfp4_gptoss import ALPHA, LIMIT
 
@@ -85,59 +87,6 @@ class NoTinyCheckpoint:
 
     why: str
 
-
-#: Kimi-K2's `quantization_config` (llm-compressor W4A16, group 32, symmetric, static, no activation quantization)
-CT_INT4_CONFIG: dict[str, Any] = {
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "ignore": [],
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "strategy": "group",
-                "group_size": 32,
-                "symmetric": True,
-                "dynamic": False,
-                "actorder": None,
-                "observer": "minmax",
-            },
-            "input_activations": None,
-            "output_activations": None,
-        }
-    },
-    "kv_cache_scheme": None,
-}
-
-#: the config.json `quantization_config` of an llm-compressor NVFP4 (W4A4, tensor_group, group 16) checkpoint
-CT_NVFP4_CONFIG: dict[str, Any] = {
-    "quant_method": "compressed-tensors",
-    "format": "nvfp4-pack-quantized",
-    "ignore": [],
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "float",
-                "strategy": "tensor_group",
-                "group_size": 16,
-                "symmetric": True,
-                "dynamic": False,
-            },
-            "input_activations": {
-                "num_bits": 4,
-                "type": "float",
-                "strategy": "tensor_group",
-                "group_size": 16,
-                "symmetric": True,
-                "dynamic": "local",
-            },
-        }
-    },
-}
 
 _CT = "compressed_tensors.compressed_tensors.CompressedTensorsConfig"
 

@@ -5,16 +5,24 @@ holds them ("experts.3.gate_proj.weight"). Apart from the layer builder because 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .. import quant
+from ..formats import FORMATS
+from ..formats.encodings import Calibration, Encoding
 
 if TYPE_CHECKING:
     from .layers import MoeSpec
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
+
+
+class Maker(Protocol):
+    """A random layer checkpoint maker: (spec, seed, experts) -> tensors by name below the MoE block."""
+
+    def __call__(self, spec: MoeSpec, seed: int = 0, experts: Any = None) -> dict[str, torch.Tensor]: ...
 
 
 def _random_experts(spec: MoeSpec, seed: int, experts, std: float = 0.02, up_factor: float = 1.0):
@@ -49,15 +57,6 @@ def random_nvfp4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[
     return out
 
 
-def random_bf16_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
-    """BF16 tensors per expert and projection (HF names)."""
-    return {
-        f"experts.{e}.{proj}.weight": w.to(torch.bfloat16)
-        for e, ws in _random_experts(spec, seed, experts, std=0.05)
-        for proj, w in ws.items()
-    }
-
-
 def random_ct_nvfp4_checkpoint(
     spec: MoeSpec, seed: int = 0, experts=None, same_gate_up_scale: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -78,20 +77,6 @@ def random_ct_nvfp4_checkpoint(
             out[base + "input_global_scale"] = torch.tensor(
                 [in_gs if proj != DOWN else in_gs * 0.8], dtype=torch.float32
             )
-    return out
-
-
-def random_ct_int4_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
-    """Compressed-tensors INT4 W4A16 tensors as Kimi-K2's checkpoints name them: int32 `weight_packed` (8 nibbles
-    w/s + 8 a word), bf16 `weight_scale` per 32 values, int32 `weight_shape` ([out, in])."""
-    out: dict[str, torch.Tensor] = {}
-    for e, ws in _random_experts(spec, seed, experts, std=0.05):
-        for proj, w in ws.items():
-            packed, scale = quant.int4_quantize(w)
-            base = f"experts.{e}.{proj}."
-            out[base + "weight_packed"] = packed
-            out[base + "weight_scale"] = scale
-            out[base + "weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int32)
     return out
 
 
@@ -123,17 +108,6 @@ def random_fp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, equal_gate
                 (0.012 + 0.002 * (e % 3)) if proj != DOWN else (0.004 if spec.gated else 0.05) + 0.001 * (e % 4),
                 dtype=torch.float32,
             )
-    return out
-
-
-def random_mxfp8_checkpoint(spec: MoeSpec, seed: int = 0, experts=None) -> dict[str, torch.Tensor]:
-    """MXFP8 tensors per expert and projection: e4m3 `weight` and uint8 UE8M0 `weight_scale_inv` per 32 columns."""
-    out: dict[str, torch.Tensor] = {}
-    for e, ws in _random_experts(spec, seed, experts, std=0.05):
-        for proj, w in ws.items():
-            q, s = quant.mxfp8_quantize(w)
-            out[f"experts.{e}.{proj}.weight"] = q
-            out[f"experts.{e}.{proj}.weight_scale_inv"] = s
     return out
 
 
@@ -180,6 +154,34 @@ def random_gptoss_checkpoint(
     }
 
 
+def encoded_checkpoint(encoding: Encoding) -> Maker:
+    """The random calibrated layer checkpoint of a stored encoding, from the encoding alone (`Encoding.quantize` of
+    each projection, `Encoding.random_std`): `random_<encoding>_checkpoint` of every encoding without a maker of its
+    own above (one with format-specific scales or keyword arguments writes its own)."""
+
+    def make(spec: MoeSpec, seed: int = 0, experts: Any = None) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for e, ws in _random_experts(spec, seed, experts, std=encoding.random_std):
+            gate_up_amax = max(float(w.abs().max()) for p, w in ws.items() if p != DOWN)
+            for proj, w in ws.items():
+                calib = Calibration(1.0, gate_up_amax, proj == DOWN)
+                out.update({f"experts.{e}.{proj}.{k}": t for k, t in encoding.quantize(w, calib).items()})
+        return out
+
+    make.__name__ = make.__qualname__ = f"random_{encoding.name}_checkpoint"
+    make.__doc__ = f"A random calibrated {encoding.name} layer checkpoint (`encoded_checkpoint`)."
+    return make
+
+
+def __getattr__(name: str) -> Maker:
+    """`random_<encoding>_checkpoint` of every registered encoding this module has no maker of its own for (e.g.
+    `random_bf16_checkpoint`, `random_mxfp8_checkpoint`): `encoded_checkpoint`."""
+    for fmt in FORMATS:
+        if name == f"random_{fmt.encoding.name}_checkpoint":
+            return encoded_checkpoint(fmt.encoding)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def random_checkpoint(spec: MoeSpec, seed: int = 0, experts=None, **kwargs) -> dict[str, torch.Tensor]:
     """The random calibrated checkpoint of `spec`'s kind of layer (keyword arguments: its maker's)."""
     return spec.kind.checkpoint(spec, seed, experts, **kwargs)
@@ -189,13 +191,11 @@ __all__ = [
     "DOWN",
     "GATE",
     "UP",
-    "random_bf16_checkpoint",
+    "encoded_checkpoint",
     "random_checkpoint",
-    "random_ct_int4_checkpoint",
     "random_ct_nvfp4_checkpoint",
     "random_fp8_checkpoint",
     "random_gptoss_checkpoint",
     "random_mxfp4_experts_checkpoint",
-    "random_mxfp8_checkpoint",
     "random_nvfp4_checkpoint",
 ]

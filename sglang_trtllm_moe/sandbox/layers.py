@@ -30,20 +30,7 @@ from .. import formats
 from ..formats import WeightFormat
 from . import layer_checkpoints
 from .format_examples import Example, example_of
-from .layer_checkpoints import (
-    DOWN,
-    GATE,
-    UP,
-    random_bf16_checkpoint,
-    random_checkpoint,
-    random_ct_int4_checkpoint,
-    random_ct_nvfp4_checkpoint,
-    random_fp8_checkpoint,
-    random_gptoss_checkpoint,
-    random_mxfp4_experts_checkpoint,
-    random_mxfp8_checkpoint,
-    random_nvfp4_checkpoint,
-)
+from .layer_checkpoints import DOWN, GATE, UP, Maker, random_checkpoint
 from .nvfp4_quantizer import torch_nvfp4_quantize
 
 GPTOSS_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale", "w2_weight_bias")
@@ -305,19 +292,19 @@ def patched(*triples):
                 delattr(obj, name)
 
 
+def __getattr__(name: str) -> Maker:
+    """Every `random_<kind>_checkpoint` of layer_checkpoints.py under this module's name too (the harness's callers
+    reach a layer's maker here, beside its builder), so a new encoding lists its maker nowhere else."""
+    if name.startswith("random_") and name.endswith("_checkpoint"):
+        return getattr(layer_checkpoints, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "DOWN",
     "GATE",
     "UP",
-    "random_bf16_checkpoint",
     "random_checkpoint",
-    "random_ct_int4_checkpoint",
-    "random_ct_nvfp4_checkpoint",
-    "random_fp8_checkpoint",
-    "random_gptoss_checkpoint",
-    "random_mxfp4_experts_checkpoint",
-    "random_mxfp8_checkpoint",
-    "random_nvfp4_checkpoint",
     "LAYERS",
     "LayerKind",
     "MoeSpec",

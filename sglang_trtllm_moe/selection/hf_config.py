@@ -97,31 +97,18 @@ def detect_quantization(quant_cfg: Mapping | None) -> tuple[str | None, tuple[in
         for group in (_get(quant_cfg, "config_groups") or {}).values():
             w = (group or {}).get("weights") or {}
             bits, typ, gs = w.get("num_bits"), w.get("type"), w.get("group_size")
-            if bits == 4 and typ == "float" and gs == 16:
+            claimed = [s for f in FORMATS if (s := f.config_scheme(w, (group or {}).get("input_activations")))]
+            if claimed:
+                scheme = claimed[0]
+            elif bits == 4 and typ == "float" and gs == 16:
                 scheme = "nvfp4"
             elif bits == 8 and typ == "float":
                 scheme = "w8a8_fp8"
-            elif typ == "int" and _is_mxint4a16(w, (group or {}).get("input_activations")):
-                scheme = "mxint4"
             elif typ == "int":
                 scheme = f"int{bits}"
             break
         return "compressed-tensors", None, scheme
     return method or None, None, None
-
-
-def _is_mxint4a16(weights: Mapping, input_activations: Any) -> bool:
-    """SGLang's `CompressedTensorsConfig._is_mxint4a16` (with `_is_wNa16_group_channel`, which it is asked under):
-    INT4 weights per group of 32, symmetric, static, no activation quantization — the scheme it serves with
-    CompressedTensorsMxInt4MoE on flashinfer_trtllm (Kimi-K2's)."""
-    return (
-        weights.get("num_bits") == 4
-        and weights.get("strategy") == "group"
-        and weights.get("group_size") == 32
-        and bool(weights.get("symmetric", True))
-        and not weights.get("dynamic", False)
-        and not input_activations
-    )
 
 
 def problem_from_hf_config(cfg: Any, *, quantization: str | None = None, **parallel: Any) -> MoeProblem | None:

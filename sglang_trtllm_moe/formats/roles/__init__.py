@@ -1,6 +1,7 @@
 """The roles a weight format plays, one module each: `serving` (selection, explain), `layout` (in-place
 preparation and scalars), `loading` (what an update may write), `kernel` (the runner's call), `checker` (the weight
-checker). Each says what a format MUST and MAY define; `formats.base.WeightFormat` is all of them.
+checker). Each says what a format MAY define there; what every format MUST declare is `formats.base.Spec`, and
+`formats.base.WeightFormat` is the spec plus all of them.
 """
 
 from .checker import Checking

@@ -10,15 +10,17 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..dequant import grid_dequantize
+from ..encodings import Encoding, grid_dequantize
 from ..records import Layer, ParamLayout
 
 
 class Checking:
-    """Nothing required. MAY define: `scale_of`, `dequant_scales`, `dequantize_param`."""
+    """Nothing required: the dequantization is the encoding's (`Encoding.grid`). MAY define: `scale_of`,
+    `dequant_scales`, `dequantize_param` (a parameter the encoding's grid does not hold, e.g. gpt-oss' biases)."""
 
-    # read from the layout role
+    # declared by formats/base.py Spec
     params: ClassVar[tuple[ParamLayout, ...]]
+    encoding: Encoding
     if TYPE_CHECKING:
 
         def group_of(self, param_name: str) -> str | None: ...
@@ -55,6 +57,8 @@ class Checking:
         The tolerance is one step of the quantization grid at each value (SGLang's `_quant_ulp` rule), so two
         quantizations of the same weight that differ by rounding stay within tolerance of each other. Values are in
         block-scale units: per-tensor / global scales are scalar parameters, compared bit for bit on their own.
-        Default: a dense weight (BF16, FP8 per-tensor), or float block scales that tile the weight (DeepSeek FP8).
+        Default: the encoding's grid (`Encoding.grid`) for a weight with block scales, else a dense weight's.
         """
-        return grid_dequantize(weight, scale)
+        if scale is None:
+            return grid_dequantize(weight, None)
+        return self.encoding.grid(weight, scale)

@@ -6,24 +6,30 @@ points' own (`kernel_api`).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from ..records import KernelCall
-from .required import MUST
+
+if TYPE_CHECKING:
+    from ..encodings import Encoding
 
 
-class Kernel(ABC):
-    """MUST define: `kernel` (the flashinfer kernel family, `kernel_api.FAMILIES`) and `kernel_args`.
+class Kernel:
+    """Its MUST member is `Spec`'s (formats/base.py) `kernel_args`; the kernel family (`kernel`,
+    `kernel_api.FAMILIES`) is the encoding's (`Encoding.kernel`).
 
     MAY define: `accepts_prequantized`, `routes_in_kernel`, `routing_method` (where the layer's routing method is
     kept)."""
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("kernel",)
-
-    kernel: ClassVar[str] = MUST
+    # declared by formats/base.py Spec
+    encoding: Encoding
     #: the runner may hand `kernel_args` activations the dispatcher already quantized (KernelCall.hidden_scale)
     accepts_prequantized: ClassVar[bool] = False
+
+    @property
+    def kernel(self) -> str:
+        """The flashinfer kernel family that runs this format: its encoding's."""
+        return self.encoding.kernel
 
     def routes_in_kernel(self, call: KernelCall) -> bool:
         """True when SGLang's own call of this format routes bypassed logits in the kernel whatever the layer
@@ -33,8 +39,3 @@ class Kernel(ABC):
     def routing_method(self, call: KernelCall) -> int | None:
         """The layer's routing method (SGLang's QuantInfo carries it for the quantized leaves)."""
         return call.quant_info.routing_method_type
-
-    @abstractmethod
-    def kernel_args(self, call: KernelCall, routing: dict, routed: bool) -> dict:
-        """Every argument of `trtllm_<kernel>[_routed]_moe` except `activation_type` and `do_finalize` (the runner's),
-        given the routing arguments (which a format may adjust)."""

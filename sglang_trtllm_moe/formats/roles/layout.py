@@ -17,28 +17,21 @@ import torch
 from ... import layouts
 from ...compat.defer import Verdict
 from ..records import Layer, ParamLayout, Support
-from .required import MUST
 
 
 class Layout:
-    """MUST define: `params` (a ParamLayout per laid-out parameter) and `upstream_verdicts` (who prepares it on each
-    release: compat/defer.py).
+    """Its MUST members are `Spec`'s (formats/base.py): `params` (a ParamLayout per laid-out parameter) and
+    `upstream_verdicts` (who prepares it on each release: compat/defer.py); MAY there: `scalar_params` +
+    `compute_scalars` (kernel scalars recomputed at every flush).
 
-    MAY define: `scalar_params` + `compute_scalars` (kernel scalars recomputed at every flush; `recomputed_params`:
-    the scalar parameters it rewrites itself), `check_layout`
+    MAY define here: `recomputed_params` (the scalar parameters `compute_scalars` rewrites itself), `check_layout`
     (extra shape rules; call super), `row_map` (a format-specific half order), `tensor` / `on_layout` (a release
     that shows a prepared parameter in another shape), `prepared_at_attach`, `sglang_leaf`."""
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("params", "upstream_verdicts")
-
-    params: ClassVar[tuple[ParamLayout, ...]] = MUST
-    #: whether SGLang's own preparation and reload are right for this format, one verdict per release range (ranges
-    #: drawn at compat/'s named boundaries, no two holding on one release; measured by tests/support/upstream_rl.py
-    #: and re-measured per release by tests/test_defer.py); where one says so the plugin leaves the layer to SGLang
-    #: and watches it (builtins/_prepare.take_over). Declared by each format's own class: a variant measures its own
-    upstream_verdicts: tuple[Verdict, ...] = MUST
-    #: parameters whose writes only change scalars (recomputed at every flush)
-    scalar_params: ClassVar[tuple[str, ...]] = ()
+    # declared by formats/base.py Spec
+    params: ClassVar[tuple[ParamLayout, ...]]
+    upstream_verdicts: tuple[Verdict, ...]
+    scalar_params: ClassVar[tuple[str, ...]]
     #: of those, the ones `compute_scalars` rewrites itself at every flush (what was loaded into them is never read:
     #: nvfp4_online's static input scales, refilled with 1.0): not a loader-free writer's to write, and not checked
     #: at the end of its session (updates/loader_free.py, the writer's contract: formats/contract.py)
@@ -151,10 +144,6 @@ class Layout:
                 layouts.from_block_major_k_(t, experts=experts, xor=p.byte_xor)
             if p.permute_rows:
                 layouts.unpermute_rows_(t, self.row_map(layer, p, t), experts=experts)
-
-    # ---- scalars --------------------------------------------------------------------------------------------
-    def compute_scalars(self, layer: Layer) -> dict[str, torch.Tensor]:
-        return {}
 
 
 def set_scalar_(layer: Layer, name: str, value: torch.Tensor) -> None:

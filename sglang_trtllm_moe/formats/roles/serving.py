@@ -6,44 +6,34 @@ layout check (`layout.Layout.check_layout`) asks `supports_activation` of it too
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ... import layouts
 from ..records import SUPPORTED, Checkpoint, Support
-from .required import MUST
 
 
-class Serving(ABC):
-    """MUST define: `name` (unique), `title` (a sentence naming the format in reports: "NVFP4 (modelopt_fp4)"),
-    `quantizations` ({runner backend: SGLang quantization names} this format serves), `describes(checkpoint)`,
-    `hook_module` (the built-in module whose SGLang quant-method hooks take such layers over),
-    `gated_activations` (what the kernel family computes gated for this format on every flashinfer the supported
-    releases pin; checked against SGLang's runner sets and `kernel_api`), `intermediate_align` ((gated, non-gated)
-    per-rank intermediate alignment as SGLang allocates the layer).
+class Serving:
+    """Its MUST members are `Spec`'s (formats/base.py): `name`, `title`, `quantizations`, `hook_module`,
+    `describes(checkpoint)`; MAY there: `gated_activations`, `non_gated_activations`, `intermediate_align`.
 
-    MAY define: `non_gated_activations` (default none), `hidden_align` (default 128), `activation_note`,
-    `online_sources`, `own_backend`, `refusal`, and any `supports_*` predicate whose rule differs. Each predicate
-    answers `(ok, reason)` (`Support`); selection asks them all, each under its reason code."""
+    MAY define here: `hidden_align` (default 128), `activation_note`, `online_sources`, `own_backend`, `refusal`,
+    `config_scheme` (a compressed-tensors scheme the generic detection does not name), and
+    any `supports_*` predicate whose rule differs. Each predicate answers `(ok, reason)` (`Support`); selection asks
+    them all, each under its reason code."""
 
-    REQUIRED: ClassVar[tuple[str, ...]] = (
-        "name",
-        "title",
-        "quantizations",
-        "gated_activations",
-        "intermediate_align",
-        "hook_module",
-    )
+    # declared by formats/base.py Spec
+    name: str
+    title: str
+    quantizations: Mapping[str, frozenset]
+    gated_activations: ClassVar[frozenset[str]]
+    non_gated_activations: ClassVar[frozenset[str]]
+    intermediate_align: ClassVar[tuple[int, int]]
+    hook_module: ClassVar[str]
+    if TYPE_CHECKING:
 
-    # name, title and quantizations are plain attributes, not ClassVars: one class may serve several formats, set
-    # per instance (Fp8PerTensor)
-    name: str = MUST
-    title: str = MUST
-    quantizations: Mapping[str, frozenset] = MUST
-    gated_activations: ClassVar[frozenset[str]] = MUST
-    non_gated_activations: ClassVar[frozenset[str]] = frozenset()
-    intermediate_align: ClassVar[tuple[int, int]] = MUST
+        def describes(self, checkpoint: Checkpoint) -> bool: ...
+
     #: w2's rows are the hidden dim and go through the same 128-row scale/shuffle tiling
     hidden_align: ClassVar[int] = 128
     #: why the activation sets are what they are, added to a refusal (e.g. a kernel that only implements SwiGLU)
@@ -55,14 +45,12 @@ class Serving(ABC):
     #: the runner backend SGLang serves this format on when it is not flashinfer_trtllm(_routed) (e.g.
     #: "flashinfer_mxfp4"); selection reports it, never auto-switches to it
     own_backend: ClassVar[str | None] = None
-    #: the built-in module (registered like an extension: `plugin.builtin_modules()` derives the list from the
-    #: registry) whose hooks on SGLang's quant method for such checkpoints take its layers over; formats of one
-    #: SGLang quant-method family share one
-    hook_module: ClassVar[str] = MUST
 
-    @abstractmethod
-    def describes(self, checkpoint: Checkpoint) -> bool:
-        """True when a checkpoint of this kind is held in this format on the TRT-LLM-Gen path."""
+    def config_scheme(self, weights: Mapping[str, Any], input_activations: Any) -> str | None:
+        """The `Checkpoint.quant_scheme` this format's checkpoints declare in a compressed-tensors config group
+        (its `weights` and `input_activations` entries: selection/hf_config.py asks every format first), or None:
+        the group is not this format's to name."""
+        return None
 
     def refusal(self, checkpoint: Checkpoint) -> str | None:
         """Why a checkpoint of this format's quantization that the format does not describe is not prepared (a
