@@ -18,21 +18,11 @@ file proves the server the README starts does what that model does. One server, 
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 from sglang_trtllm_moe.sandbox.releases import ENGINE_RELEASES
 
-from .support import http_client
 from .support import http_server as hs
-from .support.helpers import REPO
 
 #: within features.NVFP4_ONLINE's releases (--quantization nvfp4_online exists from 0.5.14)
 pytestmark = pytest.mark.sglang(
@@ -53,75 +43,11 @@ def _spec(seed=0):
     return ck.TinySpec(arch=ARCH, quant=QUANT, seed=seed)
 
 
-class Run:
-    def __init__(self, work: Path):
-        self.work = work
-        self.dirs: dict[str, str] = {}
-        self.ref: dict = {}
-        self.recipe_out: list = []
-        self.server: hs.Server | None = None
-        self.client_logs: list[Path] = []
-        self.state = "A"
-
-    @property
-    def srv(self) -> hs.Server:
-        assert self.server is not None
-        return self.server
-
-    def generate(self) -> list[list[int]]:
-        r = self.srv.post("/generate", hs.gen_body(PROMPTS, NEW_TOKENS), timeout=300)
-        assert r.ok, r
-        return [list(o["output_ids"]) for o in r.body]
-
-    def checksums(self) -> dict[str, str]:
-        r = self.srv.post("/weights_checker", {"action": "checksum"}, timeout=300)
-        assert r.ok, r
-        (rank,) = r.body["ranks"]
-        return dict(rank["checksums"])
-
-    def assert_serves(self, key: str) -> None:
-        """The served checksums and greedy tokens are a fresh load's of `key` (the reference process's)."""
-        mine, theirs = self.checksums(), self.ref[key]["checksums"]
-        assert set(mine) == set(theirs), sorted(set(mine) ^ set(theirs))
-        differ = [n for n in mine if mine[n] != theirs[n]]
-        assert not differ, f"served weights differ from a fresh load of {key}: {differ[:8]}"
-        assert self.generate() == self.ref[key]["tokens"], key
-
-    def disk(self, key: str) -> hs.HTTPResult:
-        r = self.srv.post("/update_weights_from_disk", {"model_path": self.dirs[key]}, timeout=300)
-        self.state = key if r.ok else "?"
-        return r
-
-    def client(self, steps: list[dict], name: str) -> dict:
-        """A slime-style tensor client in its own process (tests/support/http_client.py): answers by label."""
-        spec = {"arch": ARCH, "quant": QUANT}
-        answers = http_client.run(self.srv.url, spec, steps, self.work, name, self.client_logs)
+class Run(hs.RecipeRun):
+    def client(self, steps: list[dict], name: str, timeout=600) -> dict:  # type: ignore[override]
+        """The tensor client's answers by label."""
+        answers = super().client(steps, name, timeout=timeout)
         return {x["label"] or f"{i}:{x['path']}": x for i, x in enumerate(answers)}
-
-
-def _start_reference(run: Run) -> tuple[subprocess.Popen, Path, Path]:
-    job = {
-        "first": run.dirs["A"],
-        "targets": {k: run.dirs[k] for k in ("A", "B", "C")},
-        "prompts": PROMPTS,
-        "new_tokens": NEW_TOKENS,
-        "alone": ["A"],
-        "server_args": _spec().server_args(),
-    }
-    (run.work / "reference.json").write_text(json.dumps(job))
-    log = run.work / "reference.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.http_reference", str(run.work / "reference.json")]
-            + [str(run.work / "ref.out")],
-            cwd=str(REPO),
-            env=hs.recipe_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return proc, run.work / "ref.out", log
 
 
 @pytest.fixture(scope="module")
@@ -131,61 +57,24 @@ def run(tmp_path_factory):
     )
     pytest.importorskip("jsonschema", reason="SGLang's HTTP server imports jsonschema (ci/make-env base recipe)")
     work = tmp_path_factory.mktemp("http-online")
-    r = Run(work)
-    port = hs.free_port()
-    commands = hs.recipe(mark=hs.HTTP_ONLINE_MARK)
-    assert any("--quantization nvfp4_online" in c for c in commands), commands
-    commands = [c.replace(hs.RECIPE_DIR, str(work / "tiny-moe")).replace(hs.RECIPE_PORT, str(port)) for c in commands]
-    env = hs.recipe_env()
+    r = Run(work, ARCH, QUANT, PROMPTS, NEW_TOKENS)
     r.dirs = {"A": str(work / "tiny-moe-bf16"), "B": str(work / "tiny-moe-bf16-step1")}
-    ref = None
-    try:
-        assert commands[-1] == "kill %1", commands  # the stop: what the fixture's Server.stop sends at the end
-        for cmd in commands[:-1]:
-            argv = hs.split(cmd, {})
-            if argv[0] == "until":  # waiting for ready, as written (wait_ready has seen it ready)
-                assert "/health_generate" in cmd and r.server is not None, cmd
-                hs.run_shell_line(cmd, timeout=60)
-            elif argv[0] == "export":
-                env.update(dict(a.split("=", 1) for a in argv[1:]))
-            elif cmd.endswith("&"):  # the server, and beside it the reference's fresh loads
-                from sglang_trtllm_moe.sandbox import checkpoints as ck
+    assert any("--quantization nvfp4_online" in c for c in hs.recipe(mark=hs.HTTP_ONLINE_MARK))
 
-                r.dirs["C"] = ck.write(str(work / "c"), _spec(2))  # what the tensor session sends (seed 2)
-                ref = _start_reference(r)
-                r.server = hs.Server(argv[:-1], env, work / "server.log", port).start()
-                r.srv.wait_ready()
-            elif argv[0] == "curl":
-                proc = subprocess.run(
-                    [*argv, "--max-time", "300"], capture_output=True, text=True, timeout=330, check=False
-                )
-                assert proc.returncode == 0, (cmd, proc.stderr)
-                r.recipe_out.append(json.loads(proc.stdout))
-                if "/update_weights_from_disk" in cmd:
-                    r.state = "B"
-            else:
-                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
-                assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-4000:])
-        assert r.server is not None and ref is not None, "the README's online recipe starts no server"
-        proc, out, log = ref
-        proc.wait(timeout=900)
-        assert proc.returncode == 0 and out.exists(), log.read_text()[-6000:]
-        r.ref = json.loads(out.read_text())
-        yield r
-    finally:
-        left = r.server.stop() if r.server is not None else []
-        if ref is not None and ref[0].poll() is None:
-            os.killpg(ref[0].pid, 9)
-        managers = hs.shm_managers(r.client_logs)
-        t0 = time.monotonic()
-        while managers and time.monotonic() - t0 < 30:
-            time.sleep(1)
-            managers = hs.shm_managers(r.client_logs)
-        for pid in managers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        assert not left, f"server processes still running after stop: {left}"
-        assert not managers, f"torch_shm_manager helpers outlived the server: {managers}"
+    def before_server() -> dict:
+        from sglang_trtllm_moe.sandbox import checkpoints as ck
+
+        r.dirs["C"] = ck.write(str(work / "c"), _spec(2))  # what the tensor session sends (seed 2)
+        return {
+            "first": r.dirs["A"],
+            "targets": {k: r.dirs[k] for k in ("A", "B", "C")},
+            "prompts": PROMPTS,
+            "new_tokens": NEW_TOKENS,
+            "alone": ["A"],
+            "server_args": _spec().server_args(),
+        }
+
+    yield from hs.serve_recipe(r, hs.HTTP_ONLINE_MARK, str(work / "tiny-moe"), before_server)
 
 
 def test_the_online_recipe_serves_bf16_through_the_plugins_runner(run):

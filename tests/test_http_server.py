@@ -31,11 +31,8 @@ the torch_shm_manager helpers of the tensor clients; nothing is left running.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -43,9 +40,7 @@ import pytest
 
 from sglang_trtllm_moe.sandbox.releases import RL_LOOP_RELEASES
 
-from .support import http_client
 from .support import http_server as hs
-from .support.helpers import REPO
 
 pytestmark = pytest.mark.sglang(
     str(RL_LOOP_RELEASES),
@@ -68,37 +63,17 @@ def _spec(seed=0):
     return ck.TinySpec(arch=ARCH, quant=QUANT, seed=seed)
 
 
-class Run:
-    """The one server of this module and what the tests need around it."""
+class Run(hs.RecipeRun):
+    """The one server of this module and what the tests need around it (tests/support/http_server.py RecipeRun)."""
 
     def __init__(self, work: Path):
-        self.work = work
-        self.dirs: dict[str, str] = {}
-        self.ref: dict = {}
-        self.recipe_out: list = []
-        self.server: hs.Server | None = None
-        self.timings: dict[str, float] = {}
-        self.client_logs: list[Path] = []
-        #: the recipe's environment (its exports included)
-        self.env: dict = {}
+        super().__init__(work, ARCH, QUANT, PROMPTS, NEW_TOKENS)
         #: the trainer process's answers, by label (run once: tests/support/http_client.py)
         self.trainer: dict = {}
-        #: the checkpoint the server was last updated to from disk (or by the trainer)
-        self.state = "A"
-
-    @property
-    def srv(self) -> hs.Server:
-        assert self.server is not None
-        return self.server
 
     # ---- requests -------------------------------------------------------------------------------------------
-
-    def generate(self, prompts=PROMPTS, n=NEW_TOKENS, timeout=300) -> list[list[int]]:
-        """One batched request (SGLang 0.5.23 hands a batch of input_ids to the scheduler as one message: one prefill
-        batch, then decode steps of the same requests). `n`: new tokens, one number or one per prompt."""
-        r = self.srv.post("/generate", hs.gen_body(prompts, n), timeout=timeout)
-        assert r.ok, r
-        return [list(o["output_ids"]) for o in r.body]
+    # generate(prompts, n): one batched request (SGLang 0.5.23 hands a batch of input_ids to the scheduler as one
+    # message: one prefill batch, then decode steps of the same requests). `n`: new tokens, one number or one per prompt
 
     def flush(self) -> None:
         r = self.srv.post("/flush_cache", {}, timeout=60)
@@ -112,44 +87,17 @@ class Run:
         self.flush()
         return self.generate(prompts, n)
 
-    def checksums(self) -> dict[str, str]:
-        r = self.srv.post("/weights_checker", {"action": "checksum"}, timeout=300)
-        assert r.ok, r
-        (rank,) = r.body["ranks"]
-        return dict(rank["checksums"])
-
     def check(self, action: str) -> hs.HTTPResult:
         return self.srv.post("/weights_checker", {"action": action}, timeout=300)
 
     def disk(self, key: str, version: str | None = None, timeout=300) -> hs.HTTPResult:
-        body = {"model_path": self.dirs[key], "weight_version": version or key}
-        r = self.srv.post("/update_weights_from_disk", body, timeout=timeout)
-        self.state = key if r.ok else "?"
-        return r
+        return super().disk(key, version or key, timeout=timeout)  # the weight version: the checkpoint's key
 
     def at(self, key: str) -> None:
         """The server on checkpoint `key` (a disk update unless it already is)."""
         if self.state != key:
             r = self.disk(key)
             assert r.ok and r.body["success"], r
-
-    def serves(self, key: str) -> list[str]:
-        """Tensors whose checksum differs from a fresh load of `key` (empty: the server holds those weights)."""
-        mine, theirs = self.checksums(), self.ref[key]["checksums"]
-        if set(mine) != set(theirs):
-            return sorted(set(mine) ^ set(theirs))
-        return [n for n in mine if mine[n] != theirs[n]]
-
-    def assert_serves(self, key: str) -> None:
-        diff = self.serves(key)
-        assert not diff, f"served weights differ from a fresh load of {key}: {diff[:8]}"
-        assert self.generate() == self.ref[key]["tokens"], key
-
-    def client(self, steps: list[dict], name: str, timeout=600) -> list[dict]:
-        """A slime-style tensor client in its own process (tests/support/http_client.py); its output goes to a
-        file: the torch_shm_manager it starts inherits it and lives as long as the server holds the tensors."""
-        spec = {"arch": ARCH, "quant": QUANT}
-        return http_client.run(self.srv.url, spec, steps, self.work, name, self.client_logs, timeout=timeout)
 
 
 def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
@@ -185,8 +133,8 @@ def _write_checkpoints(work: Path, dirs: dict[str, str]) -> None:
     dirs["corrupt"] = ck.write_tensors(str(work / "corrupt"), spec, corrupt)
 
 
-def _start_reference(work: Path, dirs: dict[str, str]) -> tuple[subprocess.Popen, Path, Path]:
-    job = {
+def _reference_job(work: Path, dirs: dict[str, str]) -> dict:
+    return {
         "first": dirs["A"],
         "targets": {k: dirs[k] for k in ("A", "B", "A+partial", "C", "D")},
         "prompts": PROMPTS,
@@ -195,20 +143,6 @@ def _start_reference(work: Path, dirs: dict[str, str]) -> tuple[subprocess.Popen
         "alone": ["A"],
         "direct": {"dir": dirs["D"], "out": str(work / "direct-D.safetensors")},
     }
-    (work / "reference.json").write_text(json.dumps(job))
-    log = work / "reference.log"
-    env = {k: v for k, v in hs.recipe_env().items()}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.http_reference", str(work / "reference.json"), str(work / "ref.out")],
-            cwd=str(REPO),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return proc, work / "ref.out", log
 
 
 @pytest.fixture(scope="module")
@@ -219,71 +153,16 @@ def run(tmp_path_factory):
     pytest.importorskip("jsonschema", reason="SGLang's HTTP server imports jsonschema (ci/make-env base recipe)")
     work = tmp_path_factory.mktemp("http-server")
     r = Run(work)
-    t0 = time.monotonic()
-    port = hs.free_port()
-    text = hs.README.read_text()
-    commands = hs.recipe(text)
-    assert any(hs.RECIPE_DIR in c for c in commands) and any(hs.RECIPE_PORT in c for c in commands), commands
-    commands = [c.replace(hs.RECIPE_DIR, str(work / "tiny-moe")).replace(hs.RECIPE_PORT, str(port)) for c in commands]
-    env = hs.recipe_env()
     r.dirs = {"A": str(work / "tiny-moe"), "B": str(work / "tiny-moe-step1")}
-    ref = None
-    try:
-        assert commands[-1] == "kill %1", commands  # the recipe's stop: SIGTERM to the job's process group, which
-        # is what Server.stop sends (the module's tests need the server until the end; the fixture stops it)
-        for cmd in commands[:-1]:
-            argv = hs.split(cmd, {})
-            if argv[0] == "source":  # entering the env ci/make-env builds: this test's (same release, same recipe key;
-                # the env root may differ: the harness does not pass SGLANG_TRTLLM_MOE_ENV_ROOT on)
-                assert os.path.basename(hs.entered_env(cmd)) == os.path.basename(sys.prefix), cmd
-            elif argv[0] == "until":  # waiting for ready, as written (the server answered wait_ready already)
-                assert "/health_generate" in cmd and r.server is not None, cmd
-                hs.run_shell_line(cmd, timeout=60)
-            elif argv[0] == "export":
-                env.update(dict(a.split("=", 1) for a in argv[1:]))
-            elif cmd.endswith("&"):  # the server
-                _write_checkpoints(work, r.dirs)
-                ref = _start_reference(work, r.dirs)
-                r.env = dict(env)
-                r.server = hs.Server(argv[:-1], env, work / "server.log", port).start()
-                r.timings["server ready"] = r.srv.wait_ready()
-                # a copy of the fresh load's bytes inside the server (compared after A -> B -> A)
-                assert r.check("snapshot").ok
-            elif argv[0] == "curl":
-                proc = subprocess.run(
-                    [*argv, "--max-time", "300"], capture_output=True, text=True, timeout=330, check=False
-                )
-                assert proc.returncode == 0, (cmd, proc.stderr)
-                r.recipe_out.append(json.loads(proc.stdout))
-                if "/update_weights_from_disk" in cmd:  # the recipe's update: the server holds the step-1 checkpoint
-                    r.state = "B"
-            else:
-                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
-                assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-4000:])
-        assert r.server is not None, "the README's recipe starts no server"
-        proc, out, log = ref
-        proc.wait(timeout=900)
-        assert proc.returncode == 0 and out.exists(), log.read_text()[-6000:]
-        r.ref = json.loads(out.read_text())
-        r.timings["setup"] = time.monotonic() - t0
-        yield r
-    finally:
-        left = r.server.stop() if r.server is not None else []
-        if ref is not None and ref[0].poll() is None:
-            os.killpg(ref[0].pid, 9)
-        managers = hs.shm_managers(r.client_logs)
-        t1 = time.monotonic()
-        while managers and time.monotonic() - t1 < 30:
-            time.sleep(1)
-            managers = hs.shm_managers(r.client_logs)
-        for pid in managers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        r.timings["module"] = time.monotonic() - t0
-        (work / "timings.json").write_text(json.dumps(r.timings))
-        print(f"\ntest_http_server timings (s): {json.dumps({k: round(v, 1) for k, v in r.timings.items()})}")
-        assert not left, f"server processes still running after stop: {left}"
-        assert not managers, f"torch_shm_manager helpers outlived the server: {managers}"
+
+    def before_server() -> dict:
+        _write_checkpoints(work, r.dirs)
+        return _reference_job(work, r.dirs)
+
+    def when_ready() -> None:
+        assert r.check("snapshot").ok  # a copy of the fresh load's bytes inside the server (compared after A -> B -> A)
+
+    yield from hs.serve_recipe(r, hs.HTTP_MARK, str(work / "tiny-moe"), before_server, when_ready)
 
 
 # ---- the recipe ----------------------------------------------------------------------------------------------------

@@ -27,6 +27,11 @@ LOAD_AND_REPORT = """
     print(json.dumps(r))
 """
 
+#: the same report without importing every hooked module (doctor's ~6 s): for the tests that read what was
+#: registered (extensions loaded or skipped, their targets, the release status), not whether a target landed
+LOAD_AND_LIST = LOAD_AND_REPORT.replace("import_targets=True", "import_targets=False")
+assert LOAD_AND_LIST != LOAD_AND_REPORT
+
 EXT_MODULE = """
     from sglang_trtllm_moe import hookimpl
     from sglang_trtllm_moe.targets import HookTarget
@@ -87,21 +92,73 @@ def test_sglang_load_plugins_runs_register_and_every_target_lands():
     assert calls["cached_before"] is True and calls["dropped_after"] is True
 
 
+#: LOAD_AND_REPORT in the session's shared process started with SGLANG_TRTLLM_MOE_DISABLE=1 (tests/support/probes.py:
+#: SGLang alone; its other sections resolve and measure upstream, which importing the hooked modules does not change)
+DISABLED = probes.section(
+    "disabled",
+    "disabled_report",
+    LOAD_AND_REPORT.replace("print(json.dumps(r))", "RESULT = r"),
+    order=80,
+)
+
+
 def test_disable_switch_registers_nothing():
-    proc = run_python(LOAD_AND_REPORT, env={"SGLANG_TRTLLM_MOE_DISABLE": "1"})
-    r = last_json(proc)
+    r = probes.result("disabled", DISABLED)
     assert r["enabled"] is False and r["status"] == "disabled"
     assert "SGLANG_TRTLLM_MOE_DISABLE" in r["reason"]
     assert r["registry_targets"] == []
 
 
-def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path):
-    make_distribution(
-        tmp_path,
+#: extensions that fail three ways (their import, their hook function, their target), beside the good one
+BROKEN_EXT = {
+    "broken_import_mod": "raise RuntimeError('cannot import me')\n",
+    "broken_hook_mod": """
+        from sglang_trtllm_moe import hookimpl
+        @hookimpl
+        def register_sglang_hooks(register, release):
+            raise ValueError('boom in register_sglang_hooks')
+    """,
+    "bad_target_mod": """
+        from sglang_trtllm_moe import hookimpl
+        from sglang_trtllm_moe.targets import HookTarget
+        def h(original, *a, **k):
+            return original(*a, **k)
+        @hookimpl
+        def register_sglang_hooks(register, release):
+            register(HookTarget("sglang.srt.layers.moe.utils.this_function_does_not_exist", h, "around"))
+    """,
+}
+
+
+def _demo_ext(root):
+    return make_distribution(
+        root,
         "trtllm-moe-demo-ext",
         "0.0.1",
         entry_points="[sglang_trtllm_moe]\ndemo = demo_ext_mod\n",
         modules={"demo_ext_mod": EXT_MODULE},
+    )
+
+
+@pytest.fixture(scope="module")
+def extensions_run(tmp_path_factory):
+    """One process (no allowlist: every extension of the group is loaded) with the demo extension and three broken
+    ones installed side by side: SGLang's load_plugins(), doctor's report with every hooked module imported, then a
+    call through the demo extension's hook. (The good and the broken extensions used to get a process each: the
+    broken ones must not stop the good one either.)"""
+    root = tmp_path_factory.mktemp("extensions")
+    _demo_ext(root)
+    make_distribution(
+        root,
+        "trtllm-moe-broken-ext",
+        "0.0.1",
+        entry_points=(
+            "[sglang_trtllm_moe]\n"
+            "import_fails = broken_import_mod\n"
+            "hook_raises = broken_hook_mod\n"
+            "bad_target = bad_target_mod\n"
+        ),
+        modules=BROKEN_EXT,
     )
     proc = run_python(
         LOAD_AND_REPORT
@@ -114,14 +171,19 @@ def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path)
         pass
     print(json.dumps({"ext_calls": len(demo_ext_mod.CALLS)}))
     """,
-        pythonpath=[tmp_path],
+        pythonpath=[root],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
-    r, calls = lines[-2], lines[-1]
+    return lines[-2], lines[-1]
+
+
+def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(extensions_run):
+    r, calls = extensions_run
+    # exactly the extensions installed: the demo one, the three broken ones (test below) and the plugin's own sandbox,
+    # an extension of its group too (setup.cfg), registered the same way
     ext = {e["name"]: e for e in r["extensions"]}
-    # the plugin's own sandbox is an extension of its group too (setup.cfg), registered the same way
-    assert sorted(ext) == ["demo", "sandbox"], ext
+    assert sorted(ext) == ["bad_target", "demo", "hook_raises", "import_fails", "sandbox"], ext
     assert ext["demo"]["state"] == "loaded" and ext["demo"]["dist"] == "trtllm-moe-demo-ext"
     assert ext["sandbox"]["state"] == "loaded" and ext["sandbox"]["value"] == "sglang_trtllm_moe.sandbox.extension"
     ext_targets = [t for t in r["targets"] if t["source"] == "ext:demo"]
@@ -131,53 +193,16 @@ def test_extension_from_entry_point_group_is_loaded_and_its_hook_lands(tmp_path)
 
 @pytest.mark.parametrize("allow,expected", [("", "skipped"), ("other", "skipped"), ("demo", "loaded")])
 def test_extension_allowlist(tmp_path, allow, expected):
-    make_distribution(
-        tmp_path,
-        "trtllm-moe-demo-ext",
-        "0.0.1",
-        entry_points="[sglang_trtllm_moe]\ndemo = demo_ext_mod\n",
-        modules={"demo_ext_mod": EXT_MODULE},
-    )
-    r = last_json(run_python(LOAD_AND_REPORT, env={"SGLANG_TRTLLM_MOE_LOAD_PLUGINS": allow}, pythonpath=[tmp_path]))
+    _demo_ext(tmp_path)
+    r = last_json(run_python(LOAD_AND_LIST, env={"SGLANG_TRTLLM_MOE_LOAD_PLUGINS": allow}, pythonpath=[tmp_path]))
     ext = {e["name"]: e for e in r["extensions"]}
     assert ext["demo"]["state"] == expected
     assert ext["sandbox"]["state"] == "loaded"  # the plugin's own part: SGLANG_TRTLLM_MOE_LOAD_PLUGINS filters others
     assert any(t["source"] == "ext:demo" for t in r["targets"]) == (expected == "loaded")
 
 
-def test_broken_extensions_break_neither_sglang_nor_builtins(tmp_path):
-    make_distribution(
-        tmp_path,
-        "trtllm-moe-broken-ext",
-        "0.0.1",
-        entry_points=(
-            "[sglang_trtllm_moe]\n"
-            "import_fails = broken_import_mod\n"
-            "hook_raises = broken_hook_mod\n"
-            "bad_target = bad_target_mod\n"
-        ),
-        modules={
-            "broken_import_mod": "raise RuntimeError('cannot import me')\n",
-            "broken_hook_mod": """
-                from sglang_trtllm_moe import hookimpl
-                @hookimpl
-                def register_sglang_hooks(register, release):
-                    raise ValueError('boom in register_sglang_hooks')
-            """,
-            "bad_target_mod": """
-                from sglang_trtllm_moe import hookimpl
-                from sglang_trtllm_moe.targets import HookTarget
-                def h(original, *a, **k):
-                    return original(*a, **k)
-                @hookimpl
-                def register_sglang_hooks(register, release):
-                    register(HookTarget("sglang.srt.layers.moe.utils.this_function_does_not_exist", h, "around"))
-            """,
-        },
-    )
-    proc = run_python(LOAD_AND_REPORT, pythonpath=[tmp_path])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = last_json(proc)
+def test_broken_extensions_break_neither_sglang_nor_builtins(extensions_run):
+    r, _calls = extensions_run
     assert r["enabled"] is True
     ext = {e["name"]: e for e in r["extensions"]}
     assert ext["import_fails"]["state"] == "failed" and "cannot import me" in ext["import_fails"]["error"]
@@ -251,7 +276,7 @@ def test_unsupported_release_stands_down(tmp_path):
 
 def test_newer_release_runs_and_doctor_says_untested(tmp_path):
     make_distribution(tmp_path, "sglang", "0.5.99")
-    r = last_json(run_python(LOAD_AND_REPORT, pythonpath=[tmp_path]))
+    r = last_json(run_python(LOAD_AND_LIST, pythonpath=[tmp_path]))
     assert r["enabled"] is True and r["release_status"] == "untested"
     assert "untested" in r["release_message"] or "newer" in r["release_message"]
 

@@ -7,9 +7,10 @@ Oracles nobody here wrote:
 * SGLang's per-runner quantization asserts (explicit backend + quantization: accepted or AssertionError);
 * SGLang's `get_activation_type` + flashinfer's ActivationType, and the runners' `_SUPPORTED_*_ACTIVATIONS` sets;
 * SGLang's `FusedOpPool` registry (which a2a backends have a fused func for these runners).
-All SGLang resolutions run in three fresh processes, asked together (plugin loading is once per process); the one
-with the plugin and the one with it disabled are the session's shared processes of their environment
-(tests/support/probes.py), where the resolutions run first, right after SGLang's load_plugins().
+All SGLang resolutions run in two fresh processes, asked together (plugin loading is once per process): the
+session's shared processes of their environment (tests/support/probes.py), one with the plugin — where the
+resolutions run first, right after SGLang's load_plugins(), then again with the auto switch off — and one with the
+plugin disabled.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +37,6 @@ from sglang_trtllm_moe.formats import FORMATS
 from sglang_trtllm_moe.selection import Code, DeviceInfo, MoeProblem, can_implement, resolve
 
 from .support import probes
-from .support.helpers import last_json
 
 SM100 = DeviceInfo(sm=100, flashinfer_version="0.7.2.post1", source="test")
 
@@ -458,30 +459,69 @@ def _models() -> tuple[str, str, str]:
     return spec, _write_model(root, "mixtral", "fp8_block"), _write_model(root, "mixtral", "nvfp4")
 
 
+#: the same resolutions with the auto switch off: SGLANG_TRTLLM_MOE_AUTO=0 in the process's environment while they
+#: run. The plugin reads the switch at each decision (selection/rules.py `auto_enabled()`), never at load time, so a
+#: process started with it and the plugin's process with it set before its resolutions decide alike (`explain`
+#: sets it the same way to show SGLang's own answer); this saves a process of its own (~10 s on every release)
+RESOLVE_AUTO_OFF = (
+    """
+    import os
+    os.environ["SGLANG_TRTLLM_MOE_AUTO"] = "0"
+    try:
+"""
+    + textwrap.indent(textwrap.dedent(RESOLVE), " " * 8)
+    + """
+    finally:
+        del os.environ["SGLANG_TRTLLM_MOE_AUTO"]
+"""
+)
+
+
+def _spec_env() -> dict:
+    return {"SEL_SPEC": _models()[0]}
+
+
 #: SGLang's resolution of every case in a fresh process: with the plugin (the session's shared plain process, where
-#: it runs right after load_plugins(), before any other section imports more of SGLang), with the plugin disabled
-#: (the shared SGLang-alone process) and with the auto switch off (its own)
+#: it runs right after load_plugins(), before any other section imports more of SGLang), then in the same process
+#: with the auto switch off, and with the plugin disabled (the shared SGLang-alone process)
 RESOLUTIONS = {
-    k: (env, probes.section(env, "selection", RESOLVE, order=10, prepare=lambda: {"SEL_SPEC": _models()[0]}))
-    for k, env in (("plugin", "plain"), ("upstream", "disabled"), ("auto_off", "auto_off"))
+    "plugin": ("plain", probes.section("plain", "selection", RESOLVE, order=10, prepare=_spec_env)),
+    "auto_off": ("plain", probes.section("plain", "selection_auto_off", RESOLVE_AUTO_OFF, order=11, prepare=_spec_env)),
+    "upstream": ("disabled", probes.section("disabled", "selection", RESOLVE, order=10, prepare=_spec_env)),
 }
+
+
+#: `sglang-trtllm-moe explain --model MIXTRAL --sm 100 --json`: the CLI's own `main()` (argument parsing, the report,
+#: its JSON on stdout) in the session's shared plain process, after the resolutions (a process of its own cost ~10 s
+#: on every release; `python -m sglang_trtllm_moe explain` as its own process: test_explain_cli_text_rules_only and
+#: tests/test_explain_messages.py)
+EXPLAIN = probes.section(
+    "plain",
+    "explain_cli",
+    """
+    import contextlib, io, os
+    from sglang_trtllm_moe import cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["explain", "--model", os.environ["SEL_MIXTRAL"], "--sm", "100", "--json"])
+    RESULT = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()[-3000:]}
+    """,
+    order=40,
+    prepare=lambda: {"SEL_MIXTRAL": _models()[1]},
+)
 
 
 @pytest.fixture(scope="module")
 def sglang_runs():
-    """Three fresh SGLang processes, asked together: plugin on, plugin disabled, auto switched off; plus the
-    explain CLI. Returns {"plugin": ..., "upstream": ..., "auto_off": ..., "explain": ..., "model_dir": ...}."""
+    """Two fresh SGLang processes, asked together: plugin on (in it, the auto switch off, then the explain CLI's
+    main()), plugin disabled. Returns {"plugin": ..., "upstream": ..., "auto_off": ..., "explain": ...,
+    "model_dir": ...}."""
     _spec, mixtral, quant_mixtral = _models()
 
     def explain():
-        proc = subprocess.run(
-            [sys.executable, "-m", "sglang_trtllm_moe", "explain", "--model", mixtral, "--sm", "100", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert proc.returncode == 0, f"explain: {proc.stderr[-3000:]}"
-        return last_json(proc)
+        r = probes.result("plain", EXPLAIN)
+        assert r["code"] == 0, f"explain: {r['stderr']}"
+        return json.loads(r["stdout"])
 
     jobs = {k: functools.partial(probes.result, env, name) for k, (env, name) in RESOLUTIONS.items()}
     jobs["explain"] = explain

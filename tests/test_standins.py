@@ -10,6 +10,7 @@ import torch
 from sglang_trtllm_moe.sandbox import checkpoints as ck
 from sglang_trtllm_moe.sandbox import standins
 
+from .support import probes
 from .support.helpers import last_json, run_python
 
 PROBE = """
@@ -26,11 +27,16 @@ PROBE = """
 """
 
 
+#: PROBE in a normal installation: the session's shared plain process (tests/support/probes.py), right after SGLang's
+#: load_plugins() there (only the sys.modules check of test_plugin.py runs before it), before any other section
+WITHOUT = probes.section("plain", "standins_without", PROBE.replace("print(json.dumps(", "RESULT = (("), order=1)
+
+
 def test_spawned_processes_get_the_standins_through_sglang_load_plugins(tmp_path):
     path = standins.spawn_path(str(tmp_path / "standins"))
     with_dist = last_json(run_python(PROBE, pythonpath=[path]))
     assert with_dist == {"mm_dtype": True, "vllm_stub": True}
-    without = last_json(run_python(PROBE))  # a normal installation: SGLang loads the plugin, no stand-in
+    without = probes.result("plain", WITHOUT)  # a normal installation: SGLang loads the plugin, no stand-in
     assert without == {"mm_dtype": False, "vllm_stub": False}
 
 

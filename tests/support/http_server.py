@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .helpers import REPO
@@ -271,8 +272,177 @@ def split(command: str, replacements: dict[str, str]) -> list[str]:
     return [replacements.get(a, a) for a in argv]
 
 
+# ---- the one harness of both HTTP suites (tests/test_http_server.py, tests/test_http_online.py) ---------------------
+
+
+class RecipeRun:
+    """One recipe's server and what the tests need around it: the checkpoints by key (`dirs`), the reference's fresh
+    loads of them (`ref`: support/http_reference.py), the recipe's curl answers, the recipe's environment (its exports
+    included), and the checkpoint the server was last updated to (`state`)."""
+
+    def __init__(self, work: Path, arch: str, quant: str, prompts: list[list[int]], new_tokens: int):
+        self.work = work
+        self.arch, self.quant = arch, quant
+        self.prompts, self.new_tokens = prompts, new_tokens
+        self.dirs: dict[str, str] = {}
+        self.ref: dict = {}
+        self.recipe_out: list = []
+        self.server: Server | None = None
+        self.timings: dict[str, float] = {}
+        self.client_logs: list[Path] = []
+        self.env: dict = {}
+        self.state = "A"
+
+    @property
+    def srv(self) -> Server:
+        assert self.server is not None
+        return self.server
+
+    def generate(self, prompts=None, n=None, timeout=300) -> list[list[int]]:
+        """One batched greedy request (the run's prompts and new tokens unless given); its tokens per prompt."""
+        body = gen_body(self.prompts if prompts is None else prompts, self.new_tokens if n is None else n)
+        r = self.srv.post("/generate", body, timeout=timeout)
+        assert r.ok, r
+        return [list(o["output_ids"]) for o in r.body]
+
+    def checksums(self) -> dict[str, str]:
+        r = self.srv.post("/weights_checker", {"action": "checksum"}, timeout=300)
+        assert r.ok, r
+        (rank,) = r.body["ranks"]
+        return dict(rank["checksums"])
+
+    def serves(self, key: str) -> list[str]:
+        """Tensors whose checksum differs from a fresh load of `key` (empty: the server holds those weights)."""
+        mine, theirs = self.checksums(), self.ref[key]["checksums"]
+        if set(mine) != set(theirs):
+            return sorted(set(mine) ^ set(theirs))
+        return [n for n in mine if mine[n] != theirs[n]]
+
+    def assert_serves(self, key: str) -> None:
+        """The served checksums and greedy tokens are a fresh load's of `key` (the reference process's)."""
+        diff = self.serves(key)
+        assert not diff, f"served weights differ from a fresh load of {key}: {diff[:8]}"
+        assert self.generate() == self.ref[key]["tokens"], key
+
+    def disk(self, key: str, version: str | None = None, timeout=300) -> HTTPResult:
+        body = {"model_path": self.dirs[key]}
+        if version is not None:
+            body["weight_version"] = version
+        r = self.srv.post("/update_weights_from_disk", body, timeout=timeout)
+        self.state = key if r.ok else "?"
+        return r
+
+    def client(self, steps: list[dict], name: str, timeout=600) -> list[dict]:
+        """A slime-style tensor client in its own process (tests/support/http_client.py); its output goes to a
+        file: the torch_shm_manager it starts inherits it and lives as long as the server holds the tensors."""
+        from . import http_client
+
+        spec = {"arch": self.arch, "quant": self.quant}
+        return http_client.run(self.srv.url, spec, steps, self.work, name, self.client_logs, timeout=timeout)
+
+
+def start_reference(work: Path, job: dict) -> tuple[subprocess.Popen, Path, Path]:
+    """support/http_reference.py on `job` in its own process group (beside the server while it starts)."""
+    (work / "reference.json").write_text(json.dumps(job))
+    log = work / "reference.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.http_reference", str(work / "reference.json"), str(work / "ref.out")],
+            cwd=str(REPO),
+            env=recipe_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, work / "ref.out", log
+
+
+def serve_recipe(
+    run: RecipeRun,
+    mark: str,
+    model_dir: str,
+    before_server: Callable[[], dict],
+    when_ready: Callable[[], None] | None = None,
+) -> Iterator[RecipeRun]:
+    """The recipe after `mark` run as written, its model directory and port replaced (`model_dir` stands for
+    RECIPE_DIR; `run.dirs["A"]` / `["B"]` are the recipe's checkpoints): each line as its kind says — `source`
+    (entering the env ci/make-env builds: this test's), `export`, the server line (`... &`: `before_server()` first
+    — it writes the other checkpoints and returns the reference's job, started beside the server — then the server,
+    until ready, then `when_ready()`), the ready line (`until curl ...`, run by bash), `curl` (its JSON answers in
+    `run.recipe_out`; an `/update_weights_from_disk` leaves B served), anything else as a command; the recipe's stop
+    (`kill %1`: SIGTERM to the job's process group) is what the harness sends at the end. Yields `run` once the
+    reference's fresh loads are in `run.ref`; stops the server, the reference and the tensor clients'
+    torch_shm_manager helpers, and fails if any outlived it. A generator: the module fixture of each suite."""
+    t0 = time.monotonic()
+    port = free_port()
+    commands = recipe(mark=mark)
+    assert any(RECIPE_DIR in c for c in commands) and any(RECIPE_PORT in c for c in commands), commands
+    commands = [c.replace(RECIPE_DIR, model_dir).replace(RECIPE_PORT, str(port)) for c in commands]
+    env = recipe_env()
+    ref = None
+    try:
+        assert commands[-1] == "kill %1", commands  # the recipe's stop: what Server.stop sends at the end (the
+        # module's tests need the server until then)
+        for cmd in commands[:-1]:
+            argv = split(cmd, {})
+            if argv[0] == "source":  # entering the env ci/make-env builds: this test's (same release, same recipe key;
+                # the env root may differ: the harness does not pass SGLANG_TRTLLM_MOE_ENV_ROOT on)
+                assert os.path.basename(entered_env(cmd)) == os.path.basename(sys.prefix), cmd
+            elif argv[0] == "until":  # waiting for ready, as written (the server answered wait_ready already)
+                assert "/health_generate" in cmd and run.server is not None, cmd
+                run_shell_line(cmd, timeout=60)
+            elif argv[0] == "export":
+                env.update(dict(a.split("=", 1) for a in argv[1:]))
+            elif cmd.endswith("&"):  # the server, and beside it the reference's fresh loads
+                ref = start_reference(run.work, before_server())
+                run.env = dict(env)
+                run.server = Server(argv[:-1], env, run.work / "server.log", port).start()
+                run.timings["server ready"] = run.srv.wait_ready()
+                if when_ready is not None:
+                    when_ready()
+            elif argv[0] == "curl":
+                proc = subprocess.run(
+                    [*argv, "--max-time", "300"], capture_output=True, text=True, timeout=330, check=False
+                )
+                assert proc.returncode == 0, (cmd, proc.stderr)
+                run.recipe_out.append(json.loads(proc.stdout))
+                if "/update_weights_from_disk" in cmd:  # the recipe's update: the server holds the step-1 checkpoint
+                    run.state = "B"
+            else:
+                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+                assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-4000:])
+        assert run.server is not None and ref is not None, f"the recipe after {mark} starts no server"
+        proc, out, log = ref
+        proc.wait(timeout=900)
+        assert proc.returncode == 0 and out.exists(), log.read_text()[-6000:]
+        run.ref = json.loads(out.read_text())
+        run.timings["setup"] = time.monotonic() - t0
+        yield run
+    finally:
+        left = run.server.stop() if run.server is not None else []
+        if ref is not None and ref[0].poll() is None:
+            os.killpg(ref[0].pid, 9)
+        managers = shm_managers(run.client_logs)
+        t1 = time.monotonic()
+        while managers and time.monotonic() - t1 < 30:
+            time.sleep(1)
+            managers = shm_managers(run.client_logs)
+        for pid in managers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        run.timings["module"] = time.monotonic() - t0
+        (run.work / "timings.json").write_text(json.dumps(run.timings))
+        print(f"\n{mark} timings (s): {json.dumps({k: round(v, 1) for k, v in run.timings.items()})}")
+        assert not left, f"server processes still running after stop: {left}"
+        assert not managers, f"torch_shm_manager helpers outlived the server: {managers}"
+
+
 __all__ = [
     "HTTPResult",
+    "RecipeRun",
+    "serve_recipe",
+    "start_reference",
     "HTTP_MARK",
     "HTTP_ONLINE_MARK",
     "RECIPE_DIR",

@@ -39,7 +39,6 @@ def _port() -> dict:
 ENVS: dict[str, Callable[[], dict]] = {
     "plain": _port,  # what a user's process has: no switch of the plugin set
     "disabled": lambda: {**_port(), "SGLANG_TRTLLM_MOE_DISABLE": "1"},  # SGLang alone: the plugin registers nothing
-    "auto_off": lambda: {**_port(), "SGLANG_TRTLLM_MOE_AUTO": "0"},  # the plugin loaded, never auto-selecting
 }
 
 #: sections that must run before anything else in their process (a pristine interpreter)
