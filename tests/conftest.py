@@ -26,12 +26,9 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS)
 torch.set_num_threads(_THREADS)
 
 if torch.version.cuda is None:  # a CPU torch: torchvision's CUDA _C.so cannot load (with CUDA torch it must, first)
-    _tv_lib = torch.library.Library("torchvision", "FRAGMENT")
-    for _op in ("nms", "qnms"):
-        try:
-            _tv_lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except RuntimeError:
-            pass  # the real torchvision ops are already registered
+    from sglang_trtllm_moe.sandbox.standins import torchvision_op_schemas
+
+    torchvision_op_schemas()
 
 
 def _sm100_reason():

@@ -21,7 +21,6 @@ layer). With s_gate == s_up these are SGLang's numbers bit for bit (same float o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
 
 import torch
 
@@ -81,8 +80,6 @@ def _swap_halves_map(m: int) -> torch.Tensor:
 class Fp8PerTensor(WeightFormat):
     params = (ParamLayout("w13_weight", "w13"), ParamLayout("w2_weight", "w2"))
     scalar_params = ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale")
-    #: per format (set in __init__): the same tensors, each format its own config.json
-    ENCODINGS: ClassVar[dict[str, Encoding]] = {"fp8_tensor_modelopt": MODELOPT_FP8, "fp8_tensor": FP8_STATIC}
     hook_module = "sglang_trtllm_moe.builtins.fp8_hooks"
     #: SGLang's FP8 trtllm path (flashinfer_trtllm.py `_SUPPORTED_FP8_ACTIVATIONS` and get_activation_type): gated
     #: SwiGLU, non-gated silu / relu2; flashinfer's per-tensor launcher takes any of them from 0.6.8
@@ -109,9 +106,11 @@ class Fp8PerTensor(WeightFormat):
         gate_first: bool,
         quantizations: dict,
         checkpoint: Checkpoint,
+        encoding: Encoding,
     ):
         self.name = name
-        self.encoding = self.ENCODINGS[name]
+        #: the same tensors in both formats, each format its own config.json
+        self.encoding = encoding
         self.title = title
         #: True when the loader stores w13 as [gate; up] (ModelOpt), False for [up; gate] (Fp8MoEMethod)
         self.gate_first = gate_first
@@ -236,6 +235,7 @@ FP8_TENSOR_MODELOPT = Fp8PerTensor(
     gate_first=True,
     quantizations={TRTLLM: frozenset({"modelopt_fp8"})},
     checkpoint=Checkpoint("modelopt_fp8"),
+    encoding=MODELOPT_FP8,
 )
 #: SGLang `fp8` with static activation scales and no weight_block_size
 FP8_TENSOR = Fp8PerTensor(
@@ -244,4 +244,5 @@ FP8_TENSOR = Fp8PerTensor(
     gate_first=False,
     quantizations={TRTLLM: frozenset({"fp8"}), TRTLLM_ROUTED: frozenset({"fp8"})},
     checkpoint=Checkpoint("fp8", activation_scheme="static"),
+    encoding=FP8_STATIC,
 )
